@@ -1,0 +1,34 @@
+"""kvpolicies: long-context KV-cache policies as pure-JAX, jit-static dataclasses.
+
+A registry maps short names to policy classes; `get("sink", n_sink=4, window=4096)` builds one.
+"""
+
+from __future__ import annotations
+
+from kvpolicies.base import EMPTY, Policy, RopePositions, SlotState
+from kvpolicies.codecs import CODECS, Codec, Identity, get_codec
+from kvpolicies.full import Full
+from kvpolicies.sink import Sink
+from kvpolicies.window import Window
+
+POLICIES: dict[str, type[Policy]] = {
+    "full": Full,
+    "window": Window,
+    "sink": Sink,
+}
+
+
+def get(name: str, codec: str | Codec = "none", **kwargs) -> Policy:
+    """A policy by registry name; unknown names or fields raise ValueError listing the choices."""
+    if name not in POLICIES:
+        raise ValueError(f"policy={name!r}: must be one of {sorted(POLICIES)}")
+    cls = POLICIES[name]
+    fields = {f.name for f in cls.__dataclass_fields__.values()} - {"codec"}
+    bad = sorted(set(kwargs) - fields)
+    if bad:
+        raise ValueError(f"policy {name!r} has no field(s) {bad}; its fields are {sorted(fields)}")
+    return cls(codec=get_codec(codec), **kwargs)
+
+
+__all__ = ["EMPTY", "CODECS", "POLICIES", "Codec", "Full", "Identity", "Policy", "RopePositions", "Sink",
+           "SlotState", "Window", "get", "get_codec"]

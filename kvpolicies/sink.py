@@ -1,0 +1,62 @@
+"""`sink`: StreamingLLM (Xiao et al. 2024, "Efficient Streaming Language Models with Attention
+Sinks") — the first `n_sink` tokens plus the newest `window` tokens, n_sink + window slots."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax.numpy as jnp
+
+from kvpolicies.base import Policy, RopePositions, check_choice, check_int, encode_new, ring_compact, ring_extend
+from kvpolicies.codecs import Codec, Identity
+
+
+@dataclasses.dataclass(frozen=True)
+class Sink(Policy):
+    """Query p sees keys j with j < n_sink or j > p - window (the window includes p itself).
+
+    positions="cache" rotates keys by their rank in the cache and the query by its own rank
+    (StreamingLLM's re-indexing): window keys keep their distance p - j, and once tokens have
+    been evicted a sink j is at distance (n_sink + window - 1) - j. This is computed exactly
+    for every query of a chunk with two RoPE segments.
+    """
+
+    n_sink: int = 4
+    window: int = 4096
+    positions: Literal["original", "cache"] = "cache"
+    codec: Codec = Identity()
+
+    def __post_init__(self):
+        check_int("sink", "n_sink", self.n_sink, 0)
+        check_int("sink", "window", self.window, 1)
+        check_choice("sink", "positions", self.positions, ("original", "cache"))
+
+    def capacity(self, max_len):
+        return min(self.n_sink + self.window, max_len)
+
+    def _slot(self, pos, capacity):
+        ring = capacity - self.n_sink
+        return jnp.where(pos < self.n_sink, pos, self.n_sink + (pos - self.n_sink) % max(ring, 1))
+
+    def extend(self, state, k, v, pos):
+        return ring_extend(state, encode_new(self.codec, k, v, pos), self._slot(pos, state.slots))
+
+    def visible(self, q_pos, k_pos):
+        k = k_pos[:, :, None, :]  # [B, Kp, 1, S]
+        return (k < self.n_sink) | (k > q_pos[:, None, :, None] - self.window)  # [B, Kp, T, S]
+
+    def rope_positions(self, q_pos, k_pos):
+        if self.positions == "original" or self.n_sink == 0:
+            return RopePositions(q=q_pos[..., None], k=k_pos)
+        q_sink = jnp.minimum(q_pos, self.n_sink + self.window - 1)
+        return RopePositions(
+            q=jnp.stack([q_pos, q_sink], axis=-1),  # [B, T, 2]: segment 0 window, 1 sinks
+            k=k_pos,
+            seg=(k_pos < self.n_sink).astype(jnp.int32),  # [B, Kp, S]
+        )
+
+    def compact(self, view, scores=None):
+        return ring_compact(
+            view, self._slot, lambda pos: (pos < self.n_sink) | (pos > pos[:, -1:] - self.window)
+        )

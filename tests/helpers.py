@@ -1,0 +1,32 @@
+"""Shared test utilities: run attention through a policy chunk by chunk."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.attention import Rope, attend
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6))
+def _step(policy, state, q, k, v, pos, rope):
+    return attend(policy, state, q, k, v, pos, rope)
+
+
+def run_policy(policy, q, k, v, chunks, rope: Rope, max_len=None, dtype=jnp.float32):
+    """Feed q/k/v [B, T, ., D] through `policy` in chunks of the given sizes (cycled); returns
+    the outputs [B, T, N, D] and the final state."""
+    b, t, n, d = q.shape
+    state = policy.init(b, k.shape[2], d, dtype, max_len or t)
+    outs, start, i = [], 0, 0
+    while start < t:
+        c = min(chunks[i % len(chunks)], t - start)
+        pos = jnp.broadcast_to(jnp.arange(start, start + c, dtype=jnp.int32), (b, c))
+        o, state = _step(policy, state, q[:, start:start + c], k[:, start:start + c], v[:, start:start + c], pos, rope)
+        outs.append(np.asarray(o))
+        start += c
+        i += 1
+    return np.concatenate(outs, axis=1), state
