@@ -16,11 +16,11 @@ def _step(policy, state, q, k, v, pos, rope):
     return attend(policy, state, q, k, v, pos, rope)
 
 
-def run_policy(policy, q, k, v, chunks, rope: Rope, max_len=None, dtype=jnp.float32):
+def run_policy(policy, q, k, v, chunks, rope: Rope, max_len=64, dtype=jnp.float32):
     """Feed q/k/v [B, T, ., D] through `policy` in chunks of the given sizes (cycled); returns
     the outputs [B, T, N, D] and the final state."""
     b, t, n, d = q.shape
-    state = policy.init(b, k.shape[2], d, dtype, max_len or t)
+    state = policy.init(b, k.shape[2], d, dtype, max(max_len, t))
     outs, start, i = [], 0, 0
     while start < t:
         c = min(chunks[i % len(chunks)], t - start)

@@ -1,0 +1,74 @@
+"""Exact bytes of a policy's cache state, and the closed form they are checked against.
+
+Exact bytes are the sum of the state's array nbytes, computed with `jax.eval_shape` (nothing
+is allocated, so 128K-token contexts of large models cost nothing to plan). They split into
+`kv` (the encoded keys and values, codes plus any scales) and `meta` (slot positions and
+policy bookkeeping such as accumulated scores), reported separately so that the closed form
+2 x layers x kv_heads x head_dim x slots x bytes can be compared with the `kv` part exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvpolicies.base import Policy
+
+
+@dataclasses.dataclass(frozen=True)
+class StateBytes:
+    kv: int  # encoded keys and values (codes + scales)
+    meta: int  # positions and policy bookkeeping
+
+    @property
+    def total(self) -> int:
+        return self.kv + self.meta
+
+    def __add__(self, other: "StateBytes") -> "StateBytes":
+        return StateBytes(self.kv + other.kv, self.meta + other.meta)
+
+
+def _nbytes(tree) -> int:
+    return int(sum(np.prod(x.shape, dtype=np.int64) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
+
+
+def tree_bytes(state) -> StateBytes:
+    """Bytes of a concrete or abstract state (one layer, or any stack of layers)."""
+    return StateBytes(kv=_nbytes((state.k, state.v)), meta=_nbytes((state.pos, state.aux)))
+
+
+def state_bytes(
+    policy: Policy,
+    *,
+    kv_heads: int,
+    head_dim: int,
+    max_len: int,
+    n_layers: int = 1,
+    batch: int = 1,
+    dtype=jnp.bfloat16,
+) -> StateBytes:
+    """Exact bytes of `n_layers` layers of `policy`'s state for sequences up to `max_len`."""
+    shape = jax.eval_shape(lambda: policy.init(batch, kv_heads, head_dim, dtype, max_len))
+    one = tree_bytes(shape)
+    return StateBytes(kv=one.kv * n_layers, meta=one.meta * n_layers)
+
+
+def stack_bytes(
+    policies: Sequence[Policy], *, kv_heads: int, head_dim: int, max_len: int, batch: int = 1, dtype=jnp.bfloat16
+) -> StateBytes:
+    """Exact bytes of a per-layer policy stack (one policy per layer)."""
+    total = StateBytes(0, 0)
+    for p in policies:
+        total = total + state_bytes(p, kv_heads=kv_heads, head_dim=head_dim, max_len=max_len, batch=batch, dtype=dtype)
+    return total
+
+
+def closed_form_bytes(
+    *, n_layers: int, kv_heads: int, head_dim: int, slots: int, bytes_per_elem: float, batch: int = 1
+) -> float:
+    """2 x layers x kv_heads x head_dim x slots x bytes (x batch): keys and values of every slot."""
+    return 2 * n_layers * kv_heads * head_dim * slots * bytes_per_elem * batch

@@ -1,0 +1,142 @@
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) in Flax NNX, one cache policy per layer.
+
+Shapes: B batch, T tokens in this step, V vocab, d model width, F MLP width, L layers,
+N query heads, K kv heads, D head dim.
+
+Weights of all layers are stacked on a leading L axis; consecutive layers with the same policy
+form a run that is one `lax.scan` (so a 30-layer model compiles one layer body). The cache is a
+tuple with one stacked `SlotState` per run, passed in and returned explicitly.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from kvpolicies.base import Policy, SlotState
+from models.attention import Rope, attend
+from models.config import LlamaConfig
+
+LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+BIAS_KEYS = ("bq", "bk", "bv")
+
+Cache = tuple[SlotState, ...]  # one state per run of identical policies, leaves [L_run, ...]
+
+
+def init_params(cfg: LlamaConfig, seed: int = 0, std: float = 0.02) -> dict:
+    """Random weights in the canonical layout (see models/config.py)."""
+    rng = np.random.default_rng(seed)
+    L, d, F, N, K, D = cfg.n_layers, cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    w = lambda *s: (rng.standard_normal(s) * std).astype(np.float32)  # noqa: E731
+    layers = {
+        "attn_norm": 1 + w(L, d), "wq": w(L, d, N * D), "wk": w(L, d, K * D), "wv": w(L, d, K * D),
+        "wo": w(L, N * D, d), "mlp_norm": 1 + w(L, d), "w_gate": w(L, d, F), "w_up": w(L, d, F),
+        "w_down": w(L, F, d),
+    }
+    if cfg.qkv_bias:
+        layers.update(bq=w(L, N * D), bk=w(L, K * D), bv=w(L, K * D))
+    params = {"embed": w(cfg.vocab_size, d), "layers": layers, "final_norm": 1 + w(d)}
+    if not cfg.tie_embeddings:
+        params["lm_head"] = w(d, cfg.vocab_size)
+    return params
+
+
+def policy_runs(policies: Policy | Sequence[Policy], n_layers: int) -> tuple[tuple[int, int, Policy], ...]:
+    """(start, end, policy) for each run of consecutive layers sharing one policy."""
+    if isinstance(policies, Policy):
+        policies = (policies,) * n_layers
+    policies = tuple(policies)
+    if len(policies) != n_layers:
+        raise ValueError(f"policies: got {len(policies)} policies for a model of {n_layers} layers")
+    runs, start = [], 0
+    for pol, grp in itertools.groupby(policies):
+        n = len(list(grp))
+        runs.append((start, start + n, pol))
+        start += n
+    return tuple(runs)
+
+
+def rms_norm(x: Float[Array, "B T d"], w: Float[Array, "d"], eps: float) -> Float[Array, "B T d"]:
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return w * xf.astype(x.dtype)
+
+
+def block(cfg: LlamaConfig, policy: Policy, rope: Rope, w: dict, x, pos, state):
+    """One decoder layer: attention through `policy`, then the SwiGLU MLP."""
+    B, T, _ = x.shape
+    h = rms_norm(x, w["attn_norm"], cfg.norm_eps)
+    q, k, v = h @ w["wq"], h @ w["wk"], h @ w["wv"]  # [B, T, N*D], [B, T, K*D] x2
+    if cfg.qkv_bias:
+        q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+    q = q.reshape(B, T, cfg.n_heads, cfg.head_dim)  # [B, T, N, D]
+    k = k.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)  # [B, T, K, D]
+    v = v.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)  # [B, T, K, D]
+    o, state = attend(policy, state, q, k, v, pos, rope)  # [B, T, N, D]
+    x = x + o.reshape(B, T, -1) @ w["wo"]  # [B, T, d]
+    h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
+    x = x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]  # [B, T, d]
+    return x, state
+
+
+class Llama(nnx.Module):
+    """Llama-family decoder. `Llama(cfg, params)` wraps canonical-layout weights as nnx.Params."""
+
+    def __init__(self, cfg: LlamaConfig, params: dict | None = None, dtype=jnp.float32):
+        params = init_params(cfg) if params is None else params
+        self.cfg = cfg
+        self.dtype = dtype
+        self.rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        p = lambda a: nnx.Param(jnp.asarray(a, dtype))  # noqa: E731
+        self.embed = p(params["embed"])  # [V, d]
+        self.final_norm = p(params["final_norm"])  # [d]
+        self.lm_head = p(params["lm_head"]) if "lm_head" in params else None  # [d, V]
+        keys = LAYER_KEYS + (BIAS_KEYS if cfg.qkv_bias else ())
+        self.layers = nnx.Dict({name: p(params["layers"][name]) for name in keys})  # each [L, ...]
+
+    def init_cache(self, policies, batch: int, max_len: int, dtype=None) -> Cache:
+        """An empty cache: one stacked state per run of identical policies."""
+        dtype = self.dtype if dtype is None else dtype
+        cfg = self.cfg
+        out = []
+        for a, b, pol in policy_runs(policies, cfg.n_layers):
+            st = pol.init(batch, cfg.n_kv_heads, cfg.head_dim, dtype, max_len)
+            out.append(jax.tree.map(lambda x, n=b - a: jnp.broadcast_to(x, (n,) + x.shape).copy(), st))
+        return tuple(out)
+
+    def hidden(
+        self, tokens: Int[Array, "B T"], pos: Int[Array, "B T"], cache: Cache, policies
+    ) -> tuple[Float[Array, "B T d"], Cache]:
+        """Final-norm hidden states of the T new tokens, and the updated cache."""
+        cfg = self.cfg
+        runs = policy_runs(policies, cfg.n_layers)
+        if len(cache) != len(runs):
+            raise ValueError(f"cache has {len(cache)} runs, policies give {len(runs)}")
+        x = jnp.take(self.embed[...], tokens, axis=0)  # [B, T, d]
+        weights = {k: v[...] for k, v in self.layers.items()}  # each [L, ...]
+        new_cache = []
+        for (a, b, pol), state in zip(runs, cache):
+            wr = weights if (a, b) == (0, cfg.n_layers) else jax.tree.map(lambda t: t[a:b], weights)
+
+            def body(x, inp, pol=pol):
+                w, st = inp
+                return block(cfg, pol, self.rope, w, x, pos, st)
+
+            x, state = jax.lax.scan(body, x, (wr, state))
+            new_cache.append(state)
+        return rms_norm(x, self.final_norm[...], cfg.norm_eps), tuple(new_cache)
+
+    def logits(self, h: Float[Array, "B T d"]) -> Float[Array, "B T V"]:
+        head = self.embed[...].T if self.lm_head is None else self.lm_head[...]  # [d, V]
+        return jnp.einsum("BTd,dV->BTV", h, head, preferred_element_type=jnp.float32)
+
+    def __call__(self, tokens, pos, cache, policies):
+        """Logits [B, T, V] of the T new tokens, and the updated cache."""
+        h, cache = self.hidden(tokens, pos, cache, policies)
+        return self.logits(h), cache

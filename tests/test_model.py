@@ -1,0 +1,122 @@
+"""The model: full forward equals prefill-then-decode position by position (MaxText's test),
+compiled steps are reused, generation and scoring agree with step-by-step decoding."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvpolicies
+from models.config import LlamaConfig
+from models.engine import Engine
+from models.llama import Llama, policy_runs
+
+CFG = LlamaConfig(vocab_size=97, d_model=48, n_layers=4, n_heads=6, n_kv_heads=2, head_dim=8, d_ff=96)
+T = 33
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Llama(CFG)
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return np.random.default_rng(0).integers(0, CFG.vocab_size, (2, T)).astype(np.int32)
+
+
+POLICY_SETS = {
+    "full": kvpolicies.get("full"),
+    "window": kvpolicies.get("window", window=6),
+    "sink": kvpolicies.get("sink", n_sink=2, window=6),
+    "hybrid": (kvpolicies.get("window", window=5),) * 2 + (kvpolicies.get("full"),) + (kvpolicies.get("window", window=5),),
+}
+
+
+def forward(model, policies, tokens):
+    """Whole sequence in one call."""
+    b, t = tokens.shape
+    cache = model.init_cache(policies, b, t)
+    logits, _ = model(jnp.asarray(tokens), jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)), cache, policies)
+    return np.asarray(logits)
+
+
+@pytest.mark.parametrize("name", list(POLICY_SETS))
+@pytest.mark.parametrize("prefill", [1, 10])
+def test_forward_equals_prefill_then_decode(model, tokens, name, prefill):
+    pols = POLICY_SETS[name]
+    ref = forward(model, pols, tokens)
+    eng = Engine(model, pols, max_len=T)
+    logits, cache = eng.step(eng.init_cache(2), tokens[:, :prefill], 0)
+    np.testing.assert_allclose(np.asarray(logits), ref[:, prefill - 1], atol=1e-5)
+    for t in range(prefill, T):
+        logits, cache = eng.step(cache, tokens[:, t:t + 1], t)
+        np.testing.assert_allclose(np.asarray(logits), ref[:, t], atol=1e-5, err_msg=f"position {t}")
+
+
+def test_policies_change_the_output(model, tokens):
+    full = forward(model, POLICY_SETS["full"], tokens)
+    win = forward(model, POLICY_SETS["window"], tokens)
+    np.testing.assert_allclose(win[:, :6], full[:, :6], atol=1e-5)  # identical inside the window
+    assert np.abs(win[:, 10:] - full[:, 10:]).max() > 1e-4
+
+
+def test_hybrid_runs():
+    w, f = kvpolicies.get("window", window=5), kvpolicies.get("full")
+    assert policy_runs((w, w, f, w), 4) == ((0, 2, w), (2, 3, f), (3, 4, w))
+    assert policy_runs(f, 3) == ((0, 3, f),)
+    with pytest.raises(ValueError, match="3 policies for a model of 4 layers"):
+        policy_runs((w, w, f), 4)
+
+
+def test_decoding_100_tokens_compiles_the_step_once(model):
+    eng = Engine(model, kvpolicies.get("sink", n_sink=2, window=16), max_len=128)
+    _, cache = eng.step(eng.init_cache(1), np.arange(5)[None], 0)
+    for t in range(5, 105):
+        _, cache = eng.step(cache, np.array([[t % CFG.vocab_size]]), t)
+    assert eng.traces["decode"] == 1
+    assert eng.traces["logits"] == 1  # the prefill shape
+
+
+def test_generate_scan_equals_stepwise_greedy(model, tokens):
+    pol = kvpolicies.get("sink", n_sink=2, window=8)
+    eng = Engine(model, pol, max_len=64)
+    got = eng.generate(tokens[0, :12], 20)
+    logits, cache = eng.step(eng.init_cache(1), tokens[:1, :12], 0)
+    want = []
+    for t in range(12, 32):
+        nxt = int(np.argmax(np.asarray(logits)[0]))
+        want.append(nxt)
+        logits, cache = eng.step(cache, np.array([[nxt]]), t)
+    assert got.tolist() == want
+    assert eng.generate(tokens[:, :12], 20).shape == (2, 20)
+
+
+def test_score_is_chunk_invariant_and_matches_forward(model, tokens):
+    pol = kvpolicies.get("sink", n_sink=2, window=6)
+    ref = forward(model, pol, tokens)  # [B, T, V]
+    lp = ref - np.log(np.exp(ref - ref.max(-1, keepdims=True)).sum(-1, keepdims=True)) - ref.max(-1, keepdims=True)
+    want = -np.take_along_axis(lp[:, :-1], tokens[:, 1:, None], axis=-1)[..., 0]
+    eng = Engine(model, pol, max_len=T)
+    for chunk in (1, 5, 64):
+        np.testing.assert_allclose(eng.score(tokens, chunk=chunk), want, atol=2e-5)
+
+
+def test_engine_rejects_too_long_sequences(model):
+    eng = Engine(model, kvpolicies.get("full"), max_len=8)
+    with pytest.raises(ValueError, match="exceeds the engine's max_len=8"):
+        eng.generate(np.arange(5), 5)
+
+
+def test_qkv_bias_and_untied_head():
+    cfg = LlamaConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=1, head_dim=8, d_ff=40,
+                      qkv_bias=True, tie_embeddings=False)
+    m = Llama(cfg)
+    toks = np.random.default_rng(1).integers(0, 50, (1, 12)).astype(np.int32)
+    ref = forward(m, kvpolicies.get("full"), toks)
+    eng = Engine(m, kvpolicies.get("full"), max_len=12)
+    logits, cache = eng.step(eng.init_cache(1), toks[:, :4], 0)
+    for t in range(4, 12):
+        logits, cache = eng.step(cache, toks[:, t:t + 1], t)
+    np.testing.assert_allclose(np.asarray(logits), ref[:, -1], atol=1e-5)
