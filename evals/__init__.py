@@ -1,0 +1,1 @@
+"""Evals: perplexity and retrieval over long texts, scored against KV-cache memory."""
