@@ -105,6 +105,10 @@ class Policy:
         """The view attention reads: the old slots and the T new (un-rotated) tokens."""
         raise NotImplementedError
 
+    def decode_kv(self, view: SlotState, dtype: Any) -> tuple[Float[Array, "B K S D"], Float[Array, "B K S D"]]:
+        """Keys and values of a view as arrays, decoded inside attention (not kept after the step)."""
+        return self.codec.decode(view.k, dtype), self.codec.decode(view.v, dtype)
+
     def visible(self, q_pos: Int[Array, "B T"], k_pos: Int[Array, "B Kp S"]) -> Bool[Array, "B Kp T S"]:
         """The policy's own visibility rule (causality and empty slots are handled by attention)."""
         return jnp.ones(q_pos.shape[:1] + k_pos.shape[1:2] + q_pos.shape[1:] + k_pos.shape[2:], bool)

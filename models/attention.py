@@ -84,8 +84,7 @@ def attend(
     n_kv = k.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     view = policy.extend(state, rearrange(k, "B T K D -> B K T D"), rearrange(v, "B T K D -> B K T D"), pos)
-    kd = policy.codec.decode(view.k, q.dtype)  # [B, K, S, D]
-    vd = policy.codec.decode(view.v, q.dtype)  # [B, K, S, D]
+    kd, vd = policy.decode_kv(view, q.dtype)  # [B, K, S, D] each, dequantized inside the step
 
     rp = policy.rope_positions(pos, view.pos)
     kr = rope.apply(kd, rp.k)  # [B, K, S, D]
