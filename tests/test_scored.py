@@ -1,0 +1,419 @@
+"""Score-based eviction (h2o, tova, snapkv) and per-layer budgets (pyramid).
+
+The oracle below simulates each policy step by step in float64 numpy: it recomputes every
+attention probability itself (dense softmax with complex-number RoPE from tests/oracle.py) and
+applies its own reading of each paper's eviction rule to Python sets of positions, one set per
+kv head (or per layer). The library's outputs and final kept positions must match it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvpolicies
+from helpers import run_policy
+from kvpolicies.budgets import from_ratio, pyramid, pyramid_budgets, uniform, uniform_budgets
+from kvpolicies.codecs import Codec
+from kvpolicies.memory import closed_form_bytes, stack_bytes, state_bytes
+from models.attention import Rope
+from models.config import LlamaConfig
+from models.engine import Engine
+from models.llama import Llama
+from oracle import default_inv_freq, rope_complex
+
+B, N, K, D, THETA = 2, 4, 2, 16, 10000.0
+G = N // K
+ROPE = Rope(D, THETA)
+T = 24
+MAX_LEN = 64
+
+
+def qkv(t, seed=0):
+    """Random q, k, v; keys scaled so that attention is peaked and the tokens each head
+    prefers depend on content, not only on age."""
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.standard_normal((B, t, h, D)).astype(np.float32) for h in (N, K, K))
+    return q, 2.5 * k, v
+
+
+# ------------------------------------------------------------------------------------------
+# The oracle: sets of kept positions per (batch, unit); a unit is a kv head, or the layer.
+# ------------------------------------------------------------------------------------------
+
+
+def schedule(chunks, t):
+    out, s, i = [], 0, 0
+    while s < t:
+        c = min(chunks[i % len(chunks)], t - s)
+        out.append((s, s + c))
+        s, i = s + c, i + 1
+    return out
+
+
+def simulate(pol, q, k, v, chunks, max_len=MAX_LEN):
+    """Outputs [B, T, N, D] and the final kept positions: kept[b][unit] (sorted lists)."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    b_, t, n, d = q.shape
+    inv = default_inv_freq(d, THETA)
+    qr = rope_complex(q, np.broadcast_to(np.arange(t)[None, :, None], q.shape[:3]), inv)
+    kr = rope_complex(k, np.broadcast_to(np.arange(t)[None, :, None], k.shape[:3]), inv)
+    name = type(pol).__name__
+    layer = name == "TOVA" and pol.scope == "layer"
+    units = 1 if layer else K
+    cap = min(max_len, {"H2O": lambda: pol.heavy + pol.recent, "TOVA": lambda: pol.budget,
+                        "SnapKV": lambda: pol.budget + pol.obs_window + pol.max_new}[name]())
+    out = np.zeros((b_, t, n, d))
+    kept_all = []
+    for b in range(b_):
+        kept = [set() for _ in range(units)]
+        acc = [dict() for _ in range(K)]  # h2o: accumulated mass per position
+        obs = [dict() for _ in range(K)]  # snapkv: decode observation mass
+        for s, e in schedule(chunks, t):
+            mass = np.zeros((K, e - s, t))  # mass[h, i, j]: query s+i -> key j, summed over G
+            for i, p in enumerate(range(s, e)):
+                for h in range(K):
+                    js = np.array(sorted(kept[0 if layer else h] | set(range(s, p + 1))))
+                    for g in range(G):
+                        lg = kr[b, js, h] @ qr[b, p, h * G + g] / np.sqrt(d)
+                        w = np.exp(lg - lg.max())
+                        w /= w.sum()
+                        out[b, p, h * G + g] = w @ v[b, js, h]
+                        mass[h, i, js] += w
+            view = [kept[u] | set(range(s, e)) for u in range(units)]
+            for u in range(units):
+                if name == "H2O":
+                    for j in view[u]:
+                        acc[u][j] = acc[u].get(j, 0.0) + mass[u, :, j].sum()
+                    if len(view[u]) > cap:
+                        recent = {j for j in view[u] if j > e - 1 - pol.recent}
+                        rest = sorted(view[u] - recent, key=lambda j: (-acc[u][j], -j))
+                        kept[u] = recent | set(rest[: cap - len(recent)])
+                    else:
+                        kept[u] = view[u]
+                    acc[u] = {j: acc[u][j] for j in kept[u]}
+                elif name == "TOVA":
+                    last = mass[:, -1].sum(0) if layer else mass[u, -1]  # [t]
+                    if len(view[u]) > cap:
+                        kept[u] = set(sorted(view[u], key=lambda j: (-last[j], -j))[:cap])
+                    else:
+                        kept[u] = view[u]
+                else:  # SnapKV
+                    w, r, n_keep = pol.obs_window, pol.kernel // 2, min(pol.budget + pol.obs_window, cap)
+                    before = len(kept[u])
+                    for i in range(e - s):
+                        if before + i + 1 >= cap + 2 - w:
+                            for j in view[u]:
+                                obs[u][j] = obs[u].get(j, 0.0) + mass[u, i, j]
+                    over = len(view[u]) > (cap if e - s == 1 else n_keep)
+                    if over:
+                        if e - s > 1:
+                            win = {j: mass[u, -w:, j].sum() for j in view[u]}
+                        else:
+                            win = {j: obs[u].get(j, 0.0) for j in view[u]}
+                        recent = {j for j in view[u] if j > e - 1 - w}
+                        cand = view[u] - recent
+                        pooled = {j: max(win[i] for i in cand if abs(i - j) <= r) for j in cand}
+                        best = sorted(cand, key=lambda j: (-pooled[j], -win[j]))
+                        kept[u] = recent | set(best[: n_keep - len(recent)])
+                        obs[u] = {}
+                    else:
+                        kept[u] = view[u]
+                        obs[u] = {j: obs[u].get(j, 0.0) for j in kept[u]}
+        kept_all.append([sorted(x) for x in kept])
+    return out, kept_all
+
+
+def kept_positions(state):
+    """[b][unit] sorted lists of the positions a state holds."""
+    pos = np.asarray(state.pos)
+    return [[sorted(int(x) for x in pos[b, u] if x >= 0) for u in range(pos.shape[1])] for b in range(pos.shape[0])]
+
+
+# Policies checked against the oracle (small budgets so that T = 24 tokens overflow them).
+POLICIES = {
+    "h2o": kvpolicies.get("h2o", heavy=4, recent=3),
+    "h2o_heavy_only": kvpolicies.get("h2o", heavy=5, recent=0),
+    "tova_layer": kvpolicies.get("tova", budget=6),
+    "tova_head": kvpolicies.get("tova", budget=6, scope="head"),
+    "snapkv": kvpolicies.get("snapkv", budget=5, obs_window=3, kernel=3, max_new=4),
+    "snapkv_k5_nonew": kvpolicies.get("snapkv", budget=4, obs_window=2, kernel=5, max_new=0),
+}
+SCHEDULES = {
+    "decode": [1],  # token by token: the papers' per-step rules
+    "prompt16": [16] + [1] * (T - 16),  # one prompt chunk, then decode (SnapKV's setting)
+    "mixed": [4, 1, 3],  # chunks that overflow mid-stream
+}
+
+
+@pytest.mark.parametrize("sched", list(SCHEDULES))
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_matches_step_by_step_oracle(name, sched):
+    pol = POLICIES[name]
+    q, k, v = qkv(T, seed=list(POLICIES).index(name))
+    out, state = run_policy(pol, q, k, v, SCHEDULES[sched], ROPE, max_len=MAX_LEN)
+    ref, kept = simulate(pol, q, k, v, SCHEDULES[sched])
+    assert kept_positions(state) == kept
+    np.testing.assert_allclose(out, ref, atol=2e-5, rtol=0)
+    # every kv head keeps its own tokens: heads differ somewhere for per-head policies
+    if np.asarray(state.pos).shape[1] == K:
+        assert any(kb[0] != kb[1] for kb in kept)
+
+
+def test_state_shapes_and_bookkeeping():
+    s = POLICIES["h2o"].init(B, K, D, jnp.float32, MAX_LEN)
+    assert s.pos.shape == (B, K, 7) and s.aux["acc"].shape == (B, K, 7)
+    s = POLICIES["tova_layer"].init(B, K, D, jnp.float32, MAX_LEN)
+    assert s.pos.shape == (B, 1, 6) and s.k.shape == (B, K, 6, D) and s.aux == {}
+    s = POLICIES["snapkv"].init(B, K, D, jnp.float32, MAX_LEN)
+    assert s.pos.shape == (B, K, 12) and s.aux["obs"].shape == (B, K, 12)
+    # h2o's accumulated mass after one-by-one decoding equals the oracle's column sums
+    pol = kvpolicies.get("h2o", heavy=30, recent=0)  # nothing evicted: acc = all column sums
+    q, k, v = qkv(10, seed=3)
+    _, st = run_policy(pol, q, k, v, [1], ROPE, max_len=MAX_LEN)
+    qq, kk = (np.asarray(a, np.float64) for a in (q, k))
+    inv = default_inv_freq(D, THETA)
+    qr = rope_complex(qq, np.broadcast_to(np.arange(10)[None, :, None], qq.shape[:3]), inv)
+    kr = rope_complex(kk, np.broadcast_to(np.arange(10)[None, :, None], kk.shape[:3]), inv)
+    lg = np.einsum("bpkgd,bjkd->bkgpj", qr.reshape(B, 10, K, G, D), kr) / np.sqrt(D)
+    lg = np.where(np.tril(np.ones((10, 10), bool)), lg, -np.inf)
+    w = np.exp(lg - lg.max(-1, keepdims=True))
+    w /= w.sum(-1, keepdims=True)
+    np.testing.assert_allclose(np.asarray(st.aux["acc"])[:, :, :10], w.sum((2, 3)), atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------
+# Identities
+# ------------------------------------------------------------------------------------------
+
+
+def full_reference(q, k, v, chunks):
+    return run_policy(kvpolicies.get("full"), q, k, v, chunks, ROPE, max_len=MAX_LEN)[0]
+
+
+@pytest.mark.parametrize(
+    "pol",
+    [kvpolicies.get("h2o", heavy=20, recent=4), kvpolicies.get("h2o", heavy=0, recent=30),
+     kvpolicies.get("tova", budget=24), kvpolicies.get("tova", budget=100, scope="head"),
+     kvpolicies.get("snapkv", budget=16, obs_window=4, kernel=3, max_new=8)],
+    ids=["h2o", "h2o_recent", "tova", "tova_head", "snapkv"],
+)
+def test_budget_covering_everything_equals_full(pol):
+    q, k, v = qkv(T, seed=5)
+    chunks = [16] + [1] * 8  # a 16-token prompt (<= snapkv's budget), then 8 decoded (<= max_new)
+    out, state = run_policy(pol, q, k, v, chunks, ROPE, max_len=MAX_LEN)
+    np.testing.assert_allclose(out, full_reference(q, k, v, chunks), atol=2e-5, rtol=0)
+    assert all(u == list(range(T)) for kb in kept_positions(state) for u in kb)
+
+
+def test_h2o_without_heavy_hitters_is_a_sliding_window():
+    q, k, v = qkv(T, seed=6)
+    a, _ = run_policy(kvpolicies.get("h2o", heavy=0, recent=5), q, k, v, [1], ROPE, max_len=MAX_LEN)
+    b, _ = run_policy(kvpolicies.get("window", window=5), q, k, v, [1], ROPE, max_len=MAX_LEN)
+    np.testing.assert_allclose(a, b, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["h2o", "tova_head", "snapkv"])
+def test_chunks_that_fit_equal_one_by_one(name):
+    """A prefill chunk that does not overflow the budget evicts nothing, so prefill + decode is
+    exactly one-by-one feeding (outputs and kept tokens). Once a chunk overflows, the three
+    policies evict at its end only, which differs from one by one (also asserted)."""
+    pol = POLICIES[name]
+    fit = {"h2o": 7, "tova_head": 6, "snapkv": 8}[name]  # <= capacity (<= budget + window for snapkv)
+    q, k, v = qkv(T, seed=7)
+    one, s1 = run_policy(pol, q, k, v, [1], ROPE, max_len=MAX_LEN)
+    chunked, s2 = run_policy(pol, q, k, v, [fit] + [1] * (T - fit), ROPE, max_len=MAX_LEN)
+    np.testing.assert_allclose(chunked, one, atol=2e-5, rtol=0)
+    assert kept_positions(s1) == kept_positions(s2)
+    over, _ = run_policy(pol, q, k, v, [16] + [1] * (T - 16), ROPE, max_len=MAX_LEN)
+    assert np.abs(over - one).max() > 1e-3
+
+
+def test_snapkv_single_prompt_keeps_pooled_top_budget():
+    """SnapKV on one prompt chunk, checked by a direct reading of the paper: sum the last w
+    queries' attention over the prompt, max-pool it (kernel, stride 1, same length), keep the
+    top `budget` prefix tokens per kv head plus the window."""
+    pol = kvpolicies.get("snapkv", budget=6, obs_window=4, kernel=5, max_new=0)
+    L = 20
+    q, k, v = qkv(L, seed=8)
+    _, state = run_policy(pol, q, k, v, [L], ROPE, max_len=MAX_LEN)
+    inv = default_inv_freq(D, THETA)
+    qq, kk = (np.asarray(a, np.float64) for a in (q, k))
+    qr = rope_complex(qq, np.broadcast_to(np.arange(L)[None, :, None], qq.shape[:3]), inv)
+    kr = rope_complex(kk, np.broadcast_to(np.arange(L)[None, :, None], kk.shape[:3]), inv)
+    lg = np.einsum("bpkgd,bjkd->bkgpj", qr.reshape(B, L, K, G, D), kr) / np.sqrt(D)  # [B, K, G, L, L]
+    lg = np.where(np.tril(np.ones((L, L), bool)), lg, -np.inf)
+    att = np.exp(lg - lg.max(-1, keepdims=True))
+    att /= att.sum(-1, keepdims=True)
+    obs = att[:, :, :, -4:, : L - 4].sum((2, 3))  # [B, K, L - 4]
+    padded = np.pad(obs, ((0, 0), (0, 0), (2, 2)), constant_values=-np.inf)
+    pooled = np.lib.stride_tricks.sliding_window_view(padded, 5, axis=-1).max(-1)  # [B, K, L - 4]
+    for b in range(B):
+        for h in range(K):
+            order = np.lexsort((-obs[b, h], -pooled[b, h]))
+            want = sorted(order[:6].tolist()) + list(range(L - 4, L))
+            assert kept_positions(state)[b][h] == want
+
+
+# ------------------------------------------------------------------------------------------
+# Composition with a codec, compilation, errors
+# ------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class HalvedPair(Codec):
+    """A lossless two-leaf test codec: (x / 2 as [B, K, S, D], a constant 2 as [B, K, S, 1])."""
+
+    name: str = "halved"
+
+    def init(self, shape, dtype):
+        return (jnp.zeros(shape, dtype), jnp.zeros(shape[:3] + (1,), dtype))
+
+    def encode(self, x):
+        return (x * 0.5, jnp.full(x.shape[:3] + (1,), 2.0, x.dtype))
+
+    def decode(self, enc, dtype):
+        return (enc[0] * enc[1]).astype(dtype)
+
+
+@pytest.mark.parametrize("name", ["h2o", "tova_layer", "snapkv"])
+def test_composes_with_a_multi_leaf_codec(name):
+    pol = POLICIES[name]
+    q, k, v = qkv(T, seed=9)
+    ref, s_ref = run_policy(pol, q, k, v, [4, 1, 3], ROPE, max_len=MAX_LEN)
+    out, s = run_policy(dataclasses.replace(pol, codec=HalvedPair()), q, k, v, [4, 1, 3], ROPE, max_len=MAX_LEN)
+    np.testing.assert_array_equal(out, ref)
+    np.testing.assert_array_equal(np.asarray(s.pos), np.asarray(s_ref.pos))
+    assert s.k[0].shape[:3] == s.k[1].shape[:3] == (B, K, pol.capacity(MAX_LEN))
+
+
+def test_decode_step_compiles_once_for_100_steps():
+    cfg = LlamaConfig(vocab_size=61, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64)
+    pols = (kvpolicies.get("h2o", heavy=6, recent=4), kvpolicies.get("tova", budget=8),
+            kvpolicies.get("snapkv", budget=6, obs_window=3, kernel=3, max_new=5),
+            kvpolicies.get("tova", budget=8, scope="head"))
+    eng = Engine(Llama(cfg), pols, max_len=128)
+    _, cache = eng.step(eng.init_cache(1), np.arange(12)[None], 0)
+    for t in range(12, 112):
+        logits, cache = eng.step(cache, np.array([[t % cfg.vocab_size]]), t)
+    assert eng.traces["decode"] == 1 and eng.traces["logits"] == 1
+    assert np.isfinite(np.asarray(logits)).all()
+    # the caches hold exactly their budgets of the newest-stream tokens, all distinct per head
+    for st, cap, live in zip(cache, (10, 8, 14, 8), (10, 8, None, 8)):
+        pos = np.asarray(st.pos)[0, 0]  # layer 0 of the run, batch 0 -> [Kp, S]
+        assert pos.shape[-1] == cap
+        for row in pos:
+            got = row[row >= 0]
+            assert len(set(got.tolist())) == len(got) and got.max() == 111
+            if live is not None:
+                assert len(got) == live
+            else:  # snapkv: 9 after a compression, one more per decoded token up to 14
+                assert 9 <= len(got) <= 14
+
+
+@pytest.mark.parametrize(
+    "name,kw,msg",
+    [
+        ("h2o", dict(heavy=-1), r"h2o.heavy=-1"),
+        ("h2o", dict(heavy=0, recent=0), r"h2o.heavy \+ h2o.recent = 0"),
+        ("tova", dict(budget=0), r"tova.budget=0"),
+        ("tova", dict(scope="kv"), r"tova.scope='kv'"),
+        ("snapkv", dict(kernel=4), r"snapkv.kernel=4: must be an odd"),
+        ("snapkv", dict(obs_window=0), r"snapkv.obs_window=0"),
+        ("snapkv", dict(max_new=-2), r"snapkv.max_new=-2"),
+    ],
+)
+def test_bad_hyperparameters_raise(name, kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        kvpolicies.get(name, **kw)
+
+
+def test_compact_without_scores_raises():
+    pol = POLICIES["h2o"]
+    st = pol.init(1, K, D, jnp.float32, MAX_LEN)
+    view = pol.extend(st, jnp.zeros((1, K, 2, D)), jnp.zeros((1, K, 2, D)), jnp.arange(2)[None])
+    with pytest.raises(ValueError, match="needs the attention scores"):
+        pol.compact(view)
+
+
+# ------------------------------------------------------------------------------------------
+# Budgets: ratios, uniform and pyramid allocations, memory
+# ------------------------------------------------------------------------------------------
+
+
+def test_from_ratio_converts_to_tokens():
+    assert from_ratio("tova", 0.25, 1000) == kvpolicies.get("tova", budget=250)
+    assert from_ratio("h2o", 0.2, 1001) == kvpolicies.get("h2o", heavy=100, recent=100)
+    assert from_ratio("snapkv", 0.1, 4096, obs_window=16) == kvpolicies.get("snapkv", budget=394, obs_window=16)
+    with pytest.raises(ValueError, match=r"ratio=1.5"):
+        from_ratio("tova", 1.5, 100)
+
+
+@pytest.mark.parametrize("total,layers,beta", [(30 * 512, 30, 20.0), (7 * 100 + 3, 7, 20.0), (64, 4, 2.0), (10, 10, 5.0)])
+def test_pyramid_budgets_sum_to_the_uniform_total(total, layers, beta):
+    b = pyramid_budgets(total, layers, beta)
+    assert sum(b) == total and len(b) == layers
+    assert all(x >= y for x, y in zip(b, b[1:]))  # non-increasing with depth
+    # the paper's end points: top layer total / (beta L), bottom 2 total / L - top (up to rounding)
+    top = total / (beta * layers)
+    assert abs(b[-1] - top) < 1 and abs(b[0] - (2 * total / layers - top)) < 1
+    assert sum(uniform_budgets(total, layers)) == total
+
+
+def test_pyramid_stack_bytes_equal_closed_form_and_uniform():
+    L, kvh, hd, ml = 30, 3, 64, 8192
+    for name, kw, field, extra in [("snapkv", dict(obs_window=32, max_new=64), "budget", 96),
+                                   ("tova", {}, "budget", 0), ("h2o", dict(recent=64), "heavy", 64)]:
+        pyr = pyramid(name, 30 * 256, L, **kw)
+        uni = uniform(name, 30 * 256, L, **kw)
+        assert len(pyr) == L and len(set(pyr)) > 1 and len(set(uni)) == 1
+        assert sum(getattr(p, field) for p in pyr) == sum(getattr(p, field) for p in uni) == 30 * 256
+        slots = sum(p.capacity(ml) for p in pyr)
+        assert slots == 30 * (256 + extra)
+        sb = stack_bytes(pyr, kv_heads=kvh, head_dim=hd, max_len=ml)  # bf16
+        assert sb.kv == closed_form_bytes(n_layers=1, kv_heads=kvh, head_dim=hd, slots=slots, bytes_per_elem=2)
+        assert sb == stack_bytes(uni, kv_heads=kvh, head_dim=hd, max_len=ml)
+        # meta: int32 positions ([B, K, S] per head, [B, 1, S] for layer-wide tova) + float32 aux
+        per_slot = {"snapkv": kvh * 8, "tova": 4, "h2o": kvh * 8}[name]
+        assert sb.meta == slots * per_slot
+    one = state_bytes(kvpolicies.get("h2o", heavy=100, recent=28), kv_heads=kvh, head_dim=hd, max_len=ml)
+    assert one.kv == 2 * kvh * hd * 128 * 2
+
+
+def test_pyramid_runs_in_the_model():
+    cfg = LlamaConfig(vocab_size=61, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64)
+    pols = pyramid("h2o", 4 * 6, 4, beta=2.0, recent=2)
+    assert [p.heavy for p in pols] == [9, 7, 5, 3]
+    eng = Engine(Llama(cfg), pols, max_len=64)
+    toks = np.random.default_rng(0).integers(0, 61, (1, 40))
+    nll = eng.score(toks[0], chunk=8)
+    assert nll.shape == (39,) and np.isfinite(nll).all()
+    _, cache = eng.prefill(toks, chunk=8)
+    assert [s.pos.shape[-1] for s in cache] == [11, 9, 7, 5]
+
+
+# ------------------------------------------------------------------------------------------
+# SmolLM2 smoke test (slow): real text, budget 256 out of 1,024 tokens
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_smollm2_perplexity_with_budget_256():
+    from evals.data import default_text
+    from models.engine import load_default_model, perplexity
+
+    model, tok = load_default_model()
+    ids = np.asarray(tok.encode(default_text())[:1024])
+    ppl = {}
+    for name, pol in [("full", kvpolicies.get("full")), ("window", kvpolicies.get("window", window=256)),
+                      ("h2o", kvpolicies.get("h2o", heavy=128, recent=128)), ("tova", kvpolicies.get("tova", budget=256)),
+                      ("snapkv", kvpolicies.get("snapkv", budget=224, obs_window=32, max_new=0))]:
+        ppl[name] = perplexity(Engine(model, pol, max_len=1024).score(ids, chunk=1))
+    print(ppl)
+    assert all(np.isfinite(list(ppl.values())))
+    for name in ("h2o", "tova", "snapkv"):
+        assert ppl["full"] <= ppl[name] * 1.001
