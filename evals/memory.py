@@ -1,0 +1,406 @@
+"""Capacity planner: how many concurrent requests of a given context fit on one GPU, per policy.
+
+    python -m evals.memory --model llama-3-8b --context 32768 --gpu-gb 80 --overhead-gb 12 \
+        --policy full sink:window=4096 window:window=8192 full:codec=int8
+
+The arithmetic of capacity planning, with every byte taken from `kvpolicies.memory.state_bytes`
+(the policy's real state, shaped with `jax.eval_shape`, nothing allocated), so each policy and
+codec is counted exactly as it is stored:
+
+    per request  = kv (codes + scales) + meta (slot positions, policy bookkeeping), for
+                   sequences up to `context` tokens (window/sink caps the slots, codecs shrink them)
+    weights      = 2 bytes x parameter count (bf16), or --weights-gb
+    available    = gpu - weights - overhead (activations, workspace, fragmentation)
+    requests     = floor(available / per request); cache total = requests x per request
+
+Units: MB/GB are 1e6/1e9 bytes, MiB/GiB 2^20/2^30. A policy spec is `name[:field=value,...]`:
+`sink:n_sink=4,window=4096`, `full:codec=int4,codec.group=64` (`codec.` fields go to the codec).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import pathlib
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import kvpolicies
+from kvpolicies.base import Policy
+from kvpolicies.memory import state_bytes
+from models.config import LlamaConfig, smollm2_135m
+from models.loading import expected_shapes
+
+MB, MIB, GB, GIB = 10**6, 2**20, 10**9, 2**30
+SCALE_LEAVES = ("scale", "zero")  # leaf names inside k/v that are quantization metadata, not codes
+HF_LLAMA_TYPES = ("llama", "mistral", "qwen2")  # config.json model types whose parameters we can count
+
+
+# ----------------------------------------------------------------------------------------------
+# Models
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs of a model: the cache shape per layer and the parameter count."""
+
+    name: str
+    n_layers: int
+    kv_heads: int
+    head_dim: int
+    params: int | None = None  # None when unknown (then weights must be given)
+
+    @property
+    def weight_bytes(self) -> int | None:
+        """bf16 weights: 2 bytes per parameter."""
+        return None if self.params is None else 2 * self.params
+
+
+def count_params(config: LlamaConfig) -> int:
+    """Parameters of a Llama-family model: the sum over the canonical layout's tensor shapes."""
+    return sum(math.prod(s) for s in jax.tree.leaves(expected_shapes(config), is_leaf=lambda x: isinstance(x, tuple)))
+
+
+def from_config(config: LlamaConfig) -> ModelShape:
+    return ModelShape(config.name, config.n_layers, config.n_kv_heads, config.head_dim, count_params(config))
+
+
+def _llama(name: str, V: int, d: int, L: int, N: int, K: int, F: int, **kw: Any) -> LlamaConfig:
+    return LlamaConfig(vocab_size=V, d_model=d, n_layers=L, n_heads=N, n_kv_heads=K, head_dim=d // N, d_ff=F,
+                       name=name, **kw)
+
+
+# Published architectures (their config.json); parameter counts follow from the shapes.
+PRESET_CONFIGS: dict[str, LlamaConfig] = {
+    "llama-3-8b": _llama("Llama-3-8B", 128256, 4096, 32, 32, 8, 14336),  # 8,030,261,248 params
+    "llama-3-70b": _llama("Llama-3-70B", 128256, 8192, 80, 64, 8, 28672),  # 70,553,706,496
+    "mistral-7b": _llama("Mistral-7B-v0.1", 32000, 4096, 32, 32, 8, 14336),  # 7,241,732,096
+    "qwen2-7b": _llama("Qwen2-7B", 152064, 3584, 28, 28, 4, 18944, qkv_bias=True),  # 7,615,616,512
+    "smollm2-135m": smollm2_135m(),  # 134,515,008 (tied embeddings)
+}
+PRESETS: dict[str, ModelShape] = {k: from_config(c) for k, c in PRESET_CONFIGS.items()}
+
+
+def read_hf_config(path: str | pathlib.Path) -> ModelShape:
+    """A ModelShape from an HF config.json (or the folder holding one).
+
+    Reads num_hidden_layers, num_key_value_heads (default: num_attention_heads) and head_dim
+    (default: hidden_size / num_attention_heads); multimodal configs are read from `text_config`.
+    Parameters are counted for Llama-family model types (llama, mistral, qwen2) whose config has
+    vocab_size and intermediate_size; otherwise they are unknown and weights must be given.
+    """
+    path = pathlib.Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    cfg = json.loads(path.read_text())
+    if "num_hidden_layers" not in cfg and isinstance(cfg.get("text_config"), dict):
+        cfg = {"model_type": cfg.get("model_type"), **cfg["text_config"]}
+    for key in ("num_hidden_layers", "num_attention_heads"):
+        if key not in cfg:
+            raise ValueError(f"{path}: config.json has no {key!r}")
+    n_heads = int(cfg["num_attention_heads"])
+    kv_heads = int(cfg.get("num_key_value_heads") or n_heads)
+    head_dim = cfg.get("head_dim")
+    if head_dim is None:
+        if "hidden_size" not in cfg:
+            raise ValueError(f"{path}: config.json has neither 'head_dim' nor 'hidden_size'")
+        if int(cfg["hidden_size"]) % n_heads:
+            raise ValueError(f"{path}: hidden_size={cfg['hidden_size']} is not divisible by num_attention_heads={n_heads}")
+        head_dim = int(cfg["hidden_size"]) // n_heads
+    name = str(cfg.get("_name_or_path") or path.parent.name or path.stem)
+    shape = ModelShape(name, int(cfg["num_hidden_layers"]), kv_heads, int(head_dim))
+    if cfg.get("model_type") in HF_LLAMA_TYPES and all(k in cfg for k in ("vocab_size", "hidden_size", "intermediate_size")):
+        config = LlamaConfig(
+            vocab_size=int(cfg["vocab_size"]), d_model=int(cfg["hidden_size"]), n_layers=shape.n_layers,
+            n_heads=n_heads, n_kv_heads=kv_heads, head_dim=shape.head_dim, d_ff=int(cfg["intermediate_size"]),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=cfg["model_type"] == "qwen2",
+            name=name,
+        )
+        shape = dataclasses.replace(shape, params=count_params(config))
+    return shape
+
+
+def resolve_model(model: str | pathlib.Path | LlamaConfig | ModelShape) -> ModelShape:
+    """A preset name, a config.json path (or its folder), a LlamaConfig or a ModelShape."""
+    if isinstance(model, ModelShape):
+        return model
+    if isinstance(model, LlamaConfig):
+        return from_config(model)
+    if isinstance(model, str) and model.lower() in PRESETS:
+        return PRESETS[model.lower()]
+    p = pathlib.Path(model)
+    if p.is_file() or (p.is_dir() and (p / "config.json").is_file()):
+        return read_hf_config(p)
+    raise ValueError(f"model={str(model)!r}: not a preset {sorted(PRESETS)} nor a config.json path")
+
+
+# ----------------------------------------------------------------------------------------------
+# Policies
+
+
+def _coerce(value: str) -> Any:
+    """'4096' -> 4096, '0.5' -> 0.5, 'true'/'false' -> bool, anything else stays a string."""
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(value.lower(), value)
+
+
+def parse_policy(spec: str) -> Policy:
+    """`name[:field=value,...]` -> kvpolicies.get(name, **fields); `codec.f=v` go to the codec.
+
+    Unknown names or fields raise the registry's ValueError, which lists the choices.
+    """
+    name, _, rest = spec.strip().partition(":")
+    fields: dict[str, Any] = {}
+    codec_fields: dict[str, Any] = {}
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"policy spec {spec!r}: {item!r} is not field=value")
+        key = key.strip()
+        if key.startswith("codec."):
+            codec_fields[key[len("codec."):]] = _coerce(value.strip())
+        elif key == "codec":
+            fields[key] = value.strip()
+        else:
+            fields[key] = _coerce(value.strip())
+    codec = fields.pop("codec", "none")
+    if codec_fields:
+        codec = kvpolicies.get_codec(codec, **codec_fields)
+    return kvpolicies.get(name, codec=codec, **fields)
+
+
+def _label(policy: Policy) -> str:
+    """A policy as a spec string: its name, the fields that differ from defaults, and its codec."""
+    name = next((k for k, cls in kvpolicies.POLICIES.items() if type(policy) is cls), type(policy).__name__.lower())
+    parts = []
+    for f in dataclasses.fields(policy):
+        value = getattr(policy, f.name)
+        if f.name == "codec" or value == f.default:
+            continue
+        parts.append(f"{f.name}={value}")
+    codec = getattr(policy, "codec", None)
+    if codec is not None and codec.name != "none":
+        parts.append(f"codec={codec.name}")
+        parts += [f"codec.{f.name}={getattr(codec, f.name)}" for f in dataclasses.fields(codec)
+                  if f.name != "name" and getattr(codec, f.name) != f.default]
+    return name + (":" + ",".join(parts) if parts else "")
+
+
+# ----------------------------------------------------------------------------------------------
+# Bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestBytes:
+    """Cache bytes of `batch` sequences of up to `context` tokens, all layers."""
+
+    kv: int  # encoded keys and values: codes + scales
+    scales: int  # of which quantization scales/zero points
+    meta: int  # slot positions and policy bookkeeping
+    slots: int  # cache slots per layer and sequence
+
+    @property
+    def codes(self) -> int:
+        return self.kv - self.scales
+
+    @property
+    def total(self) -> int:
+        return self.kv + self.meta
+
+
+def _scale_bytes(policy: Policy, m: ModelShape, context: int, batch: int, dtype: Any) -> int:
+    """Bytes of the k/v leaves named like quantization metadata (scale, zero), all layers."""
+    state = jax.eval_shape(lambda: policy.init(batch, m.kv_heads, m.head_dim, dtype, context))
+    total = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path((state.k, state.v))[0]:
+        names = {getattr(p, "name", getattr(p, "key", None)) for p in path}
+        if names & set(SCALE_LEAVES):
+            total += math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize
+    return total * m.n_layers
+
+
+def kv_bytes(
+    model: str | pathlib.Path | LlamaConfig | ModelShape,
+    context: int,
+    policy: str | Policy = "full",
+    dtype: Any = "bfloat16",
+    batch: int = 1,
+) -> RequestBytes:
+    """Exact cache bytes of `batch` sequences of up to `context` tokens under `policy`."""
+    m = resolve_model(model)
+    pol = parse_policy(policy) if isinstance(policy, str) else policy
+    if context < 1:
+        raise ValueError(f"context={context}: must be >= 1")
+    dt = jnp.dtype(dtype)
+    sb = state_bytes(pol, kv_heads=m.kv_heads, head_dim=m.head_dim, max_len=context, n_layers=m.n_layers,
+                     batch=batch, dtype=dt)
+    return RequestBytes(kv=sb.kv, scales=_scale_bytes(pol, m, context, batch, dt), meta=sb.meta,
+                        slots=pol.capacity(context))
+
+
+def plan(
+    model: str | pathlib.Path | LlamaConfig | ModelShape,
+    context: int,
+    gpu_gb: float,
+    overhead_gb: float,
+    policies: Sequence[str | Policy] = ("full",),
+    batch: int = 1,
+    dtype: Any = "bfloat16",
+    weights_gb: float | None = None,
+) -> list[dict[str, Any]]:
+    """One row per policy: bytes per request, how many requests of `context` tokens fit, and
+    whether `batch` concurrent requests fit. All byte counts are ints (GB = 1e9 bytes)."""
+    m = resolve_model(model)
+    if weights_gb is not None:
+        weights = int(round(weights_gb * GB))
+    elif m.weight_bytes is not None:
+        weights = m.weight_bytes
+    else:
+        raise ValueError(f"model {m.name!r}: parameter count unknown; give weights_gb (--weights-gb)")
+    gpu, overhead = int(round(gpu_gb * GB)), int(round(overhead_gb * GB))
+    available = max(gpu - weights - overhead, 0)
+    rows = []
+    for spec in policies:
+        pol = parse_policy(spec) if isinstance(spec, str) else spec
+        label = spec.strip() if isinstance(spec, str) else _label(pol)
+        one = kv_bytes(m, context, pol, dtype)
+        many = kv_bytes(m, context, pol, dtype, batch=batch) if batch != 1 else one
+        n = available // one.total
+        rows.append(dict(
+            policy=label, model=m.name, context=context, dtype=str(jnp.dtype(dtype)), slots=one.slots,
+            kv_bytes=one.kv, scale_bytes=one.scales, meta_bytes=one.meta, bytes_per_request=one.total,
+            gpu_bytes=gpu, weight_bytes=weights, overhead_bytes=overhead, available_bytes=available,
+            max_requests=int(n), total_bytes=int(n) * one.total,
+            batch=batch, batch_bytes=many.total, batch_fits=many.total <= available,
+            headroom_bytes=available - many.total,
+        ))
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+
+
+def fmt_bytes(n: float, binary: bool = False) -> str:
+    """3 significant digits in the largest unit below n: 134217728 -> '134 MB' (or '128 MiB'),
+    17179869184 -> '17.2 GB' (or '16.0 GiB')."""
+    base, units = (1024, ("B", "KiB", "MiB", "GiB", "TiB")) if binary else (1000, ("B", "kB", "MB", "GB", "TB"))
+    sign, n = ("-" if n < 0 else ""), abs(n)
+    i = 0
+    while n >= base * 0.9995 and i < len(units) - 1:  # 999.7 MB prints as 1.00 GB, not 1.00e+03 MB
+        n, i = n / base, i + 1
+    if not i:
+        return f"{sign}{int(n)} B"
+    decimals = max(0, 2 - int(math.floor(math.log10(n)))) if n > 0 else 2
+    return f"{sign}{n:.{decimals}f} {units[i]}"
+
+
+def parse_context(text: str) -> int:
+    """'32768', '32K' or '32k' (x1024), '1M' (x2^20)."""
+    t = text.strip().lower()
+    mult = {"k": 2**10, "m": 2**20}.get(t[-1:], 1)
+    try:
+        value = int(t[:-1] if mult > 1 else t) * mult
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"context {text!r}: an integer, optionally with K or M (x1024)") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"context {text!r}: must be >= 1")
+    return value
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    batch = rows[0]["batch"]
+    head = ["policy", "slots", "kv/request", "(scales)", "meta/request", "bytes/request", "fit", "cache at fit",
+            "GPU used"]
+    if batch != 1:
+        head += [f"{batch} requests", "fits?"]
+    body = []
+    for r in rows:
+        line = [
+            r["policy"], f"{r['slots']:,}", fmt_bytes(r["kv_bytes"]),
+            fmt_bytes(r["scale_bytes"]) if r["scale_bytes"] else "-", fmt_bytes(r["meta_bytes"]),
+            f"{fmt_bytes(r['bytes_per_request'])} ({fmt_bytes(r['bytes_per_request'], binary=True)})",
+            f"{r['max_requests']:,}", fmt_bytes(r["total_bytes"]),
+            fmt_bytes(r["weight_bytes"] + r["overhead_bytes"] + r["total_bytes"]),
+        ]
+        if batch != 1:
+            line += [fmt_bytes(r["batch_bytes"]), "yes" if r["batch_fits"] else "no"]
+        body.append(line)
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    out = ["  ".join(x.ljust(w) if j == 0 else x.rjust(w) for j, (x, w) in enumerate(zip(line, widths)))
+           for line in (head, *body)]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def format_header(m: ModelShape, rows: list[dict[str, Any]]) -> str:
+    r = rows[0]
+    params = f"{m.params:,} params, bf16" if m.params is not None and r["weight_bytes"] == m.weight_bytes else "given"
+    return "\n".join([
+        f"model    {m.name}: {m.n_layers} layers x {m.kv_heads} kv heads x head_dim {m.head_dim}, cache {r['dtype']}",
+        f"context  {r['context']:,} tokens per request",
+        f"GPU      {fmt_bytes(r['gpu_bytes'])} - weights {fmt_bytes(r['weight_bytes'])} ({params})"
+        f" - overhead {fmt_bytes(r['overhead_bytes'])} = {fmt_bytes(r['available_bytes'])} for the cache",
+    ])
+
+
+def _list() -> str:
+    lines = ["presets:"]
+    for key, m in PRESETS.items():
+        lines.append(f"  {key:14s} {m.n_layers:3d} layers, {m.kv_heads:2d} kv heads, head_dim {m.head_dim:3d}, "
+                     f"{m.params:,} params ({fmt_bytes(m.weight_bytes)} bf16)")
+    lines.append(f"policies: {', '.join(sorted(kvpolicies.POLICIES))}")
+    lines.append(f"codecs:   {', '.join(sorted(kvpolicies.CODECS))}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m evals.memory", description=__doc__.split("\n")[0])
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--model", default="llama-3-8b", help=f"preset: {', '.join(PRESETS)} (default llama-3-8b)")
+    src.add_argument("--config", help="an HF config.json (or its folder) instead of a preset")
+    ap.add_argument("--context", type=parse_context, default=32768, help="tokens per request: 32768, 32K, 128K")
+    ap.add_argument("--gpu-gb", type=float, default=80.0, help="GPU memory, GB (1e9 bytes)")
+    ap.add_argument("--overhead-gb", type=float, default=12.0, help="activations, workspace, fragmentation (GB)")
+    ap.add_argument("--weights-gb", type=float, help="override the bf16 weight size (GB)")
+    ap.add_argument("--kv-heads", type=int, help="what-if: override the kv heads (e.g. 32 for MHA); weights unchanged")
+    ap.add_argument("--batch", type=int, default=1, help="also check whether this many concurrent requests fit")
+    ap.add_argument("--dtype", default="bfloat16", help="cache dtype before any codec (default bfloat16)")
+    ap.add_argument("--policy", nargs="+", default=["full"], metavar="SPEC",
+                    help="name[:field=value,...], e.g. full sink:window=4096 full:codec=int8")
+    ap.add_argument("--list", action="store_true", help="list presets, policies and codecs, then exit")
+    args = ap.parse_args(argv)
+    if args.list:
+        print(_list())
+        return 0
+    if args.batch < 1:
+        ap.error(f"--batch={args.batch}: must be >= 1")
+    try:
+        m = resolve_model(args.config if args.config else args.model)
+        if args.kv_heads is not None:
+            if args.kv_heads < 1:
+                raise ValueError(f"--kv-heads={args.kv_heads}: must be >= 1")
+            m = dataclasses.replace(m, kv_heads=args.kv_heads, name=f"{m.name} ({args.kv_heads} kv heads)")
+        jnp.dtype(args.dtype)
+        rows = plan(m, args.context, args.gpu_gb, args.overhead_gb, args.policy, batch=args.batch, dtype=args.dtype,
+                    weights_gb=args.weights_gb)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        ap.error(str(e))
+    print(format_header(m, rows))
+    print()
+    print(format_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
