@@ -5,16 +5,30 @@ A registry maps short names to policy classes; `get("sink", n_sink=4, window=409
 
 from __future__ import annotations
 
+import dataclasses
+
 from kvpolicies.base import EMPTY, Policy, RopePositions, SlotState
 from kvpolicies.codecs import CODECS, Codec, Identity, get_codec
 from kvpolicies.full import Full
+from kvpolicies.h2o import H2O
+from kvpolicies.hier import Hier
+from kvpolicies.kivi import Kivi
+from kvpolicies.quest import Quest
 from kvpolicies.sink import Sink
+from kvpolicies.snapkv import SnapKV
+from kvpolicies.tova import TOVA
 from kvpolicies.window import Window
 
 POLICIES: dict[str, type[Policy]] = {
     "full": Full,
     "window": Window,
     "sink": Sink,
+    "hier": Hier,
+    "quest": Quest,
+    "h2o": H2O,
+    "tova": TOVA,
+    "snapkv": SnapKV,
+    "kivi": Kivi,
 }
 
 
@@ -23,12 +37,12 @@ def get(name: str, codec: str | Codec = "none", **kwargs) -> Policy:
     if name not in POLICIES:
         raise ValueError(f"policy={name!r}: must be one of {sorted(POLICIES)}")
     cls = POLICIES[name]
-    fields = {f.name for f in cls.__dataclass_fields__.values()} - {"codec"}
+    fields = {f.name for f in dataclasses.fields(cls)} - {"codec"}
     bad = sorted(set(kwargs) - fields)
     if bad:
         raise ValueError(f"policy {name!r} has no field(s) {bad}; its fields are {sorted(fields)}")
     return cls(codec=get_codec(codec), **kwargs)
 
 
-__all__ = ["EMPTY", "CODECS", "POLICIES", "Codec", "Full", "Identity", "Policy", "RopePositions", "Sink",
+__all__ = ["EMPTY", "CODECS", "POLICIES", "Codec", "Full", "Identity", "Kivi", "Policy", "RopePositions", "Sink",
            "SlotState", "Window", "get", "get_codec"]

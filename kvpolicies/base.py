@@ -57,7 +57,7 @@ class RopePositions(NamedTuple):
     """Which positions RoPE sees for queries and keys.
 
     q:   [B, T, P] query positions, one per segment.
-    k:   [B, Kp, S] key positions.
+    k:   [B, Kp, S] key positions (int, or float e.g. for a summary at its tokens' mean position).
     seg: [B, Kp, S] int segment of each key (which query position to pair it with),
          or None when P == 1.
     The score of query t with key s uses RoPE(q[t, seg[s]]) . RoPE(k[s]).
@@ -120,6 +120,23 @@ class Policy:
     def logit_bias(self, view: SlotState) -> Float[Array, "B Kp S"] | None:
         """Added to every query's logit for a slot (e.g. log(count) of a summary slot)."""
         return None
+
+    def view_rope_positions(self, q_pos: Int[Array, "B T"], view: SlotState) -> RopePositions:
+        """RoPE positions when they depend on more than slot positions (e.g. a summary slot's
+        token count); by default `rope_positions(q_pos, view.pos)`. Key positions may be float."""
+        return self.rope_positions(q_pos, view.pos)
+
+    def select(
+        self,
+        view: SlotState,
+        q_pos: Int[Array, "B T"],
+        q_rot: Float[Array, "B K G T D"],
+        k_rot: Float[Array, "B K S D"],
+    ) -> tuple[SlotState, Bool[Array, "B K|Kp G|1 T S"] | None]:
+        """Query-dependent selection, called by attention after RoPE: the view (possibly with
+        bookkeeping derived from the rotated keys, e.g. Quest's page bounds) and a mask of the
+        slots each query may read (None: no restriction beyond `visible`)."""
+        return view, None
 
     def compact(self, view: SlotState, scores: Float[Array, "B K T S"] | None = None) -> SlotState:
         """Reduce a view back to the fixed capacity (scores: attention mass summed over G)."""

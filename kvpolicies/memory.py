@@ -72,3 +72,45 @@ def closed_form_bytes(
 ) -> float:
     """2 x layers x kv_heads x head_dim x slots x bytes (x batch): keys and values of every slot."""
     return 2 * n_layers * kv_heads * head_dim * slots * bytes_per_elem * batch
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBytes:
+    stored: StateBytes  # the whole state, as `state_bytes`
+    read: StateBytes  # what one decode step reads: keys/values and metadata
+
+
+def bytes_read_per_step(
+    policy: Policy,
+    *,
+    kv_heads: int,
+    head_dim: int,
+    max_len: int,
+    context: int,
+    n_layers: int = 1,
+    batch: int = 1,
+    dtype=jnp.bfloat16,
+) -> StepBytes:
+    """Bytes stored, and bytes read by the decode step of the query at position `context`.
+
+    A policy with `decode_reads(context) -> (tokens, pages)` (Quest) reads that many tokens'
+    keys and values per kv head plus the metadata (`aux`, per page) of `pages` pages. Any other
+    policy is read densely: every slot holding a token, min(capacity, context + 1), with its
+    per-slot metadata (positions, counts...).
+    """
+    if context < 0 or context >= max_len:
+        raise ValueError(f"context={context}: must be in [0, {max_len - 1}] (a query position below max_len)")
+    shape = jax.eval_shape(lambda: policy.init(batch, kv_heads, head_dim, dtype, max_len))
+    one = tree_bytes(shape)
+    cap = policy.capacity(max_len)
+    reads = getattr(policy, "decode_reads", None)
+    if reads is None:
+        filled = min(cap, context + 1)
+        read = StateBytes(kv=one.kv * filled // cap, meta=one.meta * filled // cap)
+    else:
+        tokens, pages = reads(context)
+        aux = _nbytes(shape.aux)
+        n_pages = jax.tree.leaves(shape.aux)[0].shape[2]  # aux leaves [B, K, C, ...]
+        read = StateBytes(kv=one.kv * tokens // cap, meta=aux * pages // n_pages)
+    scale = lambda sb: StateBytes(kv=sb.kv * n_layers, meta=sb.meta * n_layers)  # noqa: E731
+    return StepBytes(stored=scale(one), read=scale(read))

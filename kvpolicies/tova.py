@@ -1,0 +1,65 @@
+"""`tova`: Token Omission Via Attention (Oren et al. 2024, "Transformers are Multi-State RNNs") —
+a fixed budget of tokens; when over budget, drop the tokens the newest query attends to least.
+
+Shapes: B batch, K kv heads, Kp = 1 (scope "layer") or K (scope "head"), S = budget slots,
+T new tokens, V = S + T view slots, D head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax.numpy as jnp
+
+from kvpolicies.base import Policy, check_choice, check_int
+from kvpolicies.codecs import Codec, Identity
+from kvpolicies.scored import append_view, init_state, pack, require_scores, top_mask
+
+
+@dataclasses.dataclass(frozen=True)
+class TOVA(Policy):
+    """Keeps the `budget` tokens with the most attention from the step's last query.
+
+    scope="layer" (default, the paper's policy): the score of a token is its attention from
+    the last query summed over all query heads of the layer (the paper averages over heads),
+    so every kv head keeps the same tokens and positions are shared ([B, 1, S]).
+    scope="head": scores are summed only over the G query heads of each kv head, which then
+    evicts on its own ([B, K, S]), as H2O and SnapKV do; same memory, a per-head choice.
+
+    Decode (T = 1) is the paper's rule exactly: the new token joins (so the query reads
+    budget + 1 tokens), and once over budget the lowest-attended token (possibly the new one;
+    no window is protected) leaves. A chunk of
+    T > 1 tokens is scored by its last query only and evicts T tokens at its end, so a chunk
+    that overflows the budget differs from one-by-one feeding (its earlier queries see tokens
+    one by one would have dropped); chunks that fit are exactly equal.
+    """
+
+    budget: int = 512
+    scope: Literal["layer", "head"] = "layer"
+    codec: Codec = Identity()
+
+    needs_scores = True
+
+    def __post_init__(self):
+        check_int("tova", "budget", self.budget, 1)
+        check_choice("tova", "scope", self.scope, ("layer", "head"))
+
+    def capacity(self, max_len):
+        return min(self.budget, max_len)
+
+    def init(self, batch, kv_heads, head_dim, dtype, max_len):
+        kp = 1 if self.scope == "layer" else kv_heads
+        return init_state(self, batch, kv_heads, head_dim, dtype, max_len, kp=kp)
+
+    def extend(self, state, k, v, pos):
+        return append_view(state, self.codec, k, v, pos)
+
+    def compact(self, view, scores=None):
+        scores = require_scores("tova", scores)[:, :, -1]  # [B, K, V]: the last query
+        if self.scope == "layer":
+            scores = scores.sum(axis=1, keepdims=True)  # [B, 1, V]
+        filled = view.pos >= 0  # [B, Kp, V]
+        prio = jnp.where(filled, scores, -jnp.inf)  # [B, Kp, V]
+        s = view.slots - view.n_new
+        return pack(view, top_mask(prio, view.pos, s) & filled, s)
