@@ -1,0 +1,87 @@
+"""Task `perplexity`: stream a long text through the cache policy and score every next token.
+
+The first `tokens` + 1 token ids of the text are fed `ctx.chunk` at a time (Engine.score: the
+per-position masks make this equal to token-by-token decoding for every exact policy), giving
+`tokens` per-token negative log-likelihoods: entry i is -log p(id[i+1] | ids <= i), predicted
+by the query at position i.
+
+Task keys: tokens (stream length, positions 0..tokens-1), segment (tokens per point of the
+perplexity-vs-position curve).
+
+Metrics: ppl and nll over the whole stream; ppl_in / ppl_out over the queries at positions
+below / at or above the model's training length (`LlamaConfig.max_position`, only when the
+stream passes it); ppl_last (the last segment); tokens_per_s (wall clock, compilation
+included). Curves: `position` (end of each segment) and `ppl` per segment. Arrays: `nll`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from evals.common import TaskContext, TaskResult
+
+KEYS = ("name", "tokens", "segment")
+
+
+def token_prefix(tokenizer, text: str, n: int) -> np.ndarray:
+    """The first n ids of `text`, tokenizing only a prefix of it (grown until it has n ids plus
+    a margin, so the cut cannot change them)."""
+    margin = 64
+    chars = 8 * (n + margin)
+    while True:
+        ids = tokenizer.encode(text[:chars])
+        if len(ids) >= n + margin or chars >= len(text):
+            break
+        chars *= 2
+    if len(ids) < n:
+        raise ValueError(f"perplexity: the text has only {len(ids)} tokens; tokens={n - 1} needs {n}")
+    return np.asarray(ids[:n], np.int32)
+
+
+def segment_ppl(nll: np.ndarray, segment: int) -> tuple[list[int], list[float]]:
+    """(end position, perplexity) of each consecutive `segment` of the NLL stream (last may be short)."""
+    ends = list(range(segment, len(nll), segment)) + [len(nll)]
+    starts = [0] + ends[:-1]
+    return ends, [math.exp(float(np.mean(nll[a:b]))) for a, b in zip(starts, ends)]
+
+
+def summarize(nll: np.ndarray, segment: int, train_len: int | None) -> tuple[dict[str, float], dict[str, list]]:
+    """Metrics and curves of a per-token NLL stream (see the module docstring)."""
+    ends, ppl = segment_ppl(nll, segment)
+    metrics = {"ppl": math.exp(float(np.mean(nll))), "nll": float(np.mean(nll)), "tokens": len(nll),
+               "ppl_last": ppl[-1]}
+    if train_len is not None and len(nll) > train_len:
+        metrics["ppl_in"] = math.exp(float(np.mean(nll[:train_len])))
+        metrics["ppl_out"] = math.exp(float(np.mean(nll[train_len:])))
+    return metrics, {"position": ends, "ppl": ppl}
+
+
+def check(task: dict) -> tuple[int, int]:
+    """(tokens, segment) of a task config; unknown keys or bad values raise ValueError."""
+    unknown = sorted(set(task) - set(KEYS))
+    if unknown:
+        raise ValueError(f"task perplexity: unknown key(s) {unknown}; its keys are {list(KEYS)}")
+    tokens, segment = task.get("tokens"), task.get("segment", 1024)
+    for name, v in (("tokens", tokens), ("segment", segment)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"task.{name}={v!r}: must be an int >= 1")
+    return tokens, segment
+
+
+def run(ctx: TaskContext) -> TaskResult:
+    tokens, segment = check(dict(ctx.task))
+    if ctx.tokenizer is None or ctx.text is None:
+        raise ValueError("task perplexity needs a text and a tokenizer (this model has no tokenizer: "
+                         "use a text model such as model=smollm2)")
+    ids = token_prefix(ctx.tokenizer, ctx.text, tokens + 1)
+    engine = ctx.engine(tokens)
+    start = time.perf_counter()
+    nll = engine.score(ids, chunk=ctx.chunk, progress=ctx.progress)  # [tokens]
+    seconds = time.perf_counter() - start
+    metrics, curves = summarize(nll, segment, ctx.model.cfg.max_position)
+    metrics["tokens_per_s"] = tokens / seconds
+    metrics["score_s"] = seconds
+    return TaskResult(metrics=metrics, arrays={"nll": nll.astype(np.float32)}, curves=curves)

@@ -1,0 +1,200 @@
+"""`python -m evals.plots RESULTS... --out DIR`: figures from saved results (PNG + PDF each).
+
+    perplexity_vs_position   perplexity per segment along the stream, one line per run
+                             (task perplexity), the model's training length dashed
+    heatmap_<task>           accuracy over length x depth, one panel per run (rows whose
+                             `grid` records have length, depth and accuracy: passkey, niah)
+    pareto_<task>            quality vs cache MB (exact state bytes), one point per run, the
+                             Pareto front drawn (perplexity: lower is better; accuracy: higher)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from matplotlib.ticker import FuncFormatter  # noqa: E402
+
+from evals import results as R  # noqa: E402
+from evals.table import MB, by_task  # noqa: E402
+
+
+def label(row: dict[str, Any]) -> str:
+    """'sink n_sink=4 window=4096' (+ codec, + model when not the default)."""
+    pol = row.get("policy", {})
+    params = " ".join(p for p in row.get("params", "").split() if not p.startswith("positions="))
+    text = f"{pol.get('name', '?')} {params}".strip()
+    codec = pol.get("codec", {}).get("name", "none")
+    text += "" if codec == "none" else f" [{codec}]"
+    model = row.get("model", {}).get("name")
+    return text if model in (None, "smollm2") else f"{text} ({model})"
+
+
+def _plain_log_ticks(axis) -> None:
+    """Label a log axis 20, 30, 50 rather than 2x10^1 (minor ticks: leading digit 2, 3 or 5)."""
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(FuncFormatter(
+        lambda v, _: f"{v:g}" if v > 0 and round(v / 10 ** math.floor(math.log10(v))) in (2, 3, 5) else ""))
+
+
+def _save(fig, out: Path, stem: str) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{stem}.{ext}" for ext in ("png", "pdf")]
+    for p in paths:
+        fig.savefig(p, bbox_inches="tight", dpi=150)
+    plt.close(fig)
+    return paths
+
+
+def plot_perplexity(rows: Sequence[dict[str, Any]], out: Path) -> list[Path]:
+    rows = [r for r in rows if r.get("curves", {}).get("ppl")]
+    if not rows:
+        return []
+    fig, ax = plt.subplots(figsize=(7, 4))
+    train = set()
+    for r in rows:
+        ax.plot(r["curves"]["position"], r["curves"]["ppl"], marker=".", label=label(r))
+        if r.get("model", {}).get("max_position"):
+            train.add(r["model"]["max_position"])
+    end = max(max(r["curves"]["position"]) for r in rows)
+    for t in sorted(train):
+        if t < end:
+            ax.axvline(t, color="gray", linestyle="--", linewidth=1)
+            ax.text(t, 1.0, f" training length {t}", transform=ax.get_xaxis_transform(), va="top", fontsize=8,
+                    color="gray")
+    ax.set_yscale("log")
+    _plain_log_ticks(ax.yaxis)
+    ax.set_xlabel("position in the stream (tokens, segment end)")
+    ax.set_ylabel("perplexity of the segment")
+    data = sorted({r.get("config", {}).get("data", {}).get("name", "") for r in rows})
+    ax.set_title(f"Perplexity vs position ({', '.join(d for d in data if d)})")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, out, "perplexity_vs_position")
+
+
+def accuracy_grid(row: dict[str, Any]) -> tuple[list[int], list[float], np.ndarray] | None:
+    """(lengths, depths, mean accuracy [depth, length]) of a row's grid, or None if it has none."""
+    cells = [g for g in row.get("grid", []) if {"length", "depth", "accuracy"} <= set(g)]
+    if not cells:
+        return None
+    lengths = sorted({int(g["length"]) for g in cells})
+    depths = sorted({float(g["depth"]) for g in cells})
+    acc = np.full((len(depths), len(lengths)), np.nan)
+    for i, d in enumerate(depths):
+        for j, n in enumerate(lengths):
+            vals = [g["accuracy"] for g in cells if int(g["length"]) == n and float(g["depth"]) == d]
+            if vals:
+                acc[i, j] = float(np.mean(vals))
+    return lengths, depths, acc
+
+
+def plot_heatmaps(rows: Sequence[dict[str, Any]], out: Path) -> list[Path]:
+    paths = []
+    for task, rs in by_task(rows).items():
+        panels = [(r, g) for r in rs if (g := accuracy_grid(r)) is not None]
+        if not panels:
+            continue
+        cols = min(3, len(panels))
+        nrows = math.ceil(len(panels) / cols)
+        fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False)
+        for ax in axes.flat[len(panels):]:
+            ax.axis("off")
+        for ax, (r, (lengths, depths, acc)) in zip(axes.flat, panels):
+            im = ax.imshow(acc, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="upper")
+            ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)
+            ax.set_yticks(range(len(depths)), [f"{d:.2f}" for d in depths], fontsize=7)
+            for i in range(len(depths)):
+                for j in range(len(lengths)):
+                    if not np.isnan(acc[i, j]):
+                        ax.text(j, i, f"{acc[i, j]:.2f}", ha="center", va="center", fontsize=7)
+            ax.set_xlabel("length (tokens)")
+            ax.set_ylabel("depth")
+            ax.set_title(label(r), fontsize=8)
+        fig.colorbar(im, ax=axes, shrink=0.8, label="accuracy")
+        fig.suptitle(f"{task}: accuracy by length and depth")
+        paths += _save(fig, out, f"heatmap_{task}")
+    return paths
+
+
+def quality(row: dict[str, Any]) -> tuple[str, float, bool] | None:
+    """(metric, value, lower is better) used as a row's quality, or None."""
+    m = row.get("metrics", {})
+    for name, lower in (("ppl", True), ("accuracy", False)):
+        if m.get(name) is not None:
+            return name, float(m[name]), lower
+    return None
+
+
+def pareto_front(points: Sequence[tuple[float, float]], lower: bool) -> list[int]:
+    """Indices of the points no other point beats on both cost (x, lower is better) and quality
+    (y), sorted by cost."""
+    order = sorted(range(len(points)), key=lambda i: (points[i][0], points[i][1] if lower else -points[i][1]))
+    front, best = [], math.inf
+    for i in order:
+        y = points[i][1] if lower else -points[i][1]
+        if y < best:
+            front.append(i)
+            best = y
+    return front
+
+
+def plot_pareto(rows: Sequence[dict[str, Any]], out: Path) -> list[Path]:
+    paths = []
+    for task, rs in by_task(rows).items():
+        pts = [(r, q) for r in rs if (q := quality(r)) and (r.get("memory") or {}).get("state_bytes")]
+        if not pts:
+            continue
+        metric, lower = pts[0][1][0], pts[0][1][2]
+        pts = [(r, q) for r, q in pts if q[0] == metric]
+        xy = [(r["memory"]["state_bytes"] / MB, q[1]) for r, q in pts]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.scatter([x for x, _ in xy], [y for _, y in xy], zorder=3)
+        for (r, _), (x, y) in zip(pts, xy):
+            ax.annotate(label(r), (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points")
+        front = pareto_front(xy, lower)
+        ax.plot([xy[i][0] for i in front], [xy[i][1] for i in front], color="C3", drawstyle="steps-post",
+                label="Pareto front", zorder=2)
+        ax.set_xscale("log")
+        _plain_log_ticks(ax.xaxis)
+        ax.set_xlabel("KV cache state (MB)")
+        ax.set_ylabel(f"{metric} ({'lower' if lower else 'higher'} is better)")
+        ax.set_title(f"{task}: quality vs cache memory")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+        paths += _save(fig, out, f"pareto_{task}")
+    return paths
+
+
+def plot_all(rows: Sequence[dict[str, Any]], out: str | Path) -> list[Path]:
+    rows, out = R.latest(rows), Path(out)
+    return plot_perplexity(rows, out) + plot_heatmaps(rows, out) + plot_pareto(rows, out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m evals.plots", description=__doc__.split("\n\n")[0])
+    ap.add_argument("results", nargs="+", help="results .jsonl files")
+    ap.add_argument("--out", required=True, help="folder for the figures")
+    args = ap.parse_args(argv)
+    try:
+        rows = R.read(args.results)
+    except FileNotFoundError as e:
+        ap.error(str(e))
+    paths = plot_all(rows, args.out)
+    if not paths:
+        ap.error("nothing to plot: no perplexity curves, accuracy grids or memory in these results")
+    for p in paths:
+        print(f"wrote {p}")
+
+
+if __name__ == "__main__":
+    main()

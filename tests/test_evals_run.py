@@ -1,0 +1,352 @@
+"""evals.run / perplexity / results / table / plots: config composition and errors, the runner
+end to end on a tiny random byte-level Llama, resume/force/interruption, tables and figures."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import threading
+
+import numpy as np
+import pytest
+
+import kvpolicies
+from evals import plots, results as R, table
+from evals import run as evrun
+
+TOKENS = 160
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    words = "the of and to a in that it was her she he not be his as with had for you".split()
+    path = tmp_path_factory.mktemp("text") / "tiny.txt"
+    path.write_text(" ".join(rng.choice(words, 200)), encoding="utf-8")
+    return path
+
+
+def base_args(text_file, results, hydra_dir):
+    return ["model=tiny_random", "model.max_position=96", "data=path", f"data.path={text_file}", f"tokens={TOKENS}",
+            "chunk=32", "task.segment=40", f"results={results}", "progress=false",
+            f"hydra.run.dir={hydra_dir}/run", f"hydra.sweep.dir={hydra_dir}/sweep"]
+
+
+@pytest.fixture(scope="module")
+def sink_run(tmp_path_factory, text_file):
+    """One CLI run of sink(n_sink=4, window=64) on the tiny model; (results path, rows, args)."""
+    d = tmp_path_factory.mktemp("run")
+    args = base_args(text_file, d / "res.jsonl", d) + ["policy=sink", "window=64"]
+    rows = evrun.main(args)
+    return d / "res.jsonl", rows, args
+
+
+# -- composition and errors -------------------------------------------------------------------------
+
+
+def test_defaults_compose_to_smollm2_pride_and_prejudice_perplexity():
+    conf = evrun.validate(evrun.compose([]))
+    assert conf["model"] == {"name": "smollm2", "dtype": "float32"}
+    assert conf["data"]["spec"] == "austen:Pride & Prejudice"
+    assert conf["task"] == {"name": "perplexity", "tokens": 12288, "segment": 1024}
+    assert conf["policy"] == {"name": "full", "codec": "none"}
+    assert (conf["results"], conf["chunk"], conf["force"]) == ("results/results.jsonl", 512, False)
+
+
+def test_top_level_keys_reach_the_policy_and_task():
+    conf = evrun.validate(evrun.compose(["policy=sink", "window=1024", "n_sink=2", "codec=int8", "tokens=999"]))
+    assert conf["policy"] == {"name": "sink", "n_sink": 2, "window": 1024, "positions": "cache", "codec": "int8"}
+    assert conf["task"]["tokens"] == 999
+    pol = evrun.build_policy(conf["policy"])
+    assert pol == kvpolicies.get("sink", codec="int8", n_sink=2, window=1024)
+
+
+def test_every_registered_policy_has_a_config_that_builds():
+    assert set(kvpolicies.POLICIES) <= set(evrun.group_options("policy"))
+    for name, cls in kvpolicies.POLICIES.items():
+        conf = evrun.validate(evrun.compose([f"policy={name}", "window=512", "budget=256"]))
+        pol = evrun.build_policy(conf["policy"])
+        assert type(pol) is cls and conf["policy"]["name"] == name
+    follows = {"window": ("window", 512), "sink": ("window", 512), "hier": ("window", 512), "h2o": ("heavy", 256),
+               "tova": ("budget", 256), "snapkv": ("budget", 256)}
+    for name, (field, value) in follows.items():
+        if name in kvpolicies.POLICIES:
+            conf = evrun.validate(evrun.compose([f"policy={name}", "window=512", "budget=256"]))
+            assert getattr(evrun.build_policy(conf["policy"]), field) == value
+
+
+def test_a_registered_policy_without_yaml_gets_its_dataclass_defaults(monkeypatch):
+    monkeypatch.setitem(kvpolicies.POLICIES, "sink2", kvpolicies.Sink)
+    assert "sink2" in evrun.group_options("policy")
+    conf = evrun.validate(evrun.compose(["policy=sink2", "codec=int8", "window=8"]))
+    assert conf["policy"] == {"name": "sink2", "n_sink": 4, "window": 4096, "positions": "cache", "codec": "int8"}
+    assert evrun.build_policy(conf["policy"]) == kvpolicies.Sink(codec=kvpolicies.get_codec("int8"))
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["policy=sinc"], ["policy=sinc: no such policy; choose one of:", *sorted(kvpolicies.POLICIES)]),
+    (["task=foo"], ["task=foo: no such task; choose one of: multikey, niah, passkey, perplexity, recall"]),
+    (["window=abc"], ["window=abc: window must be int"]),
+    (["progress=maybe"], ["progress=maybe: progress must be bool"]),
+    (["windw=5"], ["windw: unknown key; the config has keys: budget, chunk, codec, data, force, model, n_sink"]),
+    (["policy=sink", "policy.windw=3"], ["policy.windw: unknown key; policy 'sink' has keys: codec, n_sink, name, "
+                                         "positions, window"]),
+    (["policy=sink", "policy.window=0"], ["sink.window=0: must be an int >= 1"]),
+    (["codec=int3"], ["codec='int3': must be one of ['fp8', 'int4', 'int8', 'none']"]),
+    (["model=gguf"], ["model.path is required: pass model.path=..."]),
+    (["chunk=0"], ["chunk=0: must be >= 1"]),
+    (["task.segment=abc"], ["task.segment='abc': must be an int >= 1"]),
+    (["data=path", "data.path=/nonexistent/x.txt"], ["data.path=/nonexistent/x.txt: no such file"]),
+])
+def test_config_errors_name_the_key_and_valid_choices(overrides, expected):
+    with pytest.raises(evrun.ConfigError) as e:
+        evrun.validate(evrun.compose(overrides))
+    for text in expected:
+        assert text in str(e.value)
+    assert "hydra" not in str(e.value)
+
+
+def test_sweep_with_one_bad_value_fails_before_any_job(tmp_path, capsys):
+    res = tmp_path / "res.jsonl"
+    with pytest.raises(SystemExit) as e:
+        evrun.main(["-m", "policy=full,sinc", f"results={res}", f"hydra.sweep.dir={tmp_path}"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("evals.run: error: policy=sinc: no such policy")
+    assert not res.exists()
+
+
+def test_job_overrides_expands_sweeps_only_under_multirun():
+    jobs = evrun.job_overrides(["-m", "policy=full,window,sink", "window=1024,4096", "task=perplexity",
+                                "hydra.run.dir=x"])
+    assert len(jobs) == 6
+    assert jobs[0] == ["policy=full", "window=1024", "task=perplexity"]
+    assert jobs[-1] == ["policy=sink", "window=4096", "task=perplexity"]
+    assert evrun.job_overrides(["policy=sink", "window=8"]) == [["policy=sink", "window=8"]]
+    assert evrun.job_overrides(["--help"]) is None
+
+
+# -- the runner end to end ----------------------------------------------------------------------------
+
+
+def test_run_appends_one_row_with_metrics_arrays_and_exact_memory(sink_run):
+    res, rows, _ = sink_run
+    (row,) = R.read(res)
+    assert rows[0]["key"] == row["key"]
+    assert row["task"] == "perplexity" and row["policy"]["name"] == "sink" and row["policy"]["window"] == 64
+    nll = R.load_array(row, "nll")
+    assert nll.shape == (TOKENS,) and np.all(np.isfinite(nll))
+    m = row["metrics"]
+    assert m["tokens"] == TOKENS
+    assert m["ppl"] == pytest.approx(math.exp(nll.mean()), rel=1e-6)
+    assert m["ppl_in"] == pytest.approx(math.exp(nll[:96].mean()), rel=1e-6)  # model.max_position=96
+    assert m["ppl_out"] == pytest.approx(math.exp(nll[96:].mean()), rel=1e-6)
+    assert row["curves"]["position"] == [40, 80, 120, 160]
+    assert row["curves"]["ppl"][1] == pytest.approx(math.exp(nll[40:80].mean()), rel=1e-6)
+    # Memory: 2 layers x 2 kv heads x 8 dims x (4 + 64) slots x 4 bytes, keys and values.
+    mem = row["memory"]
+    closed = 2 * 2 * 2 * 8 * 68 * 4
+    assert mem["closed_form_bytes"] == closed == mem["kv_bytes"]
+    assert mem["meta_bytes"] == 2 * 68 * 4  # int32 slot positions per layer
+    assert mem["state_bytes"] == closed + 2 * 68 * 4
+    assert mem["max_len"] == TOKENS and mem["read_bytes_per_step"] is None and mem["peak_device_bytes"] is None
+    assert row["versions"]["jax"] and row["device"]["platform"] == "cpu"
+    assert row["config"]["chunk"] == 32 and "results" not in row["config"]
+
+
+def test_chunked_perplexity_equals_token_by_token(sink_run, text_file):
+    res, _, _ = sink_run
+    (row,) = R.read(res)
+    model, tok = evrun.load_model(row["config"]["model"])
+    ids = tok.encode(text_file.read_text())[: TOKENS + 1]
+    one_by_one = evrun.RecordingContext(model=model, tokenizer=tok, policies=evrun.build_policy(row["config"]["policy"]),
+                                        task={}).engine(TOKENS).score(np.asarray(ids), chunk=1)
+    np.testing.assert_allclose(R.load_array(row, "nll"), one_by_one, atol=2e-5)
+
+
+def test_resume_skips_done_config_and_force_redoes_it(sink_run):
+    res, rows, args = sink_run
+    before = res.read_bytes()
+    again = evrun.main(args)
+    assert again[0]["key"] == rows[0]["key"] and res.read_bytes() == before  # skipped: nothing appended
+    forced = evrun.main(args + ["force=true"])
+    lines = R.read(res)
+    assert len(lines) == 2 and lines[0]["key"] == lines[1]["key"] == forced[0]["key"]
+    assert res.read_bytes().startswith(before)  # the earlier row is untouched
+    assert len(R.latest(lines)) == 1 and R.latest(lines)[0]["time"] == lines[1]["time"]
+
+
+def test_sweep_runs_each_distinct_config_once(tmp_path, text_file):
+    res = tmp_path / "res.jsonl"
+    args = base_args(text_file, res, tmp_path) + ["tokens=64", "chunk=64"]
+    rows = evrun.main(["-m", "policy=full,window", "window=16,32"] + args)
+    assert len(rows) == 4
+    lines = R.read(res)
+    # full ignores `window`: both full jobs have one key, the second is skipped.
+    assert [(r["policy"]["name"], r["policy"].get("window")) for r in lines] == [
+        ("full", None), ("window", 16), ("window", 32)]
+    assert [r["memory"]["closed_form_bytes"] for r in lines] == [2 * 2 * 2 * 8 * s * 4 for s in (64, 16, 32)]
+    assert evrun.main(["-m", "policy=full,window", "window=16,32"] + args) and len(R.read(res)) == 3
+
+
+def test_retrieval_task_row_has_grid_and_memory_of_its_longest_engine(tmp_path, text_file):
+    res = tmp_path / "res.jsonl"
+    args = [a for a in base_args(text_file, res, tmp_path) if not a.startswith("task.segment")]
+    args += ["model.max_position=512", "task=passkey", "task.lengths=[320]",
+                                                   "task.depths=[0.5]", "task.trials=1", "task.batch=1",
+                                                   "policy=sink", "window=32"]
+    (row,) = evrun.main(args)
+    assert row["task"] == "passkey" and row["metrics"]["accuracy"] in (0.0, 1.0)
+    assert [(g["length"], g["depth"]) for g in row["grid"]] == [(320, 0.5)]
+    assert row["memory"]["max_len"] >= 320  # the prompt plus the generated answer
+    assert row["memory"]["closed_form_bytes"] == row["memory"]["kv_bytes"] == 2 * 2 * 2 * 8 * 36 * 4
+    paths = plots.plot_heatmaps(R.read(res), tmp_path / "fig")
+    assert [p.name for p in paths] == ["heatmap_passkey.png", "heatmap_passkey.pdf"]
+
+
+def test_interrupted_run_leaves_prior_rows_intact(sink_run, tmp_path, monkeypatch):
+    res = tmp_path / "res.jsonl"
+    res.write_bytes(sink_run[0].read_bytes())
+    before = res.read_bytes()
+    conf = evrun.validate(evrun.compose(sink_run[2][:-2] + ["policy=window", f"results={res}"]))
+
+    def interrupted(ctx):
+        ctx.engine(8)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(evrun, "load_task", lambda name: interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        evrun.run_config(conf)
+    assert res.read_bytes() == before
+    # A line cut short by a crash elsewhere is skipped, the complete rows are kept.
+    with open(res, "ab") as f:
+        f.write(b'{"key": "partial", "metr')
+    with pytest.warns(UserWarning, match="not valid JSON"):
+        assert [r["key"] for r in R.read(res)] == [r["key"] for r in R.read(sink_run[0])]
+
+
+def test_concurrent_appends_never_interleave(tmp_path):
+    res = tmp_path / "res.jsonl"
+    payload = "x" * 20000
+
+    def writer(w):
+        for i in range(50):
+            R.append(res, {"key": f"{w}-{i}", "pad": payload, "nan": float("nan")})
+
+    threads = [threading.Thread(target=writer, args=(w,)) for w in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    rows = R.read(res)
+    assert len(rows) == 300 and {r["key"] for r in rows} == {f"{w}-{i}" for w in range(6) for i in range(50)}
+    assert all(r["pad"] == payload and r["nan"] is None for r in rows)
+
+
+def test_memory_columns_for_a_policy_that_reads_less_and_one_with_its_own_layout():
+    import jax.numpy as jnp
+
+    from kvpolicies import memory as km
+
+    kw = dict(kv_heads=2, head_dim=32, max_len=256, dtype=jnp.float32)
+    full = R.memory((kvpolicies.get("full"),) * 3, **kw)
+    assert full["kv_bytes"] == full["closed_form_bytes"] == 2 * 3 * 2 * 32 * 256 * 4
+    assert full["read_bytes_per_step"] is None and full["layers"] == 3
+    if "quest" in kvpolicies.POLICIES:
+        quest = kvpolicies.get("quest", page=16, top_k=2, window=16)
+        m = R.memory((quest,) * 3, **kw)
+        assert m["closed_form_bytes"] == full["closed_form_bytes"]
+        read = km.bytes_read_per_step(quest, context=255, **kw).read.total
+        assert m["read_bytes_per_step"] == 3 * read and 0 < read < m["state_bytes"] / 3
+    if "kivi" in kvpolicies.POLICIES:
+        m = R.memory((kvpolicies.get("kivi"),) * 3, **kw)
+        assert m["closed_form_bytes"] is None and 0 < m["kv_bytes"] < full["kv_bytes"]  # 2-bit codes + a full-precision residual
+
+
+# -- tables and plots -------------------------------------------------------------------------------------
+
+
+def fake_rows():
+    """Rows as the runner writes them, with made-up numbers: perplexity and passkey."""
+    def row(key, task, name, params, metrics, state, closed=None, grid=(), curves=None):
+        return {"key": key, "task": task, "policy": {"name": name, "codec": {"name": "none"}}, "params": params,
+                "model": {"name": "smollm2", "max_position": 8192}, "config": {"data": {"name": "austen"}},
+                "metrics": metrics, "memory": {"state_bytes": state, "closed_form_bytes": closed},
+                "grid": list(grid), "curves": curves or {}}
+
+    curve = lambda a: {"position": [4096, 8192, 12288], "ppl": [a, a + 1, a + 2]}  # noqa: E731
+    grid = lambda acc: [{"length": n, "depth": d, "accuracy": acc} for n in (1024, 2048) for d in (0.0, 0.5, 1.0)]  # noqa: E731
+    return [
+        row("a", "perplexity", "full", "", {"ppl": 12.3456, "tokens": 12288}, 226_492_416, 226_492_416, curves=curve(12)),
+        row("b", "perplexity", "sink", "n_sink=4 window=1024", {"ppl": 14.5, "tokens": 12288}, 18_972_000,
+            18_923_520, curves=curve(14)),
+        row("c", "perplexity", "window", "window=1024", {"ppl": 40.0, "tokens": 12288}, 18_956_000, 18_874_368,
+            curves=curve(40)),
+        row("d", "passkey", "sink", "n_sink=4 window=1024", {"accuracy": 0.25}, 18_972_000, grid=grid(0.25)),
+        row("e", "passkey", "full", "", {"accuracy": 1.0}, 226_492_416, grid=grid(1.0)),
+    ]
+
+
+def test_markdown_latex_csv_tables():
+    rows = fake_rows()
+    md = table.markdown(rows)
+    assert "**perplexity**" in md and "**passkey**" in md
+    assert "| model | data | policy | params | codec | ppl | tokens | cache MB | closed-form MB |" in md
+    assert "| smollm2 | austen | sink | n_sink=4 window=1024 | none | 14.50 | 12288 | 18.97 | 18.92 |" in md
+    assert "| smollm2 | austen | full |  | none | 12.35 | 12288 | 226.5 | 226.5 |" in md
+    assert "| model | data | policy | params | codec | accuracy | cache MB |" in md  # no closed form there
+    tex = table.latex(rows)
+    assert tex.count("\\toprule") == 2 and tex.count("\\bottomrule") == 2
+    assert "\\begin{tabular}{lllllrrrr}" in tex
+    assert "smollm2 & austen & sink & n\\_sink=4 window=1024 & none & 14.50 & 12288 & 18.97 & 18.92 \\\\" in tex
+    parsed = list(csv.DictReader(io.StringIO(table.csv_text(rows))))
+    assert [r["key"] for r in parsed] == ["a", "b", "c", "d", "e"]
+    assert float(parsed[0]["ppl"]) == 12.3456 and int(parsed[1]["state_bytes"]) == 18_972_000
+    assert parsed[3]["ppl"] == "" and float(parsed[3]["accuracy"]) == 0.25
+
+
+def test_table_cli_writes_files(sink_run, tmp_path, capsys):
+    res, rows, _ = sink_run
+    table.main([str(res), "--out", str(tmp_path / "t")])
+    out = capsys.readouterr().out
+    ppl = R.read(res)[-1]["metrics"]["ppl"]
+    assert f"| tiny_random | tiny.txt | sink | n_sink=4 window=64 positions=cache | none | {table.fmt(ppl)} |" in out
+    assert (tmp_path / "t.tex").read_text().startswith("% task: perplexity\n\\begin{tabular}")
+    (csv_row,) = list(csv.DictReader(io.StringIO((tmp_path / "t.csv").read_text())))
+    assert float(csv_row["ppl"]) == pytest.approx(ppl) and int(csv_row["closed_form_bytes"]) == 2 * 2 * 2 * 8 * 68 * 4
+
+
+def test_pareto_front():
+    pts = [(10.0, 5.0), (1.0, 9.0), (5.0, 5.5), (20.0, 4.0), (6.0, 9.5)]
+    assert plots.pareto_front(pts, lower=True) == [1, 2, 0, 3]
+    assert plots.pareto_front([(1, 0.2), (2, 0.1), (3, 0.9)], lower=False) == [0, 2]
+
+
+def test_plots_from_saved_results(sink_run, tmp_path):
+    res = tmp_path / "all.jsonl"
+    for r in fake_rows():
+        R.append(res, r)
+    paths = plots.plot_all(R.read([res, sink_run[0]]), tmp_path / "fig")
+    names = sorted(p.name for p in paths)
+    assert names == sorted(f"{s}.{e}" for s in ("perplexity_vs_position", "heatmap_passkey", "pareto_perplexity",
+                                                 "pareto_passkey") for e in ("png", "pdf"))
+    for p in paths:
+        magic = b"\x89PNG\r\n\x1a\n" if p.suffix == ".png" else b"%PDF-"
+        assert p.read_bytes().startswith(magic) and p.stat().st_size > 5000
+    lengths, depths, acc = plots.accuracy_grid(fake_rows()[3])
+    assert lengths == [1024, 2048] and depths == [0.0, 0.5, 1.0] and np.all(acc == 0.25)
+
+
+# -- the real model ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_smollm2_sink_smoke(tmp_path):
+    res = tmp_path / "res.jsonl"
+    (row,) = evrun.main(["policy=sink", "window=60", "tokens=256", "chunk=128", "task.segment=128", f"results={res}",
+                         "progress=false", f"hydra.run.dir={tmp_path}/h"])
+    assert 2 < row["metrics"]["ppl"] < 60  # English prose, SmolLM2-135M
+    assert row["memory"]["closed_form_bytes"] == row["memory"]["kv_bytes"] == 2 * 30 * 3 * 64 * 64 * 4
+    assert json.loads(res.read_text())["key"] == row["key"]
