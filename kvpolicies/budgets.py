@@ -19,7 +19,9 @@ import math
 
 from kvpolicies.base import Policy, check_int
 
-BUDGET_FIELD: dict[str, str] = {"h2o": "heavy", "tova": "budget", "snapkv": "budget", "window": "window", "sink": "window"}
+BUDGET_FIELD: dict[str, str] = {
+    "h2o": "heavy", "tova": "budget", "snapkv": "budget", "window": "window", "sink": "window",
+}
 
 
 def _check_name(name: str) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -24,7 +23,7 @@ from models.attention import Rope
 from models.config import LlamaConfig
 from models.engine import Engine
 from models.llama import Llama
-from oracle import default_inv_freq, rope_complex
+from oracle import default_inv_freq, dense_attention, rope_complex
 
 B, N, K, D, THETA = 2, 4, 2, 16, 10000.0
 G = N // K
@@ -137,53 +136,60 @@ def kept_positions(state):
 # Policies checked against the oracle (small budgets so that T = 24 tokens overflow them).
 POLICIES = {
     "h2o": kvpolicies.get("h2o", heavy=4, recent=3),
-    "h2o_heavy_only": kvpolicies.get("h2o", heavy=5, recent=0),
     "tova_layer": kvpolicies.get("tova", budget=6),
     "tova_head": kvpolicies.get("tova", budget=6, scope="head"),
     "snapkv": kvpolicies.get("snapkv", budget=5, obs_window=3, kernel=3, max_new=4),
+    "h2o_heavy_only": kvpolicies.get("h2o", heavy=5, recent=0),
     "snapkv_k5_nonew": kvpolicies.get("snapkv", budget=4, obs_window=2, kernel=5, max_new=0),
 }
 SCHEDULES = {
     "decode": [1],  # token by token: the papers' per-step rules
-    "prompt16": [16] + [1] * (T - 16),  # one prompt chunk, then decode (SnapKV's setting)
-    "mixed": [4, 1, 3],  # chunks that overflow mid-stream
+    "prompt": [12] + [1] * (T - 12),  # one prompt chunk, then decode (SnapKV's setting)
+    "chunks": [4],  # chunked prefill that overflows the budgets at chunk ends
 }
+# (Few distinct chunk sizes per policy: each (policy, chunk size) pair is one compilation.)
+CASES = [(n, s) for n in list(POLICIES)[:4] for s in SCHEDULES] + [(n, "prompt") for n in list(POLICIES)[4:]]
 
 
-@pytest.mark.parametrize("sched", list(SCHEDULES))
-@pytest.mark.parametrize("name", list(POLICIES))
+def run(pol, t, sched, seed):
+    q, k, v = qkv(t, seed=seed)
+    out, state = run_policy(pol, q, k, v, SCHEDULES[sched], ROPE, max_len=MAX_LEN)
+    return (q, k, v), out, state
+
+
+@pytest.mark.parametrize("name,sched", CASES, ids=[f"{n}-{s}" for n, s in CASES])
 def test_matches_step_by_step_oracle(name, sched):
     pol = POLICIES[name]
-    q, k, v = qkv(T, seed=list(POLICIES).index(name))
-    out, state = run_policy(pol, q, k, v, SCHEDULES[sched], ROPE, max_len=MAX_LEN)
+    (q, k, v), out, state = run(pol, T, sched, seed=list(POLICIES).index(name))
     ref, kept = simulate(pol, q, k, v, SCHEDULES[sched])
     assert kept_positions(state) == kept
     np.testing.assert_allclose(out, ref, atol=2e-5, rtol=0)
-    # every kv head keeps its own tokens: heads differ somewhere for per-head policies
+    # every kv head keeps its own tokens: per-head policies differ between heads here
     if np.asarray(state.pos).shape[1] == K:
         assert any(kb[0] != kb[1] for kb in kept)
 
 
-def test_state_shapes_and_bookkeeping():
+def test_state_shapes():
     s = POLICIES["h2o"].init(B, K, D, jnp.float32, MAX_LEN)
     assert s.pos.shape == (B, K, 7) and s.aux["acc"].shape == (B, K, 7)
     s = POLICIES["tova_layer"].init(B, K, D, jnp.float32, MAX_LEN)
     assert s.pos.shape == (B, 1, 6) and s.k.shape == (B, K, 6, D) and s.aux == {}
     s = POLICIES["snapkv"].init(B, K, D, jnp.float32, MAX_LEN)
     assert s.pos.shape == (B, K, 12) and s.aux["obs"].shape == (B, K, 12)
-    # h2o's accumulated mass after one-by-one decoding equals the oracle's column sums
-    pol = kvpolicies.get("h2o", heavy=30, recent=0)  # nothing evicted: acc = all column sums
-    q, k, v = qkv(10, seed=3)
-    _, st = run_policy(pol, q, k, v, [1], ROPE, max_len=MAX_LEN)
-    qq, kk = (np.asarray(a, np.float64) for a in (q, k))
+    assert POLICIES["snapkv"].capacity(10) == 10  # capped by max_len
+
+
+def dense_probs(q, k):
+    """Causal attention probabilities [B, K, G, T, T] in float64 (text positions for RoPE)."""
+    t = q.shape[1]
     inv = default_inv_freq(D, THETA)
-    qr = rope_complex(qq, np.broadcast_to(np.arange(10)[None, :, None], qq.shape[:3]), inv)
-    kr = rope_complex(kk, np.broadcast_to(np.arange(10)[None, :, None], kk.shape[:3]), inv)
-    lg = np.einsum("bpkgd,bjkd->bkgpj", qr.reshape(B, 10, K, G, D), kr) / np.sqrt(D)
-    lg = np.where(np.tril(np.ones((10, 10), bool)), lg, -np.inf)
+    qq, kk = (np.asarray(a, np.float64) for a in (q, k))
+    qr = rope_complex(qq, np.broadcast_to(np.arange(t)[None, :, None], qq.shape[:3]), inv)
+    kr = rope_complex(kk, np.broadcast_to(np.arange(t)[None, :, None], kk.shape[:3]), inv)
+    lg = np.einsum("bpkgd,bjkd->bkgpj", qr.reshape(B, t, K, G, D), kr) / np.sqrt(D)
+    lg = np.where(np.tril(np.ones((t, t), bool)), lg, -np.inf)
     w = np.exp(lg - lg.max(-1, keepdims=True))
-    w /= w.sum(-1, keepdims=True)
-    np.testing.assert_allclose(np.asarray(st.aux["acc"])[:, :, :10], w.sum((2, 3)), atol=1e-5)
+    return w / w.sum(-1, keepdims=True)
 
 
 # ------------------------------------------------------------------------------------------
@@ -191,30 +197,29 @@ def test_state_shapes_and_bookkeeping():
 # ------------------------------------------------------------------------------------------
 
 
-def full_reference(q, k, v, chunks):
-    return run_policy(kvpolicies.get("full"), q, k, v, chunks, ROPE, max_len=MAX_LEN)[0]
-
-
 @pytest.mark.parametrize(
     "pol",
-    [kvpolicies.get("h2o", heavy=20, recent=4), kvpolicies.get("h2o", heavy=0, recent=30),
-     kvpolicies.get("tova", budget=24), kvpolicies.get("tova", budget=100, scope="head"),
-     kvpolicies.get("snapkv", budget=16, obs_window=4, kernel=3, max_new=8)],
-    ids=["h2o", "h2o_recent", "tova", "tova_head", "snapkv"],
+    [kvpolicies.get("h2o", heavy=20, recent=4), kvpolicies.get("tova", budget=24),
+     kvpolicies.get("snapkv", budget=12, obs_window=4, kernel=3, max_new=12)],
+    ids=["h2o", "tova", "snapkv"],
 )
 def test_budget_covering_everything_equals_full(pol):
-    q, k, v = qkv(T, seed=5)
-    chunks = [16] + [1] * 8  # a 16-token prompt (<= snapkv's budget), then 8 decoded (<= max_new)
-    out, state = run_policy(pol, q, k, v, chunks, ROPE, max_len=MAX_LEN)
-    np.testing.assert_allclose(out, full_reference(q, k, v, chunks), atol=2e-5, rtol=0)
+    """heavy + recent >= T, budget >= T, snapkv budget >= prompt (and max_new >= decoded):
+    nothing is evicted and the outputs are dense causal attention (numpy reference)."""
+    (q, k, v), out, state = run(pol, T, "prompt", seed=5)
+    ref = dense_attention(q, k, v, [list(range(p + 1)) for p in range(T)], False, default_inv_freq(D, THETA))
+    np.testing.assert_allclose(out, ref, atol=2e-5, rtol=0)
     assert all(u == list(range(T)) for kb in kept_positions(state) for u in kb)
+    if "acc" in state.aux:  # h2o's accumulated mass is then every token's column sum
+        np.testing.assert_allclose(np.asarray(state.aux["acc"]), dense_probs(q, k).sum((2, 3)), atol=1e-5)
 
 
 def test_h2o_without_heavy_hitters_is_a_sliding_window():
-    q, k, v = qkv(T, seed=6)
-    a, _ = run_policy(kvpolicies.get("h2o", heavy=0, recent=5), q, k, v, [1], ROPE, max_len=MAX_LEN)
-    b, _ = run_policy(kvpolicies.get("window", window=5), q, k, v, [1], ROPE, max_len=MAX_LEN)
-    np.testing.assert_allclose(a, b, atol=2e-5, rtol=0)
+    """recent=r keeps r tokens between steps; the new query reads them and itself: window r + 1."""
+    (q, k, v), out, _ = run(kvpolicies.get("h2o", heavy=0, recent=5), T, "decode", seed=6)
+    ref = dense_attention(q, k, v, [[j for j in range(p + 1) if j > p - 6] for p in range(T)], False,
+                          default_inv_freq(D, THETA))
+    np.testing.assert_allclose(out, ref, atol=2e-5, rtol=0)
 
 
 @pytest.mark.parametrize("name", ["h2o", "tova_head", "snapkv"])
@@ -223,40 +228,31 @@ def test_chunks_that_fit_equal_one_by_one(name):
     exactly one-by-one feeding (outputs and kept tokens). Once a chunk overflows, the three
     policies evict at its end only, which differs from one by one (also asserted)."""
     pol = POLICIES[name]
-    fit = {"h2o": 7, "tova_head": 6, "snapkv": 8}[name]  # <= capacity (<= budget + window for snapkv)
     q, k, v = qkv(T, seed=7)
     one, s1 = run_policy(pol, q, k, v, [1], ROPE, max_len=MAX_LEN)
-    chunked, s2 = run_policy(pol, q, k, v, [fit] + [1] * (T - fit), ROPE, max_len=MAX_LEN)
-    np.testing.assert_allclose(chunked, one, atol=2e-5, rtol=0)
+    fits, s2 = run_policy(pol, q, k, v, [4] + [1] * (T - 4), ROPE, max_len=MAX_LEN)  # 4 <= every budget
+    np.testing.assert_allclose(fits, one, atol=2e-5, rtol=0)
     assert kept_positions(s1) == kept_positions(s2)
-    over, _ = run_policy(pol, q, k, v, [16] + [1] * (T - 16), ROPE, max_len=MAX_LEN)
+    over, _ = run_policy(pol, q, k, v, SCHEDULES["prompt"], ROPE, max_len=MAX_LEN)  # 12 > budget
     assert np.abs(over - one).max() > 1e-3
 
 
 def test_snapkv_single_prompt_keeps_pooled_top_budget():
     """SnapKV on one prompt chunk, checked by a direct reading of the paper: sum the last w
-    queries' attention over the prompt, max-pool it (kernel, stride 1, same length), keep the
-    top `budget` prefix tokens per kv head plus the window."""
-    pol = kvpolicies.get("snapkv", budget=6, obs_window=4, kernel=5, max_new=0)
-    L = 20
+    queries' attention over the prompt, max-pool it (kernel, stride 1, same length, -inf
+    padding), keep the top `budget` prefix tokens per kv head plus the window."""
+    pol = POLICIES["snapkv"]  # budget 5, obs_window 3, kernel 3
+    L = 12
     q, k, v = qkv(L, seed=8)
     _, state = run_policy(pol, q, k, v, [L], ROPE, max_len=MAX_LEN)
-    inv = default_inv_freq(D, THETA)
-    qq, kk = (np.asarray(a, np.float64) for a in (q, k))
-    qr = rope_complex(qq, np.broadcast_to(np.arange(L)[None, :, None], qq.shape[:3]), inv)
-    kr = rope_complex(kk, np.broadcast_to(np.arange(L)[None, :, None], kk.shape[:3]), inv)
-    lg = np.einsum("bpkgd,bjkd->bkgpj", qr.reshape(B, L, K, G, D), kr) / np.sqrt(D)  # [B, K, G, L, L]
-    lg = np.where(np.tril(np.ones((L, L), bool)), lg, -np.inf)
-    att = np.exp(lg - lg.max(-1, keepdims=True))
-    att /= att.sum(-1, keepdims=True)
-    obs = att[:, :, :, -4:, : L - 4].sum((2, 3))  # [B, K, L - 4]
-    padded = np.pad(obs, ((0, 0), (0, 0), (2, 2)), constant_values=-np.inf)
-    pooled = np.lib.stride_tricks.sliding_window_view(padded, 5, axis=-1).max(-1)  # [B, K, L - 4]
+    obs = dense_probs(q, k)[:, :, :, -3:, : L - 3].sum((2, 3))  # [B, K, L - 3]
+    padded = np.pad(obs, ((0, 0), (0, 0), (1, 1)), constant_values=-np.inf)
+    pooled = np.lib.stride_tricks.sliding_window_view(padded, 3, axis=-1).max(-1)  # [B, K, L - 3]
+    assert (pooled != obs).any()  # pooling changes the scores
     for b in range(B):
         for h in range(K):
             order = np.lexsort((-obs[b, h], -pooled[b, h]))
-            want = sorted(order[:6].tolist()) + list(range(L - 4, L))
-            assert kept_positions(state)[b][h] == want
+            assert kept_positions(state)[b][h] == sorted(order[:5].tolist()) + list(range(L - 3, L))
 
 
 # ------------------------------------------------------------------------------------------
@@ -284,35 +280,37 @@ class HalvedPair(Codec):
 def test_composes_with_a_multi_leaf_codec(name):
     pol = POLICIES[name]
     q, k, v = qkv(T, seed=9)
-    ref, s_ref = run_policy(pol, q, k, v, [4, 1, 3], ROPE, max_len=MAX_LEN)
-    out, s = run_policy(dataclasses.replace(pol, codec=HalvedPair()), q, k, v, [4, 1, 3], ROPE, max_len=MAX_LEN)
+    ref, s_ref = run_policy(pol, q, k, v, SCHEDULES["chunks"], ROPE, max_len=MAX_LEN)
+    pol2 = dataclasses.replace(pol, codec=HalvedPair())
+    out, s = run_policy(pol2, q, k, v, SCHEDULES["chunks"], ROPE, max_len=MAX_LEN)
     np.testing.assert_array_equal(out, ref)
     np.testing.assert_array_equal(np.asarray(s.pos), np.asarray(s_ref.pos))
     assert s.k[0].shape[:3] == s.k[1].shape[:3] == (B, K, pol.capacity(MAX_LEN))
 
 
 def test_decode_step_compiles_once_for_100_steps():
-    cfg = LlamaConfig(vocab_size=61, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64)
+    cfg = LlamaConfig(vocab_size=61, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64)
     pols = (kvpolicies.get("h2o", heavy=6, recent=4), kvpolicies.get("tova", budget=8),
-            kvpolicies.get("snapkv", budget=6, obs_window=3, kernel=3, max_new=5),
-            kvpolicies.get("tova", budget=8, scope="head"))
+            kvpolicies.get("snapkv", budget=6, obs_window=3, kernel=3, max_new=5))
     eng = Engine(Llama(cfg), pols, max_len=128)
     _, cache = eng.step(eng.init_cache(1), np.arange(12)[None], 0)
     for t in range(12, 112):
         logits, cache = eng.step(cache, np.array([[t % cfg.vocab_size]]), t)
     assert eng.traces["decode"] == 1 and eng.traces["logits"] == 1
     assert np.isfinite(np.asarray(logits)).all()
-    # the caches hold exactly their budgets of the newest-stream tokens, all distinct per head
-    for st, cap, live in zip(cache, (10, 8, 14, 8), (10, 8, None, 8)):
+    # fixed capacities, full budgets of distinct tokens; h2o's recent and snapkv's window
+    # always hold the newest token (tova protects nothing: it may drop the newest itself)
+    for st, cap in zip(cache, (10, 8, 14)):
         pos = np.asarray(st.pos)[0, 0]  # layer 0 of the run, batch 0 -> [Kp, S]
         assert pos.shape[-1] == cap
         for row in pos:
             got = row[row >= 0]
-            assert len(set(got.tolist())) == len(got) and got.max() == 111
-            if live is not None:
-                assert len(got) == live
-            else:  # snapkv: 9 after a compression, one more per decoded token up to 14
+            assert len(set(got.tolist())) == len(got) and got.max() <= 111
+            assert cap == 8 or got.max() == 111
+            if cap == 14:  # snapkv: 9 tokens after a compression, one more per decoded token
                 assert 9 <= len(got) <= 14
+            else:
+                assert len(got) == cap
 
 
 @pytest.mark.parametrize(
@@ -353,7 +351,8 @@ def test_from_ratio_converts_to_tokens():
         from_ratio("tova", 1.5, 100)
 
 
-@pytest.mark.parametrize("total,layers,beta", [(30 * 512, 30, 20.0), (7 * 100 + 3, 7, 20.0), (64, 4, 2.0), (10, 10, 5.0)])
+@pytest.mark.parametrize("total,layers,beta",
+                         [(30 * 512, 30, 20.0), (7 * 100 + 3, 7, 20.0), (64, 4, 2.0), (10, 10, 5.0), (90, 3, 1.0)])
 def test_pyramid_budgets_sum_to_the_uniform_total(total, layers, beta):
     b = pyramid_budgets(total, layers, beta)
     assert sum(b) == total and len(b) == layers
@@ -382,18 +381,18 @@ def test_pyramid_stack_bytes_equal_closed_form_and_uniform():
         assert sb.meta == slots * per_slot
     one = state_bytes(kvpolicies.get("h2o", heavy=100, recent=28), kv_heads=kvh, head_dim=hd, max_len=ml)
     assert one.kv == 2 * kvh * hd * 128 * 2
+    if "int8" in kvpolicies.CODECS:  # a codec composes: int8 codes + one float32 scale per slot and head
+        one = state_bytes(kvpolicies.get("h2o", codec="int8", heavy=100, recent=28), kv_heads=kvh, head_dim=hd,
+                          max_len=ml)
+        assert one.kv == 2 * kvh * 128 * (hd + 4)
 
 
-def test_pyramid_runs_in_the_model():
+def test_pyramid_in_the_model_cache():
     cfg = LlamaConfig(vocab_size=61, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64)
     pols = pyramid("h2o", 4 * 6, 4, beta=2.0, recent=2)
-    assert [p.heavy for p in pols] == [9, 7, 5, 3]
-    eng = Engine(Llama(cfg), pols, max_len=64)
-    toks = np.random.default_rng(0).integers(0, 61, (1, 40))
-    nll = eng.score(toks[0], chunk=8)
-    assert nll.shape == (39,) and np.isfinite(nll).all()
-    _, cache = eng.prefill(toks, chunk=8)
-    assert [s.pos.shape[-1] for s in cache] == [11, 9, 7, 5]
+    assert [p.heavy for p in pols] == [9, 7, 5, 3]  # 24 / (2 * 4) = 3 at the top, 2 * 6 - 3 = 9 at the bottom
+    cache = Llama(cfg).init_cache(pols, 1, 64)
+    assert [s.pos.shape for s in cache] == [(1, 1, 2, n) for n in (11, 9, 7, 5)]  # [L_run, B, K, S]
 
 
 # ------------------------------------------------------------------------------------------
@@ -403,17 +402,29 @@ def test_pyramid_runs_in_the_model():
 
 @pytest.mark.slow
 def test_smollm2_perplexity_with_budget_256():
+    """1,024 tokens of Pride & Prejudice through SmolLM2-135M, 256 slots per layer and head.
+
+    Scored in chunks of 16 (token by token takes ~0.5 s a step on a shared 2-core CPU): within
+    a chunk, queries also read the chunk's earlier tokens, so h2o/tova/snapkv see at most
+    256 + 15 tokens; the window sees exactly 256. Measured (float32): full 18.205,
+    window-256 29.280 (its first token, the attention sink, is gone), h2o 128+128 18.329,
+    tova 256 18.608, snapkv 240 + 16 18.284. The claim tested is the ordering, which has
+    wide margins on the window side; all three keep the early tokens the window drops.
+    """
     from evals.data import default_text
     from models.engine import load_default_model, perplexity
 
     model, tok = load_default_model()
     ids = np.asarray(tok.encode(default_text())[:1024])
+    assert len(ids) == 1024
     ppl = {}
     for name, pol in [("full", kvpolicies.get("full")), ("window", kvpolicies.get("window", window=256)),
-                      ("h2o", kvpolicies.get("h2o", heavy=128, recent=128)), ("tova", kvpolicies.get("tova", budget=256)),
-                      ("snapkv", kvpolicies.get("snapkv", budget=224, obs_window=32, max_new=0))]:
-        ppl[name] = perplexity(Engine(model, pol, max_len=1024).score(ids, chunk=1))
+                      ("h2o", kvpolicies.get("h2o", heavy=128, recent=128)),
+                      ("tova", kvpolicies.get("tova", budget=256)),
+                      ("snapkv", kvpolicies.get("snapkv", budget=240, obs_window=16, max_new=0))]:
+        assert pol.capacity(1024) == (1024 if name == "full" else 256)
+        ppl[name] = perplexity(Engine(model, pol, max_len=1024).score(ids, chunk=16))
     print(ppl)
     assert all(np.isfinite(list(ppl.values())))
     for name in ("h2o", "tova", "snapkv"):
-        assert ppl["full"] <= ppl[name] * 1.001
+        assert ppl["full"] < ppl[name] < 0.7 * ppl["window"], (name, ppl)
