@@ -44,5 +44,5 @@ def get(name: str, codec: str | Codec = "none", **kwargs) -> Policy:
     return cls(codec=get_codec(codec), **kwargs)
 
 
-__all__ = ["EMPTY", "CODECS", "POLICIES", "Codec", "Full", "Identity", "Kivi", "Policy", "RopePositions", "Sink",
-           "SlotState", "Window", "get", "get_codec"]
+__all__ = ["EMPTY", "CODECS", "POLICIES", "Codec", "Full", "H2O", "Hier", "Identity", "Kivi", "Policy", "Quest",
+           "RopePositions", "Sink", "SlotState", "SnapKV", "TOVA", "Window", "get", "get_codec"]

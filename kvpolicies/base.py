@@ -202,20 +202,12 @@ def scatter(state: SlotState, new: SlotState, slots: Int[Array, "B T"]) -> SlotS
     )
 
 
-def gather(state: SlotState, idx: Int[Array, "B K S2"]) -> SlotState:
-    """Per-kv-head selection of slots: result slot j of head h is state slot idx[b, h, j]."""
-
-    def take(x):  # x [B, K|1, S, ...] -> [B, K, S2, ...]
-        x = jnp.broadcast_to(x, (x.shape[0], idx.shape[1]) + x.shape[2:])
-        i = idx.reshape(idx.shape + (1,) * (x.ndim - 3))
-        return jnp.take_along_axis(x, i, axis=2)
-
-    return SlotState(
-        k=jax.tree.map(take, state.k),
-        v=jax.tree.map(take, state.v),
-        pos=take(state.pos),
-        aux={n: take(a) for n, a in state.aux.items()},
-    )
+def take_slots(x: Array, idx: Int[Array, "B Ki S2"]) -> Array:
+    """x [B, H, S, ...] -> [B, max(H, Ki), S2, ...]: per-head slot selection (H or Ki may be 1)."""
+    h = max(x.shape[1], idx.shape[1])
+    x = jnp.broadcast_to(x, (x.shape[0], h) + x.shape[2:])
+    idx = jnp.broadcast_to(idx, (idx.shape[0], h, idx.shape[2]))
+    return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 3)), axis=2)
 
 
 def check_int(owner: str, name: str, value: Any, lo: int, hi: int | None = None) -> None:

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from kvpolicies.base import EMPTY, SlotState, concat, encode_new
+from kvpolicies.base import EMPTY, SlotState, concat, encode_new, take_slots
 
 LAST_KEY = jnp.iinfo(jnp.int32).max  # sort key that puts a slot after every kept one
 
@@ -65,14 +65,6 @@ def top_mask(prio: Float[Array, "*b V"], tie: Array, n: int) -> Bool[Array, "*b 
     order = jnp.lexsort((-tie, -prio), axis=-1)  # best first
     rank = jnp.argsort(order, axis=-1)  # rank of each slot
     return rank < n
-
-
-def take_slots(x: Array, idx: Int[Array, "B Ki S2"]) -> Array:
-    """x [B, H, V, ...] -> [B, max(H, Ki), S2, ...]: per-head slot selection (H or Ki may be 1)."""
-    h = max(x.shape[1], idx.shape[1])
-    x = jnp.broadcast_to(x, (x.shape[0], h) + x.shape[2:])
-    idx = jnp.broadcast_to(idx, (idx.shape[0], h, idx.shape[2]))
-    return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 3)), axis=2)
 
 
 def pack(view: SlotState, kept: Bool[Array, "B Kp V"], slots: int) -> SlotState:

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 
 from kvpolicies.base import Policy, check_int
 from kvpolicies.codecs import Codec, Identity
-from kvpolicies.scored import LAST_KEY, append_view, init_state, newest, pack, require_scores, take_slots, top_mask
+from kvpolicies.base import take_slots
+from kvpolicies.scored import LAST_KEY, append_view, init_state, newest, pack, require_scores, top_mask
 
 
 @dataclasses.dataclass(frozen=True)
