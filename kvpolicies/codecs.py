@@ -2,7 +2,7 @@
 
 Shapes: B batch, K kv heads, S slots (T when encoding new tokens), D head dim, Gd = D / group
 (scale groups along the head dim), D/2 (or D*bits/8) packed bytes. Every leaf of an encoded
-tree has layout [B, K, S, ...] so that slot operations (write, concatenate, scatter, gather)
+tree has layout [B, K, S, ...] so that slot operations (write, concatenate, scatter, take_slots)
 apply to all leaves alike: a quantized slot is its codes plus its own scales, nothing shared.
 
 Codecs (all symmetric round-to-nearest, scales computed from each new token as it is written):
@@ -26,12 +26,15 @@ Bytes per slot and kv head (keys or values), sb = itemsize(scale_dtype):
     int8 D + sb,    int4 D/2 + (D/group) sb,    fp8 D + sb.
 
 Why symmetric int4 with a rotation: SmolLM2's un-rotated keys have outlier channels, and a
-group scale that follows an outlier wastes the 15 levels of the other channels. On 1,024 tokens
-of Pride & Prejudice (SmolLM2-135M, float32 cache 18.20 perplexity), group 32: plain symmetric
-20.81 (+14%), asymmetric min/max 19.41 (+6.6%, and twice the metadata), Hadamard over the
-whole head then groups 18.93 (+4.0%), Hadamard within each group (this codec) 18.71 (+2.8%).
-After rotation a group is close to symmetric, so a zero point buys little. (`kivi`,
-kvpolicies/kivi.py, handles key outliers the other way: per-channel scales.)
+group scale that follows an outlier wastes the 15 levels of the other channels. Perplexity on
+1,024 tokens of Pride & Prejudice (SmolLM2-135M, float32 cache: 18.20), group 32: plain
+symmetric 20.81 (+14%; keys alone +12.8%, values alone +1.5%), asymmetric min/max 19.41
+(+6.6%, and twice the metadata), Hadamard over the whole head then groups 18.93 (+4.0%),
+Hadamard within each group (this codec) 18.94 (+4.0%; 18.71 when H is applied as a float32
+matmul instead of butterflies: at 4 bits, last-ulp differences flip codes and the flips
+compound over 30 layers, so these numbers carry about +-1% of rounding noise). After rotation
+a group is close to symmetric, so a zero point buys little. (`kivi`, kvpolicies/kivi.py,
+handles key outliers the other way: per-channel scales.)
 """
 
 from __future__ import annotations
@@ -204,7 +207,8 @@ class Int4(Codec):
     def init(self, shape, dtype):
         b, k, s, d = shape
         self._check(d)
-        return Quantized(jnp.zeros((b, k, s, d // 2), jnp.uint8), jnp.zeros((b, k, s, d // self.group), self.scale_dtype))
+        codes = jnp.zeros((b, k, s, d // 2), jnp.uint8)  # [B, K, S, D/2]
+        return Quantized(codes, jnp.zeros((b, k, s, d // self.group), self.scale_dtype))  # scale [B, K, S, Gd]
 
     def encode(self, x: Float[Array, "B K T D"]) -> Quantized:
         *lead, d = x.shape

@@ -21,7 +21,9 @@ Residual rule (the paper's Algorithm 1 and the authors' reference code): after n
          that falls out of the newest R is quantized on its own.
 A prompt of n tokens leaves exactly this state too (the reference quantizes X_K[: n - n mod R]
 and X_V[: n - R] at prefill), so prefilling in chunks of any size leaves the same state as
-feeding tokens one by one (tested). R must be a multiple of G.
+feeding tokens one by one (tested). R must be a multiple of G. (transformers' QuantizedCache
+instead quantizes the whole prompt at prefill and keeps no residual for it; their issues #34189
+and #35185.)
 
 What attention sees: the cache as it stood before the step (quantized or residual per the
 rule above) plus the step's new tokens in full precision; the state is updated after
@@ -119,11 +121,15 @@ class Kivi(Policy):
         b, k, d, s, g = batch, kv_heads, head_dim, self.capacity(max_len), self.group
         sg, dp, rr, sd = -(-s // g), d * self.bits // 8, min(self.residual, s), self.scale_dtype
         z = jnp.zeros
-        return SlotState(
-            k=KiviKeys(z((b, k, sg * g, dp), jnp.uint8), z((b, k, sg, d), sd), z((b, k, sg, d), sd), z((b, k, rr, d), dtype)),
-            v=KiviValues(z((b, k, s, dp), jnp.uint8), z((b, k, s, d // g), sd), z((b, k, s, d // g), sd), z((b, k, rr, d), dtype)),
-            pos=jnp.full((b, 1, s), EMPTY, jnp.int32),
+        keys = KiviKeys(
+            codes=z((b, k, sg * g, dp), jnp.uint8), scale=z((b, k, sg, d), sd), zero=z((b, k, sg, d), sd),
+            res=z((b, k, rr, d), dtype),
         )
+        values = KiviValues(
+            codes=z((b, k, s, dp), jnp.uint8), scale=z((b, k, s, d // g), sd), zero=z((b, k, s, d // g), sd),
+            res=z((b, k, rr, d), dtype),
+        )
+        return SlotState(k=keys, v=values, pos=jnp.full((b, 1, s), EMPTY, jnp.int32))
 
     # -- the step ------------------------------------------------------------------------------
     def extend(self, state, k, v, pos):
