@@ -1,0 +1,83 @@
+"""Perplexity of every policy family on SmolLM2-135M, next to the bytes each stores and reads.
+
+    python -m benchmarks.policy_zoo --tokens 1024 --chunk 16 --out docs/policy_zoo.md
+
+Streams the first `tokens` tokens of Pride and Prejudice through each policy (float32 cache for
+the baseline; chunk 16 so score-based policies evict at least every 16 tokens) and reports
+perplexity, state bytes (kv + meta, all layers) and bytes read per decode step at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax.numpy as jnp
+import numpy as np
+
+import kvpolicies
+from evals.data import default_text
+from kvpolicies.memory import bytes_read_per_step, state_bytes
+from models.engine import Engine, load_default_model, perplexity
+
+ROWS = [
+    ("full", {}),
+    ("full", dict(codec="int8")),
+    ("full", dict(codec="int4")),
+    ("full", dict(codec="fp8")),
+    ("kivi", dict(bits=4)),
+    ("kivi", dict(bits=2)),
+    ("window", dict(window=256)),
+    ("sink", dict(n_sink=4, window=252)),
+    ("sink", dict(n_sink=4, window=252, codec="int8")),
+    ("h2o", dict(heavy=128, recent=128)),
+    ("tova", dict(budget=256)),
+    ("snapkv", dict(budget=240, obs_window=16, max_new=0)),
+    ("hier", dict(window=128, branch=4, slots_per_level=16, levels=2)),
+    ("quest", dict(page=16, top_k=8, window=64)),
+]
+
+
+def label(name, kw):
+    return name + "".join(f" {k}={v}" for k, v in kw.items())
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--chunk", type=int, default=16)
+    ap.add_argument("--out", default=None, help="write the Markdown table here")
+    args = ap.parse_args(argv)
+    model, tok = load_default_model()
+    ids = np.asarray(tok.encode(default_text()[:50_000])[: args.tokens])
+    cfg = model.cfg
+    dims = dict(kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, n_layers=cfg.n_layers, dtype=jnp.float32)
+    lines = ["| policy | perplexity | Δ vs full | stored MB (kv + meta) | read/step MB | s |",
+             "|---|---:|---:|---:|---:|---:|"]
+    base = None
+    for name, kw in ROWS:
+        try:
+            pol = kvpolicies.get(name, **kw)
+        except ValueError as e:  # a policy whose fields changed: say so, keep going
+            print(f"skip {label(name, kw)}: {e}")
+            continue
+        t0 = time.perf_counter()
+        ppl = perplexity(Engine(model, pol, max_len=args.tokens).score(ids, chunk=args.chunk))
+        dt = time.perf_counter() - t0
+        base = ppl if base is None else base
+        sb = state_bytes(pol, max_len=args.tokens, **dims)
+        rd = bytes_read_per_step(pol, max_len=args.tokens, context=args.tokens - 1, **dims)
+        line = (f"| {label(name, kw)} | {ppl:.3f} | {100 * (ppl / base - 1):+.1f} % | {sb.total / 1e6:.2f} "
+                f"| {rd.read / 1e6:.2f} | {dt:.0f} |")
+        print(line, flush=True)
+        lines.append(line)
+    table = "\n".join(lines)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(f"SmolLM2-135M, first {args.tokens} tokens of Pride and Prejudice, chunk {args.chunk}, "
+                    "float32 cache.\n\n" + table + "\n")
+    return table
+
+
+if __name__ == "__main__":
+    main()
