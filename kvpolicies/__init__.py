@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from kvpolicies.attend import attend
 from kvpolicies.base import EMPTY, Policy, RopePositions, SlotState
 from kvpolicies.codecs import CODECS, Codec, Identity, get_codec
 from kvpolicies.full import Full
@@ -14,6 +15,7 @@ from kvpolicies.h2o import H2O
 from kvpolicies.hier import Hier
 from kvpolicies.kivi import Kivi
 from kvpolicies.quest import Quest
+from kvpolicies.rope import Rope
 from kvpolicies.sink import Sink
 from kvpolicies.snapkv import SnapKV
 from kvpolicies.tova import TOVA
@@ -45,4 +47,4 @@ def get(name: str, codec: str | Codec = "none", **kwargs) -> Policy:
 
 
 __all__ = ["EMPTY", "CODECS", "POLICIES", "Codec", "Full", "H2O", "Hier", "Identity", "Kivi", "Policy", "Quest",
-           "RopePositions", "Sink", "SlotState", "SnapKV", "TOVA", "Window", "get", "get_codec"]
+           "Rope", "RopePositions", "Sink", "SlotState", "SnapKV", "TOVA", "Window", "attend", "get", "get_codec"]

@@ -77,6 +77,11 @@ class Policy:
     """
 
     needs_scores: ClassVar[bool] = False
+    # The field a token budget sets (kvpolicies.budgets), None for policies without a budget.
+    budget_field: ClassVar[str | None] = None
+    # field -> run-level config key it follows in `python -m evals.run` (e.g. h2o's heavy <- budget);
+    # every other field takes its dataclass default, and `codec` always follows the run's codec.
+    run_keys: ClassVar[dict[str, str]] = {}
     codec: Codec = Identity()
 
     # -- sizes ---------------------------------------------------------------------------

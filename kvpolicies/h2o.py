@@ -42,6 +42,9 @@ class H2O(Policy):
     sliding window of recent + 1 tokens (tested); recent=0 is pure heavy-hitter eviction.
     """
 
+    budget_field = "heavy"
+    run_keys = {"heavy": "budget"}
+
     heavy: int = 256
     recent: int = 256
     codec: Codec = Identity()

@@ -81,6 +81,8 @@ class Hier(Policy):
     distances stay below the cache size; exact for chunks too, with one RoPE segment per level.
     """
 
+    run_keys = {"window": "window"}
+
     window: int = 1024
     branch: int = 4
     slots_per_level: int = 64

@@ -22,6 +22,9 @@ class Sink(Policy):
     for every query of a chunk with two RoPE segments.
     """
 
+    budget_field = "window"
+    run_keys = {"window": "window", "n_sink": "n_sink"}
+
     n_sink: int = 4
     window: int = 4096
     positions: Literal["original", "cache"] = "cache"

@@ -46,6 +46,9 @@ class SnapKV(Policy):
     `max_new` tokens after a one-chunk prompt is exactly the paper's method.
     """
 
+    budget_field = "budget"
+    run_keys = {"budget": "budget"}
+
     budget: int = 1024
     obs_window: int = 32
     kernel: int = 7

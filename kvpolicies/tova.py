@@ -35,6 +35,9 @@ class TOVA(Policy):
     one by one would have dropped); chunks that fit are exactly equal.
     """
 
+    budget_field = "budget"
+    run_keys = {"budget": "budget"}
+
     budget: int = 512
     scope: Literal["layer", "head"] = "layer"
     codec: Codec = Identity()

@@ -18,6 +18,9 @@ class Window(Policy):
     both modes are exactly equal (tested).
     """
 
+    budget_field = "window"
+    run_keys = {"window": "window"}
+
     window: int = 4096
     positions: Literal["original", "cache"] = "original"
     codec: Codec = Identity()

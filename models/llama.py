@@ -20,7 +20,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from kvpolicies.base import Policy, SlotState
-from models.attention import Rope, attend
+from kvpolicies import Rope, attend
 from models.config import LlamaConfig
 
 LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.attention import Rope, attend
+from kvpolicies import Rope, attend
 
 
 @functools.partial(jax.jit, static_argnums=(0, 6))

@@ -22,7 +22,7 @@ from helpers import run_policy
 from kvpolicies.codecs import FP8, Int4, Int8, get_codec
 from kvpolicies.kivi import Kivi
 from kvpolicies.memory import state_bytes, tree_bytes
-from models.attention import Rope
+from kvpolicies import Rope
 from oracle import VISIBLE, default_inv_freq, dense_attention, rope_complex
 
 B, N, K, D, THETA = 2, 4, 2, 32, 10000.0

@@ -13,7 +13,7 @@ import pytest
 import kvpolicies
 from helpers import run_policy
 from kvpolicies.memory import bytes_read_per_step, state_bytes
-from models.attention import Rope
+from kvpolicies import Rope
 from models.config import LlamaConfig
 from models.engine import Engine
 from models.llama import Llama

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvpolicies
-from models.attention import Rope
+from kvpolicies import Rope
 from oracle import COVERED_ELSEWHERE, VISIBLE, default_inv_freq, dense_attention
 from helpers import run_policy
 

@@ -19,7 +19,7 @@ from helpers import run_policy
 from kvpolicies.budgets import from_ratio, pyramid, pyramid_budgets, uniform, uniform_budgets
 from kvpolicies.codecs import Codec
 from kvpolicies.memory import closed_form_bytes, stack_bytes, state_bytes
-from models.attention import Rope
+from kvpolicies import Rope
 from models.config import LlamaConfig
 from models.engine import Engine
 from models.llama import Llama
