@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import kvpolicies
-from models.engine import Engine, load_default_model
+from models.engine import Engine
+from models.loading import load_default_model
 
 
 def _block(x):

@@ -40,7 +40,6 @@ from typing import Any
 import numpy as np
 
 from kvpolicies.base import Policy
-from kvpolicies.codecs import Identity
 
 REPO = Path(__file__).resolve().parent.parent
 ARRAY_DIR = "arrays"
@@ -195,9 +194,12 @@ def environment() -> dict[str, Any]:
 # -- memory ---------------------------------------------------------------------------------------
 
 
-def _stores_plain_slots(policy: Policy) -> bool:
-    """Keys and values stored slot by slot in the cache dtype: the closed form applies."""
-    return isinstance(policy.codec, Identity) and type(policy).decode_kv is Policy.decode_kv
+def _stores_plain_slots(policy: Policy, **kw) -> bool:
+    """Keys and values stored as plain [B, K, S, D] arrays in the cache dtype: the closed form applies."""
+    import jax
+
+    shape = jax.eval_shape(lambda: policy.init(1, kw["kv_heads"], kw["head_dim"], kw["dtype"], kw["max_len"]))
+    return isinstance(shape.k, jax.ShapeDtypeStruct) and shape.k.dtype == kw["dtype"]
 
 
 def peak_device_bytes() -> int | None:
@@ -214,8 +216,8 @@ def memory(policies: Sequence[Policy], *, kv_heads: int, head_dim: int, max_len:
     state_bytes = kv_bytes + meta_bytes: exact bytes of the cache state (kvpolicies.memory).
     closed_form_bytes: 2 x layers x kv_heads x head_dim x slots x bytes, summed over layers,
         when every layer stores plain slots (identity codec), else None; equals kv_bytes.
-    read_bytes_per_step: bytes the decode step at position max_len - 1 reads, for policies that
-        read less than they store (those with `decode_reads`, e.g. quest), else None.
+    read_bytes_per_step: bytes the decode step at position max_len - 1 reads (each policy's
+        `decode_reads`), when the stack reads less than it stores (e.g. quest), else None.
     peak_device_bytes: the device's peak memory (process-wide; None on CPU).
     """
     import jax.numpy as jnp
@@ -226,15 +228,13 @@ def memory(policies: Sequence[Policy], *, kv_heads: int, head_dim: int, max_len:
     kw = dict(kv_heads=kv_heads, head_dim=head_dim, max_len=max_len, dtype=dtype)
     sb = km.stack_bytes(policies, **kw)
     closed = None
-    if all(_stores_plain_slots(p) for p in policies):
+    if all(_stores_plain_slots(p, **kw) for p in policies):
         closed = int(sum(
             km.closed_form_bytes(n_layers=1, kv_heads=kv_heads, head_dim=head_dim, slots=p.capacity(max_len),
                                  bytes_per_elem=dtype.itemsize)
             for p in policies))
-    read = None
-    per_step = getattr(km, "bytes_read_per_step", None)
-    if per_step is not None and any(hasattr(p, "decode_reads") for p in policies):
-        read = int(sum(per_step(p, context=max_len - 1, **kw).read.total for p in policies))
+    read = int(sum(km.bytes_read_per_step(p, context=max_len - 1, **kw).read.total for p in policies))
+    read = read if read < sb.total else None
     return {
         "max_len": max_len, "dtype": dtype.name, "layers": len(policies),
         "kv_bytes": sb.kv, "meta_bytes": sb.meta, "state_bytes": sb.total,

@@ -24,7 +24,7 @@ Tasks (TaskContext -> TaskResult; `ctx.task` keys, defaults in brackets):
   multikey  lengths, n_keys [4], key_kind ["words" | "uuid"], trials [4], batch [4]
             (RULER's niah_multikey, Hsieh et al. 2024: n_keys needles at random depths, one asked)
   recall    n_pairs [32] (int or list), trials [256], n_keys/n_values [the training layout]:
-            associative recall on the synthetic model of models/train.py (token ids, no text)
+            associative recall on the synthetic model of evals/recall_model.py (token ids, no text)
 """
 
 from __future__ import annotations
@@ -355,19 +355,28 @@ def _text_haystack(tok: Any, text: str, max_len: int):
     return ids, ends, starts
 
 
-def _run_cells(ctx: TaskContext, cells: list[tuple[dict, list[Prompt]]], n_gen: int, batch: int,
-               score, desc: str) -> tuple[list[dict], list[list[str]]]:
-    """Generate for every cell's prompts with one engine; returns grid records and outputs."""
+def _score(ctx: TaskContext, cells: list[tuple[dict, list[Prompt]]], n_gen: int, batch: int, score,
+           lengths: list[int], desc: str, shape: tuple[int, ...] | None = None,
+           arrays: dict[str, np.ndarray] | None = None) -> TaskResult:
+    """The scoring path of the text retrieval tasks: greedy answers to every cell's prompts (one
+    engine for all), each scored by `score(text, answer)`. grid: each cell's record with its
+    accuracy and trials; arrays: `correct` [cells, trials] and the decoded `outputs`, both reshaped
+    to `shape` if given, with the task's own `arrays` between them; metrics: by length."""
     max_len = max(len(p.tokens) for _, ps in cells for p in ps) + n_gen
     engine = ctx.engine(max_len)
-    grid, outputs = [], []
+    grid, correct, outputs = [], [], []
     for rec, prompts in tqdm(cells, desc=desc, disable=not ctx.progress, leave=False):
         ids = generate(engine, [p.tokens for p in prompts], n_gen, batch, ctx.chunk)
         texts = [_decode(ctx.tokenizer, x) for x in ids]
         ok = [score(t, p.answer) for t, p in zip(texts, prompts)]
         grid.append(rec | {"accuracy": float(np.mean(ok)), "trials": len(prompts)})
+        correct.append(ok)
         outputs.append(texts)
-    return grid, outputs
+    correct, outputs = np.array(correct), np.array(outputs)  # [cells, trials]
+    if shape is not None:
+        correct, outputs = correct.reshape(shape), outputs.reshape(shape)
+    return TaskResult(metrics=_metrics(grid, lengths), grid=grid,
+                      arrays={"correct": correct, **(arrays or {}), "outputs": outputs})
 
 
 def passkey(ctx: TaskContext) -> TaskResult:
@@ -382,11 +391,9 @@ def passkey(ctx: TaskContext) -> TaskResult:
         ends, starts = sentence_ends(tok, ids), None
     cells = [({"length": n, "depth": d}, passkey_prompts(tok, n, d, cfg["trials"], ctx.seed, ids, ends, starts))
              for n in cfg["lengths"] for d in cfg["depths"]]
-    grid, outputs = _run_cells(ctx, cells, PASSKEY_TOKENS, cfg["batch"], lambda t, a: parse_passkey(t) == a, "passkey")
-    correct = np.array([[parse_passkey(t) == p.answer for t, p in zip(o, ps)] for o, (_, ps) in zip(outputs, cells)])
     shape = (len(cfg["lengths"]), len(cfg["depths"]), cfg["trials"])
-    arrays = {"correct": correct.reshape(shape), "outputs": np.array(outputs).reshape(shape)}
-    return TaskResult(metrics=_metrics(grid, cfg["lengths"]), arrays=arrays, grid=grid)
+    return _score(ctx, cells, PASSKEY_TOKENS, cfg["batch"], lambda t, a: parse_passkey(t) == a, cfg["lengths"],
+                  "passkey", shape)
 
 
 def niah(ctx: TaskContext) -> TaskResult:
@@ -398,11 +405,8 @@ def niah(ctx: TaskContext) -> TaskResult:
     cells = [({"length": n, "depth": d},
               needle_prompts(tok, n, [d], 1, "names", cfg["trials"], ctx.seed, ids, ends, starts, multi=False))
              for n in cfg["lengths"] for d in cfg["depths"]]
-    grid, outputs = _run_cells(ctx, cells, NEEDLE_TOKENS, cfg["batch"], contains_answer, "niah")
-    correct = np.array([[contains_answer(t, p.answer) for t, p in zip(o, ps)] for o, (_, ps) in zip(outputs, cells)])
     shape = (len(cfg["lengths"]), len(cfg["depths"]), cfg["trials"])
-    arrays = {"correct": correct.reshape(shape), "outputs": np.array(outputs).reshape(shape)}
-    return TaskResult(metrics=_metrics(grid, cfg["lengths"]), arrays=arrays, grid=grid)
+    return _score(ctx, cells, NEEDLE_TOKENS, cfg["batch"], contains_answer, cfg["lengths"], "niah", shape)
 
 
 def multikey(ctx: TaskContext) -> TaskResult:
@@ -415,18 +419,16 @@ def multikey(ctx: TaskContext) -> TaskResult:
               needle_prompts(tok, n, None, cfg["n_keys"], cfg["key_kind"], cfg["trials"], ctx.seed, ids, ends,
                              starts, multi=True))
              for n in cfg["lengths"]]
-    grid, outputs = _run_cells(ctx, cells, NEEDLE_TOKENS, cfg["batch"], contains_answer, "multikey")
-    correct = np.array([[contains_answer(t, p.answer) for t, p in zip(o, ps)] for o, (_, ps) in zip(outputs, cells)])
-    depth = np.array([[p.depths[0] for p in ps] for _, ps in cells])
-    return TaskResult(metrics=_metrics(grid, cfg["lengths"]), grid=grid,
-                      arrays={"correct": correct, "depth": depth.astype(np.float32), "outputs": np.array(outputs)})
+    depth = np.array([[p.depths[0] for p in ps] for _, ps in cells]).astype(np.float32)  # [lengths, trials]
+    return _score(ctx, cells, NEEDLE_TOKENS, cfg["batch"], contains_answer, cfg["lengths"], "multikey",
+                  arrays={"depth": depth})
 
 
 def recall(ctx: TaskContext) -> TaskResult:
-    """Associative recall on the synthetic model (models/train.py): `BOS p1 .. pN q` (one token per
-    key-value pair) -> the value paired with q. curves["by_pair@N"][i] is the accuracy when pair
-    i is asked (0 = the first pair, N - i tokens before the query; NaN if never asked)."""
-    from models.train import RecallTask
+    """Associative recall on the synthetic model (evals/recall_model.py): `BOS p1 .. pN q` (one
+    token per key-value pair) -> the value paired with q. curves["by_pair@N"][i] is the accuracy
+    when pair i is asked (0 = the first pair, N - i tokens before the query; NaN if never asked)."""
+    from evals.recall_model import RecallTask
 
     cfg = check(ctx.task, "recall")
     layout = {k: cfg[k] for k in ("n_keys", "n_values") if k in cfg}

@@ -13,309 +13,35 @@ The default stream, tokens=12288, goes past SmolLM2's 8192-token training contex
 it took 332 s of CPU time (model load included) on a shared 2-core machine: about 3 minutes of
 wall time on two idle cores (estimated from the CPU time, not measured on an idle machine).
 
-Configuration is Hydra (`configs/`): groups model/ (smollm2, gguf, hf, tiny_random,
-tiny_recall), policy/ (one per registered policy; a registered policy without a yaml gets its
-dataclass defaults), task/ (perplexity, passkey, niah, multikey, recall), data/ (austen,
-mobydick, path), and the typed top-level keys of `RunConfig`. Policy files read the top-level
-`window`, `n_sink`, `budget` and `codec`, so `window=1024` reaches whichever policy uses one.
-
+This module is the command line and one run; the configuration (Hydra groups, the policy
+options derived from the registry, validation) is `evals.config`, the models `evals.zoo`.
 Before anything runs, every job of the command line is composed and validated, so a wrong
 group option, key, type or policy field stops the whole command with one error that names the
 valid choices. A run whose config key is already in the results file is skipped (`force=true`
 redoes it). Hydra's own output (logs, the composed config) goes to `outputs/` (git-ignored);
 the job does not change directory.
-
-`model=tiny_random` is a tiny random Llama over UTF-8 bytes (`ByteTokenizer`: token = byte,
-vocab 256), for tests and smoke runs without any download.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
-import functools
-import importlib
 import itertools
-import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 import kvpolicies
 from evals import results as R
 from evals.common import TaskContext, TaskResult
-
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-GROUPS = ("model", "policy", "task", "data")
-
-# Task name -> "module:function" taking a TaskContext and returning a TaskResult (imported lazily).
-TASKS: dict[str, str] = {
-    "perplexity": "evals.perplexity:run",
-    "passkey": "evals.retrieval:passkey",
-    "niah": "evals.retrieval:niah",
-    "multikey": "evals.retrieval:multikey",
-    "recall": "evals.retrieval:recall",
-}
-
-# Optional config checks run before any job ("module:function" taking the task dict, raising ValueError).
-TASK_CHECKS: dict[str, str] = {"perplexity": "evals.perplexity:check", "passkey": "evals.retrieval:check",
-                               "niah": "evals.retrieval:check", "multikey": "evals.retrieval:check",
-                               "recall": "evals.retrieval:check"}
+from evals.config import CONFIG_DIR, ConfigError, build_policy, compose, load_task, register_configs, validate
+from evals.zoo import dtype, load_model
 
 # Top-level keys whose values determine a run's numbers (the resume key hashes these).
 KEY_FIELDS = ("model", "data", "policy", "task", "chunk", "seed")
-
-
-@dataclasses.dataclass
-class RunConfig:
-    """The schema of configs/config.yaml: the groups, then typed top-level keys."""
-
-    model: Any = MISSING
-    policy: Any = MISSING
-    task: Any = MISSING
-    data: Any = MISSING
-    window: int = 4096
-    n_sink: int = 4
-    codec: str = "none"
-    budget: int = 1024
-    tokens: int = 12288
-    chunk: int = 512
-    seed: int = 0
-    results: str = "results/results.jsonl"
-    progress: bool = True
-    force: bool = False
-
-
-class ConfigError(ValueError):
-    """A configuration problem, reported as one message (no traceback) by the CLI."""
-
-
-# -- config store and composition ---------------------------------------------------------------
-
-
-def _policy_default_node(name: str) -> dict[str, Any]:
-    """A policy config for a registered policy that has no yaml: its dataclass defaults."""
-    node: dict[str, Any] = {"name": name}
-    for f in dataclasses.fields(kvpolicies.POLICIES[name]):
-        if f.name == "codec":
-            node["codec"] = "${codec}"
-        elif isinstance(f.default, (bool, int, float, str)):
-            node[f.name] = f.default
-    return node
-
-
-def register_configs() -> None:
-    """Put the schema and any registered policy without a yaml into Hydra's ConfigStore (idempotent:
-    called before every composition, so policies registered later are seen)."""
-    from hydra.core.config_store import ConfigStore
-
-    cs = ConfigStore.instance()
-    cs.store(name="run_schema", node=RunConfig)
-    have = {p.stem for p in (CONFIG_DIR / "policy").glob("*.yaml")}
-    for name in kvpolicies.POLICIES:
-        if name not in have:
-            cs.store(group="policy", name=name, node=_policy_default_node(name))
-
-
-def group_options(group: str) -> list[str]:
-    """The options of a config group (yaml files and ConfigStore entries)."""
-    register_configs()
-    from hydra.core.config_store import ConfigStore
-
-    files = {p.stem for p in (CONFIG_DIR / group).glob("*.yaml")}
-    try:
-        stored = {n.removesuffix(".yaml") for n in ConfigStore.instance().list(group)}
-    except OSError:  # nothing stored in this group
-        stored = set()
-    return sorted(files | stored)
-
-
-def compose(overrides: list[str] = ()) -> DictConfig:
-    """The composed config for these overrides (Hydra's compose API), errors as ConfigError."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        try:
-            return hydra_compose(config_name="config", overrides=list(overrides))
-        except Exception as e:  # Hydra / OmegaConf errors: explain them in our words
-            raise ConfigError(explain(e, list(overrides))) from None
-
-
-def _typename(t: Any) -> str:
-    return getattr(t, "__name__", str(t))
-
-
-def explain(exc: Exception, overrides: list[str]) -> str:
-    """One clear message for a Hydra/OmegaConf composition error, with the valid choices."""
-    from hydra.errors import MissingConfigException
-    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
-
-    if isinstance(exc, MissingConfigException) and exc.options is not None:
-        group = Path(exc.missing_cfg_file or "").parent.name or "?"
-        bad = Path(exc.missing_cfg_file or "").name
-        return f"{group}={bad}: no such {group}; choose one of: {', '.join(sorted(exc.options))}"
-    cause = exc.__cause__ or exc.__context__ or exc
-    full_key = getattr(cause, "full_key", None)
-    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and full_key:
-        parent = getattr(cause, "parent_node", None)
-        valid = sorted(str(k) for k in parent.keys() if k != "hydra") if isinstance(parent, DictConfig) else []
-        if "." in full_key:
-            where = full_key.rsplit(".", 1)[0]
-            name = OmegaConf.select(parent, "name", default=None) if isinstance(parent, DictConfig) else None
-            scope = f"{where} {name!r}" if name else where
-        else:
-            scope, valid = "the config", sorted(set(valid) | set(GROUPS))
-        return f"{full_key}: unknown key; {scope} has keys: {', '.join(valid)}"
-    if isinstance(cause, ValidationError) and full_key:
-        fields = {f.name: f.type for f in dataclasses.fields(RunConfig)}
-        want = fields.get(full_key)
-        value = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+~").split("=", 1)[0] == full_key), None)
-        if want is not None:
-            return f"{full_key}={value}: {full_key} must be {_typename(want)}"
-        return f"{full_key}={value}: {cause.msg if hasattr(cause, 'msg') else cause}"
-    return str(exc).strip()
-
-
-def to_plain(cfg: DictConfig) -> dict[str, Any]:
-    """The resolved config as plain data; a required value left at ??? is a ConfigError."""
-    from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
-
-    try:
-        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    except MissingMandatoryValue as e:
-        raise ConfigError(f"{e.full_key} is required: pass {e.full_key}=...") from None
-    except InterpolationResolutionError as e:
-        raise ConfigError(f"{getattr(e, 'full_key', '')}: {e.msg if hasattr(e, 'msg') else e}") from None
-
-
-def build_policy(pcfg: dict[str, Any]) -> kvpolicies.Policy:
-    """A policy from its config group (`name`, `codec`, fields); bad names/fields: ConfigError."""
-    fields = dict(pcfg)
-    name, codec = fields.pop("name", None), fields.pop("codec", "none")
-    try:
-        return kvpolicies.get(name, codec=codec, **fields)
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"policy: {e}") from None
-
-
-def validate(cfg: DictConfig | dict[str, Any]) -> dict[str, Any]:
-    """Resolve and check what Hydra does not: the task name, the model kind, the policy (built,
-    so its own range checks run), the top-level ranges. Returns the plain config."""
-    conf = to_plain(cfg) if isinstance(cfg, DictConfig) else dict(cfg)
-    if conf["task"].get("name") not in TASKS:
-        raise ConfigError(f"task.name={conf['task'].get('name')!r}: must be one of {sorted(TASKS)}")
-    if conf["model"].get("name") not in MODELS:
-        raise ConfigError(f"model.name={conf['model'].get('name')!r}: must be one of {sorted(MODELS)}")
-    for key, lo in (("tokens", 1), ("chunk", 1), ("window", 1), ("n_sink", 0), ("budget", 1), ("seed", 0)):
-        if conf[key] < lo:
-            raise ConfigError(f"{key}={conf[key]}: must be >= {lo}")
-    load_task(conf["task"]["name"])  # importable now, not after a long sweep
-    check = TASK_CHECKS.get(conf["task"]["name"])
-    if check:
-        module, _, fn = check.partition(":")
-        try:
-            getattr(importlib.import_module(module), fn)(dict(conf["task"]))
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    if conf["data"].get("name") == "path" and not Path(conf["data"]["spec"]).is_file():
-        raise ConfigError(f"data.path={conf['data']['spec']}: no such file")
-    if conf["codec"] not in kvpolicies.CODECS:
-        raise ConfigError(f"codec={conf['codec']!r}: must be one of {sorted(kvpolicies.CODECS)}")
-    build_policy(conf["policy"])
-    return conf
-
-
-# -- models -------------------------------------------------------------------------------------
-
-
-class ByteTokenizer:
-    """Token = UTF-8 byte (vocab 256), no special tokens: the tokenizer of `model=tiny_random`."""
-
-    bos_id = None
-    eos_id = None
-    vocab_size = 256
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids) -> str:
-        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
-
-
-def _dtype(m: dict[str, Any]):
-    import jax.numpy as jnp
-
-    return jnp.dtype(m.get("dtype", "float32"))
-
-
-def _load_smollm2(m):
-    from models.engine import load_default_model
-
-    return load_default_model(_dtype(m).name)
-
-
-def _load_gguf(m):
-    from models.llama import Llama
-    from models.loading import load_gguf
-    from models.tokenizer import Tokenizer
-
-    cfg, params = load_gguf(m["path"])
-    return Llama(cfg, params, dtype=_dtype(m)), Tokenizer.from_gguf(m["path"])
-
-
-def _load_hf(m):
-    from models.llama import Llama
-    from models.loading import load_hf
-    from models.tokenizer import Tokenizer
-
-    cfg, params = load_hf(m["path"])
-    return Llama(cfg, params, dtype=_dtype(m)), Tokenizer.from_hf(m["path"])
-
-
-def _load_tiny_random(m):
-    from models.config import LlamaConfig
-    from models.llama import Llama, init_params
-
-    shape = {k: v for k, v in m.items() if k not in ("name", "seed", "dtype")}
-    cfg = LlamaConfig(**shape, name="tiny-random")
-    return Llama(cfg, init_params(cfg, seed=m.get("seed", 0)), dtype=_dtype(m)), ByteTokenizer()
-
-
-def _load_tiny_recall(m):
-    from models.train import load_or_train
-
-    model, _ = load_or_train(**{k: v for k, v in m.items() if k != "name"})
-    return model, None
-
-
-MODELS = {"smollm2": _load_smollm2, "gguf": _load_gguf, "hf": _load_hf, "tiny_random": _load_tiny_random,
-          "tiny_recall": _load_tiny_recall}
-
-
-@functools.lru_cache(maxsize=2)
-def _load_model_cached(blob: str):
-    m = json.loads(blob)
-    return MODELS[m["name"]](m)
-
-
-def load_model(mcfg: dict[str, Any]):
-    """(Llama, tokenizer or None) for a model config; cached, so a sweep loads it once."""
-    return _load_model_cached(json.dumps(mcfg, sort_keys=True))
-
-
-def load_task(name: str):
-    """The task function of TASKS[name], imported now."""
-    module, _, fn = TASKS[name].partition(":")
-    try:
-        return getattr(importlib.import_module(module), fn)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"task={name}: cannot load {TASKS[name]} ({e})") from None
 
 
 # -- one run --------------------------------------------------------------------------------------
@@ -401,7 +127,7 @@ def run_config(conf: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         "policy": record,
         "params": policy_params(record),
         "model": {"name": conf["model"]["name"], "arch": mc.name, "layers": mc.n_layers, "kv_heads": mc.n_kv_heads,
-                  "head_dim": mc.head_dim, "max_position": mc.max_position, "dtype": _dtype(conf["model"]).name},
+                  "head_dim": mc.head_dim, "max_position": mc.max_position, "dtype": dtype(conf["model"]).name},
         "config": {k: v for k, v in conf.items() if k not in ("results", "progress", "force")},
         **R.environment(),
         "metrics": res.metrics,

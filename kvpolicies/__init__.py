@@ -1,41 +1,42 @@
 """kvpolicies: long-context KV-cache policies as pure-JAX, jit-static dataclasses.
 
-A registry maps short names to policy classes; `get("sink", n_sink=4, window=4096)` builds one.
+`attend(policy, state, q, k, v, pos, rope)` runs one attention step of any JAX model through a
+policy. The registry maps short names to policy classes; `get("sink", n_sink=4, window=4096)`
+builds one. Adding a policy is one file (its class) and one line in `_REGISTRY` below.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 
 from kvpolicies.attend import attend
-from kvpolicies.base import EMPTY, Policy, RopePositions, SlotState
+from kvpolicies.base import EMPTY, Policy, RopePositions, Seen, SlotState, View
 from kvpolicies.codecs import CODECS, Codec, Identity, get_codec
-from kvpolicies.full import Full
-from kvpolicies.h2o import H2O
-from kvpolicies.hier import Hier
-from kvpolicies.kivi import Kivi
-from kvpolicies.quest import Quest
 from kvpolicies.rope import Rope
-from kvpolicies.sink import Sink
-from kvpolicies.snapkv import SnapKV
-from kvpolicies.tova import TOVA
-from kvpolicies.window import Window
 
-POLICIES: dict[str, type[Policy]] = {
-    "full": Full,
-    "window": Window,
-    "sink": Sink,
-    "hier": Hier,
-    "quest": Quest,
-    "h2o": H2O,
-    "tova": TOVA,
-    "snapkv": SnapKV,
-    "kivi": Kivi,
+# registry name -> "module:Class" inside this package (one line per policy)
+_REGISTRY = {
+    "full": "full:Full",
+    "window": "window:Window",
+    "sink": "sink:Sink",
+    "hier": "hier:Hier",
+    "quest": "quest:Quest",
+    "h2o": "h2o:H2O",
+    "tova": "tova:TOVA",
+    "snapkv": "snapkv:SnapKV",
+    "kivi": "kivi:Kivi",
 }
 
+POLICIES: dict[str, type[Policy]] = {
+    name: getattr(importlib.import_module(f"kvpolicies.{spec.split(':')[0]}"), spec.split(":")[1])
+    for name, spec in _REGISTRY.items()
+}
+globals().update({cls.__name__: cls for cls in POLICIES.values()})  # kvpolicies.Sink, kvpolicies.H2O, ...
 
-def get(name: str, codec: str | Codec = "none", **kwargs) -> Policy:
-    """A policy by registry name; unknown names or fields raise ValueError listing the choices."""
+
+def check_fields(name: str, kwargs: dict) -> type[Policy]:
+    """The class of policy `name`; unknown names or fields raise ValueError listing the choices."""
     if name not in POLICIES:
         raise ValueError(f"policy={name!r}: must be one of {sorted(POLICIES)}")
     cls = POLICIES[name]
@@ -43,8 +44,14 @@ def get(name: str, codec: str | Codec = "none", **kwargs) -> Policy:
     bad = sorted(set(kwargs) - fields)
     if bad:
         raise ValueError(f"policy {name!r} has no field(s) {bad}; its fields are {sorted(fields)}")
-    return cls(codec=get_codec(codec), **kwargs)
+    return cls
 
 
-__all__ = ["EMPTY", "CODECS", "POLICIES", "Codec", "Full", "H2O", "Hier", "Identity", "Kivi", "Policy", "Quest",
-           "Rope", "RopePositions", "Sink", "SlotState", "SnapKV", "TOVA", "Window", "attend", "get", "get_codec"]
+def get(name: str, codec: str | Codec = "none", **kwargs) -> Policy:
+    """A policy by registry name; unknown names or fields raise ValueError listing the choices."""
+    return check_fields(name, kwargs)(codec=get_codec(codec), **kwargs)
+
+
+__all__ = ["CODECS", "EMPTY", "POLICIES", "Codec", "Identity", "Policy", "Rope", "RopePositions", "Seen",
+           "SlotState", "View", "attend", "check_fields", "get", "get_codec",
+           *(cls.__name__ for cls in POLICIES.values())]

@@ -1,11 +1,14 @@
-"""The one place where RoPE and attention masks are computed, both from slot positions.
+"""`attend`: one attention step through a cache policy; the one place where RoPE and masks are
+applied, both from the positions the policy's view gives.
 
 Shapes: B batch, T new tokens, N query heads = K kv heads x G groups, S view slots, D head dim,
 Kp = 1 or K (slot positions shared by kv heads or per head), P RoPE segments.
 
-`attend` runs one step of attention through a cache policy: the policy decides which slots
-exist (`extend`/`compact`) and which are visible (`visible`), this module applies causality,
-empty-slot masking, RoPE and the softmax. Prefill and decode are the same call with T >= 1.
+The policy decides which slots exist and how they are seen (`extend` returns a `View`: slots,
+positions, RoPE positions, its own visibility mask and logit bias), optionally narrows each
+query's slots (`select`), and folds the step into its state (`compact`). This module applies
+causality and empty-slot masking, RoPE and the softmax. Prefill and decode are the same call
+with T >= 1. Pure JAX: any Flax (NNX or linen) or plain-JAX model can call it.
 """
 
 from __future__ import annotations
@@ -13,17 +16,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from einops import rearrange
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
-from kvpolicies.base import Policy, SlotState
+from kvpolicies.base import Policy, Seen, SlotState
 from kvpolicies.rope import Rope
 
 
-def visibility(policy: Policy, q_pos: Int[Array, "B T"], k_pos: Int[Array, "B Kp S"]) -> jax.Array:
-    """[B, Kp, T, S] bool: slot filled, not in the future, and allowed by the policy."""
+def causal(q_pos: Int[Array, "B T"], k_pos: Int[Array, "B Kp S"]) -> Bool[Array, "B Kp T S"]:
+    """Slot filled and not in the query's future."""
     k = k_pos[:, :, None, :]  # [B, Kp, 1, S]
-    causal = (k >= 0) & (k <= q_pos[:, None, :, None])  # [B, Kp, T, S]
-    return causal & policy.visible(q_pos, k_pos)
+    return (k >= 0) & (k <= q_pos[:, None, :, None])  # [B, Kp, T, S]
 
 
 def attend(
@@ -43,33 +45,35 @@ def attend(
     n_kv = k.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     view = policy.extend(state, rearrange(k, "B T K D -> B K T D"), rearrange(v, "B T K D -> B K T D"), pos)
-    kd, vd = policy.decode_kv(view, q.dtype)  # [B, K, S, D] each, dequantized inside the step
 
-    rp = policy.view_rope_positions(pos, view)
-    kr = rope.apply(kd, rp.k)  # [B, K, S, D]
+    rp = view.rope
+    kr = rope.apply(view.k, rp.k)  # [B, K, S, D]
     qh = rearrange(q, "B T (K G) D -> B K G T D", K=n_kv)
     qr = [rope.apply(qh, rp.q[:, None, None, :, p]) for p in range(rp.q.shape[-1])]  # P x [B, K, G, T, D]
     logits = [
         jnp.einsum("BKGTD,BKSD->BKGTS", x, kr, preferred_element_type=jnp.float32) for x in qr
     ]  # P x [B, K, G, T, S]
-    view, selected = policy.select(view, pos, qr[0], kr)  # selected: [B, K|Kp, G|1, T, S] or None
-    if rp.seg is None:
-        lg = logits[0]
-    else:
+    selected = policy.select(view, qr[0], kr)  # [B, K|Kp, G|1, T, S] or None
+    lg = logits[0]
+    if rp.seg is not None:
         seg = rp.seg[:, :, None, None, :]  # [B, Kp, 1, 1, S]
-        lg = logits[0]
         for p in range(1, len(logits)):
             lg = jnp.where(seg == p, logits[p], lg)
     lg = lg * scale
-    bias = policy.logit_bias(view)
-    if bias is not None:
-        lg = lg + bias[:, :, None, None, :].astype(jnp.float32)
-    mask = visibility(policy, pos, view.pos)[:, :, None]  # [B, Kp, 1, T, S]
+    if view.bias is not None:
+        lg = lg + view.bias[:, :, None, None, :].astype(jnp.float32)
+    mask = causal(pos, view.pos)  # [B, Kp, T, S]
+    if view.mask is not None:
+        mask = mask & view.mask
+    mask = mask[:, :, None]  # [B, Kp, 1, T, S]
     if selected is not None:
         mask = mask & selected  # [B, K, G|1, T, S]
     lg = jnp.where(mask, lg, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(lg, axis=-1)  # [B, K, G, T, S] float32
-    out = jnp.einsum("BKGTS,BKSD->BKGTD", probs.astype(vd.dtype), vd)
-    scores = probs.sum(axis=2) if policy.needs_scores else None  # [B, K, T, S]
-    new_state = policy.compact(view, scores)
+    out = jnp.einsum("BKGTS,BKSD->BKGTD", probs.astype(view.v.dtype), view.v)
+    seen = Seen(
+        scores=probs.sum(axis=2) if "scores" in policy.observes else None,  # [B, K, T, S]
+        k_rot=kr if "k_rot" in policy.observes else None,
+    )
+    new_state = policy.compact(view, seen)
     return rearrange(out, "B K G T D -> B T (K G) D"), new_state

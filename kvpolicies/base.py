@@ -1,4 +1,4 @@
-"""The cache-policy protocol, the slot state every policy stores, and slot helpers.
+"""The cache-policy protocol: the stored state, the per-step view, and the slot helpers.
 
 Shapes (one legend for the whole library):
     B batch, T new tokens in this step, S cache slots (or view slots), K kv heads,
@@ -6,14 +6,20 @@ Shapes (one legend for the whole library):
     head, D head dim, P RoPE segments (see `RopePositions`).
 
 Every slot records the absolute token position it holds (-1 = empty). Keys are stored
-*before* RoPE, so a policy may choose which positions RoPE sees (`RopePositions`).
+*before* RoPE, so a policy chooses which positions RoPE sees.
 
-One step of attention through a policy is
-    view  = policy.extend(state, k, v, pos)   # what attention reads: old slots + new tokens
-    out, scores = attention(q, view, ...)       # masks from view.pos, policy.visible()
-    state = policy.compact(view, scores)        # back to the fixed capacity
-and prefill is the same step with T > 1. A policy's hyperparameters live on a frozen dataclass
-(hashable, static under jit); its state is a pytree of arrays with a fixed capacity.
+A policy author writes three methods (plus `capacity` and, if the state has more than slots,
+`init`); `kvpolicies.attend` runs one step with them and asks the policy nothing else:
+
+    view  = policy.extend(state, k, v, pos)     # View: everything attention reads, as data
+    mask  = policy.select(view, q_rot, k_rot)   # query-dependent sparsity only (Quest); pure
+    out, seen = attention(q, view, mask)        # causality from view.pos, RoPE from view.rope
+    state = policy.compact(view, seen)          # back to the fixed capacity
+
+Prefill is the same step with T > 1. A policy's hyperparameters live on a frozen dataclass
+(hashable, static under jit); its state is a registered dataclass of arrays with a fixed
+capacity (`SlotState`, or a subclass adding the policy's own typed arrays). Accounting is
+declared on the protocol too: `decode_reads` (bytes one decode step reads), `budget_field`.
 """
 
 from __future__ import annotations
@@ -23,8 +29,10 @@ from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from kvpolicies.checks import check_choice, check_int  # noqa: F401  (re-exported for policy files)
 from kvpolicies.codecs import Codec, Identity
 
 EMPTY = -1  # position of an empty slot
@@ -33,20 +41,17 @@ EMPTY = -1  # position of an empty slot
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SlotState:
-    """A policy's cache for one layer: encoded keys/values, slot positions, extra arrays.
+    """A policy's stored cache for one layer: encoded keys/values and slot positions.
 
     k, v: codec-encoded pytrees whose leaves all have layout [B, K, S, ...].
     pos:  [B, Kp, S] int32 absolute positions, -1 for empty slots.
-    aux:  policy-specific arrays (e.g. accumulated attention mass), leaves [B, K|Kp, S, ...].
-    n_new: static; in a view, how many trailing slots are new tokens not yet folded into the
-          fixed-capacity state (0 in a state, and in a view written in place).
+    A policy that stores more declares a subclass with typed fields; the slot helpers below
+    treat every extra field as per-slot ([B, K|Kp, S, ...]) unless the policy says otherwise.
     """
 
     k: Any
     v: Any
     pos: Int[Array, "B Kp S"]
-    aux: dict[str, Array] = dataclasses.field(default_factory=dict)
-    n_new: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     @property
     def slots(self) -> int:
@@ -68,15 +73,60 @@ class RopePositions(NamedTuple):
     seg: Int[Array, "B Kp S"] | None = None
 
 
-@dataclasses.dataclass(frozen=True)
-class Policy:
-    """Base class: the protocol every cache policy implements.
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class View:
+    """What one attention step reads, as data (built by `extend`, consumed by `attend`).
 
-    Subclasses are frozen dataclasses with a `codec` field. `needs_scores` policies receive
-    per-slot attention mass in `compact`.
+    k, v:  [B, K, S, D] keys (un-rotated) and values, decoded to the step's dtype.
+    pos:   [B, Kp, S] slot positions; attention masks empty slots (< 0) and future ones.
+    rope:  the positions RoPE sees (segments included).
+    mask:  [B, Kp, T, S] the policy's own visibility rule (None: every past slot is visible).
+    bias:  [B, Kp, S] added to every query's logit for a slot (None: no bias).
+    carry: private to the policy: whatever `compact` needs (stored slots, new tokens...).
     """
 
-    needs_scores: ClassVar[bool] = False
+    k: Float[Array, "B K S D"]
+    v: Float[Array, "B K S D"]
+    pos: Int[Array, "B Kp S"]
+    rope: RopePositions
+    mask: Bool[Array, "B Kp T S"] | None = None
+    bias: Float[Array, "B Kp S"] | None = None
+    carry: Any = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Seen:
+    """What attention observed, for `compact` (a field is None unless the policy `observes` it).
+
+    scores: [B, K, T, S] attention probabilities summed over the G query heads of a kv head.
+    k_rot:  [B, K, S, D] the view's keys after RoPE.
+    """
+
+    scores: Float[Array, "B K T S"] | None = None
+    k_rot: Float[Array, "B K S D"] | None = None
+
+
+def tree_nbytes(tree) -> int:
+    """Bytes of all array leaves of a concrete or abstract (`jax.eval_shape`) pytree."""
+    return int(sum(np.prod(x.shape, dtype=np.int64) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
+
+
+def meta_fields(state: SlotState) -> dict[str, Any]:
+    """Everything a state stores besides its encoded keys and values (positions, bookkeeping)."""
+    return {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.name not in ("k", "v")}
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Base class: the protocol every cache policy implements (see the module docstring).
+
+    Subclasses are frozen dataclasses with a `codec` field; class attributes declare the rest.
+    """
+
+    # Which `Seen` fields `compact` needs ("scores", "k_rot"); attention computes only those.
+    observes: ClassVar[tuple[str, ...]] = ()
     # The field a token budget sets (kvpolicies.budgets), None for policies without a budget.
     budget_field: ClassVar[str | None] = None
     # field -> run-level config key it follows in `python -m evals.run` (e.g. h2o's heavy <- budget);
@@ -91,13 +141,14 @@ class Policy:
 
     def init(self, batch: int, kv_heads: int, head_dim: int, dtype: Any, max_len: int) -> SlotState:
         """An empty state (all positions -1)."""
-        s = self.capacity(max_len)
-        shape = (batch, kv_heads, s, head_dim)  # [B, K, S, D]
-        return SlotState(
-            k=self.codec.init(shape, dtype),
-            v=self.codec.init(shape, dtype),
-            pos=jnp.full((batch, 1, s), EMPTY, jnp.int32),
-        )
+        return empty_slots(self.codec, batch, kv_heads, head_dim, dtype, self.capacity(max_len))
+
+    @classmethod
+    def for_tokens(cls, n: int, **kw) -> "Policy":
+        """The policy that keeps n tokens in all (its budget field set to n; see kvpolicies.budgets)."""
+        if cls.budget_field is None:
+            raise ValueError(f"{cls.__name__} has no token budget")
+        return cls(**{cls.budget_field: n}, **kw)
 
     # -- one step ------------------------------------------------------------------------
     def extend(
@@ -106,51 +157,41 @@ class Policy:
         k: Float[Array, "B K T D"],
         v: Float[Array, "B K T D"],
         pos: Int[Array, "B T"],
-    ) -> SlotState:
+    ) -> View:
         """The view attention reads: the old slots and the T new (un-rotated) tokens."""
         raise NotImplementedError
 
-    def decode_kv(self, view: SlotState, dtype: Any) -> tuple[Float[Array, "B K S D"], Float[Array, "B K S D"]]:
-        """Keys and values of a view as arrays, decoded inside attention (not kept after the step)."""
-        return self.codec.decode(view.k, dtype), self.codec.decode(view.v, dtype)
-
-    def visible(self, q_pos: Int[Array, "B T"], k_pos: Int[Array, "B Kp S"]) -> Bool[Array, "B Kp T S"]:
-        """The policy's own visibility rule (causality and empty slots are handled by attention)."""
-        return jnp.ones(q_pos.shape[:1] + k_pos.shape[1:2] + q_pos.shape[1:] + k_pos.shape[2:], bool)
-
-    def rope_positions(self, q_pos: Int[Array, "B T"], k_pos: Int[Array, "B Kp S"]) -> RopePositions:
-        """Positions RoPE sees; by default the tokens' positions in the text."""
-        return RopePositions(q=q_pos[..., None], k=k_pos)
-
-    def logit_bias(self, view: SlotState) -> Float[Array, "B Kp S"] | None:
-        """Added to every query's logit for a slot (e.g. log(count) of a summary slot)."""
+    def select(
+        self, view: View, q_rot: Float[Array, "B K G T D"], k_rot: Float[Array, "B K S D"]
+    ) -> Bool[Array, "B K|Kp G|1 T S"] | None:
+        """Query-dependent sparsity: the slots each (rotated) query may read; None = no limit."""
         return None
 
-    def view_rope_positions(self, q_pos: Int[Array, "B T"], view: SlotState) -> RopePositions:
-        """RoPE positions when they depend on more than slot positions (e.g. a summary slot's
-        token count); by default `rope_positions(q_pos, view.pos)`. Key positions may be float."""
-        return self.rope_positions(q_pos, view.pos)
-
-    def select(
-        self,
-        view: SlotState,
-        q_pos: Int[Array, "B T"],
-        q_rot: Float[Array, "B K G T D"],
-        k_rot: Float[Array, "B K S D"],
-    ) -> tuple[SlotState, Bool[Array, "B K|Kp G|1 T S"] | None]:
-        """Query-dependent selection, called by attention after RoPE: the view (possibly with
-        bookkeeping derived from the rotated keys, e.g. Quest's page bounds) and a mask of the
-        slots each query may read (None: no restriction beyond `visible`)."""
-        return view, None
-
-    def compact(self, view: SlotState, scores: Float[Array, "B K T S"] | None = None) -> SlotState:
-        """Reduce a view back to the fixed capacity (scores: attention mass summed over G)."""
+    def compact(self, view: View, seen: Seen) -> SlotState:
+        """The state after the step, back at the fixed capacity."""
         raise NotImplementedError
 
+    # -- accounting ----------------------------------------------------------------------
+    def decode_reads(self, state: SlotState, context: int) -> tuple[int, int]:
+        """(kv bytes, meta bytes) of `state` (concrete or abstract) that the decode step of the
+        query at position `context` reads. By default every filled slot: min(S, context + 1)."""
+        s = state.slots
+        filled = min(s, context + 1)
+        kv, meta = tree_nbytes((state.k, state.v)), tree_nbytes(meta_fields(state))
+        return kv * filled // s, meta * filled // s
+
 
 # ---------------------------------------------------------------------------------------
-# Slot helpers. Encoded k/v leaves have layout [B, K, S, ...]; pos has [B, Kp, S].
+# Slot helpers. Encoded k/v leaves have layout [B, K, S, ...]; pos has [B, Kp, S]; any extra
+# field of a state is per slot, [B, K|Kp, S, ...].
 # ---------------------------------------------------------------------------------------
+
+
+def empty_slots(codec: Codec, batch: int, kv_heads: int, head_dim: int, dtype: Any, slots: int,
+                kp: int = 1) -> SlotState:
+    shape = (batch, kv_heads, slots, head_dim)  # [B, K, S, D]
+    return SlotState(k=codec.init(shape, dtype), v=codec.init(shape, dtype),
+                     pos=jnp.full((batch, kp, slots), EMPTY, jnp.int32))
 
 
 def encode_new(codec: Codec, k: Array, v: Array, pos: Int[Array, "B T"]) -> SlotState:
@@ -158,36 +199,55 @@ def encode_new(codec: Codec, k: Array, v: Array, pos: Int[Array, "B T"]) -> Slot
     return SlotState(k=codec.encode(k), v=codec.encode(v), pos=pos[:, None, :].astype(jnp.int32))
 
 
+def with_fields(new: SlotState, like: SlotState, **values) -> SlotState:
+    """`new` as an instance of `like`'s class, the extra fields given in `values`."""
+    return type(like)(k=new.k, v=new.v, pos=new.pos, **values)
+
+
+def view_of(codec: Codec, slots: SlotState, pos: Int[Array, "B T"], dtype: Any, carry: Any, **kw) -> View:
+    """A view of `slots` decoded to `dtype`; RoPE at text positions unless `rope` is given."""
+    kw.setdefault("rope", RopePositions(q=pos[..., None], k=slots.pos))
+    return View(k=codec.decode(slots.k, dtype), v=codec.decode(slots.v, dtype), pos=slots.pos, carry=carry, **kw)
+
+
 def broadcast_pos(pos: Int[Array, "B Kp S"], kp: int) -> Int[Array, "B Kp S"]:
     return jnp.broadcast_to(pos, (pos.shape[0], kp, pos.shape[2]))
 
 
+def _map_fields(fn, *states: SlotState) -> SlotState:
+    """Apply fn(field name, *leaves) to every field of the states (k and v leaf by leaf)."""
+    out = {}
+    for f in dataclasses.fields(states[0]):
+        xs = [getattr(s, f.name) for s in states]
+        if f.name in ("k", "v"):
+            out[f.name] = jax.tree.map(lambda *ys: fn(f.name, *ys), *xs)
+        else:
+            out[f.name] = fn(f.name, *xs)
+    return type(states[0])(**out)
+
+
 def concat(a: SlotState, b: SlotState) -> SlotState:
-    """Slots of `a` followed by the new slots `b` (aux is dropped; policies re-derive it)."""
-    kp = max(a.pos.shape[1], b.pos.shape[1])
-    cat = lambda x, y: jnp.concatenate([x, y.astype(x.dtype)], axis=2)  # noqa: E731  [B, K, Sa+Sb, ...]
-    return SlotState(
-        k=jax.tree.map(cat, a.k, b.k),
-        v=jax.tree.map(cat, a.v, b.v),
-        pos=cat(broadcast_pos(a.pos, kp), broadcast_pos(b.pos, kp)),
-        n_new=b.slots,
-    )
+    """Slots of `a` followed by those of `b` (same state class), along the slot axis."""
+
+    def cat(name, x, y):  # [B, H, Sa, ...], [B, H', Sb, ...] -> [B, max(H, H'), Sa + Sb, ...]
+        h = max(x.shape[1], y.shape[1])
+        x = jnp.broadcast_to(x, x.shape[:1] + (h,) + x.shape[2:])
+        y = jnp.broadcast_to(y, y.shape[:1] + (h,) + y.shape[2:])
+        return jnp.concatenate([x, y.astype(x.dtype)], axis=2)
+
+    return _map_fields(cat, a, b)
 
 
 def write_at(state: SlotState, new: SlotState, start: Int[Array, "B"]) -> SlotState:
     """Write `new`'s slots contiguously at slot `start[b]` (in place under donation)."""
 
-    def upd(buf, x):  # buf [B, K, S, ...], x [B, K, T, ...]
+    def upd(name, buf, x):  # buf [B, H, S, ...], x [B, H', T, ...]
+        x = jnp.broadcast_to(x, x.shape[:1] + buf.shape[1:2] + x.shape[2:])
         return jax.vmap(lambda b, y, i: jax.lax.dynamic_update_slice_in_dim(b, y.astype(b.dtype), i, axis=1))(
             buf, x, start
         )
 
-    return dataclasses.replace(
-        state,
-        k=jax.tree.map(upd, state.k, new.k),
-        v=jax.tree.map(upd, state.v, new.v),
-        pos=upd(state.pos, broadcast_pos(new.pos, state.pos.shape[1])),
-    )
+    return _map_fields(upd, state, new)
 
 
 def scatter(state: SlotState, new: SlotState, slots: Int[Array, "B T"]) -> SlotState:
@@ -196,15 +256,11 @@ def scatter(state: SlotState, new: SlotState, slots: Int[Array, "B T"]) -> SlotS
     Indices must be distinct among kept tokens (XLA leaves the order of duplicates unspecified).
     """
 
-    def upd(buf, x):  # buf [B, K, S, ...], x [B, K, T, ...]
+    def upd(name, buf, x):  # buf [B, H, S, ...], x [B, H', T, ...]
+        x = jnp.broadcast_to(x, x.shape[:1] + buf.shape[1:2] + x.shape[2:])
         return jax.vmap(lambda b, y, i: b.at[:, i].set(y.astype(b.dtype), mode="drop"))(buf, x, slots)
 
-    return dataclasses.replace(
-        state,
-        k=jax.tree.map(upd, state.k, new.k),
-        v=jax.tree.map(upd, state.v, new.v),
-        pos=upd(state.pos, broadcast_pos(new.pos, state.pos.shape[1])),
-    )
+    return _map_fields(upd, state, new)
 
 
 def take_slots(x: Array, idx: Int[Array, "B Ki S2"]) -> Array:
@@ -215,48 +271,38 @@ def take_slots(x: Array, idx: Int[Array, "B Ki S2"]) -> Array:
     return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 3)), axis=2)
 
 
-def check_int(owner: str, name: str, value: Any, lo: int, hi: int | None = None) -> None:
-    """Raise ValueError naming the field, its value and the allowed range."""
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= lo and (hi is None or value <= hi)
-    if not ok:
-        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"{owner}.{name}={value!r}: must be an int {rng}")
-
-
-def check_choice(owner: str, name: str, value: Any, choices: tuple) -> None:
-    if value not in choices:
-        raise ValueError(f"{owner}.{name}={value!r}: must be one of {choices}")
-
-
 # Ring buffers (window, sink): new tokens go to slot `slot_of(pos)`; a slot is overwritten only
 # by a token at least `window` positions later, when the old one is no longer visible to it.
 
 
-def ring_extend(state: SlotState, new: SlotState, slots: Int[Array, "B T"]) -> SlotState:
-    """Decode (T == 1) writes in place; a chunk is appended so its early queries still see the
-    slots its later tokens will overwrite."""
+class Pending(NamedTuple):
+    """The carry of an appending step: the stored slots and the step's new slots (None when
+    the new tokens were already written in place)."""
+
+    old: SlotState
+    new: SlotState | None
+
+
+def ring_extend(codec: Codec, state: SlotState, k, v, pos: Int[Array, "B T"], slots: Int[Array, "B T"]
+                ) -> tuple[SlotState, Pending]:
+    """(slots attention reads, carry). Decode (T == 1) writes in place; a chunk is appended so
+    its early queries still see the slots its later tokens will overwrite."""
+    new = encode_new(codec, k, v, pos)
     if new.slots == 1:
-        return scatter(state, new, slots)
-    return concat(state, new)
+        written = scatter(state, new, slots)
+        return written, Pending(written, None)
+    return concat(state, new), Pending(state, new)
 
 
-def split_view(view: SlotState) -> tuple[SlotState, SlotState]:
-    """(old slots, new slots) of a view built by `concat`."""
-    cap = view.slots - view.n_new
-    old = jax.tree.map(lambda x: x[:, :, :cap], dataclasses.replace(view, n_new=0))  # [B, K, cap, ...]
-    new = jax.tree.map(lambda x: x[:, :, cap:], dataclasses.replace(view, n_new=0))  # [B, K, T, ...]
-    return old, new
-
-
-def ring_compact(view: SlotState, slot_of, keep_of) -> SlotState:
-    """Fold the appended chunk of a ring view back into the ring (only surviving tokens).
+def ring_compact(carry: Pending, slot_of, keep_of) -> SlotState:
+    """Fold the appended chunk of a ring step back into the ring (only surviving tokens).
 
     slot_of(pos [B, T], capacity) -> slots; keep_of(pos [B, T]) -> bool, True for the tokens
     that are the last writer of their slot.
     """
-    if view.n_new == 0:
-        return view
-    old, new = split_view(view)
+    old, new = carry
+    if new is None:
+        return old
     pos = new.pos[:, 0]  # [B, T]
     slots = jnp.where(keep_of(pos), slot_of(pos, old.slots), old.slots)  # out of range = dropped
     return scatter(old, new, slots)

@@ -1,12 +1,11 @@
 """Token budgets: from a ratio of the prompt, and split across layers (uniform or PyramidKV).
 
 A policy's budget is a number of tokens fixed at construction (so its state has a fixed shape
-and one compiled step serves every step). Each budgeted policy has one *budget field*: the
-tokens its eviction rule chooses; anything it always keeps on top (h2o's `recent` window,
-snapkv's observation window and decode slots, sink's sinks) is a separate field, kept the
-same in every layer, as PyramidKV keeps its observation window in every layer.
-
-    h2o: heavy    tova: budget    snapkv: budget    window: window    sink: window
+and one compiled step serves every step). Each budgeted policy declares one *budget field*
+(`Policy.budget_field`): the tokens its eviction rule chooses; anything it always keeps on top
+(h2o's `recent` window, snapkv's observation window and decode slots, sink's sinks) is a
+separate field, kept the same in every layer, as PyramidKV keeps its observation window in
+every layer. Today: h2o heavy, tova budget, snapkv budget, window window, sink window.
 
 Per-layer budgets return a tuple of policies, one per layer, for `Llama`/`Engine`
 (consecutive equal policies share one scanned run); their memory is
@@ -19,20 +18,24 @@ import math
 
 from kvpolicies.base import Policy, check_int
 
-BUDGET_FIELD: dict[str, str] = {
-    "h2o": "heavy", "tova": "budget", "snapkv": "budget", "window": "window", "sink": "window",
-}
+def budgeted() -> dict[str, type[Policy]]:
+    """Registered policies that declare a budget field."""
+    from kvpolicies import POLICIES  # the registry imports this package's policies
+
+    return {n: cls for n, cls in POLICIES.items() if cls.budget_field is not None}
 
 
-def _check_name(name: str) -> None:
-    if name not in BUDGET_FIELD:
-        raise ValueError(f"policy={name!r}: budgets apply to one of {sorted(BUDGET_FIELD)}")
+def _policy_class(name: str) -> type[Policy]:
+    choices = budgeted()
+    if name not in choices:
+        raise ValueError(f"policy={name!r}: budgets apply to one of {sorted(choices)}")
+    return choices[name]
 
 
 def _build(name: str, field: int, codec, kw: dict) -> Policy:
-    from kvpolicies import get  # the registry imports this package's policies
+    from kvpolicies import get
 
-    return get(name, codec=codec, **{BUDGET_FIELD[name]: field}, **kw)
+    return get(name, codec=codec, **{_policy_class(name).budget_field: field}, **kw)
 
 
 def tokens_from_ratio(ratio: float, prompt_len: int) -> int:
@@ -46,26 +49,18 @@ def tokens_from_ratio(ratio: float, prompt_len: int) -> int:
 def from_ratio(name: str, ratio: float, prompt_len: int, codec="none", **kw) -> Policy:
     """A policy that keeps `ratio` of a `prompt_len`-token prompt after eviction.
 
-    n = tokens_from_ratio(ratio, prompt_len) is the whole kept context: h2o splits it into
-    recent = n // 2 and heavy = n - recent (the paper's equal split); snapkv keeps
-    budget = n - obs_window plus its window (its `max_new` decode slots come on top); tova,
-    window: n; sink: window = n - n_sink. The budget is fixed from then on (a longer text is
-    still held in n tokens), which is what keeps one compiled step for every step.
+    n = tokens_from_ratio(ratio, prompt_len) is the whole kept context, as the policy's
+    `for_tokens(n)` splits it: h2o recent = n // 2 and heavy = n - recent (the paper's equal
+    split); snapkv budget = n - obs_window plus its window (its `max_new` decode slots come on
+    top); tova, window: n; sink: window = n - n_sink. The budget is fixed from then on (a
+    longer text is still held in n tokens), which is what keeps one compiled step for every step.
     """
-    _check_name(name)
-    n = tokens_from_ratio(ratio, prompt_len)
-    if name == "h2o":
-        kw.setdefault("recent", n // 2)
-        return _build(name, n - kw["recent"], codec, kw)
-    if name == "snapkv":
-        from kvpolicies.snapkv import SnapKV
+    from kvpolicies import check_fields
+    from kvpolicies.codecs import get_codec
 
-        return _build(name, max(n - kw.get("obs_window", SnapKV.obs_window), 0), codec, kw)
-    if name == "sink":
-        from kvpolicies.sink import Sink
-
-        return _build(name, max(n - kw.get("n_sink", Sink.n_sink), 1), codec, kw)
-    return _build(name, n, codec, kw)
+    cls = _policy_class(name)
+    check_fields(name, kw)
+    return cls.for_tokens(tokens_from_ratio(ratio, prompt_len), codec=get_codec(codec), **kw)
 
 
 def uniform_budgets(total_tokens: int, n_layers: int) -> tuple[int, ...]:
@@ -102,7 +97,6 @@ def pyramid_budgets(total_tokens: int, n_layers: int, beta: float = 20.0) -> tup
 
 def uniform(name: str, total_tokens: int, n_layers: int, codec="none", **kw) -> tuple[Policy, ...]:
     """One policy per layer, the budget field split evenly: total_tokens = sum over layers."""
-    _check_name(name)
     return tuple(_build(name, b, codec, kw) for b in uniform_budgets(total_tokens, n_layers))
 
 
@@ -111,5 +105,4 @@ def pyramid(name: str, total_tokens: int, n_layers: int, beta: float = 20.0, cod
     layers, fewer in upper ones, the same total budget as `uniform`. Other fields (`kw`,
     e.g. snapkv's obs_window) are the same in every layer. A policy whose budget field must
     be >= 1 (tova, window) raises ValueError if the top layers round to 0: lower beta."""
-    _check_name(name)
     return tuple(_build(name, b, codec, kw) for b in pyramid_budgets(total_tokens, n_layers, beta))

@@ -5,7 +5,8 @@ Shapes: B batch, K kv heads, S slots (T when encoding new tokens), D head dim, G
 tree has layout [B, K, S, ...] so that slot operations (write, concatenate, scatter, take_slots)
 apply to all leaves alike: a quantized slot is its codes plus its own scales, nothing shared.
 
-Codecs (all symmetric round-to-nearest, scales computed from each new token as it is written):
+Codecs (all symmetric round-to-nearest, scales computed from each new token as it is written;
+registry name -> class: none `Identity`, int8 and fp8 `Absmax`, int4 `Int4`):
 
     none   the cache dtype as is.
     int8   per token and kv head: s = absmax_D / 127, codes round(x / s) in [-127, 127].
@@ -14,6 +15,7 @@ Codecs (all symmetric round-to-nearest, scales computed from each new token as i
            codes round(y / s) in [-7, 7] stored as code + 8, two per uint8 (channel 2i in the
            low nibble, 2i + 1 in the high one); decode x' = H (code s).
     fp8    per token and kv head: s = absmax_D / 448, codes x / s cast to float8_e4m3fn.
+int8 and fp8 are one codec, `Absmax`, whose `name` picks the code format (dtype and qmax).
 
 Scales are stored in `scale_dtype` (float32 by default; bfloat16/float16 halve their bytes).
 A scale is rounded *up* to that dtype before the codes are computed with it, so no code
@@ -41,12 +43,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Literal, NamedTuple
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import jax.numpy as jnp
 from jaxtyping import Array, Float, UInt8
 
-SCALE_DTYPES = ("float32", "bfloat16", "float16")
+from kvpolicies.checks import SCALE_DTYPES, check_choice, check_int, check_scale_dtype  # noqa: F401 (re-exported)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,11 +91,6 @@ class Quantized(NamedTuple):
 
 
 # -- shared helpers (also used by kivi.py) --------------------------------------------------
-
-
-def check_scale_dtype(owner: str, value: Any) -> None:
-    if value not in SCALE_DTYPES:
-        raise ValueError(f"{owner}.scale_dtype={value!r}: must be one of {SCALE_DTYPES}")
 
 
 def round_up(x: Float[Array, "..."], dtype: Any) -> Array:
@@ -148,24 +145,33 @@ def _symmetric_scale(absmax: Array, qmax: float, dtype: Any) -> tuple[Array, Arr
 
 
 @dataclasses.dataclass(frozen=True)
-class Int8(Codec):
-    """Symmetric int8 with one absmax scale per token and kv head."""
+class Absmax(Codec):
+    """Symmetric codes with one absmax scale per token and kv head; `name` is the code format:
+    int8 (qmax 127, codes rounded to nearest) or fp8 (float8 e4m3: 3 mantissa bits, qmax 448,
+    rounded to nearest even by the cast), e.g. Absmax("fp8", scale_dtype="bfloat16")."""
 
-    name: str = "int8"
+    name: Literal["int8", "fp8"] = "int8"
     scale_dtype: str = "float32"
 
+    FORMATS: ClassVar[dict[str, tuple[Any, float]]] = {"int8": (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, 448.0)}
+
     def __post_init__(self):
-        check_scale_dtype("int8", self.scale_dtype)
+        check_choice("absmax", "name", self.name, tuple(self.FORMATS))
+        check_scale_dtype(self.name, self.scale_dtype)
 
     def init(self, shape, dtype):
         b, k, s, d = shape
-        return Quantized(jnp.zeros(shape, jnp.int8), jnp.zeros((b, k, s, 1), self.scale_dtype))
+        codes = jnp.zeros(shape, self.FORMATS[self.name][0])  # [B, K, S, D]
+        return Quantized(codes, jnp.zeros((b, k, s, 1), self.scale_dtype))  # scale [B, K, S, 1]
 
     def encode(self, x: Float[Array, "B K T D"]) -> Quantized:
+        code, qmax = self.FORMATS[self.name]
         xf = x.astype(jnp.float32)
-        s, div = _symmetric_scale(jnp.abs(xf).max(-1, keepdims=True), 127.0, self.scale_dtype)  # [B, K, T, 1]
-        q = jnp.clip(jnp.round(xf / div), -127, 127).astype(jnp.int8)  # [B, K, T, D]
-        return Quantized(q, s)
+        s, div = _symmetric_scale(jnp.abs(xf).max(-1, keepdims=True), qmax, self.scale_dtype)  # [B, K, T, 1]
+        y = xf / div  # [B, K, T, D]
+        if jnp.issubdtype(code, jnp.integer):
+            y = jnp.round(y)  # a float code rounds in the cast below
+        return Quantized(jnp.clip(y, -qmax, qmax).astype(code), s)  # [B, K, T, D]
 
     def decode(self, enc: Quantized, dtype) -> Float[Array, "B K S D"]:
         return (enc.codes.astype(jnp.float32) * enc.scale.astype(jnp.float32)).astype(dtype)
@@ -187,8 +193,6 @@ class Int4(Codec):
     scale_dtype: str = "float32"
 
     def __post_init__(self):
-        from kvpolicies.base import check_choice, check_int
-
         check_int("int4", "group", self.group, 2)
         check_choice("int4", "rotation", self.rotation, ("hadamard", "none"))
         if self.group % 2:
@@ -225,31 +229,8 @@ class Int4(Codec):
         return self._rotate(qg * enc.scale.astype(jnp.float32)[..., None]).reshape(*lead, d).astype(dtype)
 
 
-@dataclasses.dataclass(frozen=True)
-class FP8(Codec):
-    """float8 e4m3 (3 mantissa bits, max 448) with one absmax scale per token and kv head."""
-
-    name: str = "fp8"
-    scale_dtype: str = "float32"
-
-    def __post_init__(self):
-        check_scale_dtype("fp8", self.scale_dtype)
-
-    def init(self, shape, dtype):
-        b, k, s, d = shape
-        return Quantized(jnp.zeros(shape, jnp.float8_e4m3fn), jnp.zeros((b, k, s, 1), self.scale_dtype))
-
-    def encode(self, x: Float[Array, "B K T D"]) -> Quantized:
-        xf = x.astype(jnp.float32)
-        s, div = _symmetric_scale(jnp.abs(xf).max(-1, keepdims=True), 448.0, self.scale_dtype)  # [B, K, T, 1]
-        q = jnp.clip(xf / div, -448.0, 448.0).astype(jnp.float8_e4m3fn)  # [B, K, T, D]
-        return Quantized(q, s)
-
-    def decode(self, enc: Quantized, dtype) -> Float[Array, "B K S D"]:
-        return (enc.codes.astype(jnp.float32) * enc.scale.astype(jnp.float32)).astype(dtype)
-
-
-CODECS: dict[str, type[Codec]] = {"none": Identity, "int8": Int8, "int4": Int4, "fp8": FP8}
+# Registry name -> the codec with its default fields; get_codec(name, **fields) replaces fields.
+CODECS: dict[str, Codec] = {"none": Identity(), "int8": Absmax("int8"), "int4": Int4(), "fp8": Absmax("fp8")}
 
 
 def get_codec(name: str | Codec, **kwargs) -> Codec:
@@ -260,9 +241,9 @@ def get_codec(name: str | Codec, **kwargs) -> Codec:
         return name
     if name not in CODECS:
         raise ValueError(f"codec={name!r}: must be one of {sorted(CODECS)}")
-    cls = CODECS[name]
-    fields = {f.name for f in dataclasses.fields(cls)} - {"name"}
+    default = CODECS[name]
+    fields = {f.name for f in dataclasses.fields(default)} - {"name"}
     bad = sorted(set(kwargs) - fields)
     if bad:
         raise ValueError(f"codec {name!r} has no field(s) {bad}; its fields are {sorted(fields)}")
-    return cls(**kwargs)
+    return dataclasses.replace(default, **kwargs)  # a new instance: __post_init__ validates the fields

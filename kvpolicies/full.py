@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvpolicies.base import Policy, encode_new, write_at
+from kvpolicies.base import Policy, encode_new, view_of, write_at
 from kvpolicies.codecs import Codec, Identity
 
 
@@ -19,7 +19,8 @@ class Full(Policy):
 
     def extend(self, state, k, v, pos):
         # Chunks are contiguous, so the chunk starts at slot pos[:, 0].
-        return write_at(state, encode_new(self.codec, k, v, pos), pos[:, 0])
+        written = write_at(state, encode_new(self.codec, k, v, pos), pos[:, 0])
+        return view_of(self.codec, written, pos, k.dtype, carry=written)
 
-    def compact(self, view, scores=None):
-        return view
+    def compact(self, view, seen):
+        return view.carry

@@ -12,17 +12,17 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from kvpolicies.base import Policy, check_int
+from kvpolicies.base import check_int
 from kvpolicies.codecs import Codec, Identity
-from kvpolicies.scored import append_view, init_state, newest, pack, require_scores, top_mask
+from kvpolicies.scored import Scored, newest
 
 
 @dataclasses.dataclass(frozen=True)
-class H2O(Policy):
+class H2O(Scored):
     """Keeps `heavy` heavy hitters + the `recent` newest tokens (S = heavy + recent slots).
 
     Every slot accumulates the attention it has received from every query since it entered
-    the cache (summed over the G query heads of its kv head; aux["acc"], [B, K, S] float32).
+    the cache (summed over the G query heads of its kv head; the state's `mass`, [B, K, S] float32).
     A step with T new tokens works on the view of the S old slots plus the T new ones, every
     new query seeing all old slots and the new tokens up to itself. At the end of the step
     each slot's accumulated mass grows by the mass the step's T queries gave it; then, per kv
@@ -49,7 +49,7 @@ class H2O(Policy):
     recent: int = 256
     codec: Codec = Identity()
 
-    needs_scores = True
+    accumulates = True
 
     def __post_init__(self):
         check_int("h2o", "heavy", self.heavy, 0)
@@ -57,20 +57,17 @@ class H2O(Policy):
         if self.heavy + self.recent < 1:
             raise ValueError(f"h2o.heavy + h2o.recent = {self.heavy + self.recent}: must be >= 1")
 
+    @classmethod
+    def for_tokens(cls, n, **kw):
+        """n tokens in all, split as the paper does: recent = n // 2, heavy = n - recent."""
+        kw.setdefault("recent", n // 2)
+        return cls(heavy=n - kw["recent"], **kw)
+
     def capacity(self, max_len):
         return min(self.heavy + self.recent, max_len)
 
-    def init(self, batch, kv_heads, head_dim, dtype, max_len):
-        return init_state(self, batch, kv_heads, head_dim, dtype, max_len, kp=kv_heads, aux=("acc",))
-
-    def extend(self, state, k, v, pos):
-        return append_view(state, self.codec, k, v, pos)
-
-    def compact(self, view, scores=None):
-        scores = require_scores("h2o", scores)  # [B, K, T, V]
-        acc = view.aux["acc"] + scores.sum(axis=2)  # [B, K, V]
-        filled = view.pos >= 0  # [B, K, V]
-        prio = jnp.where(newest(view, self.recent), jnp.inf, jnp.where(filled, acc, -jnp.inf))  # [B, K, V]
-        s = view.slots - view.n_new
-        kept = top_mask(prio, view.pos, s) & filled  # [B, K, V]
-        return pack(dataclasses.replace(view, aux={"acc": acc}), kept, s)
+    def priority(self, slots, scores):
+        acc = slots.mass + scores.sum(axis=2)  # [B, K, V]: mass received so far
+        filled = slots.pos >= 0  # [B, K, V]
+        prio = jnp.where(newest(slots.pos, self.recent), jnp.inf, jnp.where(filled, acc, -jnp.inf))  # [B, K, V]
+        return prio, dataclasses.replace(slots, mass=acc)

@@ -7,7 +7,7 @@ b branch factor, E summaries one step creates, C b children of a summary, R raw 
 Tokens form aligned blocks of b (block i = tokens [i b, (i+1) b)). A level-l summary with index
 i stands for the b^l tokens [i b^l, (i+1) b^l): it stores the mean of its b children's
 un-rotated keys and values (level 0 = raw tokens), its newest token as its slot position, and
-its count b^l in `aux["count"]`; attention adds log(count) to its logit, so its softmax mass
+its count b^l in the state's `count`; attention adds log(count) to its logit, so its softmax mass
 stands for all its tokens (exactly so when they all had the same logit).
 
 The configuration seen by query p is a closed-form function of p (so a chunk of queries is
@@ -23,7 +23,8 @@ processed exactly as one by one, each query masking what it would not have seen)
     back about W + M (b + b^2 + ... + b^L) tokens (`reach(p)` gives the exact oldest token).
 Level l's summary i lives in slot i mod M of that level, raw token j in ring slot j mod R.
 Summaries are created in `compact` for the next query (decode) or, for a chunk, in `extend`
-(all the summaries any of its queries sees are appended to the view, E <= ~T/(b-1)).
+(all the summaries any of its queries sees are appended to the view, E <= ~T/(b-1)). The view
+carries the visibility mask, the log(count) bias and the RoPE positions, all from the slots.
 """
 
 from __future__ import annotations
@@ -35,16 +36,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from kvpolicies.base import (
-    Policy,
-    RopePositions,
-    SlotState,
-    check_choice,
-    check_int,
-    concat,
-    encode_new,
-    scatter,
-)
+from kvpolicies.base import Policy, RopePositions, SlotState, check_choice, check_int, concat, encode_new, scatter, view_of
 from kvpolicies.codecs import Codec, Identity
 
 
@@ -58,17 +50,15 @@ def _mod(a: Int[Array, "*s"], b) -> Int[Array, "*s"]:
     return jax.lax.rem(a, jnp.asarray(b, a.dtype))
 
 
-def _set_count(count: Int[Array, "B 1 S"], slots: Int[Array, "B T"], value: Int[Array, "B T"]
-               ) -> Int[Array, "B 1 S"]:
-    """count[b, 0, slots[b, t]] = value[b, t]; out-of-range slots are dropped."""
-    return jax.vmap(lambda c, i, x: c.at[:, i].set(x[None], mode="drop"))(count, slots, value)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class HierState(SlotState):
+    """Slots plus how many tokens each stands for.
 
+    count: [B, 1, S] int32: 1 for a raw token, b^l for a level-l summary, 0 for an empty slot.
+    """
 
-def _append(view: SlotState, extra: SlotState) -> SlotState:
-    """The slots of `extra` after those of `view` (aux count included; all counted as new)."""
-    out = concat(view, extra)
-    count = jnp.concatenate([view.aux["count"], extra.aux["count"]], axis=2)  # [B, 1, S + E]
-    return dataclasses.replace(out, aux={"count": count}, n_new=view.n_new + extra.slots)
+    count: Int[Array, "B 1 S"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,13 +112,6 @@ class Hier(Policy):
             sizes.append(e)
         return tuple(sizes)
 
-    def _split(self, n_new: int) -> tuple[int, tuple[int, ...]]:
-        """(new raw tokens T, summaries per level) of a chunk view with n_new trailing slots."""
-        for t in range(1, n_new + 1):
-            if t + sum(self._made_sizes(t)) == n_new:
-                return t, self._made_sizes(t)
-        raise ValueError(f"no chunk length gives a view with {n_new} new slots")
-
     # -- the closed-form configuration ----------------------------------------------------
     def blocks_done(self, p: Int[Array, "*b"]) -> Int[Array, "*b"]:
         """n(p): blocks that have entered level 1 by the time query p attends."""
@@ -143,31 +126,34 @@ class Hier(Policy):
         f = [b * x for x in h[1:]] + [jnp.maximum(0, h[-1] - m)]
         return jnp.stack(h, -1), jnp.stack(f, -1)
 
-    def _slot_ids(self, view: SlotState) -> tuple[Int[Array, "B 1 S"], Int[Array, "B 1 S"], Int[Array, "B 1 S"]]:
+    def _slot_ids(self, view: HierState) -> tuple[Int[Array, "B 1 S"], Int[Array, "B 1 S"], Int[Array, "B 1 S"]]:
         """(level, count b^level, index at that level) of every slot; raw tokens are level 0."""
-        count = jnp.maximum(view.aux["count"], 1)  # [B, 1, S]
+        count = jnp.maximum(view.count, 1)  # [B, 1, S]
         level = sum((count >= self.branch**l).astype(jnp.int32) for l in range(1, self.levels + 1))
         return level, count, _div(view.pos + 1, count) - 1
 
     # -- state ---------------------------------------------------------------------------
     def init(self, batch, kv_heads, head_dim, dtype, max_len):
         st = super().init(batch, kv_heads, head_dim, dtype, max_len)
-        return dataclasses.replace(st, aux={"count": jnp.zeros(st.pos.shape, jnp.int32)})  # [B, 1, S]
+        return HierState(st.k, st.v, st.pos, count=jnp.zeros(st.pos.shape, jnp.int32))  # [B, 1, S]
 
     def extend(self, state, k, v, pos):
         ring = self._ring_of(state.slots)
-        new = encode_new(self.codec, k, v, pos)
-        ones = jnp.ones_like(new.pos[:, 0])  # [B, T]
-        if new.slots == 1:  # decode: write the ring slot in place
-            view = scatter(state, new, _mod(pos, ring))
-            return dataclasses.replace(view, aux={"count": _set_count(state.aux["count"], _mod(pos, ring), ones)})
-        view = dataclasses.replace(concat(state, new), aux={
-            "count": jnp.concatenate([state.aux["count"], ones[:, None]], axis=2)})  # [B, 1, S + T]
-        if not self._has_levels(state.slots):
-            return view
-        made = self._grow(view, state.slots, pos[:, 0], self.blocks_done(pos[:, 0]),
-                          self.blocks_done(pos[:, -1] + 1), self._made_sizes(new.slots))
-        return _append(view, made)
+        raw = encode_new(self.codec, k, v, pos)
+        new = HierState(raw.k, raw.v, raw.pos, count=jnp.ones_like(raw.pos))  # [B, 1, T]
+        if new.slots == 1:  # decode: write the ring slot in place (summaries are made in compact)
+            slots = scatter(state, new, _mod(pos, ring))
+            carry = (slots, None, None)
+        else:  # a chunk: append its tokens and every summary any of its queries sees
+            slots, made = concat(state, new), None
+            if self._has_levels(state.slots):
+                made = self._grow(slots, state.slots, pos[:, 0], self.blocks_done(pos[:, 0]),
+                                  self.blocks_done(pos[:, -1] + 1), self._made_sizes(new.slots))
+                slots = concat(slots, made)
+            carry = (state, new, made)
+        return view_of(self.codec, slots, pos, k.dtype, carry, mask=self._visible(pos, slots),
+                       bias=jnp.log(jnp.maximum(slots.count, 1).astype(jnp.float32)),  # [B, 1, S]
+                       rope=self._rope(pos, slots))
 
     def _take(self, st: SlotState, slots: Int[Array, "B E C"]) -> tuple[Float[Array, "B K E C D"], ...]:
         """Decoded (float32) keys and values of the given slots."""
@@ -181,8 +167,8 @@ class Hier(Policy):
         vv = self.codec.decode(jax.tree.map(take, st.v), jnp.float32)
         return kk.reshape(kk.shape[:2] + (e, c) + kk.shape[3:]), vv.reshape(vv.shape[:2] + (e, c) + vv.shape[3:])
 
-    def _grow(self, view: SlotState, cap: int, first: Int[Array, "B"], n0: Int[Array, "B"], n1: Int[Array, "B"],
-              sizes: tuple[int, ...]) -> SlotState:
+    def _grow(self, view: HierState, cap: int, first: Int[Array, "B"], n0: Int[Array, "B"], n1: Int[Array, "B"],
+              sizes: tuple[int, ...]) -> HierState:
         """The summaries created while the block count goes from n0 to n1, level by level.
 
         Raw token j is in the view's ring (j mod R) or, from position `first` on, among the
@@ -192,7 +178,7 @@ class Hier(Policy):
         b, m, ring = self.branch, self.slots_per_level, self._ring_of(cap)
         h0, _ = self.alive(n0)  # [B, L]
         h1, _ = self.alive(n1)
-        made: list[SlotState] = []
+        made: list[HierState] = []
         for lv in range(self.levels):  # level lv + 1
             idx = h0[:, lv, None] + jnp.arange(sizes[lv])  # [B, E]
             valid = idx < h1[:, lv, None]  # [B, E]
@@ -209,37 +195,31 @@ class Hier(Policy):
             km = jnp.where(keep, kc.mean(axis=3), 0.0)  # [B, K, E, D]
             vm = jnp.where(keep, vc.mean(axis=3), 0.0)
             cast = lambda enc, ref: jax.tree.map(lambda x, r: x.astype(r.dtype), enc, ref)  # noqa: E731
-            made.append(SlotState(
+            made.append(HierState(
                 k=cast(self.codec.encode(km), view.k),
                 v=cast(self.codec.encode(vm), view.v),
                 pos=jnp.where(valid, (idx + 1) * b ** (lv + 1) - 1, -1)[:, None].astype(jnp.int32),  # [B, 1, E]
-                aux={"count": jnp.where(valid, b ** (lv + 1), 0)[:, None].astype(jnp.int32)},
+                count=jnp.where(valid, b ** (lv + 1), 0)[:, None].astype(jnp.int32),  # [B, 1, E]
             ))
         out = made[0]
         for x in made[1:]:
-            out = _append(out, x)
-        return dataclasses.replace(out, n_new=0)
+            out = concat(out, x)
+        return out
 
-    def compact(self, view, scores=None):
-        cap = view.slots - view.n_new
+    def compact(self, view, seen):
+        state, new, made = view.carry  # (written state, None, None) at decode
+        cap = state.slots
         ring = self._ring_of(cap)
         p_last = view.pos.max(axis=(1, 2))  # [B] the newest token of this step
-        if view.n_new == 0:  # decode: the ring was written in place
-            state = view
+        if new is None:  # decode: the ring was written in place
             if not self._has_levels(cap):
                 return state
-            made = self._grow(view, cap, p_last + 1, self.blocks_done(p_last), self.blocks_done(p_last + 1),
+            made = self._grow(state, cap, p_last + 1, self.blocks_done(p_last), self.blocks_done(p_last + 1),
                               self._made_sizes(1))
         else:
-            t, sizes = self._split(view.n_new) if self._has_levels(cap) else (view.n_new, ())
-            part = lambda a, z: jax.tree.map(lambda x: x[:, :, a:z], dataclasses.replace(view, n_new=0))  # noqa: E731
-            state, new, made = part(0, cap), part(cap, cap + t), part(cap + t, view.slots)
             # Fold the raw tokens into the ring: each slot keeps its newest writer.
             pos = new.pos[:, 0]  # [B, T]
-            slots = jnp.where(pos > p_last[:, None] - ring, _mod(pos, ring), cap)  # cap = dropped
-            state = scatter(state, new, slots)
-            state = dataclasses.replace(state, aux={"count": _set_count(view.aux["count"][:, :, :cap], slots,
-                                                                        jnp.ones_like(slots))})
+            state = scatter(state, new, jnp.where(pos > p_last[:, None] - ring, _mod(pos, ring), cap))  # cap = dropped
             if not self._has_levels(cap):
                 return state
         # Write the summaries made: in each level's ring, the newest M ever created win.
@@ -249,15 +229,10 @@ class Hier(Policy):
         newest = idx[:, 0] >= jnp.take_along_axis(h1, lv0, axis=1) - self.slots_per_level
         target = ring + lv0 * self.slots_per_level + _mod(jnp.maximum(idx[:, 0], 0), self.slots_per_level)
         target = jnp.where((made.pos[:, 0] >= 0) & newest, target, cap)  # cap = dropped
-        state = scatter(state, made, target)
-        count = _set_count(state.aux["count"], target, made.aux["count"][:, 0])  # [B, 1, S]
-        return dataclasses.replace(state, aux={"count": count})
+        return scatter(state, made, target)
 
     # -- what attention sees -------------------------------------------------------------
-    def logit_bias(self, view):
-        return jnp.log(jnp.maximum(view.aux["count"], 1).astype(jnp.float32))  # [B, 1, S]
-
-    def view_rope_positions(self, q_pos, view):
+    def _rope(self, q_pos: Int[Array, "B T"], view: HierState) -> RopePositions:
         level, count, idx = self._slot_ids(view)  # [B, 1, S] each
         if self.positions == "mean":
             return RopePositions(q=q_pos[..., None], k=view.pos.astype(jnp.float32) - (count - 1) / 2)
@@ -275,7 +250,7 @@ class Hier(Policy):
             seg=level,
         )
 
-    def select(self, view, q_pos, q_rot, k_rot) -> tuple[SlotState, Bool[Array, "B 1 1 T S"]]:
+    def _visible(self, q_pos: Int[Array, "B T"], view: HierState) -> Bool[Array, "B 1 T S"]:
         """Query p sees raw tokens of blocks >= n(p) and level-l summaries i in [f_l, h_l)."""
         level, _, idx = self._slot_ids(view)
         n = self.blocks_done(q_pos)  # [B, T]
@@ -285,7 +260,7 @@ class Hier(Policy):
         for l in range(self.levels):
             lo, hi = f[:, None, :, l, None], h[:, None, :, l, None]  # [B, 1, T, 1]
             ok = ok | ((lv == l + 1) & (i >= lo) & (i < hi))
-        return view, ok[:, :, None]  # [B, 1, 1, T, S]
+        return ok  # [B, 1, T, S]
 
     def reach(self, p: int) -> int:
         """Oldest token position still represented for query p (0 until the top level evicts)."""

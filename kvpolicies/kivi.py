@@ -54,7 +54,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kvpolicies.base import EMPTY, Policy, SlotState, check_choice, check_int
+from kvpolicies.base import EMPTY, Policy, RopePositions, SlotState, View, check_choice, check_int
 from kvpolicies.codecs import Identity, check_scale_dtype, pack_bits, round_down, round_up, unpack_bits
 
 
@@ -133,12 +133,12 @@ class Kivi(Policy):
 
     # -- the step ------------------------------------------------------------------------------
     def extend(self, state, k, v, pos):
-        """View = the stored state plus the T new tokens kept aside in full precision."""
-        return SlotState(
-            k=(state.k, k), v=(state.v, v),
-            pos=jnp.concatenate([state.pos, pos[:, None, :].astype(jnp.int32)], axis=2),  # [B, 1, S+T]
-            n_new=k.shape[2],
-        )
+        """View = the stored state, dequantized, plus the T new tokens in full precision."""
+        keys, vals = self.dequantize(state, pos[:, 0], k.dtype)  # [B, K, S, D] x2 (chunks are contiguous)
+        cat = lambda a, x: jnp.concatenate([a, x.astype(k.dtype)], axis=2)  # noqa: E731  [B, K, S+T, D]
+        slot_pos = jnp.concatenate([state.pos, pos[:, None, :].astype(jnp.int32)], axis=2)  # [B, 1, S+T]
+        return View(k=cat(keys, k), v=cat(vals, v), pos=slot_pos, rope=RopePositions(q=pos[..., None], k=slot_pos),
+                    carry=(state, k, v, pos))
 
     def dequantize(self, state: SlotState, n: Int[Array, "B"], dtype) -> tuple[Array, Array]:
         """Keys and values [B, K, S, D] of a stored state holding n tokens, as attention reads them
@@ -162,19 +162,11 @@ class Kivi(Policy):
         vals = jnp.where(j < nb - r, vd.reshape(b, kh, s, d), vq.res.astype(jnp.float32)[:, :, ring])  # [B, K, S, D]
         return keys.astype(dtype), vals.astype(dtype)
 
-    def decode_kv(self, view, dtype):
-        (kq, knew), (vq, vnew) = view.k, view.v
-        cap = view.slots - view.n_new
-        old = SlotState(k=kq, v=vq, pos=view.pos[:, :, :cap])
-        keys, vals = self.dequantize(old, view.pos[:, 0, cap], dtype)  # [B, K, S, D] x2
-        cat = lambda a, x: jnp.concatenate([a, x.astype(dtype)], axis=2)  # noqa: E731  [B, K, S+T, D]
-        return cat(keys, knew), cat(vals, vnew)
-
-    def compact(self, view, scores=None):
-        (kq, knew), (vq, vnew) = view.k, view.v
-        t = view.n_new
-        s = view.slots - t
-        n0 = view.pos[:, 0, s]  # [B] tokens stored before this step (chunks are contiguous)
+    def compact(self, view, seen):
+        state, knew, vnew, pos = view.carry
+        kq, vq = state.k, state.v
+        s, t = state.slots, pos.shape[1]
+        n0 = pos[:, 0]  # [B] tokens stored before this step (chunks are contiguous)
         knew, vnew = knew.astype(kq.res.dtype), vnew.astype(vq.res.dtype)  # as the residual stores them
         keys = jax.vmap(self._fold_keys)(kq, knew, n0)
         vals = jax.vmap(self._fold_values)(vq, vnew, n0)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvpolicies.base import Policy
+from kvpolicies.base import Policy, meta_fields, tree_nbytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,13 +32,9 @@ class StateBytes:
         return StateBytes(self.kv + other.kv, self.meta + other.meta)
 
 
-def _nbytes(tree) -> int:
-    return int(sum(np.prod(x.shape, dtype=np.int64) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
-
-
 def tree_bytes(state) -> StateBytes:
     """Bytes of a concrete or abstract state (one layer, or any stack of layers)."""
-    return StateBytes(kv=_nbytes((state.k, state.v)), meta=_nbytes((state.pos, state.aux)))
+    return StateBytes(kv=tree_nbytes((state.k, state.v)), meta=tree_nbytes(meta_fields(state)))
 
 
 def state_bytes(
@@ -91,26 +87,11 @@ def bytes_read_per_step(
     batch: int = 1,
     dtype=jnp.bfloat16,
 ) -> StepBytes:
-    """Bytes stored, and bytes read by the decode step of the query at position `context`.
-
-    A policy with `decode_reads(context) -> (tokens, pages)` (Quest) reads that many tokens'
-    keys and values per kv head plus the metadata (`aux`, per page) of `pages` pages. Any other
-    policy is read densely: every slot holding a token, min(capacity, context + 1), with its
-    per-slot metadata (positions, counts...).
-    """
+    """Bytes stored, and bytes read by the decode step of the query at position `context`
+    (the policy's `decode_reads`: every filled slot by default; Quest its selected pages)."""
     if context < 0 or context >= max_len:
         raise ValueError(f"context={context}: must be in [0, {max_len - 1}] (a query position below max_len)")
     shape = jax.eval_shape(lambda: policy.init(batch, kv_heads, head_dim, dtype, max_len))
-    one = tree_bytes(shape)
-    cap = policy.capacity(max_len)
-    reads = getattr(policy, "decode_reads", None)
-    if reads is None:
-        filled = min(cap, context + 1)
-        read = StateBytes(kv=one.kv * filled // cap, meta=one.meta * filled // cap)
-    else:
-        tokens, pages = reads(context)
-        aux = _nbytes(shape.aux)
-        n_pages = jax.tree.leaves(shape.aux)[0].shape[2]  # aux leaves [B, K, C, ...]
-        read = StateBytes(kv=one.kv * tokens // cap, meta=aux * pages // n_pages)
+    kv, meta = policy.decode_reads(shape, context)
     scale = lambda sb: StateBytes(kv=sb.kv * n_layers, meta=sb.meta * n_layers)  # noqa: E731
-    return StepBytes(stored=scale(one), read=scale(read))
+    return StepBytes(stored=scale(tree_bytes(shape)), read=scale(StateBytes(kv=kv, meta=meta)))

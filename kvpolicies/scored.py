@@ -1,63 +1,90 @@
-"""Shared machinery of the score-based eviction policies (`h2o`, `tova`, `snapkv`).
+"""`Scored`: the base of the score-based eviction policies (`h2o`, `tova`, `snapkv`).
 
-Shapes: B batch, K kv heads, Kp = 1 or K (one token set per layer, or one per kv head),
+Shapes: B batch, K kv heads, Kp = 1 (one token set per layer) or K (one per kv head),
 S state slots, T new tokens, V = S + T view slots, D head dim.
 
 A score-based policy keeps a fixed number of slots S. A step appends the T new tokens to the
 S old slots (a view of V slots, every old slot visible to every new query), attention returns
-the mass each slot received, and `compact` decides which S slots survive (a boolean `kept`
-mask over the view) and packs them back into S slots: kept tokens first, in text order, then
-empty slots (position -1). Positions are per kv head ([B, K, S]) when the policy evicts per
-head, so different heads hold different tokens.
+the mass each slot received (`Seen.scores`), and `compact` keeps S of the V slots and packs
+them back: kept tokens first, in text order, then empty slots (position -1). A policy that
+only ranks slots writes `priority`; the top S by priority survive (ties keep the newer token).
+A policy with its own compression schedule overrides `keep` instead (snapkv).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from kvpolicies.base import EMPTY, SlotState, concat, encode_new, take_slots
+from kvpolicies.base import EMPTY, Pending, Policy, SlotState, concat, empty_slots, encode_new, take_slots, view_of
 
 LAST_KEY = jnp.iinfo(jnp.int32).max  # sort key that puts a slot after every kept one
 
 
-def init_state(policy, batch: int, kv_heads: int, head_dim: int, dtype: Any, max_len: int,
-               kp: int, aux: tuple[str, ...] = ()) -> SlotState:
-    """An empty state with positions [B, Kp, S] and float32 aux arrays [B, K, S] (zeros)."""
-    s = policy.capacity(max_len)
-    shape = (batch, kv_heads, s, head_dim)  # [B, K, S, D]
-    return SlotState(
-        k=policy.codec.init(shape, dtype),
-        v=policy.codec.init(shape, dtype),
-        pos=jnp.full((batch, kp, s), EMPTY, jnp.int32),
-        aux={n: jnp.zeros((batch, kv_heads, s), jnp.float32) for n in aux},
-    )
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Accumulated(SlotState):
+    """Slots plus a per-slot statistic accumulated over steps.
+
+    mass: [B, K, S] float32 (h2o: attention received so far; snapkv: observation mass).
+    """
+
+    mass: Float[Array, "B K S"]
 
 
-def append_view(state: SlotState, codec, k: Float[Array, "B K T D"], v: Float[Array, "B K T D"],
-                pos: Int[Array, "B T"]) -> SlotState:
-    """The old slots followed by the T new tokens (aux of the new slots starts at zero)."""
-    view = concat(state, encode_new(codec, k, v, pos))  # [B, K, S + T, ...]
-    t = k.shape[2]
-    aux = {n: jnp.concatenate([a, jnp.zeros(a.shape[:2] + (t,), a.dtype)], axis=2)  # [B, K, V]
-           for n, a in state.aux.items()}
-    return dataclasses.replace(view, aux=aux)
+@dataclasses.dataclass(frozen=True)
+class Scored(Policy):
+    """Append the step's tokens, then keep the S slots `keep` chooses (by default: top priority)."""
+
+    observes = ("scores",)
+    accumulates: ClassVar[bool] = False  # the state carries `mass` (Accumulated)
+
+    def kp(self, kv_heads: int) -> int:
+        """Token sets per layer: one per kv head (default) or 1."""
+        return kv_heads
+
+    def init(self, batch, kv_heads, head_dim, dtype, max_len):
+        st = empty_slots(self.codec, batch, kv_heads, head_dim, dtype, self.capacity(max_len), self.kp(kv_heads))
+        if not self.accumulates:
+            return st
+        return Accumulated(st.k, st.v, st.pos, mass=jnp.zeros((batch, kv_heads, st.slots), jnp.float32))
+
+    def _new(self, state: SlotState, k, v, pos) -> SlotState:
+        new = encode_new(self.codec, k, v, pos)
+        if not self.accumulates:
+            return new
+        return Accumulated(new.k, new.v, new.pos, mass=jnp.zeros(k.shape[:3], jnp.float32))  # [B, K, T]
+
+    def extend(self, state, k, v, pos):
+        new = self._new(state, k, v, pos)
+        return view_of(self.codec, concat(state, new), pos, k.dtype, carry=Pending(state, new))
+
+    def compact(self, view, seen):
+        if seen.scores is None:
+            raise ValueError(f"{type(self).__name__}.compact needs the attention scores (observes={self.observes})")
+        old, new = view.carry
+        slots = concat(old, new)  # [B, ., V, ...]
+        kept, slots = self.keep(slots, seen.scores, old.slots)
+        return pack(slots, kept, old.slots)
+
+    def keep(self, slots: SlotState, scores: Float[Array, "B K T V"], s: int) -> tuple[Bool[Array, "B Kp V"], SlotState]:
+        """Which view slots survive (at most s), and the slots with their statistics updated."""
+        prio, slots = self.priority(slots, scores)
+        return top_mask(prio, slots.pos, s) & (slots.pos >= 0), slots
+
+    def priority(self, slots: SlotState, scores: Float[Array, "B K T V"]) -> tuple[Float[Array, "B Kp V"], SlotState]:
+        """Rank of every view slot (higher is kept; -inf never), and the updated slots."""
+        raise NotImplementedError
 
 
-def require_scores(name: str, scores):
-    if scores is None:
-        raise ValueError(f"{name}.compact needs the attention scores (policy.needs_scores is True)")
-    return scores
-
-
-def newest(view: SlotState, n: int) -> Bool[Array, "B Kp V"]:
+def newest(pos: Int[Array, "B Kp V"], n: int) -> Bool[Array, "B Kp V"]:
     """The n newest tokens of the view (the last new token has the largest position)."""
-    last = view.pos[:, :, -1:]  # [B, Kp, 1]
-    return (view.pos >= 0) & (view.pos > last - n)
+    last = pos[:, :, -1:]  # [B, Kp, 1]
+    return (pos >= 0) & (pos > last - n)
 
 
 def top_mask(prio: Float[Array, "*b V"], tie: Array, n: int) -> Bool[Array, "*b V"]:
@@ -67,16 +94,16 @@ def top_mask(prio: Float[Array, "*b V"], tie: Array, n: int) -> Bool[Array, "*b 
     return rank < n
 
 
-def pack(view: SlotState, kept: Bool[Array, "B Kp V"], slots: int) -> SlotState:
-    """The kept slots of a view (at most `slots` of them) in text order, then empty slots."""
-    key = jnp.where(kept, view.pos, LAST_KEY)  # [B, Kp, V]
-    idx = jnp.argsort(key, axis=-1)[..., :slots]  # [B, Kp, S]
+def pack(slots: SlotState, kept: Bool[Array, "B Kp V"], s: int) -> SlotState:
+    """The kept slots (at most s of them) in text order, then empty slots."""
+    key = jnp.where(kept, slots.pos, LAST_KEY)  # [B, Kp, V]
+    idx = jnp.argsort(key, axis=-1)[..., :s]  # [B, Kp, S]
     live = take_slots(kept, idx)  # [B, Kp, S]
-    pos = jnp.where(live, take_slots(view.pos, idx), EMPTY)  # [B, Kp, S]
-    aux = {n: jnp.where(live, take_slots(a, idx), 0.0) for n, a in view.aux.items()}  # [B, K, S]
-    return SlotState(
-        k=jax.tree.map(lambda x: take_slots(x, idx), view.k),
-        v=jax.tree.map(lambda x: take_slots(x, idx), view.v),
-        pos=pos,
-        aux=aux,
-    )
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(slots):
+        x = getattr(slots, f.name)
+        if f.name in ("k", "v"):
+            out[f.name] = jax.tree.map(lambda y: take_slots(y, idx), x)
+        else:  # positions and per-slot statistics: empty slots get -1 / 0
+            out[f.name] = jnp.where(live, take_slots(x, idx), EMPTY if f.name == "pos" else 0.0).astype(x.dtype)
+    return type(slots)(**out)

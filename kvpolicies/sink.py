@@ -8,7 +8,7 @@ from typing import Literal
 
 import jax.numpy as jnp
 
-from kvpolicies.base import Policy, RopePositions, check_choice, check_int, encode_new, ring_compact, ring_extend
+from kvpolicies.base import Policy, RopePositions, check_choice, check_int, ring_compact, ring_extend, view_of
 from kvpolicies.codecs import Codec, Identity
 
 
@@ -35,6 +35,11 @@ class Sink(Policy):
         check_int("sink", "window", self.window, 1)
         check_choice("sink", "positions", self.positions, ("original", "cache"))
 
+    @classmethod
+    def for_tokens(cls, n, **kw):
+        """n tokens in all: the sinks and a window of n - n_sink (at least 1)."""
+        return cls(window=max(n - kw.get("n_sink", cls.n_sink), 1), **kw)
+
     def capacity(self, max_len):
         return min(self.n_sink + self.window, max_len)
 
@@ -43,13 +48,12 @@ class Sink(Policy):
         return jnp.where(pos < self.n_sink, pos, self.n_sink + (pos - self.n_sink) % max(ring, 1))
 
     def extend(self, state, k, v, pos):
-        return ring_extend(state, encode_new(self.codec, k, v, pos), self._slot(pos, state.slots))
+        slots, carry = ring_extend(self.codec, state, k, v, pos, self._slot(pos, state.slots))
+        kp = slots.pos[:, :, None, :]  # [B, Kp, 1, S]
+        mask = (kp < self.n_sink) | (kp > pos[:, None, :, None] - self.window)  # [B, Kp, T, S]
+        return view_of(self.codec, slots, pos, k.dtype, carry, mask=mask, rope=self._rope(pos, slots.pos))
 
-    def visible(self, q_pos, k_pos):
-        k = k_pos[:, :, None, :]  # [B, Kp, 1, S]
-        return (k < self.n_sink) | (k > q_pos[:, None, :, None] - self.window)  # [B, Kp, T, S]
-
-    def rope_positions(self, q_pos, k_pos):
+    def _rope(self, q_pos, k_pos):
         if self.positions == "original" or self.n_sink == 0:
             return RopePositions(q=q_pos[..., None], k=k_pos)
         q_sink = jnp.minimum(q_pos, self.n_sink + self.window - 1)
@@ -59,7 +63,7 @@ class Sink(Policy):
             seg=(k_pos < self.n_sink).astype(jnp.int32),  # [B, Kp, S]
         )
 
-    def compact(self, view, scores=None):
+    def compact(self, view, seen):
         return ring_compact(
-            view, self._slot, lambda pos: (pos < self.n_sink) | (pos > pos[:, -1:] - self.window)
+            view.carry, self._slot, lambda pos: (pos < self.n_sink) | (pos > pos[:, -1:] - self.window)
         )

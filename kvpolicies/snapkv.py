@@ -13,14 +13,13 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from kvpolicies.base import Policy, check_int
+from kvpolicies.base import check_int, take_slots
 from kvpolicies.codecs import Codec, Identity
-from kvpolicies.base import take_slots
-from kvpolicies.scored import LAST_KEY, append_view, init_state, newest, pack, require_scores, top_mask
+from kvpolicies.scored import LAST_KEY, Scored, newest, top_mask
 
 
 @dataclasses.dataclass(frozen=True)
-class SnapKV(Policy):
+class SnapKV(Scored):
     """Prompt compression to budget + obs_window tokens per kv head, then append-only decode.
 
     Slots: S = budget + obs_window + max_new (capped by max_len). Compression keeps the
@@ -39,7 +38,7 @@ class SnapKV(Policy):
     - a decode step (T = 1) appends the token into a free slot; when none is left (n > S, after
       `max_new` decoded tokens) the cache is compressed again by the same rule, observing the
       last obs_window queries since the last compression. Their attention is accumulated in
-      aux["obs"] ([B, K, S] float32) from the queries that will be among the last obs_window
+      the state's `mass` ([B, K, S] float32) from the queries that will be among the last obs_window
       before the cache overflows (those at which the view holds >= S + 2 - obs_window tokens).
     So memory is fixed whatever the generation length, one-by-one feeding is well defined
     (it compresses every max_new + 1 tokens, observing the last queries), and generating up to
@@ -55,7 +54,7 @@ class SnapKV(Policy):
     max_new: int = 256
     codec: Codec = Identity()
 
-    needs_scores = True
+    accumulates = True
 
     def __post_init__(self):
         check_int("snapkv", "budget", self.budget, 0)
@@ -65,14 +64,13 @@ class SnapKV(Policy):
             raise ValueError(f"snapkv.kernel={self.kernel}: must be an odd int >= 1")
         check_int("snapkv", "max_new", self.max_new, 0)
 
+    @classmethod
+    def for_tokens(cls, n, **kw):
+        """n prompt tokens kept: budget = n - obs_window, plus the window (max_new comes on top)."""
+        return cls(budget=max(n - kw.get("obs_window", cls.obs_window), 0), **kw)
+
     def capacity(self, max_len):
         return min(self.budget + self.obs_window + self.max_new, max_len)
-
-    def init(self, batch, kv_heads, head_dim, dtype, max_len):
-        return init_state(self, batch, kv_heads, head_dim, dtype, max_len, kp=kv_heads, aux=("obs",))
-
-    def extend(self, state, k, v, pos):
-        return append_view(state, self.codec, k, v, pos)
 
     def pool(self, score, pos, cand):
         """Max of `score` over candidates within kernel // 2 text positions ([B, K, V]; -inf
@@ -94,25 +92,23 @@ class SnapKV(Policy):
         pooled = take_slots(pooled, jnp.argsort(order, axis=-1))  # back to view order
         return jnp.where(cand, pooled, -jnp.inf)
 
-    def compact(self, view, scores=None):
-        scores = require_scores("snapkv", scores)  # [B, K, T, V]
-        t, w = view.n_new, self.obs_window
-        s = view.slots - t
-        filled = view.pos >= 0  # [B, K, V]
+    def keep(self, slots, scores, s):
+        t, w = scores.shape[2], self.obs_window  # scores [B, K, T, V]
+        filled = slots.pos >= 0  # [B, K, V]
         count = filled.sum(axis=-1)  # [B, K] tokens in the view (equal for every head)
         # decode observation: queries at which the view holds >= S + 2 - w tokens
         at = (count - t)[..., None] + jnp.arange(1, t + 1)  # [B, K, T] view size seen by each query
-        obs = view.aux["obs"] + jnp.einsum("BKT,BKTV->BKV", (at >= s + 2 - w).astype(scores.dtype), scores)
+        obs = slots.mass + jnp.einsum("BKT,BKTV->BKV", (at >= s + 2 - w).astype(scores.dtype), scores)
         if t > 1:
             window = scores[:, :, -w:].sum(axis=2)  # [B, K, V]: the chunk's last queries
             over = count > min(self.budget + w, s)  # [B, K]
         else:
             window = obs
             over = count > s
-        recent = newest(view, w)  # [B, K, V]
+        recent = newest(slots.pos, w)  # [B, K, V]
         cand = filled & ~recent
-        prio = jnp.where(recent, jnp.inf, self.pool(window, view.pos, cand))  # [B, K, V]
+        prio = jnp.where(recent, jnp.inf, self.pool(window, slots.pos, cand))  # [B, K, V]
         comp = top_mask(prio, jnp.where(cand, window, -jnp.inf), min(self.budget + w, s)) & filled
         kept = jnp.where(over[..., None], comp, filled)  # [B, K, V]
         obs = jnp.where(over[..., None], 0.0, obs)  # a compression starts a new observation
-        return pack(dataclasses.replace(view, aux={"obs": obs}), kept, s)
+        return kept, dataclasses.replace(slots, mass=obs)

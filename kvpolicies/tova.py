@@ -12,13 +12,13 @@ from typing import Literal
 
 import jax.numpy as jnp
 
-from kvpolicies.base import Policy, check_choice, check_int
+from kvpolicies.base import check_choice, check_int
 from kvpolicies.codecs import Codec, Identity
-from kvpolicies.scored import append_view, init_state, pack, require_scores, top_mask
+from kvpolicies.scored import Scored
 
 
 @dataclasses.dataclass(frozen=True)
-class TOVA(Policy):
+class TOVA(Scored):
     """Keeps the `budget` tokens with the most attention from the step's last query.
 
     scope="layer" (default, the paper's policy): the score of a token is its attention from
@@ -42,8 +42,6 @@ class TOVA(Policy):
     scope: Literal["layer", "head"] = "layer"
     codec: Codec = Identity()
 
-    needs_scores = True
-
     def __post_init__(self):
         check_int("tova", "budget", self.budget, 1)
         check_choice("tova", "scope", self.scope, ("layer", "head"))
@@ -51,18 +49,11 @@ class TOVA(Policy):
     def capacity(self, max_len):
         return min(self.budget, max_len)
 
-    def init(self, batch, kv_heads, head_dim, dtype, max_len):
-        kp = 1 if self.scope == "layer" else kv_heads
-        return init_state(self, batch, kv_heads, head_dim, dtype, max_len, kp=kp)
+    def kp(self, kv_heads):
+        return 1 if self.scope == "layer" else kv_heads
 
-    def extend(self, state, k, v, pos):
-        return append_view(state, self.codec, k, v, pos)
-
-    def compact(self, view, scores=None):
-        scores = require_scores("tova", scores)[:, :, -1]  # [B, K, V]: the last query
+    def priority(self, slots, scores):
+        last = scores[:, :, -1]  # [B, K, V]: attention from the step's last query
         if self.scope == "layer":
-            scores = scores.sum(axis=1, keepdims=True)  # [B, 1, V]
-        filled = view.pos >= 0  # [B, Kp, V]
-        prio = jnp.where(filled, scores, -jnp.inf)  # [B, Kp, V]
-        s = view.slots - view.n_new
-        return pack(view, top_mask(prio, view.pos, s) & filled, s)
+            last = last.sum(axis=1, keepdims=True)  # [B, 1, V]
+        return jnp.where(slots.pos >= 0, last, -jnp.inf), slots  # [B, Kp, V]

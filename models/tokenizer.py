@@ -1,4 +1,5 @@
-"""Byte-level BPE tokenizer (and chat template) rebuilt from GGUF metadata or an HF tokenizer.json."""
+"""Byte-level BPE tokenizer (and chat template) rebuilt from GGUF metadata or an HF tokenizer.json,
+and `ByteTokenizer` (token = UTF-8 byte), the tokenizer of the tiny random test model."""
 
 from __future__ import annotations
 
@@ -236,6 +237,21 @@ class Tokenizer:
         return self._compiled.render(
             messages=messages, add_generation_prompt=add_generation_prompt, **{**special, **extra}
         )
+
+
+class ByteTokenizer:
+    """Token = UTF-8 byte (vocab 256), no special tokens and no chat template: the tokenizer of
+    the tiny random Llama (`model=tiny_random` in `python -m evals.run`)."""
+
+    bos_id = None
+    eos_id = None
+    vocab_size = 256
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
 
 def _bos_eos_processor(bos: str | None, bos_id: int | None, eos: str | None, eos_id: int | None) -> Any:

@@ -37,11 +37,6 @@ def visible_sink(p, pol):
 
 VISIBLE = {"full": visible_full, "window": visible_window, "sink": visible_sink}
 
-# Policies whose oracle lives in another test file (score-based, lossy, query-dependent):
-# registry name -> test file that checks it against an independent reference.
-COVERED_ELSEWHERE: dict[str, str] = {"hier": "test_hier_quest.py", "quest": "test_hier_quest.py", "h2o": "test_scored.py", "tova": "test_scored.py", "snapkv": "test_scored.py", "kivi": "test_codecs.py"}
-
-
 def dense_attention(q, k, v, visible_sets, cache_ranks: bool, inv_freq, scale=None):
     """q [B, T, N, D], k/v [B, T, K, D]; visible_sets[p] = list of key positions (same per batch).
 

@@ -7,6 +7,7 @@ plus scipy's Hadamard matrix; attention goes through tests/oracle.py's dense flo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -19,7 +20,7 @@ import scipy.linalg
 
 import kvpolicies
 from helpers import run_policy
-from kvpolicies.codecs import FP8, Int4, Int8, get_codec
+from kvpolicies.codecs import Absmax, Int4, get_codec
 from kvpolicies.kivi import Kivi
 from kvpolicies.memory import state_bytes, tree_bytes
 from kvpolicies import Rope
@@ -96,13 +97,13 @@ def np_fp8(x, sdtype="float32", s=None):
 NP_REF = {"int8": np_int8, "fp8": np_fp8}
 
 CODEC_CASES = {
-    "int8": Int8(),
-    "int8-bf16": Int8(scale_dtype="bfloat16"),
+    "int8": Absmax("int8"),
+    "int8-bf16": Absmax("int8", scale_dtype="bfloat16"),
     "int4": Int4(),
     "int4-g16-fp16": Int4(group=16, scale_dtype="float16"),
     "int4-plain": Int4(rotation="none"),
-    "fp8": FP8(),
-    "fp8-bf16": FP8(scale_dtype="bfloat16"),
+    "fp8": Absmax("fp8"),
+    "fp8-bf16": Absmax("fp8", scale_dtype="bfloat16"),
 }
 
 
@@ -326,6 +327,7 @@ def np_kivi_attention(q, k, v, chunks, bits, g, r):
     plus the step's tokens in full precision."""
     b, t, n, d = q.shape
     gq = n // k.shape[2]
+    inv = default_inv_freq(d, THETA)
     out = np.zeros((b, t, n, d))
     start, i = 0, 0
     while start < t:
@@ -335,8 +337,8 @@ def np_kivi_attention(q, k, v, chunks, bits, g, r):
         vv = np.concatenate([vc, v[:, start:end]], axis=1).astype(np.float64)
         for p in range(start, end):
             for h in range(n):
-                qr = rope_complex(q[:, p, h].astype(np.float64), np.full(b, p), INV_FREQ)
-                kr = rope_complex(kk[:, :p + 1, h // gq], np.broadcast_to(np.arange(p + 1), (b, p + 1)), INV_FREQ)
+                qr = rope_complex(q[:, p, h].astype(np.float64), np.full(b, p), inv)
+                kr = rope_complex(kk[:, :p + 1, h // gq], np.broadcast_to(np.arange(p + 1), (b, p + 1)), inv)
                 lg = np.einsum("bd,bjd->bj", qr, kr) * d**-0.5
                 w = np.exp(lg - lg.max(-1, keepdims=True))
                 out[:, p, h] = np.einsum("bj,bjd->bd", w / w.sum(-1, keepdims=True), vv[:, :p + 1, h // gq])
@@ -445,8 +447,8 @@ def codec_slot_bytes(codec, d):
 
 # kv bytes relative to a bf16 cache at D = 64: int8/fp8 (64 + 4) / 128, int4 (32 + 2 * 4) / 128,
 # with bf16 scales int8 (64 + 2) / 128 and int4 at group 16 (32 + 4 * 2) / 128.
-BYTES_CASES = {"int8": (Int8(), 0.53125), "int4": (Int4(), 0.3125), "fp8": (FP8(), 0.53125),
-               "int8-bf16": (Int8(scale_dtype="bfloat16"), 0.515625),
+BYTES_CASES = {"int8": (Absmax("int8"), 0.53125), "int4": (Int4(), 0.3125), "fp8": (Absmax("fp8"), 0.53125),
+               "int8-bf16": (Absmax("int8", scale_dtype="bfloat16"), 0.515625),
                "int4-g16-bf16": (Int4(group=16, scale_dtype="bfloat16"), 0.3125)}
 
 
@@ -504,7 +506,9 @@ def test_kivi_2bit_is_a_quarter_of_bf16_at_long_context():
         (lambda: Int4(group=24), "int4.group=24: must be a power of two"),
         (lambda: Int4(group=0), "int4.group=0"),
         (lambda: Int4(rotation="random"), "int4.rotation='random'"),
-        (lambda: Int8(scale_dtype="float64"), "int8.scale_dtype='float64'"),
+        (lambda: Absmax("int8", scale_dtype="float64"), "int8.scale_dtype='float64'"),
+        (lambda: get_codec("fp8", scale_dtype="float8"), "fp8.scale_dtype='float8'"),
+        (lambda: Absmax("int4"), "absmax.name='int4': must be one of"),
         (lambda: get_codec("int3"), "codec='int3': must be one of"),
         (lambda: get_codec("int8", group=4), "has no field"),
         (lambda: Int4(group=64).init((1, 1, 4, 32), jnp.float32), "int4.group=64: must divide head_dim=32"),
@@ -519,6 +523,20 @@ def test_kivi_2bit_is_a_quarter_of_bf16_at_long_context():
 def test_bad_hyperparameters_raise(make, msg):
     with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace("[", r"\[")):
         make()
+
+
+def test_codec_registry_names_fields_and_records():
+    # int8 and fp8 are one class whose `name` is the code format: registry names, stored dtypes,
+    # results records ({name, fields}) and static-argument identity (eq/hash) per format
+    assert sorted(kvpolicies.CODECS) == ["fp8", "int4", "int8", "none"]
+    i8, f8 = get_codec("int8"), get_codec("fp8", scale_dtype="bfloat16")
+    assert (i8, f8) == (Absmax("int8"), Absmax("fp8", scale_dtype="bfloat16"))
+    assert len({i8, Absmax("int8"), Absmax("fp8"), f8}) == 3 and i8 != Absmax("fp8")
+    assert dataclasses.asdict(i8) == {"name": "int8", "scale_dtype": "float32"}
+    assert dataclasses.asdict(f8) == {"name": "fp8", "scale_dtype": "bfloat16"}
+    assert {n: str(c.init((1, 1, 2, 32), jnp.float32).codes.dtype) for n, c in kvpolicies.CODECS.items()
+            if n != "none"} == {"int8": "int8", "int4": "uint8", "fp8": "float8_e4m3fn"}
+    assert Absmax() == i8
 
 
 # ---------------------------------------------------------------------------------------------
@@ -545,7 +563,8 @@ def test_kivi_decode_compiles_once_over_100_steps():
 @pytest.mark.slow
 def test_smollm2_perplexity_with_quantized_caches():
     from evals.data import default_text
-    from models.engine import Engine, load_default_model, perplexity
+    from models.engine import Engine, perplexity
+    from models.loading import load_default_model
 
     model, tok = load_default_model()
     ids = np.asarray(tok.encode(default_text()[:20000]), np.int32)[:1024]

@@ -1,9 +1,10 @@
-"""evals.run / perplexity / results / table / plots: config composition and errors, the runner
+"""evals.run / config / zoo / perplexity / results / table / plots: config composition and errors, the runner
 end to end on a tiny random byte-level Llama, resume/force/interruption, tables and figures."""
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import math
@@ -14,6 +15,7 @@ import pytest
 
 import kvpolicies
 from evals import plots, results as R, table
+from evals import config as C, zoo
 from evals import run as evrun
 
 TOKENS = 160
@@ -47,7 +49,7 @@ def sink_run(tmp_path_factory, text_file):
 
 
 def test_defaults_compose_to_smollm2_pride_and_prejudice_perplexity():
-    conf = evrun.validate(evrun.compose([]))
+    conf = C.validate(C.compose([]))
     assert conf["model"] == {"name": "smollm2", "dtype": "float32"}
     assert conf["data"]["spec"] == "austen:Pride & Prejudice"
     assert conf["task"] == {"name": "perplexity", "tokens": 12288, "segment": 1024}
@@ -56,33 +58,59 @@ def test_defaults_compose_to_smollm2_pride_and_prejudice_perplexity():
 
 
 def test_top_level_keys_reach_the_policy_and_task():
-    conf = evrun.validate(evrun.compose(["policy=sink", "window=1024", "n_sink=2", "codec=int8", "tokens=999"]))
+    conf = C.validate(C.compose(["policy=sink", "window=1024", "n_sink=2", "codec=int8", "tokens=999"]))
     assert conf["policy"] == {"name": "sink", "n_sink": 2, "window": 1024, "positions": "cache", "codec": "int8"}
     assert conf["task"]["tokens"] == 999
-    pol = evrun.build_policy(conf["policy"])
+    pol = C.build_policy(conf["policy"])
     assert pol == kvpolicies.get("sink", codec="int8", n_sink=2, window=1024)
 
 
 def test_every_registered_policy_has_a_config_that_builds():
-    assert set(kvpolicies.POLICIES) <= set(evrun.group_options("policy"))
+    assert set(kvpolicies.POLICIES) <= set(C.group_options("policy"))
     for name, cls in kvpolicies.POLICIES.items():
-        conf = evrun.validate(evrun.compose([f"policy={name}", "window=512", "budget=256"]))
-        pol = evrun.build_policy(conf["policy"])
+        conf = C.validate(C.compose([f"policy={name}", "window=512", "budget=256"]))
+        pol = C.build_policy(conf["policy"])
         assert type(pol) is cls and conf["policy"]["name"] == name
     follows = {"window": ("window", 512), "sink": ("window", 512), "hier": ("window", 512), "h2o": ("heavy", 256),
                "tova": ("budget", 256), "snapkv": ("budget", 256)}
     for name, (field, value) in follows.items():
         if name in kvpolicies.POLICIES:
-            conf = evrun.validate(evrun.compose([f"policy={name}", "window=512", "budget=256"]))
-            assert getattr(evrun.build_policy(conf["policy"]), field) == value
+            conf = C.validate(C.compose([f"policy={name}", "window=512", "budget=256"]))
+            assert getattr(C.build_policy(conf["policy"]), field) == value
 
 
-def test_a_registered_policy_without_yaml_gets_its_dataclass_defaults(monkeypatch):
-    monkeypatch.setitem(kvpolicies.POLICIES, "sink2", kvpolicies.Sink)
-    assert "sink2" in evrun.group_options("policy")
-    conf = evrun.validate(evrun.compose(["policy=sink2", "codec=int8", "window=8"]))
-    assert conf["policy"] == {"name": "sink2", "n_sink": 4, "window": 4096, "positions": "cache", "codec": "int8"}
-    assert evrun.build_policy(conf["policy"]) == kvpolicies.Sink(codec=kvpolicies.get_codec("int8"))
+@dataclasses.dataclass(frozen=True)
+class Wide(kvpolicies.Full):
+    """A policy registered by a test: its `policy=wide` option comes from these fields alone."""
+
+    run_keys = {"width": "window"}
+    width: int = 3
+    depth: int = 5
+    mode: str = "a"
+
+
+def test_a_registered_policy_needs_no_config_file(monkeypatch):
+    """Its option: each field at its default, `run_keys` fields follow their run-level key, codec
+    follows `codec`; `policy.<field>=` sets any field."""
+    monkeypatch.setitem(kvpolicies.POLICIES, "wide", Wide)
+    assert "wide" in C.group_options("policy")
+    assert C.policy_config("wide") == {"name": "wide", "width": "${window}", "depth": 5, "mode": "a",
+                                       "codec": "${codec}"}
+    conf = C.validate(C.compose(["policy=wide", "codec=int8", "window=8", "policy.mode=b"]))
+    assert list(conf["policy"].items()) == [("name", "wide"), ("width", 8), ("depth", 5), ("mode", "b"),
+                                            ("codec", "int8")]
+    assert C.build_policy(conf["policy"]) == Wide(codec=kvpolicies.get_codec("int8"), width=8, mode="b")
+
+
+def test_policy_options_are_derived_from_the_registry():
+    """configs/policy/ holds no files: every option is derived from a registered class (the YAML
+    files it replaced gave exactly these configs)."""
+    assert not list((C.CONFIG_DIR / "policy").glob("*.yaml"))
+    conf = C.validate(C.compose(["policy=h2o", "budget=100"]))
+    assert conf["policy"] == {"name": "h2o", "heavy": 100, "recent": 256, "codec": "none"}
+    conf = C.validate(C.compose(["policy=snapkv", "budget=100", "codec=int4"]))
+    assert conf["policy"] == {"name": "snapkv", "budget": 100, "obs_window": 32, "kernel": 7, "max_new": 256,
+                              "codec": "int4"}
 
 
 @pytest.mark.parametrize("overrides, expected", [
@@ -101,8 +129,8 @@ def test_a_registered_policy_without_yaml_gets_its_dataclass_defaults(monkeypatc
     (["data=path", "data.path=/nonexistent/x.txt"], ["data.path=/nonexistent/x.txt: no such file"]),
 ])
 def test_config_errors_name_the_key_and_valid_choices(overrides, expected):
-    with pytest.raises(evrun.ConfigError) as e:
-        evrun.validate(evrun.compose(overrides))
+    with pytest.raises(C.ConfigError) as e:
+        C.validate(C.compose(overrides))
     for text in expected:
         assert text in str(e.value)
     assert "hydra" not in str(e.value)
@@ -159,9 +187,9 @@ def test_run_appends_one_row_with_metrics_arrays_and_exact_memory(sink_run):
 def test_chunked_perplexity_equals_token_by_token(sink_run, text_file):
     res, _, _ = sink_run
     (row,) = R.read(res)
-    model, tok = evrun.load_model(row["config"]["model"])
+    model, tok = zoo.load_model(row["config"]["model"])
     ids = tok.encode(text_file.read_text())[: TOKENS + 1]
-    one_by_one = evrun.RecordingContext(model=model, tokenizer=tok, policies=evrun.build_policy(row["config"]["policy"]),
+    one_by_one = evrun.RecordingContext(model=model, tokenizer=tok, policies=C.build_policy(row["config"]["policy"]),
                                         task={}).engine(TOKENS).score(np.asarray(ids), chunk=1)
     np.testing.assert_allclose(R.load_array(row, "nll"), one_by_one, atol=2e-5)
 
@@ -210,7 +238,7 @@ def test_interrupted_run_leaves_prior_rows_intact(sink_run, tmp_path, monkeypatc
     res = tmp_path / "res.jsonl"
     res.write_bytes(sink_run[0].read_bytes())
     before = res.read_bytes()
-    conf = evrun.validate(evrun.compose(sink_run[2][:-2] + ["policy=window", f"results={res}"]))
+    conf = C.validate(C.compose(sink_run[2][:-2] + ["policy=window", f"results={res}"]))
 
     def interrupted(ctx):
         ctx.engine(8)

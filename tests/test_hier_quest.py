@@ -145,7 +145,7 @@ def test_hier_matches_oracle_and_chunking_is_exact(name):
     for c in CHUNKS[1:]:
         sc = outs[c][1]
         np.testing.assert_array_equal(sc.pos, s1.pos)
-        np.testing.assert_array_equal(sc.aux["count"], s1.aux["count"])
+        np.testing.assert_array_equal(sc.count, s1.count)
         np.testing.assert_allclose(sc.k, s1.k, atol=1e-6)
         np.testing.assert_allclose(sc.v, s1.v, atol=1e-6)
 
@@ -157,7 +157,7 @@ def test_hier_state_holds_the_oracles_summaries(name):
     st = run(name, (1,))[1]
     # The state prepared for query T holds the oracle's entries, as (newest token, count) pairs.
     want = sorted((e[-1], len(e)) for e in final)
-    pos, cnt = st.pos[0, 0], st.aux["count"][0, 0]
+    pos, cnt = st.pos[0, 0], st.count[0, 0]
     n = int(pol.blocks_done(jnp.asarray(T)))
     h, f = (np.asarray(x) for x in pol.alive(jnp.asarray(n)))
     live = []
@@ -207,7 +207,7 @@ def test_quest_reads_fewer_tokens_and_the_count_has_a_closed_form():
     for name, pol in QUEST.items():
         _, sizes = _quest_ref(name)
         for (p, _, _), n in sizes.items():
-            assert n == pol.decode_reads(p)[0], (name, p)
+            assert n == pol.reads(p)[0], (name, p)
         assert min(n for (p, _, _), n in sizes.items() if p == T - 1) < T  # pages were skipped
 
 
@@ -216,19 +216,18 @@ def _decode_mask(pol, state, q, k, v, p):
     """The selection mask attention applies for one decode query at position p: [B, K, S]."""
     pos = jnp.full((B, 1), p, jnp.int32)
     view = pol.extend(state, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), pos)
-    kd, _ = pol.decode_kv(view, jnp.float32)
     qr = ROPE.apply(q.reshape(B, 1, K, N // K, D).transpose(0, 2, 3, 1, 4), pos[:, None, None])  # [B, K, G, 1, D]
-    _, mask = pol.select(view, pos, qr, ROPE.apply(kd, view.pos))
-    return mask[:, :, 0, 0] & (jnp.arange(view.slots) <= p)
+    mask = pol.select(view, qr, ROPE.apply(view.k, view.pos))
+    return mask[:, :, 0, 0] & (jnp.arange(view.pos.shape[-1]) <= p)
 
 
 def test_quest_mask_reads_what_decode_reads_says():
-    """The implementation's own mask for one decode query selects decode_reads() tokens per kv head."""
+    """The implementation's own mask for one decode query selects reads() tokens per kv head."""
     pol, p = QUEST["q1"], T - 1
     q, k, v = qkv()
     _, state = run_policy(pol, q[:, :p], k[:, :p], v[:, :p], [1], ROPE)
     counts = np.asarray(_decode_mask(pol, state, q[:, p:], k[:, p:], v[:, p:], p)).sum(-1)  # [B, K]
-    assert (counts == pol.decode_reads(p)[0]).all()
+    assert (counts == pol.reads(p)[0]).all()
 
 
 def test_quest_with_top_k_covering_all_pages_equals_full():
@@ -253,7 +252,7 @@ def test_decode_compiles_once_through_the_engine():
         logits.append(np.asarray(lg))
     assert eng.traces["decode"] == 1 and sum(eng.traces.values()) == 1
     assert np.isfinite(np.stack(logits)).all()
-    assert int(np.asarray(cache[0].aux["count"]).max()) == 4  # level-2 summaries were made
+    assert int(np.asarray(cache[0].count).max()) == 4  # level-2 summaries were made
 
 
 def test_state_bytes_closed_form():
@@ -315,7 +314,8 @@ def test_bad_hyperparameters_raise(name, kw, msg):
 @pytest.mark.slow
 def test_smollm2_perplexity_hier_and_quest_vs_full():
     from evals.data import default_text
-    from models.engine import load_default_model, perplexity
+    from models.engine import perplexity
+    from models.loading import load_default_model
 
     model, tok = load_default_model()
     ids = np.asarray(tok.encode(default_text()[:20000])[:1024], np.int32)

@@ -59,7 +59,7 @@ def test_tiny_checkpoints_match_transformers(name, tmp_path):
 
 @pytest.fixture(scope="module")
 def smollm2(hf_smollm2):
-    from models.engine import load_default_model
+    from models.loading import load_default_model
 
     model, tok = load_default_model()
     return model, tok, hf_smollm2

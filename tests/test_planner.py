@@ -1,4 +1,4 @@
-"""The capacity planner (evals/memory.py): the published arithmetic of KV-cache capacity planning,
+"""The capacity planner (evals/planner.py): the published arithmetic of KV-cache capacity planning,
 reproduced exactly from the policies' real state shapes."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import math
 import pytest
 
 import kvpolicies
-from evals.memory import (
+from evals.planner import (
     GB,
     PRESETS,
     fmt_bytes,

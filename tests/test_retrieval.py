@@ -253,7 +253,7 @@ def test_text_tasks_need_a_tokenizer():
 # -- the trained recall model -------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def recall_model(tmp_path_factory):
-    from models.train import load_or_train
+    from evals.recall_model import load_or_train
 
     # the same folder as tests/test_train.py, so one session trains once
     model, meta = load_or_train(cache_dir=tmp_path_factory.getbasetemp() / "recall-cache", seed=0)
@@ -279,7 +279,7 @@ def test_recall_full_retrieves_window_fails(recall_model):
 def test_smollm2_passkey_full_vs_window():
     """SmolLM2-135M-Instruct finds a 512-token passkey at depth 0.5 with the full cache, not with
     a 64-token window (the key is ~250 tokens before the question)."""
-    from models.engine import load_default_model
+    from models.loading import load_default_model
 
     model, tok = load_default_model()
     task = {"name": "passkey", "lengths": [512], "depths": [0.5], "trials": 2}

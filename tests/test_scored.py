@@ -171,11 +171,11 @@ def test_matches_step_by_step_oracle(name, sched):
 
 def test_state_shapes():
     s = POLICIES["h2o"].init(B, K, D, jnp.float32, MAX_LEN)
-    assert s.pos.shape == (B, K, 7) and s.aux["acc"].shape == (B, K, 7)
+    assert s.pos.shape == (B, K, 7) and s.mass.shape == (B, K, 7)
     s = POLICIES["tova_layer"].init(B, K, D, jnp.float32, MAX_LEN)
-    assert s.pos.shape == (B, 1, 6) and s.k.shape == (B, K, 6, D) and s.aux == {}
+    assert s.pos.shape == (B, 1, 6) and s.k.shape == (B, K, 6, D) and type(s) is kvpolicies.SlotState
     s = POLICIES["snapkv"].init(B, K, D, jnp.float32, MAX_LEN)
-    assert s.pos.shape == (B, K, 12) and s.aux["obs"].shape == (B, K, 12)
+    assert s.pos.shape == (B, K, 12) and s.mass.shape == (B, K, 12)
     assert POLICIES["snapkv"].capacity(10) == 10  # capped by max_len
 
 
@@ -210,8 +210,8 @@ def test_budget_covering_everything_equals_full(pol):
     ref = dense_attention(q, k, v, [list(range(p + 1)) for p in range(T)], False, default_inv_freq(D, THETA))
     np.testing.assert_allclose(out, ref, atol=2e-5, rtol=0)
     assert all(u == list(range(T)) for kb in kept_positions(state) for u in kb)
-    if "acc" in state.aux:  # h2o's accumulated mass is then every token's column sum
-        np.testing.assert_allclose(np.asarray(state.aux["acc"]), dense_probs(q, k).sum((2, 3)), atol=1e-5)
+    if isinstance(pol, kvpolicies.H2O):  # h2o's accumulated mass is then every token's column sum
+        np.testing.assert_allclose(np.asarray(state.mass), dense_probs(q, k).sum((2, 3)), atol=1e-5)
 
 
 def test_h2o_without_heavy_hitters_is_a_sliding_window():
@@ -335,7 +335,7 @@ def test_compact_without_scores_raises():
     st = pol.init(1, K, D, jnp.float32, MAX_LEN)
     view = pol.extend(st, jnp.zeros((1, K, 2, D)), jnp.zeros((1, K, 2, D)), jnp.arange(2)[None])
     with pytest.raises(ValueError, match="needs the attention scores"):
-        pol.compact(view)
+        pol.compact(view, kvpolicies.Seen())
 
 
 # ------------------------------------------------------------------------------------------
@@ -412,7 +412,8 @@ def test_smollm2_perplexity_with_budget_256():
     wide margins on the window side; all three keep the early tokens the window drops.
     """
     from evals.data import default_text
-    from models.engine import load_default_model, perplexity
+    from models.engine import perplexity
+    from models.loading import load_default_model
 
     model, tok = load_default_model()
     ids = np.asarray(tok.encode(default_text())[:1024])

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import kvpolicies
-from models import train as T
+from evals import recall_model as T
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Capacity planner: how many concurrent requests of a given context fit on one GPU, per policy.
 
-    python -m evals.memory --model llama-3-8b --context 32768 --gpu-gb 80 --overhead-gb 12 \
+    python -m evals.planner --model llama-3-8b --context 32768 --gpu-gb 80 --overhead-gb 12 \
         --policy full sink:window=4096 window:window=8192 full:codec=int8
 
 The arithmetic of capacity planning, with every byte taken from `kvpolicies.memory.state_bytes`
@@ -365,7 +365,7 @@ def _list() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m evals.memory", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m evals.planner", description=__doc__.split("\n")[0])
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--model", default="llama-3-8b", help=f"preset: {', '.join(PRESETS)} (default llama-3-8b)")
     src.add_argument("--config", help="an HF config.json (or its folder) instead of a preset")

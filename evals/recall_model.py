@@ -1,5 +1,6 @@
-"""A tiny Llama trained on synthetic associative recall, so that cache policies can be scored on a
-model whose every answer depends on one token far back.
+"""The model of the `recall` task: a tiny Llama trained on synthetic associative recall, so that
+cache policies can be scored on a model whose every answer depends on one token far back
+(`model=tiny_recall task=recall` in `python -m evals.run`; the task is `evals.retrieval.recall`).
 
 Shapes: B batch, T sequence length, N pairs, M queries, V vocab.
 
@@ -20,7 +21,7 @@ Training runs inside jit (data sampled with jax.random, `scan_steps` optimizer s
 through `Llama` with the `full` policy. `load_or_train` caches the weights as .npz, keyed by a
 hash of the whole `TrainConfig`.
 
-    python -m models.train [--steps 400] [--seed 0] [--force]
+    python -m evals.recall_model [--steps 400] [--seed 0] [--force]
 """
 
 from __future__ import annotations

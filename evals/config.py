@@ -1,0 +1,231 @@
+"""The configuration of `python -m evals.run`: its schema, the config groups, Hydra composition,
+and validation with errors in our words.
+
+Groups (`configs/`): model/ (smollm2, gguf, hf, tiny_random, tiny_recall; built by
+`evals.zoo`), task/ (perplexity, passkey, niah, multikey, recall; run by the functions of
+`TASKS`), data/ (austen, mobydick, path), and policy/, which has no files: `register_configs`
+derives one option per registered policy (`kvpolicies.POLICIES`) from its dataclass fields, so a
+new policy needs no config file. `policy_config` says what an option holds: every field at its
+dataclass default, except the fields of the class's `run_keys`, which follow the run-level key
+they name (h2o's `heavy: ${budget}`, sink's `window: ${window}` and `n_sink: ${n_sink}`), and
+`codec`, which follows the run's `${codec}`. So `window=1024` reaches whichever policy uses it and
+`policy.<field>=x` sets any field. A file `configs/policy/<name>.yaml`, if one is added, replaces
+the derived option of that name (none ships). The typed top-level keys are `RunConfig`.
+
+`validate` checks what Hydra does not (task and model names, ranges, the task's own keys, the
+policy as built), so a bad command line fails before anything runs, with one `ConfigError` that
+names the valid choices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from pathlib import Path
+from typing import Any
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+import kvpolicies
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+GROUPS = ("model", "policy", "task", "data")
+
+# Task name -> "module:function" taking a TaskContext and returning a TaskResult (imported lazily).
+TASKS: dict[str, str] = {
+    "perplexity": "evals.perplexity:run",
+    "passkey": "evals.retrieval:passkey",
+    "niah": "evals.retrieval:niah",
+    "multikey": "evals.retrieval:multikey",
+    "recall": "evals.retrieval:recall",
+}
+
+# Optional config checks run before any job ("module:function" taking the task dict, raising ValueError).
+TASK_CHECKS: dict[str, str] = {"perplexity": "evals.perplexity:check", "passkey": "evals.retrieval:check",
+                               "niah": "evals.retrieval:check", "multikey": "evals.retrieval:check",
+                               "recall": "evals.retrieval:check"}
+
+
+@dataclasses.dataclass
+class RunConfig:
+    """The schema of configs/config.yaml: the groups, then typed top-level keys."""
+
+    model: Any = MISSING
+    policy: Any = MISSING
+    task: Any = MISSING
+    data: Any = MISSING
+    window: int = 4096
+    n_sink: int = 4
+    codec: str = "none"
+    budget: int = 1024
+    tokens: int = 12288
+    chunk: int = 512
+    seed: int = 0
+    results: str = "results/results.jsonl"
+    progress: bool = True
+    force: bool = False
+
+
+class ConfigError(ValueError):
+    """A configuration problem, reported as one message (no traceback) by the CLI."""
+
+
+# -- config store and composition ---------------------------------------------------------------
+
+
+def policy_config(name: str) -> dict[str, Any]:
+    """The `policy=<name>` option, derived from the registered class: `name`, each field at its
+    default or `${key}` for a field of `run_keys`, then `codec: ${codec}`. A field without a
+    default is required (`???`); one whose default is not a scalar (bool, int, float, str) is left
+    out (it keeps its default and cannot be set from the command line)."""
+    cls = kvpolicies.POLICIES[name]
+    node: dict[str, Any] = {"name": name}
+    for f in dataclasses.fields(cls):
+        if f.name == "codec" or not f.init:
+            continue
+        if f.name in cls.run_keys:
+            node[f.name] = "${" + cls.run_keys[f.name] + "}"
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            node[f.name] = MISSING
+        elif isinstance(f.default, (bool, int, float, str)):
+            node[f.name] = f.default
+    node["codec"] = "${codec}"
+    return node
+
+
+def register_configs() -> None:
+    """Put the schema and a derived option per registered policy (see `policy_config`) into Hydra's
+    ConfigStore, except a policy with its own configs/policy/<name>.yaml. Idempotent: called before
+    every composition, so policies registered later are seen."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="run_schema", node=RunConfig)
+    files = {p.stem for p in (CONFIG_DIR / "policy").glob("*.yaml")}
+    for name in kvpolicies.POLICIES:
+        if name not in files:
+            cs.store(group="policy", name=name, node=policy_config(name))
+
+
+def group_options(group: str) -> list[str]:
+    """The options of a config group (yaml files and ConfigStore entries)."""
+    register_configs()
+    from hydra.core.config_store import ConfigStore
+
+    files = {p.stem for p in (CONFIG_DIR / group).glob("*.yaml")}
+    try:
+        stored = {n.removesuffix(".yaml") for n in ConfigStore.instance().list(group)}
+    except OSError:  # nothing stored in this group
+        stored = set()
+    return sorted(files | stored)
+
+
+def compose(overrides: list[str] = ()) -> DictConfig:
+    """The composed config for these overrides (Hydra's compose API), errors as ConfigError."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        try:
+            return hydra_compose(config_name="config", overrides=list(overrides))
+        except Exception as e:  # Hydra / OmegaConf errors: explain them in our words
+            raise ConfigError(explain(e, list(overrides))) from None
+
+
+def _typename(t: Any) -> str:
+    return getattr(t, "__name__", str(t))
+
+
+def explain(exc: Exception, overrides: list[str]) -> str:
+    """One clear message for a Hydra/OmegaConf composition error, with the valid choices."""
+    from hydra.errors import MissingConfigException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+    if isinstance(exc, MissingConfigException) and exc.options is not None:
+        group = Path(exc.missing_cfg_file or "").parent.name or "?"
+        bad = Path(exc.missing_cfg_file or "").name
+        return f"{group}={bad}: no such {group}; choose one of: {', '.join(sorted(exc.options))}"
+    cause = exc.__cause__ or exc.__context__ or exc
+    full_key = getattr(cause, "full_key", None)
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and full_key:
+        parent = getattr(cause, "parent_node", None)
+        valid = sorted(str(k) for k in parent.keys() if k != "hydra") if isinstance(parent, DictConfig) else []
+        if "." in full_key:
+            where = full_key.rsplit(".", 1)[0]
+            name = OmegaConf.select(parent, "name", default=None) if isinstance(parent, DictConfig) else None
+            scope = f"{where} {name!r}" if name else where
+        else:
+            scope, valid = "the config", sorted(set(valid) | set(GROUPS))
+        return f"{full_key}: unknown key; {scope} has keys: {', '.join(valid)}"
+    if isinstance(cause, ValidationError) and full_key:
+        fields = {f.name: f.type for f in dataclasses.fields(RunConfig)}
+        want = fields.get(full_key)
+        value = next((o.split("=", 1)[1] for o in overrides if o.lstrip("+~").split("=", 1)[0] == full_key), None)
+        if want is not None:
+            return f"{full_key}={value}: {full_key} must be {_typename(want)}"
+        return f"{full_key}={value}: {cause.msg if hasattr(cause, 'msg') else cause}"
+    return str(exc).strip()
+
+
+def to_plain(cfg: DictConfig) -> dict[str, Any]:
+    """The resolved config as plain data; a required value left at ??? is a ConfigError."""
+    from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
+
+    try:
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except MissingMandatoryValue as e:
+        raise ConfigError(f"{e.full_key} is required: pass {e.full_key}=...") from None
+    except InterpolationResolutionError as e:
+        raise ConfigError(f"{getattr(e, 'full_key', '')}: {e.msg if hasattr(e, 'msg') else e}") from None
+
+
+# -- validation ---------------------------------------------------------------------------------
+
+
+def build_policy(pcfg: dict[str, Any]) -> kvpolicies.Policy:
+    """A policy from its config group (`name`, `codec`, fields); bad names/fields: ConfigError."""
+    fields = dict(pcfg)
+    name, codec = fields.pop("name", None), fields.pop("codec", "none")
+    try:
+        return kvpolicies.get(name, codec=codec, **fields)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"policy: {e}") from None
+
+
+def load_task(name: str):
+    """The task function of TASKS[name], imported now."""
+    module, _, fn = TASKS[name].partition(":")
+    try:
+        return getattr(importlib.import_module(module), fn)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"task={name}: cannot load {TASKS[name]} ({e})") from None
+
+
+def validate(cfg: DictConfig | dict[str, Any]) -> dict[str, Any]:
+    """Resolve and check what Hydra does not: the task name, the model kind, the policy (built,
+    so its own range checks run), the top-level ranges. Returns the plain config."""
+    from evals.zoo import MODELS
+
+    conf = to_plain(cfg) if isinstance(cfg, DictConfig) else dict(cfg)
+    if conf["task"].get("name") not in TASKS:
+        raise ConfigError(f"task.name={conf['task'].get('name')!r}: must be one of {sorted(TASKS)}")
+    if conf["model"].get("name") not in MODELS:
+        raise ConfigError(f"model.name={conf['model'].get('name')!r}: must be one of {sorted(MODELS)}")
+    for key, lo in (("tokens", 1), ("chunk", 1), ("window", 1), ("n_sink", 0), ("budget", 1), ("seed", 0)):
+        if conf[key] < lo:
+            raise ConfigError(f"{key}={conf[key]}: must be >= {lo}")
+    load_task(conf["task"]["name"])  # importable now, not after a long sweep
+    check = TASK_CHECKS.get(conf["task"]["name"])
+    if check:
+        module, _, fn = check.partition(":")
+        try:
+            getattr(importlib.import_module(module), fn)(dict(conf["task"]))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if conf["data"].get("name") == "path" and not Path(conf["data"]["spec"]).is_file():
+        raise ConfigError(f"data.path={conf['data']['spec']}: no such file")
+    if conf["codec"] not in kvpolicies.CODECS:
+        raise ConfigError(f"codec={conf['codec']!r}: must be one of {sorted(kvpolicies.CODECS)}")
+    build_policy(conf["policy"])
+    return conf
