@@ -14,13 +14,20 @@ the derived option of that name (none ships). The typed top-level keys are `RunC
 
 `validate` checks what Hydra does not (task and model names, ranges, the task's own keys, the
 policy as built), so a bad command line fails before anything runs, with one `ConfigError` that
-names the valid choices.
+names the valid choices. Then `check_inputs` (called by `validate`) checks what the run will read
+and write, still before any weights load or compute: the model's files (`evals.zoo.describe`),
+the text (exists, readable, UTF-8, long enough in bytes for `tokens`), retrieval lengths within
+the model's trained context (`max_position`; `task.extrapolate=true` allows longer), a memory estimate
+against this machine, and that the results location is writable. What needs the tokenizer (the
+exact token count of the text, prompts too short for their template) is `check_text`, run once
+the tokenizer has loaded and before the weights.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 from pathlib import Path
 from typing import Any
 
@@ -202,16 +209,28 @@ def load_task(name: str):
         raise ConfigError(f"task={name}: cannot load {TASKS[name]} ({e})") from None
 
 
+DATA_KEYS = {"name", "spec", "path"}
+
+
 def validate(cfg: DictConfig | dict[str, Any]) -> dict[str, Any]:
-    """Resolve and check what Hydra does not: the task name, the model kind, the policy (built,
-    so its own range checks run), the top-level ranges. Returns the plain config."""
+    """Resolve and check what Hydra does not: unknown keys, the task name, the model kind, the
+    policy (built, so its own range checks run), the top-level ranges; then `check_inputs`.
+    Returns the plain config."""
     from evals.zoo import MODELS
 
     conf = to_plain(cfg) if isinstance(cfg, DictConfig) else dict(cfg)
+    known = {f.name for f in dataclasses.fields(RunConfig)}
+    unknown = sorted(set(conf) - known)
+    if unknown:  # `+foo=1` adds a key Hydra's schema does not stop
+        raise ConfigError(f"{unknown[0]}: unknown key; the config has keys: {', '.join(sorted(known))}")
     if conf["task"].get("name") not in TASKS:
         raise ConfigError(f"task.name={conf['task'].get('name')!r}: must be one of {sorted(TASKS)}")
     if conf["model"].get("name") not in MODELS:
         raise ConfigError(f"model.name={conf['model'].get('name')!r}: must be one of {sorted(MODELS)}")
+    unknown = sorted(set(conf["data"]) - DATA_KEYS)
+    if unknown:
+        raise ConfigError(f"data.{unknown[0]}: unknown key; data {conf['data'].get('name')!r} has keys: "
+                          f"{', '.join(sorted(set(conf['data']) - set(unknown)))}")
     for key, lo in (("tokens", 1), ("chunk", 1), ("window", 1), ("n_sink", 0), ("budget", 1), ("seed", 0)):
         if conf[key] < lo:
             raise ConfigError(f"{key}={conf[key]}: must be >= {lo}")
@@ -227,5 +246,140 @@ def validate(cfg: DictConfig | dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"data.path={conf['data']['spec']}: no such file")
     if conf["codec"] not in kvpolicies.CODECS:
         raise ConfigError(f"codec={conf['codec']!r}: must be one of {sorted(kvpolicies.CODECS)}")
-    build_policy(conf["policy"])
+    policy = build_policy(conf["policy"])
+    check_inputs(conf, policy)
     return conf
+
+
+# -- inputs and outputs, before anything loads --------------------------------------------------
+
+
+def _data_field(conf: dict[str, Any]) -> str:
+    return f"data.path={conf['data']['spec']}" if conf["data"].get("name") == "path" else \
+        f"data={conf['data'].get('name')} (spec {conf['data']['spec']!r})"
+
+
+def task_extent(conf: dict[str, Any]) -> tuple[str, int, int, int] | None:
+    """(the config field, prompt or stream length, tokens generated after it, batch) of the run's
+    longest sequence, or None for a task that declares none."""
+    task = conf["task"]
+    name = task["name"]
+    if name == "perplexity":
+        return f"tokens={task['tokens']}", task["tokens"], 0, 1
+    if name in ("passkey", "niah", "multikey"):
+        from evals import retrieval
+
+        t = retrieval.check(task)
+        gen = retrieval.PASSKEY_TOKENS if name == "passkey" else retrieval.NEEDLE_TOKENS
+        return f"task.lengths={t['lengths']}", max(t["lengths"]), gen, t["batch"]
+    return None
+
+
+def memory_limit() -> tuple[int, str]:
+    """(bytes, what): the memory of the device the run computes on (an accelerator's limit, else
+    this machine's physical RAM)."""
+    import jax
+
+    d = jax.devices()[0]
+    stats = d.memory_stats() if d.platform != "cpu" else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"]), f"the {d.device_kind}'s memory"
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's RAM"
+
+
+def memory_estimate(mc, policy: kvpolicies.Policy, max_len: int, batch: int, chunk: int, dtype) -> dict[str, int]:
+    """A lower bound on the bytes a run needs at once (model config `mc`): the cache of every layer
+    (exact state bytes of the policy, and of its prompt phase if larger, for `batch` sequences of
+    `max_len` tokens), one layer's attention scores for a chunk (float32, chunk x slots per query
+    head), the chunk's logits (float32) and the weights."""
+    import jax.numpy as jnp
+
+    from kvpolicies import memory as km
+
+    dtype = jnp.dtype(dtype)
+    chunk = min(chunk, max_len)
+    phases = {policy, policy.prompt_policy()}
+    cache = max(km.state_bytes(p, kv_heads=mc.n_kv_heads, head_dim=mc.head_dim, max_len=max_len, batch=batch,
+                               dtype=dtype).total for p in phases) * mc.n_layers
+    slots = max(p.capacity(max_len) for p in phases)
+    d, L = mc.d_model, mc.n_layers
+    params = mc.vocab_size * d * (1 if mc.tie_embeddings else 2) + L * (
+        d * mc.head_dim * 2 * (mc.n_heads + mc.n_kv_heads) + 3 * d * mc.d_ff)
+    return {"cache": int(cache), "scores": batch * mc.n_heads * chunk * (slots + chunk) * 4,
+            "logits": batch * chunk * mc.vocab_size * 4, "weights": params * dtype.itemsize}
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.1f} GB" if n >= 1e8 else f"{n / 1e6:,.1f} MB"
+
+
+def check_inputs(conf: dict[str, Any], policy: kvpolicies.Policy | None = None) -> None:
+    """What the run will read and write, checked before any weights load (see the module
+    docstring); each problem is one ConfigError naming the field, file or path."""
+    from evals import results as R
+    from evals import zoo
+    from evals.data import load_text
+
+    policy = policy if policy is not None else build_policy(conf["policy"])
+    try:
+        mc = zoo.describe(conf["model"])
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if zoo.has_tokenizer(conf["model"]):
+        try:
+            text = load_text(conf["data"]["spec"])
+        except (OSError, ValueError, KeyError) as e:
+            raise ConfigError(f"{_data_field(conf)}: {e}") from None
+        if conf["task"]["name"] == "perplexity":
+            n, nbytes = conf["task"]["tokens"], len(text.encode("utf-8"))
+            if nbytes < n:  # at most one token per byte (+ a prefix): nbytes + 1 tokens, and the stream needs n + 1
+                raise ConfigError(f"tokens={n}: the text of {_data_field(conf)} has {nbytes} bytes, so at most "
+                                  f"{nbytes + 1} tokens; tokens={n} needs {n + 1} (the stream and its next token)")
+    extent = task_extent(conf)
+    if mc is not None and extent is not None:
+        field, length, gen, batch = extent
+        if gen and length > mc.max_position and not conf["task"].get("extrapolate"):  # perplexity may stream past
+            raise ConfigError(f"{field}: {length} tokens is past the trained context length of "
+                              f"model={conf['model']['name']} ({mc.max_position} tokens, its max_position); "
+                              "pass task.extrapolate=true to run it anyway")
+        est = memory_estimate(mc, policy, length + gen, batch, conf["chunk"], conf["model"].get("dtype", "float32"))
+        limit, where = memory_limit()
+        if sum(est.values()) > limit:
+            parts = ", ".join(f"{k} {_gb(v)}" for k, v in est.items())
+            raise ConfigError(f"{field}: needs at least {_gb(sum(est.values()))} ({parts}; {length + gen} tokens x "
+                              f"batch {batch} under policy={policy_name(policy)}), more than {where} "
+                              f"({_gb(limit)}); ask for fewer tokens or use a bounded policy (e.g. policy=sink)")
+    try:
+        R.check_writable(conf["results"])
+    except OSError as e:
+        raise ConfigError(f"results={conf['results']}: {e}") from None
+
+
+def policy_name(policy: kvpolicies.Policy) -> str:
+    return next((n for n, cls in kvpolicies.POLICIES.items() if type(policy) is cls), type(policy).__name__.lower())
+
+
+def check_text(conf: dict[str, Any], tokenizer: Any, text: str | None) -> None:
+    """The checks that need the tokenizer (run after it loads, before the weights): the text has
+    `tokens` + 1 tokens (perplexity); the shortest retrieval prompt fits its template, needles and
+    question. ConfigError naming the field."""
+    if tokenizer is None:
+        return
+    name = conf["task"]["name"]
+    try:
+        if name == "perplexity" and text is not None:
+            from evals.perplexity import token_prefix
+
+            token_prefix(tokenizer, text, conf["task"]["tokens"] + 1)
+        elif name in ("passkey", "niah", "multikey"):
+            from evals import retrieval
+
+            retrieval.check_prompts(conf["task"], tokenizer, conf["seed"])
+    except ValueError as e:
+        if name == "perplexity":
+            raise ConfigError(f"tokens={conf['task']['tokens']}: {e} ({_data_field(conf)})") from None
+        raise ConfigError(f"task.lengths={_list(conf['task'].get('lengths'))}: {e}") from None
+
+
+def _list(v: Any) -> str:
+    return "[" + ", ".join(map(str, v)) + "]" if isinstance(v, (list, tuple)) else str(v)

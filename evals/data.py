@@ -175,28 +175,51 @@ def moby_dick() -> str:
     return _moby_dick(_lazyload_db(_MOBYDICK_DEB))
 
 
+def _read_utf8(path: Path) -> str:
+    """The text of a UTF-8 file; unreadable or undecodable: ValueError naming the path and byte."""
+    try:
+        blob = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"text file {path}: cannot be read ({e.strerror or e})") from None
+    try:
+        return blob.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = blob.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"text file {path}: not UTF-8: byte offset {e.start} (line {line}) is "
+                         f"{blob[e.start]:#04x} ({e.reason}); convert it, e.g. `iconv -f latin1 -t utf-8`") from None
+
+
 def _read_jsonl(path: Path) -> str:
     records = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}, line {number}: not valid JSON ({e.msg})") from None
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise ValueError(
-                    f'{path}, line {number}: expected an object with a string "text" field'
-                )
-            records.append(record["text"])
+    for number, line in enumerate(_read_utf8(path).split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}, line {number}: not valid JSON ({e.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise ValueError(
+                f'{path}, line {number}: expected an object with a string "text" field'
+            )
+        records.append(record["text"])
+    if not records:
+        raise ValueError(f'{path}: no records (expected one JSON object with a string "text" field per line)')
     return BOOK_SEPARATOR.join(records)
+
+
+@functools.lru_cache(maxsize=2)
+def _file_text(path: Path, mtime_ns: int, size: int) -> str:
+    """A .txt / .jsonl file's text, cached while the file is unchanged (validation reads it
+    before the run, the run again)."""
+    return _read_utf8(path) if path.suffix == ".txt" else _read_jsonl(path)
 
 
 def load_text(spec: str | os.PathLike) -> str:
     """Resolve a text spec: `austen` (all six novels, joined by blank lines), `austen:<title
     substring>`, `mobydick`, or a path to a UTF-8 `.txt` or a `.jsonl` with a "text" field on
-    each line (records joined by blank lines)."""
+    each line (records joined by blank lines). A file that cannot be read or is not UTF-8 is a
+    ValueError naming the path and the byte offset."""
     text = os.fspath(spec)
     if text == "austen":
         return BOOK_SEPARATOR.join(austen_books().values())
@@ -208,7 +231,8 @@ def load_text(spec: str | os.PathLike) -> str:
     if path.suffix in (".txt", ".jsonl"):
         if not path.is_file():
             raise FileNotFoundError(f"text file {path} does not exist")
-        return path.read_text(encoding="utf-8") if path.suffix == ".txt" else _read_jsonl(path)
+        st = path.stat()
+        return _file_text(path.absolute(), st.st_mtime_ns, st.st_size)
     raise ValueError(
         f"unknown text spec {text!r}; valid: 'austen', 'austen:<title substring>' "
         f"(titles: {', '.join(AUSTEN_TITLES.values())}), 'mobydick', or a path ending in .txt "

@@ -5,14 +5,27 @@ library versions, device), the task's metrics / grid / curves, the cache memory 
 arrays (e.g. per-token NLL) are saved as `.npy` files beside the results file and referenced
 by relative path.
 
-Writes are atomic per row. `append` writes the whole line with ONE `os.write` on a file
-descriptor opened with O_APPEND: the kernel moves the offset to the end and writes in one
-step, so concurrent writers (parallel sweep jobs) never interleave or overwrite each other
-and a crash leaves either the whole line or nothing of it (a short write, e.g. a full disk,
-raises; `read` skips an unparseable last line). Rewriting the whole file through
-temp-then-rename would also be atomic, but costs O(file) per row and loses rows when two
-writers race (the second rename drops the first's row). Arrays, which are written whole
-once, use temp-then-rename, before their row: a row never points at a missing or partial file.
+Guarantees (tested in tests/test_hostile.py):
+- A row is appended with ONE `os.write` on an O_APPEND descriptor, under an exclusive `flock`
+  on `<results>.lock`: rows never interleave, and a process killed at any byte leaves the
+  complete rows before it intact. Rewriting the whole file through temp-then-rename would also
+  be atomic, but costs O(file) per row and loses rows when two writers race.
+- Repair before append: if the file does not end in a newline (a writer died mid-row, or the
+  file was copied while growing), the partial last line is moved to `<results>.corrupt` (a
+  warning says so) and cut off, so the new row starts on its own line; a last line that is a
+  whole JSON object lacking only its newline is kept and completed.
+- Reading skips any bad line (undecodable bytes, invalid JSON, JSON that is not an object) with
+  a warning naming the file and the line number; nothing else is lost.
+- One run per key: `key_lock` is an exclusive `flock` on `<results>.locks/<key>`, which
+  evals.run holds around "is the key in the file? run it or skip it; append its row". A second
+  process on the same key waits, then finds the row and skips; runs of different keys still go
+  in parallel. Locks are advisory (every writer here takes them) and the kernel drops them when
+  a process dies, so a killed run leaves no stale lock.
+- Arrays, written whole once, use temp-then-rename before their row: a row never points at a
+  missing or partial file. Rows, arrays, the lock and the side files are all created with mode
+  0o666 minus the umask, so they share permissions.
+- `check_writable` probes the results location (file, folder, arrays folder) without leaving
+  anything behind; evals.run calls it before any model is loaded.
 
 Resuming: a row's `key` hashes the configuration that determines its numbers (model, data,
 policy as built, task, tokens, chunk, seed; not the results path or progress flag), so a
@@ -22,7 +35,9 @@ flight.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import functools
 import hashlib
 import json
@@ -33,7 +48,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +58,7 @@ from kvpolicies.base import Policy
 
 REPO = Path(__file__).resolve().parent.parent
 ARRAY_DIR = "arrays"
+FILE_MODE = 0o666  # minus the umask, for every file written here (rows, arrays, locks, side files)
 
 
 # -- keys and rows ------------------------------------------------------------------------------
@@ -69,41 +85,165 @@ def _clean(x: Any) -> Any:
     return x
 
 
+# -- the file: locks, repair, append, read ------------------------------------------------------
+
+
+def _side(path: Path, suffix: str) -> Path:
+    return path.with_name(path.name + suffix)
+
+
+def lock_path(results: str | os.PathLike) -> Path:
+    """`<results>.lock`: the lock file of appends (exclusive) and reads (shared)."""
+    return _side(Path(results), ".lock")
+
+
+def corrupt_path(results: str | os.PathLike) -> Path:
+    """`<results>.corrupt`: where damaged tails cut off the results file are kept."""
+    return _side(Path(results), ".corrupt")
+
+
+@contextlib.contextmanager
+def _flock(path: Path, kind: int, create: bool = True) -> Iterator[bool]:
+    """Hold `flock(kind)` on `path`, created if `create`; without `create`, a lock file that does
+    not exist or cannot be opened (a read-only copy of the results) is not waited for: yields
+    whether the lock is held."""
+    try:
+        fd = os.open(path, (os.O_RDWR | os.O_CREAT) if create else os.O_RDONLY, FILE_MODE)
+    except OSError:
+        if create:
+            raise
+        fd = None
+    try:
+        if fd is not None:
+            fcntl.flock(fd, kind)
+        yield fd is not None
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the lock
+
+
+@contextlib.contextmanager
+def key_lock(results: str | os.PathLike, key: str, on_wait=None) -> Iterator[None]:
+    """Exclusive lock of one run key of a results file (`<results>.locks/<key>`): held around
+    check-run-append, so two processes never run one key twice. `on_wait()` is called once if
+    another process holds it (then this one waits)."""
+    folder = _side(Path(results), ".locks")
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder / key, os.O_RDWR | os.O_CREAT, FILE_MODE)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if on_wait is not None:
+                on_wait()
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _tail(fd: int, size: int) -> tuple[int, bytes]:
+    """(offset just after the last newline, bytes after it) of an open file of `size` bytes."""
+    block, end = 1 << 16, size
+    while end > 0:
+        start = max(0, end - block)
+        chunk = os.pread(fd, end - start, start)
+        i = chunk.rfind(b"\n")
+        if i >= 0:
+            cut = start + i + 1
+            return cut, os.pread(fd, size - cut, cut)
+        end = start
+    return 0, os.pread(fd, size, 0)
+
+
+def _is_object(line: bytes) -> bool:
+    try:
+        return isinstance(json.loads(line.decode("utf-8")), dict)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return False
+
+
+def _repair(fd: int, path: Path) -> None:
+    """Make an open results file end in a newline (see the module docstring): a partial last
+    line goes to `<results>.corrupt`, a whole object lacking only its newline is completed."""
+    size = os.fstat(fd).st_size
+    if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
+        return
+    cut, tail = _tail(fd, size)
+    if _is_object(tail):
+        os.write(fd, b"\n")
+        return
+    side = corrupt_path(path)
+    cfd = os.open(side, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE)
+    try:
+        os.write(cfd, tail + b"\n")
+        os.fsync(cfd)
+    finally:
+        os.close(cfd)
+    os.ftruncate(fd, cut)
+    line = os.pread(fd, cut, 0).count(b"\n") + 1
+    warnings.warn(f"{path}, line {line}: a partial last line ({len(tail)} bytes, no newline: a writer died "
+                  f"mid-row) was moved to {side}", stacklevel=3)
+
+
 def append(path: str | os.PathLike, row: dict[str, Any]) -> None:
-    """Append `row` as one JSON line with a single write on an O_APPEND descriptor."""
+    """Append `row` as one JSON line: under the exclusive lock, repair a partial last line, then
+    one write on an O_APPEND descriptor (see the module docstring)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = (json.dumps(_clean(row), allow_nan=False, separators=(",", ":")) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    with _flock(lock_path(path), fcntl.LOCK_EX):
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, FILE_MODE)
+        try:
+            _repair(fd, path)
+            written = os.write(fd, data)
+            if written != len(data):
+                raise OSError(f"{path}: short write ({written} of {len(data)} bytes); the row is incomplete")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _parse(p: Path, number: int, line: bytes, last: bool) -> dict[str, Any] | None:
+    """The row on one line, or None with a warning saying why it is skipped."""
+    where = f"{p}, line {number}"
     try:
-        written = os.write(fd, data)
-        if written != len(data):
-            raise OSError(f"{path}: short write ({written} of {len(data)} bytes); the row is incomplete")
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        warnings.warn(f"{where}: not UTF-8 (byte {e.start} of the line is {line[e.start]:#04x}), skipped", stacklevel=3)
+        return None
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError as e:
+        cut = " (the last line, cut short: a writer died mid-row)" if last else ""
+        warnings.warn(f"{where}: not valid JSON ({e.msg}, column {e.colno}){cut}, skipped", stacklevel=3)
+        return None
+    if not isinstance(row, dict):
+        warnings.warn(f"{where}: valid JSON but not an object ({type(row).__name__}), skipped", stacklevel=3)
+        return None
+    return row
 
 
 def read(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[dict[str, Any]]:
     """All rows of one or more results files, in file order (each row gets `_file`, its path).
 
-    A line that is not valid JSON (a run killed mid-write on a filesystem without atomic
-    appends) is skipped with a warning; a missing file raises FileNotFoundError."""
+    A bad line (undecodable bytes, invalid JSON, JSON that is not an object) is skipped with a
+    warning naming the file and line; a missing file raises FileNotFoundError. Reads hold the
+    shared lock, when the lock file exists, so a row being appended is never seen half-written."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     rows = []
     for p in map(Path, paths):
         if not p.is_file():
             raise FileNotFoundError(f"results file {p} does not exist")
-        with open(p, encoding="utf-8") as f:
-            for number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    warnings.warn(f"{p}, line {number}: not valid JSON, skipped", stacklevel=2)
-                    continue
+        with _flock(lock_path(p), fcntl.LOCK_SH, create=False):
+            blob = p.read_bytes()
+        lines = blob.split(b"\n")
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            row = _parse(p, number, line, last=number == len(lines))
+            if row is not None:
                 row["_file"] = str(p)
                 rows.append(row)
     return rows
@@ -112,6 +252,41 @@ def read(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[dict[st
 def done_keys(path: str | os.PathLike) -> set[str]:
     """Keys of the rows already in a results file (empty if it does not exist yet)."""
     return {r["key"] for r in read(path) if "key" in r} if Path(path).is_file() else set()
+
+
+def _nearest_dir(path: Path) -> Path:
+    """`path` if it is a folder, else its nearest existing ancestor (what mkdir would write into)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _probe_dir(folder: Path, what: str) -> None:
+    target = _nearest_dir(folder)
+    if not target.is_dir():
+        raise OSError(f"{what} {folder}: {target} is not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=target):  # O_TMPFILE where supported: nothing is left behind
+            pass
+    except OSError as e:
+        raise OSError(f"{what} {folder}: cannot create files in {target} ({e.strerror or e})") from None
+
+
+def check_writable(results: str | os.PathLike) -> None:
+    """Raise OSError naming the path unless the results file can be appended to (or created) and
+    its arrays folder written: called before any compute. Creates and leaves nothing."""
+    path = Path(results)
+    if path.is_dir():
+        raise OSError(f"results file {path}: is a folder")
+    _probe_dir(path.parent, "results folder")
+    if path.exists():
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_APPEND))
+        except OSError as e:
+            raise OSError(f"results file {path}: cannot be appended to ({e.strerror or e})") from None
+    arrays = path.parent / ARRAY_DIR
+    if arrays.exists():
+        _probe_dir(arrays, "arrays folder")
 
 
 def latest(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -127,18 +302,20 @@ def latest(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def save_array(results: str | os.PathLike, key: str, name: str, array: np.ndarray) -> str:
-    """Save `array` as `<results dir>/arrays/<key>.<name>.npy` (temp file, then rename); returns
-    that path relative to the results file's folder."""
+    """Save `array` as `<results dir>/arrays/<key>.<name>.npy` (temp file, then rename; mode
+    0o666 minus the umask, like the results file); returns that path relative to the results
+    file's folder."""
     folder = Path(results).parent / ARRAY_DIR
     folder.mkdir(parents=True, exist_ok=True)
     rel = f"{ARRAY_DIR}/{key}.{name}.npy"
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+    tmp = folder / f".{key}.{name}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
     try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
         with os.fdopen(fd, "wb") as f:
             np.save(f, np.asarray(array))
         os.replace(tmp, folder.parent / rel)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     return rel
 

@@ -25,6 +25,8 @@ Tasks (TaskContext -> TaskResult; `ctx.task` keys, defaults in brackets):
             (RULER's niah_multikey, Hsieh et al. 2024: n_keys needles at random depths, one asked)
   recall    n_pairs [32] (int or list), trials [256], n_keys/n_values [the training layout]:
             associative recall on the synthetic model of evals/recall_model.py (token ids, no text)
+passkey, niah and multikey also take `extrapolate` [false]: evals.run refuses lengths past the
+model's trained context length unless it is true (it changes no number, so not the run key).
 """
 
 from __future__ import annotations
@@ -222,9 +224,9 @@ def _decode(tok: Any, ids: list[int]) -> str:
 
 
 KEYS = {
-    "passkey": {"name", "lengths", "depths", "trials", "batch", "haystack"},
-    "niah": {"name", "lengths", "depths", "trials", "batch"},
-    "multikey": {"name", "lengths", "n_keys", "key_kind", "trials", "batch"},
+    "passkey": {"name", "lengths", "depths", "trials", "batch", "haystack", "extrapolate"},
+    "niah": {"name", "lengths", "depths", "trials", "batch", "extrapolate"},
+    "multikey": {"name", "lengths", "n_keys", "key_kind", "trials", "batch", "extrapolate"},
     "recall": {"name", "n_pairs", "trials", "n_keys", "n_values"},
 }
 
@@ -256,6 +258,9 @@ def check(task: dict, name: str | None = None) -> dict[str, Any]:
                 out[k] = _ints(task, k, None)[0]
         return out
     out["lengths"] = _ints(task, "lengths", [512], lo=2)
+    out["extrapolate"] = task.get("extrapolate", False)
+    if not isinstance(out["extrapolate"], bool):
+        raise ValueError(f"task.extrapolate={out['extrapolate']!r}: must be true or false")
     out["trials"] = _ints(task, "trials", 4)[0]
     out["batch"] = min(_ints(task, "batch", 4)[0], out["trials"])
     if name in ("passkey", "niah"):
@@ -277,6 +282,27 @@ def check(task: dict, name: str | None = None) -> dict[str, Any]:
         if out["key_kind"] == "words" and out["n_keys"] > len(ADJECTIVES) * len(NOUNS):
             raise ValueError(f"task.n_keys={out['n_keys']}: at most {len(ADJECTIVES) * len(NOUNS)} word keys")
     return out
+
+
+def check_prompts(task: dict, tok: Any, seed: int) -> None:
+    """Build the prompts of the shortest length (every depth and trial, the haystack repeated
+    filler) so that a length too short for the template, needles and question raises its
+    ValueError now, once the tokenizer is there and before the model loads."""
+    cfg = check(task)
+    n = min(cfg["lengths"])
+    if n > 1 << 16:  # room for any template and needles: the run itself checks the rest
+        return
+    ids = filler_haystack(tok, n)
+    ends, starts = sentence_ends(tok, ids), np.zeros(1, np.int64)
+    if cfg["name"] == "passkey":
+        for d in cfg["depths"]:
+            passkey_prompts(tok, n, d, cfg["trials"], seed, ids, ends)
+    elif cfg["name"] == "niah":
+        for d in cfg["depths"]:
+            needle_prompts(tok, n, [d], 1, "names", cfg["trials"], seed, ids, ends, starts, multi=False)
+    else:
+        needle_prompts(tok, n, None, cfg["n_keys"], cfg["key_kind"], cfg["trials"], seed, ids, ends, starts,
+                       multi=True)
 
 
 def _need_text_model(ctx: TaskContext, name: str, text: bool):

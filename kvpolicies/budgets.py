@@ -1,11 +1,33 @@
-"""Token budgets: from a ratio of the prompt, and split across layers (uniform or PyramidKV).
+"""Budgets: one byte budget for every policy, token budgets from a ratio, per-layer schedules.
 
-A policy's budget is a number of tokens fixed at construction (so its state has a fixed shape
-and one compiled step serves every step). Each budgeted policy declares one *budget field*
-(`Policy.budget_field`): the tokens its eviction rule chooses; anything it always keeps on top
-(h2o's `recent` window, snapkv's observation window and decode slots, sink's sinks) is a
-separate field, kept the same in every layer, as PyramidKV keeps its observation window in
-every layer. Today: h2o heavy, tova budget, snapkv budget, window window, sink window.
+**One budget for every policy** (`sized`, `sized_bytes`, `sized_stack`). A budget is a number of
+stored bytes per layer, the same for every policy of a comparison:
+
+    budget n (int)      the bytes of n full-precision tokens: `full`'s state with n slots in the
+                        run's dtype (keys, values and slot positions), per layer, batch 1;
+    budget r (float)    r in (0, 1]: floor(r x the bytes of the `full` cache at max_len)
+                        (kvpress's compression ratio is 1 - r).
+
+A policy is sized to the largest argument n of its `for_tokens(n, codec=..., **fields)` whose
+stored state (`kvpolicies.memory.state_bytes(...).total`) fits the budget. Everything stored
+counts: sinks, recent windows, observation windows and decode slots, codec codes *and* scales,
+slot positions and bookkeeping (h2o/snapkv's accumulated attention), so an int4 cache buys
+about 3x the tokens of bf16, and h2o (positions and scores per kv head) a few percent fewer
+than window. The sized policy stores at most the budget and within one slot (one token in
+every kv head, with its metadata) of it: one more token would not fit, unless the policy
+already holds every token up to max_len. Policies without a token budget (`budget_field` is
+None: full, quest, kivi, hier) cannot be sized and raise ValueError saying so.
+
+`python -m kvpolicies.budgets --budget 0.25` prints what each registered policy keeps under
+one budget (the README's table).
+
+**Token budgets** (`from_ratio`, `uniform`, `pyramid`). The older interface: a number of tokens
+written to the *budget field*. A policy's budget is fixed at construction (so its state has a
+fixed shape and one compiled step serves every step). Each budgeted policy declares one
+budget field (`Policy.budget_field`): the tokens its eviction rule chooses; anything it always
+keeps on top (h2o's `recent` window, snapkv's observation window and decode slots, sink's sinks)
+is a separate field, kept the same in every layer, as PyramidKV keeps its observation window
+in every layer. Today: h2o heavy, tova budget, snapkv budget, window window, sink window.
 
 Per-layer budgets return a tuple of policies, one per layer, for `Llama`/`Engine`
 (consecutive equal policies share one scanned run); their memory is
@@ -14,9 +36,15 @@ Per-layer budgets return a tuple of policies, one per layer, for `Llama`/`Engine
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import numbers
+from collections.abc import Callable
 
-from kvpolicies.base import Policy, check_int
+import jax.numpy as jnp
+
+from kvpolicies.base import Policy, check_choice, check_int
+
 
 def budgeted() -> dict[str, type[Policy]]:
     """Registered policies that declare a budget field."""
@@ -106,3 +134,240 @@ def pyramid(name: str, total_tokens: int, n_layers: int, beta: float = 20.0, cod
     e.g. snapkv's obs_window) are the same in every layer. A policy whose budget field must
     be >= 1 (tova, window) raises ValueError if the top layers round to 0: lower beta."""
     return tuple(_build(name, b, codec, kw) for b in pyramid_budgets(total_tokens, n_layers, beta))
+
+
+# ------------------------------------------------------------------------------------------
+# One budget for every policy: stored bytes, everything included
+# ------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dims:
+    """The cache geometry a byte budget is measured in: one layer, batch 1."""
+
+    max_len: int
+    kv_heads: int
+    head_dim: int
+    dtype: jnp.dtype
+
+    def stored(self, policy: Policy) -> int:
+        """Exact stored bytes of one layer of `policy` (kv + positions + bookkeeping)."""
+        from kvpolicies.memory import state_bytes
+
+        return state_bytes(policy, kv_heads=self.kv_heads, head_dim=self.head_dim, max_len=self.max_len,
+                           dtype=self.dtype).total
+
+
+def _dims(max_len, kv_heads, head_dim, dtype) -> _Dims:
+    check_int("budgets", "max_len", max_len, 1)
+    check_int("budgets", "kv_heads", kv_heads, 1)
+    check_int("budgets", "head_dim", head_dim, 1)
+    return _Dims(max_len, kv_heads, head_dim, jnp.dtype(dtype))
+
+
+def target_bytes(budget: int | float, *, max_len: int, kv_heads: int, head_dim: int, dtype) -> int:
+    """The stored bytes per layer that `budget` allows (see the module docstring).
+
+    An int n >= 1: the bytes of `full`'s state with n slots (keys, values, positions) in
+    `dtype`. A float r in (0, 1]: floor(r x the bytes of the `full` cache at max_len). The
+    type decides: 1 is one token, 1.0 the whole cache.
+    """
+    from kvpolicies.full import Full
+
+    dims = _dims(max_len, kv_heads, head_dim, dtype)
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Real):
+        raise ValueError(f"budget={budget!r}: must be an int (tokens) or a float in (0, 1] (a fraction of full)")
+    if isinstance(budget, numbers.Integral):
+        check_int("budgets", "budget", int(budget), 1)
+        return _Dims(int(budget), dims.kv_heads, dims.head_dim, dims.dtype).stored(Full())
+    if not 0 < budget <= 1:
+        raise ValueError(f"budget={budget!r}: a float budget must be in (0, 1] (a fraction of the full "
+                         f"cache's bytes); an int budget is tokens")
+    return math.floor(float(budget) * dims.stored(Full()))
+
+
+def _sizable(name: str, fields: dict, what: str) -> type[Policy]:
+    """The class of `name` if a budget can size it; ValueError naming the reason otherwise."""
+    from kvpolicies import check_fields
+
+    cls = check_fields(name, fields)
+    if cls.budget_field is None:
+        raise ValueError(f"policy {name!r} cannot be sized: it has no token budget (no budget_field); "
+                         f"{what} applies to one of {sorted(budgeted())}")
+    if cls.budget_field in fields:
+        raise ValueError(f"{name}.{cls.budget_field}={fields[cls.budget_field]!r} conflicts with {what}: "
+                         f"the budget sets {cls.budget_field}; give one or the other")
+    return cls
+
+
+def _first_true(lo: int, hi: int, pred: Callable[[int], bool]) -> int:
+    """Smallest x in [lo, hi] with pred(x), for pred false...false true...true and pred(hi)."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if pred(mid) else (mid + 1, hi)
+    return lo
+
+
+def _last_true(lo: int, hi: int, pred: Callable[[int], bool]) -> int:
+    """Largest x in [lo, hi] with pred(x), for pred true...true false...false and pred(lo)."""
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if pred(mid) else (lo, mid - 1)
+    return lo
+
+
+def sized_bytes(name: str, nbytes: int, /, *, max_len: int, kv_heads: int, head_dim: int, dtype,
+                codec="none", **fields) -> Policy:
+    """The policy `name` whose stored bytes per layer are at most `nbytes`, and within one slot.
+
+    Searches the argument n of `cls.for_tokens(n, codec=codec, **fields)` (n in [1, max_len]:
+    no policy keeps more than max_len tokens) for the largest n whose exact stored state
+    (`state_bytes(...).total`: keys and values as the codec stores them, with their scales,
+    plus positions and bookkeeping) fits, then returns the smallest n storing those same bytes
+    (so a policy already holding max_len slots gets no larger budget field than it uses).
+    Stored bytes are non-decreasing in n for every policy (more tokens, more slots); a binary
+    search then costs ~2 log2(max_len) `jax.eval_shape` calls (~1 ms each), nothing allocated.
+
+    ValueError: `name` has no budget_field ("cannot be sized"), `fields` set the budget field
+    (a conflicting size), or even the smallest valid policy does not fit.
+    """
+    from kvpolicies.codecs import get_codec
+
+    check_int("budgets", "nbytes", nbytes, 0)
+    cls = _sizable(name, fields, f"budget_bytes={nbytes}")
+    dims, codec = _dims(max_len, kv_heads, head_dim, dtype), get_codec(codec)
+    cls.for_tokens(max_len, codec=codec, **fields)  # invalid fields raise here, with their own message
+    memo: dict[int, tuple[Policy, int] | None] = {}
+
+    def at(n: int) -> tuple[Policy, int] | None:  # (policy, stored bytes), None if n is too small to build
+        if n not in memo:
+            try:
+                pol = cls.for_tokens(n, codec=codec, **fields)
+            except ValueError:
+                memo[n] = None
+            else:
+                memo[n] = (pol, dims.stored(pol))
+        return memo[n]
+
+    lo = _first_true(1, max_len, lambda n: at(n) is not None)
+    smallest, least = at(lo)
+    if least > nbytes:
+        raise ValueError(f"budget of {nbytes} bytes is too small for {name}: its smallest sizing "
+                         f"({smallest.capacity(max_len)} slots) stores {least} bytes")
+    n = _last_true(lo, max_len, lambda m: at(m)[1] <= nbytes)
+    n = _first_true(lo, n, lambda m: at(m)[1] >= at(n)[1])
+    return at(n)[0]
+
+
+def sized(name: str, budget: int | float, /, *, max_len: int, kv_heads: int, head_dim: int, dtype,
+          codec="none", **fields) -> Policy:
+    """The policy `name` sized to `budget` (an int: tokens per layer and kv head at full
+    precision; a float in (0, 1]: the fraction of the full cache's bytes at max_len), with
+    `codec` and any other `fields` (not the budget field: ValueError, a conflicting size).
+    Its stored bytes per layer, everything included, are at most `target_bytes(budget, ...)`
+    and within one slot of it. E.g. sized("sink", 0.25, max_len=4096, kv_heads=3, head_dim=64,
+    dtype="bfloat16") is Sink(n_sink=4, window=1020).
+    """
+    _sizable(name, fields, f"budget={budget!r}")
+    nbytes = target_bytes(budget, max_len=max_len, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+    return sized_bytes(name, nbytes, max_len=max_len, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                       codec=codec, **fields)
+
+
+def sized_stack(name: str, budget: int | float, n_layers: int, /, *, schedule: str = "uniform", beta: float = 20.0,
+                max_len: int, kv_heads: int, head_dim: int, dtype, codec="none", **fields) -> tuple[Policy, ...]:
+    """One policy per layer whose summed stored bytes are at most n_layers x the per-layer budget.
+
+    "uniform": every layer is `sized(name, budget, ...)` (one scanned run; within one slot per
+    layer of the total). "pyramid": PyramidKV's arithmetic schedule (`pyramid_budgets`) over
+    the budget field, every other field (h2o's recent, snapkv's observation window and decode
+    slots, sink's sinks) as the uniform sizing sets it, in every layer, as PyramidKV keeps
+    its observation window in every layer; the schedule's total S is the largest (from the
+    uniform total up to n_layers x max_len) whose stack fits, so the stack stores at least
+    what the uniform one does and, below max_len, within one slot of the total. ValueError
+    as `sized`, and when the schedule's top layers round below the budget field's minimum
+    (lower beta or raise the budget).
+    """
+    check_int("budgets", "n_layers", n_layers, 1)
+    check_choice("budgets", "schedule", schedule, ("uniform", "pyramid"))
+    base = sized(name, budget, max_len=max_len, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, codec=codec,
+                 **fields)
+    if schedule == "uniform":
+        return (base,) * n_layers
+    dims = _dims(max_len, kv_heads, head_dim, dtype)
+    total = n_layers * target_bytes(budget, max_len=max_len, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+    field = base.budget_field
+    memo: dict[Policy, int] = {}
+
+    def stack(s: int) -> tuple[Policy, ...]:
+        return tuple(dataclasses.replace(base, **{field: b}) for b in pyramid_budgets(s, n_layers, beta))
+
+    def fits(s: int) -> bool:
+        try:
+            pols = stack(s)
+        except ValueError:
+            return False
+        return sum(memo.setdefault(p, dims.stored(p)) for p in pols) <= total
+
+    s0 = getattr(base, field) * n_layers
+    if not fits(s0):
+        try:
+            stack(s0)
+        except ValueError as e:
+            raise ValueError(f"pyramid(beta={beta}) of {name} at budget={budget!r}: {e} (lower beta or raise "
+                             f"the budget)") from None
+        raise ValueError(f"pyramid(beta={beta}) of {name} at budget={budget!r} does not fit the uniform total")
+    return stack(_last_true(s0, max(s0, n_layers * max_len), fits))
+
+
+def budget_table(budget: int | float, *, max_len: int, kv_heads: int, head_dim: int, dtype,
+                 codecs=("none",)) -> list[dict]:
+    """One row per registered policy and codec: what `sized` keeps under `budget`."""
+    from kvpolicies import POLICIES
+
+    nbytes = target_bytes(budget, max_len=max_len, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+    dims = _dims(max_len, kv_heads, head_dim, dtype)
+    rows = []
+    for codec in codecs:
+        for name, cls in POLICIES.items():
+            row = dict(policy=name, codec=codec, target=nbytes)
+            if cls.budget_field is None:
+                rows.append(dict(row, fields="not sized", slots=None, bytes=None))
+                continue
+            pol = sized(name, budget, max_len=max_len, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                        codec=codec)
+            shown = {f.name: getattr(pol, f.name) for f in dataclasses.fields(pol)
+                     if f.name != "codec" and isinstance(getattr(pol, f.name), int)}
+            rows.append(dict(row, fields=" ".join(f"{k}={v}" for k, v in shown.items()),
+                             slots=pol.capacity(max_len), bytes=dims.stored(pol)))
+    return rows
+
+
+def _main(argv=None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m kvpolicies.budgets",
+                                 description="What every registered policy keeps under one byte budget.")
+    ap.add_argument("--budget", default="0.25", help="int: tokens per layer and kv head; float in (0, 1]: of full")
+    ap.add_argument("--max-len", type=int, default=4096)
+    ap.add_argument("--kv-heads", type=int, default=3)  # SmolLM2-135M
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--codecs", nargs="+", default=["none", "int4"])
+    a = ap.parse_args(argv)
+    budget = float(a.budget) if any(c in a.budget for c in ".eE") else int(a.budget)
+    rows = budget_table(budget, max_len=a.max_len, kv_heads=a.kv_heads, head_dim=a.head_dim, dtype=a.dtype,
+                        codecs=a.codecs)
+    print(f"budget={budget!r}: {rows[0]['target']:,} bytes per layer (kv_heads={a.kv_heads}, "
+          f"head_dim={a.head_dim}, {a.dtype}, max_len={a.max_len}, batch 1)\n")
+    print("| policy | codec | sized fields | slots | stored bytes | of budget |\n|---|---|---|---:|---:|---:|")
+    for r in rows:
+        if r["slots"] is not None:
+            print(f"| {r['policy']} | {r['codec']} | {r['fields']} | {r['slots']:,} | {r['bytes']:,} | "
+                  f"{r['bytes'] / r['target']:.4f} |")
+    unsized = sorted({r["policy"] for r in rows if r["slots"] is None})
+    print(f"\nnot sized (no token budget): {', '.join(unsized)}")
+
+
+if __name__ == "__main__":
+    _main()

@@ -10,12 +10,26 @@ registry name -> class: none `Identity`, int8 and fp8 `Absmax`, int4 `Int4`):
 
     none   the cache dtype as is.
     int8   per token and kv head: s = absmax_D / 127, codes round(x / s) in [-127, 127].
-    int4   per token, kv head and group of `group` channels: y = H x (orthonormal Hadamard
-           within the group, rotation="hadamard", the default) or y = x, s = absmax(y) / 7,
-           codes round(y / s) in [-7, 7] stored as code + 8, two per uint8 (channel 2i in the
-           low nibble, 2i + 1 in the high one); decode x' = H (code s).
+    int4   Hadamard-rotated groups (QuaRot-inspired): per token, kv head and group of `group`
+           channels: y = H x (orthonormal Hadamard within the group, rotation="hadamard", the
+           default) or y = x, s = absmax(y) / 7, codes round(y / s) in [-7, 7] stored as
+           code + 8, two per uint8 (channel 2i in the low nibble, 2i + 1 in the high one);
+           decode x' = H (code s).
     fp8    per token and kv head: s = absmax_D / 448, codes x / s cast to float8_e4m3fn.
 int8 and fp8 are one codec, `Absmax`, whose `name` picks the code format (dtype and qmax).
+Keys are encoded *before* RoPE by every codec (this library caches un-rotated keys).
+
+What these are not:
+    int4 is not QuaRot's KV cache (Ashkboos et al. 2024). QuaRot rotates each head's keys by a
+         full-head Hadamard *after* RoPE (and values through the fused W_v / W_o rotation),
+         then quantizes asymmetrically (scale and zero point) in groups of 128 channels (the
+         whole head) with a clipping ratio below 1. Ours: a Hadamard within each group of
+         32 channels, on pre-RoPE keys and on values alike, symmetric with 15 levels
+         ([-7, 7], no zero point), absmax scales without clipping, computed per token online.
+    fp8  scales every token and kv head separately (one scale per slot). Deployed fp8 KV caches
+         (vLLM's kv_cache_dtype="fp8", TensorRT-LLM) use one scale per tensor (per layer, for
+         keys and for values, 1.0 or calibrated offline) and store no per-token scales; ours is
+         more accurate and stores sb more bytes per slot.
 
 Scales are stored in `scale_dtype` (float32 by default; bfloat16/float16 halve their bytes).
 A scale is rounded *up* to that dtype before the codes are computed with it, so no code
@@ -148,7 +162,8 @@ def _symmetric_scale(absmax: Array, qmax: float, dtype: Any) -> tuple[Array, Arr
 class Absmax(Codec):
     """Symmetric codes with one absmax scale per token and kv head; `name` is the code format:
     int8 (qmax 127, codes rounded to nearest) or fp8 (float8 e4m3: 3 mantissa bits, qmax 448,
-    rounded to nearest even by the cast), e.g. Absmax("fp8", scale_dtype="bfloat16")."""
+    rounded to nearest even by the cast), e.g. Absmax("fp8", scale_dtype="bfloat16").
+    Per-token scales, not the per-tensor scale of deployed fp8 caches (see the module doc)."""
 
     name: Literal["int8", "fp8"] = "int8"
     scale_dtype: str = "float32"
@@ -179,12 +194,15 @@ class Absmax(Codec):
 
 @dataclasses.dataclass(frozen=True)
 class Int4(Codec):
-    """Symmetric int4 with one absmax scale per `group` consecutive channels; 2 codes per byte.
+    """Hadamard-rotated groups (QuaRot-inspired): symmetric int4 with one absmax scale per
+    `group` consecutive channels; 2 codes per byte.
 
     rotation="hadamard" (default) quantizes H x instead of x, H the orthonormal Walsh-Hadamard
-    matrix of each group (QuaRot, Ashkboos et al. 2024, rotates the KV cache the same way), and
-    decodes with H again (H = H^T = H^-1): an outlier channel is spread over its group, so the
-    group's scale no longer follows it. `group` must then be a power of two.
+    matrix of each group, and decodes with H again (H = H^T = H^-1): an outlier channel is
+    spread over its group, so the group's scale no longer follows it. `group` must then be a
+    power of two. The idea is QuaRot's (Ashkboos et al. 2024), the codec is not: QuaRot rotates
+    the whole head after RoPE and quantizes asymmetrically in groups of 128 with clipping; we
+    rotate within groups of 32, before RoPE, symmetric with 15 levels, no clipping (module doc).
     """
 
     name: str = "int4"

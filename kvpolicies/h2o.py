@@ -23,25 +23,21 @@ class H2O(Scored):
 
     Every slot accumulates the attention it has received from every query since it entered
     the cache (summed over the G query heads of its kv head; the state's `mass`, [B, K, S] float32).
-    A step with T new tokens works on the view of the S old slots plus the T new ones, every
-    new query seeing all old slots and the new tokens up to itself. At the end of the step
-    each slot's accumulated mass grows by the mass the step's T queries gave it; then, per kv
-    head, the `recent` newest tokens are kept and the other slots compete: the `heavy` ones
-    with the largest accumulated mass survive (ties keep the newer token).
-
-    Decode (T = 1) is the paper's per-step eviction: once the cache is full, one token, the
-    lowest-scoring non-recent one, leaves per step. Prefill with a chunk of T > 1 tokens
-    accumulates the chunk's causal attention (column sums of its attention matrix, as the
-    paper's prompt phase does) and then keeps the top tokens once, at the chunk's end; so a
-    chunk that overflows the budget is not equal to feeding its tokens one by one (its later
-    queries still see tokens that one-by-one feeding would have evicted). Chunks that fit in
-    the budget are exactly equal to one by one.
+    Eviction happens after every token (`per_token`): a prefill chunk is run as a scan of
+    single-token steps inside the compiled step, the way the authors' code simulates
+    per-token eviction over the prompt with its heavy-hitter mask. At each token, every slot's
+    accumulated mass grows by the attention the token's query gave it; then, per kv head, the
+    `recent` newest tokens are kept and the other slots compete: the `heavy` ones with the
+    largest accumulated mass survive (ties keep the newer token). Once the cache is full, one
+    token, the lowest-scoring non-recent one, leaves per step. The chunk size never changes
+    the result (tested for chunks 1, 7, 64).
 
     The state holds S tokens between steps; a query reads them and the new tokens up to
     itself (as in the paper, the new token joins before the eviction), so heavy=0 is a
     sliding window of recent + 1 tokens (tested); recent=0 is pure heavy-hitter eviction.
     """
 
+    per_token = True
     budget_field = "heavy"
     run_keys = {"heavy": "budget"}
 

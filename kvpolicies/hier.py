@@ -1,5 +1,10 @@
-"""`hier`: a hierarchical compressed cache — the newest tokens in full, older tokens averaged into
-summary slots in levels whose reach grows geometrically (fixed capacity, reach ~ M b^L tokens).
+"""`hier`: a mean-pooled multi-resolution cache — the newest tokens in full, older tokens averaged
+into summary slots in levels whose reach grows geometrically (fixed capacity, reach ~ M b^L tokens).
+
+This library's own baseline, not a published method: no paper's protocol is reproduced and none
+should be cited for it. Its parts have precedents: mean-pooling merged tokens, and the log(count)
+logit bias of a merged token, ToMe's proportional attention (Bolya et al. 2023, "Token Merging:
+Your ViT But Faster"). Measured on SmolLM2 it is far behind `sink` at equal memory (README).
 
 Shapes: B batch, T new tokens, K kv heads, S slots, D head dim, L levels, M slots per level,
 b branch factor, E summaries one step creates, C b children of a summary, R raw ring slots.
@@ -63,7 +68,8 @@ class HierState(SlotState):
 
 @dataclasses.dataclass(frozen=True)
 class Hier(Policy):
-    """Raw ring of the newest W..W+b-1 tokens + `levels` levels of `slots_per_level` summaries.
+    """Raw ring of the newest W..W+b-1 tokens + `levels` levels of `slots_per_level` summaries
+    (mean-pooled multi-resolution cache with a log-count bias; ours, not a published method).
 
     positions="mean": a summary is rotated at the mean position of its tokens (fractional when
     b^l is even; RoPE takes float positions). positions="cache": every visible slot is rotated

@@ -25,14 +25,14 @@ feeding tokens one by one (tested). R must be a multiple of G. (transformers' Qu
 instead quantizes the whole prompt at prefill and keeps no residual for it; their issues #34189
 and #35185.)
 
-What attention sees: the cache as it stood before the step (quantized or residual per the
-rule above) plus the step's new tokens in full precision; the state is updated after
-attention. At decode (T = 1) that is the reference's decode step exactly, and a whole prompt
-in one step sees full precision, as the reference's prefill does. (Queries of a later chunk see
-the earlier chunks as quantized state, so *outputs* of chunked prefill depend on the chunking,
-though the final state does not.)
+What attention sees: every token is processed as a decode step (`per_token`: a chunk is a scan
+of single-token steps), so a query sees the cache as it stood before it (quantized or residual
+per the rule above) plus itself in full precision: the reference's decode step exactly, and the
+chunk size never changes a result. Deviation: the reference's prefill attends over a whole
+prompt in full precision before quantizing it; here prompt tokens are quantized as they stream
+in (the final state is the same, the prompt's own outputs see the quantized past).
 
-Two deliberate differences from the reference code: keys are quantized before RoPE (this
+Two more deliberate differences from the reference code: keys are quantized before RoPE (this
 library caches un-rotated keys; KVQuant, Hooper et al. 2024, finds pre-RoPE per-channel key
 quantization more accurate), and storage is a fixed-capacity buffer (codes for all S slots,
 plus two Rr-slot full-precision rings), so one compiled step serves every step.
@@ -91,6 +91,8 @@ def _drop_index(i: Int[Array, "..."], keep: Array, size: int) -> Array:
 @dataclasses.dataclass(frozen=True)
 class Kivi(Policy):
     """KIVI: all tokens kept (capacity max_len); 2- or 4-bit keys per channel, values per token."""
+
+    per_token = True
 
     bits: int = 2
     group: int = 32

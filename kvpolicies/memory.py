@@ -14,7 +14,6 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from kvpolicies.base import Policy, meta_fields, tree_nbytes
 

@@ -1,26 +1,54 @@
 """`quest`: Quest (Tang et al. 2024, "Quest: Query-Aware Sparsity for Efficient Long-Context LLM
-Inference") — every token is kept, but each query reads only the pages whose keys could score
-highest, plus the newest tokens. Storage is that of `full`; what shrinks is the bytes *read*.
+Inference", github.com/mit-han-lab/Quest) — every token is kept, but each decode query reads only
+the pages whose keys could score highest. Storage is that of `full`; what shrinks is the bytes
+*read* per decode step.
 
 Shapes: B batch, T new tokens, K kv heads, G query heads per kv head, S slots (= max_len),
 C pages of `page` tokens (C = ceil(max_len / page)), D head dim.
 
 Slot j holds token j (as in `full`); page c holds slots [c page, (c+1) page). Per page and kv
 head, the state's `kmin`, `kmax` [B, K, C, D] are the elementwise min/max of its keys *rotated
-at their own positions* — Quest bounds rotated keys, and with keys stored before RoPE these are
-still fixed once written, so they are folded in as tokens arrive: `select` folds the step's
-rotated keys into a copy to rank pages, `compact` stores the same fold (from `Seen.k_rot`).
-For a query q (rotated at its position) the bound on q . k over page c is
+at their own positions* (Quest bounds rotated keys; with keys stored before RoPE these are still
+fixed once written), folded in as tokens arrive: `select` folds the step's rotated keys into a
+copy to rank pages, `compact` stores the same fold (from `Seen.k_rot`). For a query q (rotated
+at its position) the bound on q . k over page c is
     U_c = sum_d max(q_d min_d, q_d max_d) = relu(q) . max + min(q, 0) . min.
-Query p reads:
-  * its local region: tokens from the start of the page holding p - window + 1, up to p (the
-    newest `window` tokens rounded out to whole pages; always includes the query's own page,
-    whose min/max is incomplete, as Quest always loads the last page);
-  * the `top_k` pages before that region ranked by U (per kv head: the max of U over its G query
-    heads, so a GQA group reads one set of pages; for MHA this is the paper's per-head choice).
-Candidate pages are complete and lie before the local region, so chunked prefill selects for
-each query exactly what decoding one by one would. Quest leaves the first layers dense; pass a
-per-layer tuple (e.g. `full` for layers 0-1) to the model to do the same.
+
+The protocol (the authors' kernels, `quest/utils/controller.py`, `quest/models/llama.py`):
+  * prefill: a fresh prompt is attended densely, as Quest's code does whenever the query length
+    is > 1 (its prompt is one step); the page bounds are still built for every token. This is
+    the policy's prompt phase, `prompt_policy()` -> `QuestPrompt` (same fields, same state, no
+    selection), which `Engine.prefill`/`generate` run over a fresh prompt whatever its chunking;
+    decoding then continues from that state (`after_prompt` changes nothing).
+  * decode: query p reads its own page (the last page, possibly partial, always read as in
+    Quest's kernels) and the `top_k - 1` pages before it ranked by U, so `top_k` is Quest's page
+    budget *including* the last page and `top_k * page` is its token budget
+    (`--token_budget 1024 --chunk_size 16` is top_k=64, page=16, our default). While the
+    query has at most `top_k` pages, it reads all of them.
+  * streams (perplexity): outside the prompt phase every query selects pages as a decode query
+    does, also inside a chunk, so a chunk gives exactly the token-by-token result and a stream
+    scored with `Engine.score` is sparse at every token: the protocol of Quest's PG19 script
+    (`evaluation/pg19/ppl_eval.py` feeds one token per step, so every token is a decode).
+  * GQA: one set of pages per kv head, ranked by the max of U over the group's G query heads
+    (Quest's kernels support MHA only, and its accuracy scripts repeat the kv heads and select
+    per query head; for MHA this is the paper's per-head choice). The bytes read per step are
+    then exactly those of the kv head's pages.
+  * layers: Quest keeps layers 0 and 1 dense; `quest_stack(n_layers, ...)` builds that
+    per-layer tuple (`full` for layers 0-1), the preset for a model-level run.
+
+Our deviations and extensions:
+  * `window` > 0 (ours, off by default): the always-read region grows from the query's page to
+    the pages holding its newest `window` tokens (window <= 1 is Quest); `top_k - 1` pages
+    are still chosen before that region, so those extra pages are on top of the budget.
+  * Quest's accuracy-evaluation code (`evaluation/quest_attention.py`) differs from its
+    kernels: it ranks the partial last page with the others instead of always reading it, and
+    reads at least 3 pages (the paper's accuracy tables come from that script, its speed
+    numbers from the kernels). We follow the kernels: the last page is always read.
+  * Ties in U go to the lower page (torch's top-k leaves them unspecified). Bounds are of the
+    keys as decoded by the codec (Quest: float16 keys), kept in the cache dtype.
+Candidate pages are complete and lie before the always-read region, so a chunk selects for each
+query exactly what decoding one by one would; the prompt phase stores the same state as the
+decode phase would, so the final state never depends on the chunking either.
 """
 
 from __future__ import annotations
@@ -29,10 +57,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Float
 
 from kvpolicies.base import Policy, SlotState, check_int, encode_new, tree_nbytes, view_of, write_at
 from kvpolicies.codecs import Codec, Identity
+from kvpolicies.full import Full
 
 
 @jax.tree_util.register_dataclass
@@ -49,19 +78,20 @@ class QuestState(SlotState):
 
 @dataclasses.dataclass(frozen=True)
 class Quest(Policy):
-    """All tokens kept; each query attends its local pages plus the `top_k` highest-bound pages."""
+    """All tokens kept; a decode query reads its own page plus the `top_k - 1` highest-bound pages
+    before it (`top_k` pages in all); a fresh prompt is dense (`prompt_policy()`)."""
 
     observes = ("k_rot",)
 
     page: int = 16
     top_k: int = 64
-    window: int = 16
+    window: int = 0
     codec: Codec = Identity()
 
     def __post_init__(self):
         check_int("quest", "page", self.page, 1)
-        check_int("quest", "top_k", self.top_k, 1)
-        check_int("quest", "window", self.window, 1)  # the query always sees itself
+        check_int("quest", "top_k", self.top_k, 1)  # the query's own page counts
+        check_int("quest", "window", self.window, 0)
 
     def capacity(self, max_len):
         return max_len
@@ -95,15 +125,26 @@ class Quest(Policy):
         return QuestState(written.k, written.v, written.pos, kmin=kmin, kmax=kmax)
 
     def local_start(self, q_pos):
-        """First token of query p's local region (a page boundary); pages before it are candidates."""
-        return self.page * (jnp.maximum(0, q_pos - self.window + 1) // self.page)
+        """First token of query p's always-read region: the start of its own page, or with
+        window > 1 of the page holding p - window + 1. Pages before it are candidates."""
+        return self.page * (jnp.maximum(0, q_pos - max(self.window, 1) + 1) // self.page)
 
-    def select(self, view, q_rot, k_rot) -> Bool[Array, "B K 1 T S"]:
+    def prompt_policy(self) -> "QuestPrompt":
+        """Quest's prefill: the prompt attended densely, the page bounds built (same state)."""
+        return QuestPrompt(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
+    def select(self, view, q_rot, k_rot) -> Bool[Array, "B K|1 1 T S"]:
         q_pos = view.carry[2]  # [B, T]
         t, s = q_pos.shape[1], view.pos.shape[-1]
-        # 1. The pages' bounds, the new tokens included (complete pages of this chunk are candidates).
-        kmin, kmax = self._bounds(view.carry, k_rot)
-        # 2. Upper bound of q . k per page, per kv head (max over the group's query heads).
+        start = self.local_start(q_pos)  # [B, T]
+        slot = jnp.arange(s)  # [S]
+        mask = slot >= start[:, None, :, None]  # [B, 1, T, S] the always-read region
+        n_pages = view.carry[0].kmin.shape[2]
+        kk = min(self.top_k - 1, n_pages)  # pages chosen besides the query's own
+        if kk == 0:
+            return mask[:, :, None]
+        kmin, kmax = self._bounds(view.carry, k_rot)  # the new tokens folded in
+        # Upper bound of q . k per page, per kv head (max over the group's query heads).
         lo = jnp.where(jnp.isfinite(kmin), kmin, 0).astype(jnp.float32)  # empty pages -> 0 (never candidates)
         hi = jnp.where(jnp.isfinite(kmax), kmax, 0).astype(jnp.float32)
         q = q_rot.astype(jnp.float32)  # [B, K, G, T, D]
@@ -111,30 +152,50 @@ class Quest(Policy):
                  + jnp.einsum("BKGTD,BKCD->BKGTC", jnp.minimum(q, 0), lo, preferred_element_type=jnp.float32))
         score = bound.max(axis=2)  # [B, K, T, C]
 
-        # 3. Top-k among the complete pages before each query's local region.
-        start = self.local_start(q_pos)  # [B, T]
-        n_pages = kmin.shape[2]
+        # Top (top_k - 1) among the complete pages before each query's always-read region.
         cand = jnp.arange(n_pages) < (start // self.page)[:, None, :, None]  # [B, 1, T, C]
         score = jnp.where(cand, score, -jnp.inf)
-        kk = min(self.top_k, n_pages)
         _, top = jax.lax.top_k(score, kk)  # [B, K, T, kk]; ties -> lower page
         ok = jnp.take_along_axis(jnp.broadcast_to(cand, score.shape), top, axis=-1)  # [B, K, T, kk]
         b, k = score.shape[:2]
         ix = jnp.ix_(jnp.arange(b), jnp.arange(k), jnp.arange(t), jnp.arange(kk))[:3]  # index grids
         sel = jnp.zeros(score.shape, bool).at[ix + (top,)].set(ok)  # [B, K, T, C] chosen pages
-
-        slot = jnp.arange(s)  # [S]
-        mask = jnp.take(sel, slot // self.page, axis=-1) | (slot >= start[:, None, :, None])  # [B, K, T, S]
+        mask = mask | jnp.take(sel, slot // self.page, axis=-1)  # [B, K, T, S]
         return mask[:, :, None]  # [B, K, 1, T, S]
 
     def reads(self, context: int) -> tuple[int, int]:
-        """(tokens read, pages whose bounds are read) per kv head for the query at position `context`."""
-        start = self.page * (max(0, context - self.window + 1) // self.page)
+        """(tokens read, pages whose bounds are read) per kv head by the decode query at position
+        `context`. Bounds are read only when pages are ranked: when there are more candidates
+        than the top_k - 1 chosen (Quest's `need_estimate`; with fewer, every page is read)."""
+        start = self.page * (max(0, context - max(self.window, 1) + 1) // self.page)
         n_cand = start // self.page
-        return context - start + 1 + self.page * min(self.top_k, n_cand), n_cand
+        chosen = min(self.top_k - 1, n_cand)
+        return context - start + 1 + self.page * chosen, (n_cand if 0 < chosen < n_cand else 0)
 
     def decode_reads(self, state, context):
         """The tokens `reads` gives (keys and values) and the bounds of its candidate pages."""
         tokens, pages = self.reads(context)
         bounds = (state.kmin, state.kmax)
         return tree_nbytes((state.k, state.v)) * tokens // state.slots, tree_nbytes(bounds) * pages // state.kmin.shape[2]
+
+
+@dataclasses.dataclass(frozen=True)
+class QuestPrompt(Quest):
+    """Quest's prompt phase: every query attends to all earlier tokens, as Quest's code does
+    whenever the query length is > 1; the state (tokens and page bounds) is Quest's."""
+
+    def prompt_policy(self):
+        return self
+
+    def select(self, view, q_rot, k_rot):
+        return None
+
+
+def quest_stack(n_layers: int, dense_layers: int = 2, **fields) -> tuple[Policy, ...]:
+    """Quest's model-level preset: `full` for the first `dense_layers` layers (Quest keeps layers
+    0 and 1 dense), `Quest(**fields)` for the rest; the full layers use the same codec."""
+    check_int("quest_stack", "n_layers", n_layers, 1)
+    check_int("quest_stack", "dense_layers", dense_layers, 0)
+    quest = Quest(**fields)
+    dense = min(dense_layers, n_layers)
+    return (Full(codec=quest.codec),) * dense + (quest,) * (n_layers - dense)

@@ -20,6 +20,11 @@ class Sink(Policy):
     (StreamingLLM's re-indexing): window keys keep their distance p - j, and once tokens have
     been evicted a sink j is at distance (n_sink + window - 1) - j. This is computed exactly
     for every query of a chunk with two RoPE segments.
+
+    `window=W` counts the query itself (query p sees tokens p-W+1..p besides the sinks). In
+    StreamingLLM's perplexity script (examples/eval_long_ppl.py, which trims the cache to
+    start_size + recent_size after each step) that is recent_size = W - 1; in its streaming demo
+    (evict_for_space before each step) it is recent_size = W.
     """
 
     budget_field = "window"

@@ -13,9 +13,13 @@ import dataclasses
 
 import jax.numpy as jnp
 
+import jax
+from jaxtyping import Array, Bool, Float, Int
+
 from kvpolicies.base import check_int, take_slots
 from kvpolicies.codecs import Codec, Identity
-from kvpolicies.scored import LAST_KEY, Scored, newest, top_mask
+from kvpolicies.prompt import PromptPhase, PromptState
+from kvpolicies.scored import LAST_KEY, Accumulated, Scored, pack, top_mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,21 +34,22 @@ class SnapKV(Scored):
     maximum over the candidates within kernel // 2 text positions (the paper's max_pool1d over
     the prompt; after an earlier compression, gaps count as text distance).
 
-    When it compresses, at the end of a step whose view holds n tokens:
-    - a prompt chunk (T > 1) compresses when n > budget + obs_window, observing its own last
-      min(obs_window, T) queries. A prompt given as one chunk is therefore exactly SnapKV.
-      A prompt given in several chunks is compressed at the end of each chunk (each chunk is
-      treated as the end of a prompt); its later chunks see the compressed earlier ones.
-    - a decode step (T = 1) appends the token into a free slot; when none is left (n > S, after
-      `max_new` decoded tokens) the cache is compressed again by the same rule, observing the
-      last obs_window queries since the last compression. Their attention is accumulated in
-      the state's `mass` ([B, K, S] float32) from the queries that will be among the last obs_window
-      before the cache overflows (those at which the view holds >= S + 2 - obs_window tokens).
-    So memory is fixed whatever the generation length, one-by-one feeding is well defined
-    (it compresses every max_new + 1 tokens, observing the last queries), and generating up to
-    `max_new` tokens after a one-chunk prompt is exactly the paper's method.
+    The paper's protocol (retrieval, `Engine.generate`/`prefill` of a fresh prompt): the whole
+    prompt, question included, is held densely (`prompt_policy()`: every token plus the
+    attention rows of its last obs_window queries, whatever the prefill chunk size), then
+    `after_prompt` compresses it once to budget + obs_window tokens per kv head (if longer),
+    observing those last obs_window queries. Decoding appends into the max_new free slots.
+
+    Our extension, for streams (`Engine.score`) and for generation beyond `max_new`: decoding
+    is token by token (`per_token`), and when a token finds no free slot (n > S tokens in the
+    view, every max_new + 1 tokens once full) the cache is compressed again by the same rule,
+    observing the last obs_window queries since the last compression (their attention is
+    accumulated in the state's `mass`, [B, K, S] float32, from the queries at which the view
+    holds >= S + 2 - obs_window tokens). Memory is fixed whatever the length, and the chunk
+    size never changes a result.
     """
 
+    per_token = True
     budget_field = "budget"
     run_keys = {"budget": "budget"}
 
@@ -93,22 +98,37 @@ class SnapKV(Scored):
         return jnp.where(cand, pooled, -jnp.inf)
 
     def keep(self, slots, scores, s):
-        t, w = scores.shape[2], self.obs_window  # scores [B, K, T, V]
+        w = self.obs_window  # one token per step (per_token): scores [B, K, 1, V]
         filled = slots.pos >= 0  # [B, K, V]
         count = filled.sum(axis=-1)  # [B, K] tokens in the view (equal for every head)
-        # decode observation: queries at which the view holds >= S + 2 - w tokens
-        at = (count - t)[..., None] + jnp.arange(1, t + 1)  # [B, K, T] view size seen by each query
-        obs = slots.mass + jnp.einsum("BKT,BKTV->BKV", (at >= s + 2 - w).astype(scores.dtype), scores)
-        if t > 1:
-            window = scores[:, :, -w:].sum(axis=2)  # [B, K, V]: the chunk's last queries
-            over = count > min(self.budget + w, s)  # [B, K]
-        else:
-            window = obs
-            over = count > s
-        recent = newest(slots.pos, w)  # [B, K, V]
-        cand = filled & ~recent
-        prio = jnp.where(recent, jnp.inf, self.pool(window, slots.pos, cand))  # [B, K, V]
-        comp = top_mask(prio, jnp.where(cand, window, -jnp.inf), min(self.budget + w, s)) & filled
-        kept = jnp.where(over[..., None], comp, filled)  # [B, K, V]
+        # decode observation: the query is among the last w before the cache overflows
+        obs = slots.mass + jnp.where((count >= s + 2 - w)[..., None], scores[:, :, 0], 0.0)  # [B, K, V]
+        over = count > s  # [B, K]
+        kept = jnp.where(over[..., None], self._compress(obs, slots.pos, s) & filled, filled)  # [B, K, V]
         obs = jnp.where(over[..., None], 0.0, obs)  # a compression starts a new observation
         return kept, dataclasses.replace(slots, mass=obs)
+
+    def _compress(self, window: Float[Array, "B K V"], pos: Int[Array, "B K V"], s: int) -> Bool[Array, "B K V"]:
+        """The obs_window newest tokens and the `budget` candidates with the largest pooled
+        observation score (at most s in all)."""
+        w = self.obs_window
+        filled = pos >= 0
+        recent = filled & (pos > pos.max(axis=-1, keepdims=True) - w)  # [B, K, V]
+        cand = filled & ~recent
+        prio = jnp.where(recent, jnp.inf, self.pool(window, pos, cand))  # [B, K, V]
+        return top_mask(prio, jnp.where(cand, window, -jnp.inf), min(self.budget + w, s))
+
+    # -- the paper's protocol: the whole prompt densely, then one compression --------------------
+    def prompt_policy(self):
+        return PromptPhase(codec=self.codec, of=self, obs_window=self.obs_window)
+
+    def after_prompt(self, state: PromptState) -> Accumulated:
+        s = self.capacity(state.slots)  # decode slots (the prompt state has max_len slots)
+        kh = jax.tree.leaves(state.k)[0].shape[1]  # kv heads (codec leaves are [B, K, S, ...])
+        pos = jnp.broadcast_to(state.pos, (state.pos.shape[0], kh, state.slots))  # [B, K, max_len]
+        window = state.rows.sum(axis=2)  # [B, K, max_len]: the last obs_window queries' attention
+        filled = pos >= 0
+        over = filled.sum(axis=-1) > min(self.budget + self.obs_window, s)  # [B, K]
+        kept = jnp.where(over[..., None], self._compress(window, pos, s) & filled, filled)
+        slots = Accumulated(state.k, state.v, pos, mass=jnp.zeros(pos.shape, jnp.float32))
+        return pack(slots, kept, s)

@@ -27,14 +27,13 @@ class TOVA(Scored):
     scope="head": scores are summed only over the G query heads of each kv head, which then
     evicts on its own ([B, K, S]), as H2O and SnapKV do; same memory, a per-head choice.
 
-    Decode (T = 1) is the paper's rule exactly: the new token joins (so the query reads
+    Eviction happens after every token (`per_token`; a prefill chunk is a scan of
+    single-token steps), the paper's rule exactly: the new token joins (so the query reads
     budget + 1 tokens), and once over budget the lowest-attended token (possibly the new one;
-    no window is protected) leaves. A chunk of
-    T > 1 tokens is scored by its last query only and evicts T tokens at its end, so a chunk
-    that overflows the budget differs from one-by-one feeding (its earlier queries see tokens
-    one by one would have dropped); chunks that fit are exactly equal.
+    no window is protected) leaves. The chunk size never changes the result.
     """
 
+    per_token = True
     budget_field = "budget"
     run_keys = {"budget": "budget"}
 

@@ -47,6 +47,12 @@ class LlamaConfig:
             v = getattr(self, f)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"LlamaConfig.{f}={v!r}: must be a positive int")
+        if not isinstance(self.max_position, int) or isinstance(self.max_position, bool) or self.max_position < 1:
+            raise ValueError(f"LlamaConfig.max_position={self.max_position!r}: must be a positive int")
+        for f in ("rope_theta", "norm_eps"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+                raise ValueError(f"LlamaConfig.{f}={v!r}: must be a positive finite number")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"LlamaConfig.n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}"

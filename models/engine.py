@@ -5,6 +5,11 @@ Shapes: B batch, T tokens in a step, C chunk length, V vocab, n generated tokens
 The model is split once into (graphdef, params); every step is a pure jitted function of
 (params, cache, tokens, pos) with the cache donated, so the compiled step is reused for every
 step of the same shape. `traces` counts how often each step kind was traced (compiled).
+
+Every public method checks its arguments on the host, with numpy, before anything is traced:
+token ids must be whole numbers in [0, vocab) (an integer array, or a float array whose values are
+all whole numbers), batches rectangular, counts and chunk sizes ints in range, and the sequence
+within `max_len`; each violation is one ValueError naming the argument, the bad value and where.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import collections
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,19 +29,86 @@ from kvpolicies.base import Policy
 from models.llama import Cache, Llama, policy_runs
 
 
+def _check_int(name: str, value: Any, lo: int) -> int:
+    """`value` as an int >= lo (numpy ints accepted, bools not), or ValueError naming `name`."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and value >= lo:
+        return int(value)
+    raise ValueError(f"{name}={value!r}: must be an int >= {lo}")
+
+
+def _where(index: tuple[int, ...]) -> str:
+    return f"position {index[0]}" if len(index) == 1 else f"row {index[0]}, position {index[1]}"
+
+
+def _first_bad(arr: np.ndarray, bad: np.ndarray, name: str, what: str) -> ValueError:
+    """One error for the first True of `bad`: its value, where it is, and how many others."""
+    first = tuple(int(i) for i in np.argwhere(bad)[0])
+    more = int(bad.sum()) - 1
+    value = arr[first].item()
+    tail = f" (and {more} more)" if more else ""
+    return ValueError(f"{name}: token id {value!r} at {_where(first)} {what}{tail}")
+
+
+def check_token_ids(tokens: Any, vocab_size: int, name: str = "tokens") -> np.ndarray:
+    """`tokens` as an int32 numpy array, checked on the host: every id a whole number in [0, vocab_size).
+
+    Integer arrays (and lists) are checked for range; float arrays are accepted when every value is
+    a whole number (e.g. `np.zeros(5)`), otherwise the first non-integral id is reported; bool,
+    string and object arrays are rejected. A ragged list of lists (rows of different lengths) is
+    rejected: batches of unequal lengths are not supported yet. Errors name `name`, the bad id and
+    its position ("row b, position t" for a batch).
+    """
+    try:
+        arr = np.asarray(tokens)
+    except ValueError as e:  # numpy >= 1.24: "inhomogeneous shape"
+        lengths = _row_lengths(tokens)
+        if lengths is not None and len(set(lengths)) > 1:
+            raise ValueError(
+                f"{name}: ragged batch (rows of lengths {lengths[:8]}{'...' if len(lengths) > 8 else ''}) is not "
+                "supported yet: pad the rows to one length or run them separately"
+            ) from None
+        raise ValueError(f"{name}: cannot be read as an array of token ids ({e})") from None
+    kind = arr.dtype.kind
+    if kind == "f":
+        bad = ~np.isfinite(arr) | (arr != np.round(arr))
+        if bad.any():
+            raise _first_bad(arr, bad, name, "is not an integer")
+    elif kind not in "iu":
+        raise ValueError(f"{name}: token ids must be integers, got an array of dtype {arr.dtype}")
+    bad = (arr < 0) | (arr >= vocab_size)
+    if bad.any():
+        raise _first_bad(arr, bad, name, f"is outside the vocabulary [0, {vocab_size})")
+    return arr.astype(np.int32, copy=False)
+
+
+def _row_lengths(tokens: Any) -> list[int] | None:
+    """Lengths of the rows of a list of sequences, or None if it is not one."""
+    if not isinstance(tokens, Sequence) or isinstance(tokens, (str, bytes)):
+        return None
+    if not all(isinstance(r, (Sequence, np.ndarray)) and not isinstance(r, (str, bytes)) for r in tokens):
+        return None
+    return [len(r) for r in tokens]
+
+
 class Engine:
     """Runs a `Llama` with a fixed per-layer policy tuple and maximum length."""
 
     def __init__(self, model: Llama, policies: Policy | Sequence[Policy], max_len: int, cache_dtype=None):
         self.cfg = model.cfg
         self.policies = tuple(p for a, b, p in policy_runs(policies, model.cfg.n_layers) for _ in range(b - a))
-        self.max_len = max_len
+        # A fresh prompt is held by each policy's prompt phase, then `after_prompt` (once); the
+        # same policies for streaming policies, a dense phase for prompt compressors (snapkv).
+        self.prompt_policies = tuple(p.prompt_policy() for p in self.policies)
+        self._compresses = self.prompt_policies != self.policies
+        self.prompts_compressed = 0  # how many times after_prompt ran (once per fresh prompt)
+        self.max_len = _check_int("Engine max_len", max_len, 1)
         self.cache_dtype = cache_dtype
         self.graphdef, self.params = nnx.split(model)
         self.traces: collections.Counter = collections.Counter()
         self._model = model
         donate = dict(donate_argnums=(1,))
-        self._logits_step = jax.jit(self._logits_impl, **donate)
+        self._logits_step = jax.jit(self._logits_impl, static_argnames=("prompt",), **donate)
+        self._after_prompt = jax.jit(self._after_prompt_impl, donate_argnums=(0,))
         self._nll_step = jax.jit(self._nll_impl, **donate)
         self._decode_n = jax.jit(self._decode_n_impl, static_argnums=(4,), **donate)
 
@@ -43,11 +116,11 @@ class Engine:
     def _merge(self, params) -> Llama:
         return nnx.merge(self.graphdef, params)
 
-    def _logits_impl(self, params, cache, tokens, pos):
-        """Logits of the last token [B, V] and the new cache."""
+    def _logits_impl(self, params, cache, tokens, pos, prompt=False):
+        """Logits of the last token [B, V] and the new cache (prompt: through the prompt phase)."""
         self.traces["logits" if tokens.shape[1] > 1 else "decode"] += 1
         m = self._merge(params)
-        h, cache = m.hidden(tokens, pos, cache, self.policies)
+        h, cache = m.hidden(tokens, pos, cache, self.prompt_policies if prompt else self.policies)
         return m.logits(h[:, -1:])[:, 0], cache
 
     def _nll_impl(self, params, cache, tokens, pos, targets):
@@ -72,38 +145,95 @@ class Engine:
         (cache, _, _), toks = jax.lax.scan(step, (cache, token, pos), None, length=n)
         return toks.T, cache  # [B, n]
 
-    # -- public API ---------------------------------------------------------------------------
-    def init_cache(self, batch: int = 1) -> Cache:
-        return self._model.init_cache(self.policies, batch, self.max_len, self.cache_dtype)
+    def _after_prompt_impl(self, cache):
+        """Each run's prompt state -> its decode state (stacked over the run's layers)."""
+        runs = policy_runs(self.policies, self.cfg.n_layers)
+        return tuple(jax.vmap(pol.after_prompt)(st) for (_, _, pol), st in zip(runs, cache))
 
-    def _check_len(self, end: int):
+    # -- public API ---------------------------------------------------------------------------
+    def init_cache(self, batch: int = 1, prompt: bool = False) -> Cache:
+        """An empty cache (prompt: the prompt phase's, for `prefill` of a fresh prompt)."""
+        return self._model.init_cache(self.prompt_policies if prompt else self.policies, batch, self.max_len,
+                                      self.cache_dtype)
+
+    def _tokens(self, tokens: Any, name: str, ndims: tuple[int, ...]) -> np.ndarray:
+        """Host-side check of a token array: ids, rank and a non-empty batch."""
+        arr = check_token_ids(tokens, self.cfg.vocab_size, name)
+        if arr.ndim not in ndims:
+            want = " or ".join({1: "[T]", 2: "[B, T]"}[d] for d in ndims)
+            raise ValueError(f"{name}: expected token ids of shape {want}, got shape {arr.shape}")
+        if arr.ndim == 2 and arr.shape[0] == 0:
+            raise ValueError(f"{name}: empty batch (shape {arr.shape})")
+        return arr
+
+    def _check_len(self, end: int, what: str):
         if end > self.max_len:
-            raise ValueError(f"sequence of {end} tokens exceeds the engine's max_len={self.max_len}")
+            raise ValueError(f"{what} exceeds the engine's max_len={self.max_len}")
+
+    def _chunk(self, chunk: Any, default: int) -> int:
+        return default if chunk is None else _check_int("chunk", chunk, 1)
+
+    def _step(self, cache: Cache, tokens, start: int, prompt: bool = False):
+        """The jitted step on checked tokens [B, T] at positions start..start+T-1."""
+        tokens = jnp.asarray(tokens, jnp.int32)
+        pos = jnp.broadcast_to(jnp.arange(start, start + tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        return self._logits_step(self.params, cache, tokens, pos, prompt=prompt)
 
     def step(self, cache: Cache, tokens, start: int):
-        """Feed tokens [B, T] at positions start..start+T-1; returns last logits [B, V] and cache."""
-        tokens = jnp.asarray(tokens, jnp.int32)
-        self._check_len(start + tokens.shape[1])
-        pos = jnp.broadcast_to(jnp.arange(start, start + tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        return self._logits_step(self.params, cache, tokens, pos)
+        """Feed tokens [B, T] at positions start..start+T-1; returns last logits [B, V] and cache.
+
+        Host tokens (numpy, lists) are checked id by id; a jax array (e.g. the argmax of the
+        previous step) is checked for shape and integer dtype only, so decoding never waits on it.
+        """
+        start = _check_int("start", start, 0)
+        if isinstance(tokens, jax.Array):
+            if not jnp.issubdtype(tokens.dtype, jnp.integer) or tokens.ndim != 2:
+                raise ValueError(f"tokens: expected integer ids of shape [B, T], got {tokens.dtype} {tokens.shape}")
+        else:
+            tokens = self._tokens(tokens, "tokens", (2,))
+        t = tokens.shape[1]
+        if t == 0:
+            raise ValueError("tokens: step needs at least 1 token, got shape " + str(tuple(tokens.shape)))
+        self._check_len(start + t, f"positions {start}..{start + t - 1} ({start + t} tokens)")
+        return self._step(cache, tokens, start)
 
     def prefill(self, tokens, chunk: int | None = None, cache: Cache | None = None):
-        """Process a prompt [B, T] in chunks; returns (last logits [B, V], cache)."""
-        tokens = np.asarray(tokens, np.int32)
-        cache = self.init_cache(tokens.shape[0]) if cache is None else cache
-        chunk = chunk or tokens.shape[1]
+        """Process a prompt [B, T] in chunks (None: one chunk); returns (last logits [B, V], cache).
+
+        A fresh prompt (cache=None) goes through each policy's prompt phase, then `after_prompt`
+        once (a prompt compressor compresses it there); with a cache, the tokens extend it.
+        """
+        tokens = self._tokens(tokens, "tokens", (2,))
+        t = tokens.shape[1]
+        if t == 0:
+            raise ValueError(f"tokens: prefill needs a prompt of at least 1 token, got shape {tokens.shape}")
+        chunk = self._chunk(chunk, t)
+        self._check_len(t, f"prompt of {t} tokens")
+        fresh = cache is None and self._compresses
+        cache = self.init_cache(tokens.shape[0], prompt=fresh) if cache is None else cache
         logits = None
-        for s in range(0, tokens.shape[1], chunk):
-            logits, cache = self.step(cache, tokens[:, s:s + chunk], s)
+        for s in range(0, t, chunk):
+            logits, cache = self._step(cache, tokens[:, s:s + chunk], s, prompt=fresh)
+        if fresh:
+            self.prompts_compressed += 1
+            cache = self._after_prompt(cache)
         return logits, cache
 
     def generate(self, prompt, n: int, chunk: int | None = None) -> np.ndarray:
-        """Greedy decoding: prompt ids [B, T] (or [T]) -> n new ids [B, n] (or [n])."""
-        prompt = np.asarray(prompt, np.int32)
+        """Greedy decoding: prompt ids [B, T] (or [T]) -> n new ids [B, n] (or [n]); n = 0 gives an
+        empty int32 array of that shape."""
+        prompt = self._tokens(prompt, "prompt", (1, 2))
+        n = _check_int("n", n, 0)
         squeeze = prompt.ndim == 1
         prompt = prompt[None] if squeeze else prompt
         t = prompt.shape[1]
-        self._check_len(t + n)
+        if t == 0:
+            raise ValueError(f"prompt: generate needs a prompt of at least 1 token, got shape {prompt.shape}")
+        chunk = self._chunk(chunk, t)
+        self._check_len(t + n, f"prompt of {t} tokens + n={n} new tokens = {t + n}")
+        if n == 0:
+            out = np.zeros((prompt.shape[0], 0), np.int32)
+            return out[0] if squeeze else out
         logits, cache = self.prefill(prompt, chunk)
         first = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B]
         if n == 1:
@@ -115,16 +245,25 @@ class Engine:
         return out[0] if squeeze else out
 
     def score(self, tokens, chunk: int = 512, progress: bool = False) -> np.ndarray:
-        """Per-token NLL of a stream [T] (or [B, T]) processed through the policy in chunks.
+        """Per-token NLL of a stream [T] (or [B, T]), T >= 2, processed through the policy in chunks.
 
-        Returns [T-1] (or [B, T-1]): entry i is -log p(token i+1 | tokens <= i). Chunked
-        processing equals token-by-token decoding (masks are exact per position).
+        Returns [T-1] (or [B, T-1]): entry i is -log p(token i+1 | tokens <= i). The chunk size
+        never changes the result (tested for every policy): masks are exact per query, and
+        policies that evict after every token (`per_token`) scan the chunk token by token. A
+        stream has no prompt: prompt compressors run their streaming rule from the first token
+        (snapkv: compress whenever the cache overflows).
         """
-        tokens = np.asarray(tokens, np.int32)
+        tokens = self._tokens(tokens, "tokens", (1, 2))
+        chunk = _check_int("chunk", chunk, 1)
         squeeze = tokens.ndim == 1
         tokens = tokens[None] if squeeze else tokens
+        if tokens.shape[1] < 2:
+            raise ValueError(
+                f"tokens: score needs a stream of at least 2 tokens (each token after the first is scored), "
+                f"got {tokens.shape[1]}"
+            )
         n = tokens.shape[1] - 1
-        self._check_len(n)
+        self._check_len(n, f"stream of {n + 1} tokens ({n} fed to the model, the last only as a target)")
         cache = self.init_cache(tokens.shape[0])
         out = []
         bar = tqdm(total=n, desc="score", unit="tok", disable=not progress, leave=False)

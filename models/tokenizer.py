@@ -88,6 +88,10 @@ class Tokenizer:
         """
         import gguf
 
+        from models.loading import check_gguf
+
+        if not isinstance(source, gguf.GGUFReader):
+            check_gguf(source)  # missing, unreadable or truncated: one error naming the file
         reader = source if isinstance(source, gguf.GGUFReader) else gguf.GGUFReader(str(source))
         path = getattr(reader.data, "filename", source)
 
@@ -168,20 +172,37 @@ class Tokenizer:
     @classmethod
     def from_hf(cls, folder: str | pathlib.Path) -> Tokenizer:
         """Build from an HF folder: `tokenizer.json`, plus ids and chat template from its configs."""
+        from models.loading import read_json, read_text
+
         folder = pathlib.Path(folder)
-        backend = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+        if not folder.is_dir():
+            raise ValueError(f"tokenizer folder {folder} does not exist or is not a folder")
+        path = folder / "tokenizer.json"
+        if not path.exists():
+            raise ValueError(f"{folder} has no tokenizer.json")
+        try:
+            backend = tokenizers.Tokenizer.from_str(read_text(path))
+        except Exception as e:  # the Rust side raises a bare Exception with serde's message
+            if isinstance(e, ValueError) and str(path) in str(e):
+                raise
+            raise ValueError(f"{path} is not a tokenizer the `tokenizers` library can read: {e}") from None
 
         def read(name: str) -> dict[str, Any]:
             p = folder / name
-            return json.loads(p.read_text()) if p.is_file() else {}
+            if not p.exists():
+                return {}
+            content = read_json(p)
+            if not isinstance(content, dict):
+                raise ValueError(f"{p} is not a JSON object")
+            return content
 
         tok_cfg, model_cfg = read("tokenizer_config.json"), read("config.json")
         template = tok_cfg.get("chat_template")
         if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
             named = {t["name"]: t["template"] for t in template}
             template = named.get("default", next(iter(named.values()), None))
-        if (folder / "chat_template.jinja").is_file():
-            template = (folder / "chat_template.jinja").read_text()
+        if (folder / "chat_template.jinja").exists():
+            template = read_text(folder / "chat_template.jinja")
 
         def token_id(name: str) -> int | None:
             token = tok_cfg.get(f"{name}_token")

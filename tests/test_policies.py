@@ -3,6 +3,7 @@ position-based policies against the dense numpy oracle in depth, and identities 
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -50,7 +51,7 @@ def reference(name, pol, q, k, v):
 def _scored_ref(pol, q, k, v, chunks):
     from test_scored import simulate
 
-    return simulate(pol, q, k, v, chunks)[0]
+    return simulate(pol, q, k, v, [1])[0]  # evicts after every token, whatever the chunk
 
 
 def _hier_ref(pol, q, k, v, chunks):
@@ -68,7 +69,7 @@ def _quest_ref(pol, q, k, v, chunks):
 def _kivi_ref(pol, q, k, v, chunks):
     from test_codecs import np_kivi_attention
 
-    return np_kivi_attention(q, k, v, chunks, pol.bits, pol.group, pol.residual)
+    return np_kivi_attention(q, k, v, [1], pol.bits, pol.group, pol.residual)  # token by token, any chunk
 
 
 def _dense_ref(name):
@@ -97,6 +98,34 @@ def test_registered_policy_matches_reference(name, chunks=(5, 1)):
     for pol in instances:
         out, _ = run_policy(pol, q, k, v, list(chunks), ROPE)
         np.testing.assert_allclose(out, ref(pol, q, k, v, list(chunks)), atol=3e-5, rtol=0, err_msg=repr(pol))
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    from models.config import LlamaConfig
+    from models.llama import Llama
+
+    return Llama(LlamaConfig(vocab_size=97, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64))
+
+
+@pytest.mark.parametrize("name", sorted(kvpolicies.POLICIES))
+def test_chunk_never_changes_a_result(name, tiny_model):
+    """`chunk` is an execution detail: streaming NLL and the final state are the same for
+    chunks of 1, 7 and 64 tokens, for every registered policy (a real model, 2 layers)."""
+    from models.engine import Engine
+
+    pol = REFERENCES[name][0][0]
+    tokens = np.random.default_rng(4).integers(0, 97, 40).astype(np.int32)
+    eng = Engine(tiny_model, pol, max_len=48)
+    nll = {c: eng.score(tokens, chunk=c) for c in (1, 7, 64)}
+    states = {c: eng.prefill(tokens[None], chunk=c, cache=eng.init_cache())[1] for c in (1, 7, 64)}
+    for c in (7, 64):
+        np.testing.assert_allclose(nll[c], nll[1], atol=1e-5, rtol=0, err_msg=f"{name} chunk {c}")
+        for a, b in zip(jax.tree.leaves(states[c]), jax.tree.leaves(states[1])):
+            if jnp.issubdtype(a.dtype, jnp.floating):
+                np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=1e-5)
+            else:
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_references_cover_only_registered_policies():

@@ -1,0 +1,555 @@
+"""`python -m evals.compare`: a set of policies x byte budgets on one task, every policy holding the
+same stored bytes, and the table and plot a paper needs (kvpress's leaderboard picture, with the
+bytes measured).
+
+    python -m evals.compare task=perplexity tokens=4096
+    python -m evals.compare policies=[sink,h2o] budgets=[0.25,0.5] tokens=1024 results=results/r.jsonl
+    python -m evals.compare task=passkey task.lengths=[1024] budgets=[256,512] sink.n_sink=8
+
+Keys of its own (key=value, as evals.run):
+
+    policies=[window,sink,h2o,tova,snapkv]  registered policies with a token budget; `full` always
+                                            runs once, as the reference
+    budgets=[0.125,0.25,0.5,0.75]           a float in (0, 1]: that fraction of the full cache's bytes
+                                            at the run's length (compression ratio 1 - budget); an
+                                            int n: the bytes of n full-precision tokens per layer
+    <policy>.<field>=value                  a field held fixed while that policy is sized
+                                            (sink.n_sink=8, snapkv.max_new=64, h2o.recent=128)
+    out=DIR                                 where the table and plot go (default <results folder>/compare)
+    name=STEM                               their file name (default <task>-<model>-<length>[-<codec>])
+
+Every other key is evals.run's (model=, model.*, data=, data.*, task=, task.*, tokens=, chunk=,
+seed=, codec=, results=, progress=, force=). `policy`, `window`, `n_sink` and `budget` are what
+compare sets for each job, so they are errors here.
+
+Protocol. Each (policy, budget) is `kvpolicies.budgets.sized(policy, budget, ...)` with the model's
+kv_heads and head_dim (`evals.zoo.describe`: no weights), the cache dtype (the model's dtype,
+which `Engine` uses) and the run's length: `tokens` for perplexity, the longest prompt plus the
+generated answer for passkey/niah/multikey, n_pairs + 2 for recall (the `max_len` of the task's
+engine). Its stored bytes per layer, everything included, are at most the budget and within one
+slot of it. The sized policy goes to evals.run as explicit fields (`policy=h2o policy.heavy=499
+policy.recent=499`), so each job is an ordinary evals.run row of the same results file, skipped if
+its key is already there: a re-run appends nothing, an interrupted one resumes. All jobs are
+composed, sized and validated before any weights load; one error (exit 2) names the key.
+
+Output: `<out>/<stem>.md|.tex|.csv` (rows = policy, columns = budget, cells = the task's score,
+perplexity or accuracy, and the stored cache bytes measured in the row's memory record, all layers)
+and `<out>/<stem>.png|.pdf` (score vs compression ratio and vs stored cache MB, one line per policy,
+the full cache's score as a horizontal line). Numbers come from the results file, by run key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import kvpolicies
+from evals.config import ConfigError
+
+DEFAULT_POLICIES = ("window", "sink", "h2o", "tova", "snapkv")
+DEFAULT_BUDGETS = (0.125, 0.25, 0.5, 0.75)
+OWN_KEYS = ("policies", "budgets", "out", "name")
+SET_PER_JOB = ("policy", "window", "n_sink", "budget")  # evals.run keys the sizing sets for each job
+MB = 1e6
+
+
+# -- the command line -------------------------------------------------------------------------------
+
+
+def _list(key: str, value: str) -> list[str]:
+    """'[a, b]' or 'a,b' or 'a' -> ['a', 'b']."""
+    inner = value.strip()
+    if inner.startswith("[") != inner.endswith("]"):
+        raise ConfigError(f"{key}={value}: unbalanced brackets; write {key}=[a,b]")
+    items = [s.strip() for s in inner.strip("[]").split(",")]
+    if not all(items):
+        raise ConfigError(f"{key}={value}: give a non-empty list, e.g. {key}=[a,b]")
+    return list(dict.fromkeys(items))  # duplicates once, order kept
+
+
+def _budget(key: str, text: str) -> int | float:
+    """An int (tokens) or a float in (0, 1] (a fraction of full), checked."""
+    if re.fullmatch(r"[+-]?\d+", text):
+        b: int | float = int(text)
+        if b < 1:
+            raise ConfigError(f"{key}: {text}: an int budget is tokens, must be >= 1")
+        return b
+    try:
+        b = float(text)
+    except ValueError:
+        raise ConfigError(f"{key}: {text!r} is not a number (a float in (0, 1] or an int of tokens)") from None
+    if not 0 < b <= 1:
+        raise ConfigError(f"{key}: {text}: a float budget is a fraction of the full cache's bytes, must be in "
+                          f"(0, 1]; an int budget is tokens")
+    return b
+
+
+def _scalar(text: str) -> Any:
+    """A command-line value as int, float, bool or str (as Hydra reads a plain value)."""
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _own_keys() -> str:
+    return ", ".join(OWN_KEYS) + ", <policy>.<field>"
+
+
+@dataclasses.dataclass
+class Args:
+    """The command line split: compare's own keys, per-policy fields, evals.run's overrides."""
+
+    policies: list[str]
+    budgets: list[int | float]
+    fields: dict[str, dict[str, Any]]
+    passthrough: list[str]
+    out: str | None = None
+    name: str | None = None
+
+
+def parse_args(argv: Sequence[str]) -> Args:
+    """Split and check `argv` (key=value items); ConfigError naming the key on any problem."""
+    own: dict[str, str] = {}
+    fields: dict[str, dict[str, Any]] = {}
+    passthrough: list[str] = []
+    for item in argv:
+        if item.startswith("-") or "=" not in item:
+            raise ConfigError(f"{item}: expected key=value (compare runs its own sweep: no flags, no -m); "
+                              f"its keys: {_own_keys()}, and evals.run's")
+        key, value = item.split("=", 1)
+        bare = key.lstrip("+~")
+        head = bare.split(".", 1)[0]
+        if bare in OWN_KEYS:
+            own[bare] = value
+        elif head in SET_PER_JOB:
+            raise ConfigError(f"{key}: set by compare for each job (the sizing writes the policy and its fields); "
+                              "choose policies with policies=[...], sizes with budgets=[...] and a policy's "
+                              "other fields with <policy>.<field>=value (e.g. sink.n_sink=8)")
+        elif head == "hydra":
+            raise ConfigError(f"{key}: compare runs its jobs in this process, without Hydra's launcher")
+        elif head in kvpolicies.POLICIES and "." in bare:
+            fields.setdefault(head, {})[bare.split(".", 1)[1]] = _scalar(value)
+        else:
+            passthrough.append(item)
+    policies = _list("policies", own["policies"]) if "policies" in own else list(DEFAULT_POLICIES)
+    for p in policies:
+        if p not in kvpolicies.POLICIES:
+            raise ConfigError(f"policies=[{','.join(policies)}]: {p!r} is not a registered policy; choose from "
+                              f"{sorted(kvpolicies.POLICIES)}")
+    policies = [p for p in policies if p != "full"]  # full is the reference, always run
+    from kvpolicies.budgets import budgeted
+
+    unsized = [p for p in policies if p not in budgeted()]
+    if unsized:
+        raise ConfigError(f"policies=[{','.join(policies)}]: {unsized[0]} cannot be sized (it has no token budget); "
+                          f"compare sizes one of {sorted(budgeted())}")
+    if not policies:
+        raise ConfigError("policies: name at least one policy besides full (full always runs, as the reference)")
+    budgets = ([_budget(f"budgets={own['budgets']}", b) for b in _list("budgets", own["budgets"])]
+               if "budgets" in own else list(DEFAULT_BUDGETS))
+    budgets = list(dict.fromkeys(budgets))
+    for p in fields:
+        if p not in policies:
+            raise ConfigError(f"{p}.{next(iter(fields[p]))}: {p} is not in policies=[{','.join(policies)}]")
+    return Args(policies, budgets, fields, passthrough, own.get("out"), own.get("name"))
+
+
+# -- the plan: every job sized and validated, nothing loaded ----------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One evals.run job: a policy at a budget (budget None: the full reference)."""
+
+    policy: str
+    budget: int | float | None
+    policy_obj: kvpolicies.Policy
+    overrides: tuple[str, ...]
+    conf: dict[str, Any]
+    key: str
+    target_bytes: int  # the budget over all layers (full: its own stored bytes)
+    compression: float  # 1 - target / full cache bytes (full: 0)
+
+
+@dataclasses.dataclass
+class Plan:
+    jobs: list[Job]  # full first, then policy by policy, budgets in column order
+    policies: list[str]
+    budgets: list[int | float]  # column order: most compressed first
+    task: str
+    model: str
+    data: str
+    max_len: int
+    n_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    codec: str
+    results: str
+    out: Path
+    stem: str
+    progress: bool
+
+
+def model_dims(mconf: dict[str, Any]):
+    """The LlamaConfig of a model config, without weights (tiny_recall: from its TrainConfig)."""
+    from evals import zoo
+
+    try:
+        mc = zoo.describe(mconf)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if mc is None:  # tiny_recall: the dimensions its trainer uses
+        from evals.recall_model import TrainConfig
+
+        mc = TrainConfig(**{k: v for k, v in mconf.items() if k not in ("name", "cache_dir")}).model_config()
+    return mc
+
+
+def run_length(conf: dict[str, Any]) -> int:
+    """The max_len of the task's engine: the length the cache is sized for."""
+    from evals.config import task_extent
+
+    extent = task_extent(conf)
+    if extent is not None:
+        _, length, gen, _ = extent
+        return length + gen
+    if conf["task"]["name"] == "recall":
+        from evals import retrieval
+
+        return max(retrieval.check(conf["task"])["n_pairs"]) + 2
+    raise ConfigError(f"task={conf['task']['name']}: compare does not know its sequence length")
+
+
+def _value(v: Any) -> str:
+    return ("true" if v else "false") if isinstance(v, bool) else repr(v) if isinstance(v, float) else str(v)
+
+
+def policy_overrides(name: str, policy: kvpolicies.Policy) -> list[str]:
+    """evals.run overrides that build exactly `policy`: every scalar field explicit (codec: the run's)."""
+    out = [f"policy={name}"]
+    for f in dataclasses.fields(policy):
+        if f.name == "codec" or not f.init:
+            continue
+        v = getattr(policy, f.name)
+        if isinstance(v, (bool, int, float, str)):
+            out.append(f"policy.{f.name}={_value(v)}")
+        elif f.default is dataclasses.MISSING or v != f.default:
+            raise ConfigError(f"{name}.{f.name}={v!r}: not a scalar, evals.run cannot set it")
+    return out
+
+
+def _compose(overrides: list[str]) -> dict[str, Any]:
+    from evals.config import compose, validate
+
+    try:
+        return validate(compose(overrides))
+    except ConfigError as e:
+        msg = str(e)
+        if "unknown key" in msg and "; the config has keys" in msg:
+            msg += f" (and evals.compare's: {_own_keys()})"
+        raise ConfigError(msg) from None
+
+
+def _data_name(conf: dict[str, Any]) -> str:
+    data = conf["data"]
+    return Path(str(data.get("spec", ""))).stem if data.get("name") == "path" else str(data.get("name", ""))
+
+
+def plan(argv: Sequence[str]) -> Plan:
+    """Parse, size and validate every job (configs composed, policies built and compared with the
+    sized ones, the text's token count checked with the tokenizer); no weights load."""
+    from evals import zoo
+    from evals.config import build_policy, check_text
+    from evals.run import run_key
+    from kvpolicies import budgets as B
+
+    args = parse_args(argv)
+    base = _compose(args.passthrough + ["policy=full"])
+    mc = model_dims(base["model"])
+    max_len, dtype = run_length(base), zoo.dtype(base["model"])
+    codec = base["codec"]
+    dims = dict(max_len=max_len, kv_heads=mc.n_kv_heads, head_dim=mc.head_dim, dtype=dtype)
+    full_layer = B.target_bytes(1.0, **dims)
+    targets = {b: B.target_bytes(b, **dims) for b in args.budgets}
+    over = [b for b, t in targets.items() if t > full_layer]
+    if over:
+        raise ConfigError(f"budgets: {over[0]} tokens is more than the full cache at the run's length "
+                          f"({max_len} tokens): nothing to compress")
+    budgets = sorted(args.budgets, key=lambda b: (targets[b], isinstance(b, int)))
+    ref = build_policy(base["policy"])
+    jobs = [Job("full", None, ref, tuple(args.passthrough + ["policy=full"]), base, run_key(base, ref),
+                full_layer * mc.n_layers, 0.0)]
+    for name in args.policies:
+        for b in budgets:
+            try:
+                pol = B.sized(name, b, codec=codec, **dims, **args.fields.get(name, {}))
+            except ValueError as e:
+                where = " ".join(f"{name}.{k}={v}" for k, v in args.fields.get(name, {}).items())
+                hint = ("; raise the budget, or hold the policy's fixed part smaller (e.g. snapkv.max_new=64 "
+                        "snapkv.obs_window=16, sink.n_sink=1, h2o.recent=8)" if "too small" in str(e) else "")
+                raise ConfigError(f"policies: {name} at budget {b}{' with ' + where if where else ''} "
+                                  f"(max_len={max_len}): {e}{hint}") from None
+            overrides = args.passthrough + policy_overrides(name, pol)
+            conf = _compose(overrides)
+            built = build_policy(conf["policy"])
+            if built != pol:
+                raise ConfigError(f"{name} at budget {b}: evals.run builds {built} from {overrides}, not the sized "
+                                  f"{pol}")
+            jobs.append(Job(name, b, pol, tuple(overrides), conf, run_key(conf, built),
+                            targets[b] * mc.n_layers, 1.0 - targets[b] / full_layer))
+    if zoo.has_tokenizer(base["model"]):  # the checks that need the tokenizer, still before the weights
+        from evals.data import load_text
+
+        check_text(base, zoo.load_tokenizer(base["model"]), load_text(base["data"]["spec"]))
+    results = base["results"]
+    out = Path(args.out) if args.out else Path(results).parent / "compare"
+    stem = args.name or "-".join([base["task"]["name"], base["model"]["name"], str(max_len)]
+                                 + ([codec] if codec != "none" else []))
+    return Plan(jobs, args.policies, budgets, base["task"]["name"], base["model"]["name"], _data_name(base),
+                max_len, mc.n_layers, mc.n_kv_heads, mc.head_dim, dtype.name, codec, results, out, stem,
+                bool(base["progress"]))
+
+
+# -- the cells: numbers read back from the results file ----------------------------------------------
+
+
+def score_of(row: dict[str, Any]) -> tuple[str, float, bool]:
+    """(metric, value, lower is better): perplexity for perplexity, else accuracy."""
+    m = row.get("metrics", {})
+    for name, lower in (("ppl", True), ("accuracy", False)):
+        if m.get(name) is not None:
+            return name, float(m[name]), lower
+    raise ValueError(f"row {row.get('key')}: no ppl or accuracy among its metrics {sorted(m)}")
+
+
+def cells(p: Plan, rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per job, from the latest row of its key: policy, budget, compression, params,
+    metric, score, lower, state_bytes (measured), target_bytes, max_len (the row's), key."""
+    from evals import results as R
+
+    by_key = {r.get("key"): r for r in R.latest(rows)}
+    out = []
+    for j in p.jobs:
+        row = by_key.get(j.key)
+        if row is None:
+            raise KeyError(f"no row with key {j.key} ({j.policy} at budget {j.budget}) in {p.results}")
+        metric, value, lower = score_of(row)
+        mem = row.get("memory") or {}
+        out.append({"policy": j.policy, "budget": j.budget, "compression": j.compression,
+                    "params": row.get("params", ""), "metric": metric, "score": value, "lower": lower,
+                    "state_bytes": mem.get("state_bytes"), "target_bytes": j.target_bytes,
+                    "max_len": mem.get("max_len"), "key": j.key})
+    return out
+
+
+# -- the table ----------------------------------------------------------------------------------------
+
+
+def budget_label(b: int | float, compression: float) -> str:
+    return f"{b:g} (CR {compression:.3g})" if isinstance(b, float) else f"{b} tok (CR {compression:.3g})"
+
+
+def _mb(n: int | None) -> str:
+    return "-" if n is None else f"{n / MB:.4g} MB"
+
+
+def grid(recs: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]], str]:
+    """(header, rows of cells, caption) of the comparison: the full reference first (its score in
+    every column), then one row per policy; a cell is 'score (stored MB)'."""
+    from evals.table import fmt
+
+    full = next(r for r in recs if r["budget"] is None)
+    cols: list[tuple[Any, float]] = []
+    for r in recs:
+        if r["budget"] is not None and (r["budget"], r["compression"]) not in cols:
+            cols.append((r["budget"], r["compression"]))
+    header = ["policy"] + [budget_label(b, c) for b, c in cols]
+    body = [[f"full ({_mb(full['state_bytes'])})"] + [fmt(full["score"])] * len(cols)]
+    for name in dict.fromkeys(r["policy"] for r in recs if r["budget"] is not None):
+        at = {r["budget"]: r for r in recs if r["policy"] == name}
+        body.append([name] + [f"{fmt(at[b]['score'])} ({_mb(at[b]['state_bytes'])})" if b in at else "-"
+                              for b, _ in cols])
+    better = "lower" if full["lower"] else "higher"
+    caption = (f"{full['metric']} ({better} is better) by policy and budget; a budget is the stored cache bytes "
+               f"(a float: that fraction of the full cache's, CR = compression ratio = 1 - it; an int: that many "
+               f"full-precision tokens), sinks, windows, scales and positions included; in brackets the stored "
+               f"bytes measured, all layers")
+    return header, body, caption
+
+
+def markdown(recs: Sequence[dict[str, Any]], title: str = "") -> str:
+    header, body, caption = grid(recs)
+    lines = ([f"**{title}**", ""] if title else []) + [
+        "| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+    lines += ["| " + " | ".join(c) + " |" for c in body]
+    return "\n".join(lines + ["", caption])
+
+
+def latex(recs: Sequence[dict[str, Any]], title: str = "") -> str:
+    """A booktabs tabular (\\usepackage{booktabs}); the full reference above a midrule."""
+    from evals.table import tex_escape
+
+    header, body, caption = grid(recs)
+    lines = [f"% {title}" if title else "%", f"% {caption}", f"\\begin{{tabular}}{{l{'r' * (len(header) - 1)}}}",
+             "\\toprule", " & ".join(tex_escape(h) for h in header) + " \\\\", "\\midrule",
+             " & ".join(tex_escape(c) for c in body[0]) + " \\\\", "\\midrule"]
+    lines += [" & ".join(tex_escape(c) for c in cells_) + " \\\\" for cells_ in body[1:]]
+    return "\n".join(lines + ["\\bottomrule", "\\end{tabular}"]) + "\n"
+
+
+CSV_COLUMNS = ("policy", "budget", "compression", "params", "metric", "score", "state_bytes", "target_bytes",
+               "max_len", "key")
+
+
+def csv_text(recs: Sequence[dict[str, Any]]) -> str:
+    """One line per job, numbers unrounded (full: budget empty, compression 0)."""
+    import csv
+    import io
+
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(CSV_COLUMNS)
+    for r in recs:
+        w.writerow(["" if r[c] is None else r[c] for c in CSV_COLUMNS])
+    return buf.getvalue()
+
+
+# -- the plot -----------------------------------------------------------------------------------------
+
+
+def plot(recs: Sequence[dict[str, Any]], out: Path, stem: str, title: str = "") -> list[Path]:
+    """`<stem>.png` and `.pdf`: score vs compression ratio (left) and vs stored cache MB (right),
+    one line per policy, the full cache's score as a horizontal line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    full = next(r for r in recs if r["budget"] is None)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, x, xlabel in ((axes[0], "compression", "compression ratio (1 - stored bytes / full cache's)"),
+                          (axes[1], "mb", "stored KV cache, all layers (MB, measured)")):
+        ax.axhline(full["score"], color="black", linestyle="--", linewidth=1,
+                   label=f"full ({full['score']:.4g}, {_mb(full['state_bytes'])})")
+        for i, name in enumerate(dict.fromkeys(r["policy"] for r in recs if r["budget"] is not None)):
+            pts = [r for r in recs if r["policy"] == name and r["state_bytes"] is not None]
+            xs = [r["compression"] if x == "compression" else r["state_bytes"] / MB for r in pts]
+            order = sorted(range(len(pts)), key=xs.__getitem__)
+            ax.plot([xs[k] for k in order], [pts[k]["score"] for k in order], marker="o", color=f"C{i}", label=name)
+        if full["lower"]:
+            ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.yaxis.set_minor_formatter(FuncFormatter(
+                lambda v, _: f"{v:g}" if v > 0 and round(v / 10 ** math.floor(math.log10(v))) in (2, 3, 5) else ""))
+        else:
+            ax.set_ylim(-0.02, 1.02)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(f"{full['metric']} ({'lower' if full['lower'] else 'higher'} is better)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[1].legend(fontsize=8)
+    fig.suptitle(title or "quality vs cache bytes", fontsize=10)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{stem}.{ext}" for ext in ("png", "pdf")]
+    for path in paths:
+        fig.savefig(path, bbox_inches="tight", dpi=150)
+    plt.close(fig)
+    return paths
+
+
+def title(p: Plan) -> str:
+    codec = "" if p.codec == "none" else f", codec {p.codec}"
+    return (f"{p.task}: {p.model} on {p.data}, {p.max_len} tokens{codec} ({p.n_layers} layers x {p.kv_heads} kv "
+            f"heads x head_dim {p.head_dim}, {p.dtype})")
+
+
+def write(p: Plan, recs: Sequence[dict[str, Any]]) -> list[Path]:
+    """The table (.md, .tex, .csv) and the plot (.png, .pdf) under p.out."""
+    p.out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for ext, text in ((".md", markdown(recs, title(p)) + "\n"), (".tex", latex(recs, title(p))),
+                      (".csv", csv_text(recs))):
+        path = p.out / f"{p.stem}{ext}"
+        path.write_text(text, encoding="utf-8")
+        paths.append(path)
+    return paths + plot(recs, p.out, p.stem, title(p))
+
+
+# -- running ------------------------------------------------------------------------------------------
+
+
+def run(p: Plan) -> list[dict[str, Any]]:
+    """Run (or skip, if their rows are there) every job in this process, one progress bar over the
+    jobs; then read the rows back and write the table and plot. Returns the cells."""
+    import logging
+
+    from tqdm.auto import tqdm
+
+    from evals import results as R
+    from evals.run import run_config
+
+    logging.getLogger("jax").setLevel(logging.WARNING)
+    bar = tqdm(total=len(p.jobs), desc="compare", unit="job", position=0, disable=not p.progress)
+    try:
+        for j in p.jobs:
+            bar.set_postfix_str(f"{j.policy} @ {'full' if j.budget is None else j.budget}")
+            row, ran = run_config(j.conf)
+            metric, value, _ = score_of(row)
+            mem = (row.get("memory") or {}).get("state_bytes")
+            secs = (row.get("timings") or {}).get("total_s")
+            how = f"ran in {secs:.0f} s" if ran and secs is not None else "ran" if ran else "already there"
+            tqdm.write(f"[evals.compare] {j.policy} {row.get('params', '')} @ "
+                       f"{'full' if j.budget is None else j.budget}: {metric} {value:.4g}, {_mb(mem)} "
+                       f"(budget {_mb(j.target_bytes)}; {how})")
+            if mem is not None and mem > j.target_bytes:
+                tqdm.write(f"[evals.compare] warning: {j.policy} at {j.budget} stores {mem} bytes, over its budget "
+                           f"of {j.target_bytes}")
+            bar.update()
+    finally:
+        bar.close()
+    recs = cells(p, R.read(p.results))
+    for r in recs:
+        if r["max_len"] != p.max_len:
+            tqdm.write(f"[evals.compare] warning: row {r['key']} measured memory at max_len={r['max_len']}, "
+                       f"sized for {p.max_len}")
+    return recs
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    """Run the command line `argv` (default sys.argv[1:]); returns the cells of the table."""
+    from evals.progress import warnings_as_lines
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return []
+    with warnings_as_lines("evals.compare"):
+        try:
+            p = plan(argv)
+        except ConfigError as e:
+            print(f"evals.compare: error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        print(f"[evals.compare] {len(p.jobs)} jobs: full + {', '.join(p.policies)} x budgets "
+              f"{', '.join(map(str, p.budgets))}; {title(p)}; results {p.results}")
+        recs = run(p)
+        paths = write(p, recs)
+    print(markdown(recs, title(p)))
+    for path in paths:
+        print(f"wrote {path}")
+    return recs
+
+
+if __name__ == "__main__":
+    main()
