@@ -41,7 +41,6 @@ the full cache's score as a horizontal line). Numbers come from the results file
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 import sys
 from collections.abc import Sequence
@@ -429,36 +428,44 @@ def csv_text(recs: Sequence[dict[str, Any]]) -> str:
 # -- the plot -----------------------------------------------------------------------------------------
 
 
+CLIP = 1.35  # perplexity axes end at CLIP x the full cache's; higher points sit on the edge, labelled
+
+
 def plot(recs: Sequence[dict[str, Any]], out: Path, stem: str, title: str = "") -> list[Path]:
     """`<stem>.png` and `.pdf`: score vs compression ratio (left) and vs stored cache MB (right),
-    one line per policy, the full cache's score as a horizontal line."""
+    one line per policy, the full cache's score as a horizontal line. A perplexity axis ends at
+    CLIP x the full cache's (so the policies near it stay readable); a point above is drawn on the
+    edge as a triangle with its value written beside it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter
 
     full = next(r for r in recs if r["budget"] is None)
+    top = CLIP * full["score"] if full["lower"] and max(r["score"] for r in recs) > CLIP * full["score"] else None
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, x, xlabel in ((axes[0], "compression", "compression ratio (1 - stored bytes / full cache's)"),
                           (axes[1], "mb", "stored KV cache, all layers (MB, measured)")):
         ax.axhline(full["score"], color="black", linestyle="--", linewidth=1,
                    label=f"full ({full['score']:.4g}, {_mb(full['state_bytes'])})")
         for i, name in enumerate(dict.fromkeys(r["policy"] for r in recs if r["budget"] is not None)):
-            pts = [r for r in recs if r["policy"] == name and r["state_bytes"] is not None]
+            pts = sorted((r for r in recs if r["policy"] == name and r["state_bytes"] is not None),
+                         key=lambda r: r["compression"])
             xs = [r["compression"] if x == "compression" else r["state_bytes"] / MB for r in pts]
-            order = sorted(range(len(pts)), key=xs.__getitem__)
-            ax.plot([xs[k] for k in order], [pts[k]["score"] for k in order], marker="o", color=f"C{i}", label=name)
-        if full["lower"]:
-            ax.set_yscale("log")
-            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-            ax.yaxis.set_minor_formatter(FuncFormatter(
-                lambda v, _: f"{v:g}" if v > 0 and round(v / 10 ** math.floor(math.log10(v))) in (2, 3, 5) else ""))
-        else:
+            ys = [r["score"] if top is None else min(r["score"], top) for r in pts]
+            ax.plot(xs, ys, marker="o", color=f"C{i}", label=name)
+            for xi, r in zip(xs, pts):
+                if top is not None and r["score"] > top:
+                    ax.plot([xi], [top], marker="^", markersize=9, color=f"C{i}", clip_on=False)
+                    ax.annotate(f"{r['score']:.3g}", (xi, top), xytext=(5, -10), textcoords="offset points",
+                                fontsize=7, color=f"C{i}")
+        if top is not None:
+            ax.set_ylim(top=top)
+        elif not full["lower"]:
             ax.set_ylim(-0.02, 1.02)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(f"{full['metric']} ({'lower' if full['lower'] else 'higher'} is better)")
-        ax.grid(True, which="both", alpha=0.3)
+        ax.grid(True, alpha=0.3)
     axes[1].legend(fontsize=8)
     fig.suptitle(title or "quality vs cache bytes", fontsize=10)
     out.mkdir(parents=True, exist_ok=True)

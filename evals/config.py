@@ -7,10 +7,17 @@ Groups (`configs/`): model/ (smollm2, gguf, hf, tiny_random, tiny_recall; built 
 derives one option per registered policy (`kvpolicies.POLICIES`) from its dataclass fields, so a
 new policy needs no config file. `policy_config` says what an option holds: every field at its
 dataclass default, except the fields of the class's `run_keys`, which follow the run-level key
-they name (h2o's `heavy: ${budget}`, sink's `window: ${window}` and `n_sink: ${n_sink}`), and
+they name (sink's `window: ${window}` and `n_sink: ${n_sink}`), and
 `codec`, which follows the run's `${codec}`. So `window=1024` reaches whichever policy uses it and
 `policy.<field>=x` sets any field. A file `configs/policy/<name>.yaml`, if one is added, replaces
 the derived option of that name (none ships). The typed top-level keys are `RunConfig`.
+
+`budget` (unset by default) sizes the run's policy (`resolve_policy`): an int is tokens per layer
+and kv head (the bytes of that many full-precision tokens), a float in (0, 1] the fraction of the
+full cache's bytes at the run's length; the policy is sized by `kvpolicies.budgets.sized` so
+that its stored bytes (everything it stores) are at most the budget and within one slot of it.
+A field set on the command line that the sizing would set is an error; a policy without a
+token budget (full, quest, kivi, hier) runs as configured and its row says "not sized".
 
 `validate` checks what Hydra does not (task and model names, ranges, the task's own keys, the
 policy as built), so a bad command line fails before anything runs, with one `ConfigError` that
@@ -64,7 +71,7 @@ class RunConfig:
     window: int = 4096
     n_sink: int = 4
     codec: str = "none"
-    budget: int = 1024
+    budget: Any = None  # int tokens per layer and kv head, or float fraction of full's bytes
     tokens: int = 12288
     chunk: int = 512
     seed: int = 0
@@ -200,6 +207,56 @@ def build_policy(pcfg: dict[str, Any]) -> kvpolicies.Policy:
         raise ConfigError(f"policy: {e}") from None
 
 
+def resolve_policy(conf: dict[str, Any]) -> tuple[kvpolicies.Policy, dict[str, Any] | None]:
+    """The run's policy and, when `budget` is set, how it was sized ({budget, sized, target_bytes,
+    stored_bytes} per layer, or sized=False with the reason). See the module docstring."""
+    from kvpolicies import budgets
+    from kvpolicies.memory import state_bytes
+
+    from evals import zoo
+
+    policy = build_policy(conf["policy"])
+    b = conf.get("budget")
+    if b is None:
+        return policy, None
+    name = conf["policy"]["name"]
+    cls = kvpolicies.POLICIES[name]
+    if cls.budget_field is None:
+        return policy, {"budget": b, "sized": False, "why": f"{name} has no token budget (it cannot be sized)"}
+    extent = task_extent(conf)
+    try:
+        mc = zoo.describe(conf["model"])
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if extent is None or mc is None:
+        raise ConfigError(f"budget={b}: task={conf['task']['name']} with model={conf['model']['name']} declares no "
+                          "length or dimensions to size a cache for")
+    # Fields set on the command line: those that differ from the option as derived with the defaults.
+    defaults = {f.name: f.default for f in dataclasses.fields(RunConfig)}
+    derived = policy_config(name)
+    explicit = {}
+    for field, value in conf["policy"].items():
+        if field in ("name", "codec"):
+            continue
+        d = derived.get(field)
+        if isinstance(d, str) and d.startswith("${"):
+            d = defaults.get(d[2:-1])
+        if value != d:
+            explicit[field] = value
+    if cls.budget_field in explicit:
+        raise ConfigError(f"budget={b} and {name}.{cls.budget_field}={explicit[cls.budget_field]} both size the "
+                          "cache: give one of them")
+    kw = dict(max_len=extent[1] + extent[2], kv_heads=mc.n_kv_heads, head_dim=mc.head_dim, dtype=zoo.dtype(conf["model"]))
+    try:
+        sized = budgets.sized(name, b, codec=conf["policy"].get("codec", "none"), **kw, **explicit)
+    except ValueError as e:
+        raise ConfigError(f"budget={b}: {e}") from None
+    target = budgets.target_bytes(b, **{k: kw[k] for k in ("max_len", "kv_heads", "head_dim", "dtype")})
+    stored = state_bytes(sized, **kw).total
+    return sized, {"budget": b, "sized": True, "target_bytes": target, "stored_bytes": stored,
+                   "slots": sized.capacity(kw["max_len"])}
+
+
 def load_task(name: str):
     """The task function of TASKS[name], imported now."""
     module, _, fn = TASKS[name].partition(":")
@@ -231,9 +288,14 @@ def validate(cfg: DictConfig | dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise ConfigError(f"data.{unknown[0]}: unknown key; data {conf['data'].get('name')!r} has keys: "
                           f"{', '.join(sorted(set(conf['data']) - set(unknown)))}")
-    for key, lo in (("tokens", 1), ("chunk", 1), ("window", 1), ("n_sink", 0), ("budget", 1), ("seed", 0)):
+    for key, lo in (("tokens", 1), ("chunk", 1), ("window", 1), ("n_sink", 0), ("seed", 0)):
         if conf[key] < lo:
             raise ConfigError(f"{key}={conf[key]}: must be >= {lo}")
+    b = conf.get("budget")
+    if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or b <= 0
+                          or (isinstance(b, float) and b > 1)):
+        raise ConfigError(f"budget={b!r}: must be an int >= 1 (tokens per layer and kv head) or a float in "
+                          "(0, 1] (fraction of the full cache's bytes)")
     load_task(conf["task"]["name"])  # importable now, not after a long sweep
     check = TASK_CHECKS.get(conf["task"]["name"])
     if check:
@@ -246,7 +308,7 @@ def validate(cfg: DictConfig | dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"data.path={conf['data']['spec']}: no such file")
     if conf["codec"] not in kvpolicies.CODECS:
         raise ConfigError(f"codec={conf['codec']!r}: must be one of {sorted(kvpolicies.CODECS)}")
-    policy = build_policy(conf["policy"])
+    policy, _ = resolve_policy(conf)
     check_inputs(conf, policy)
     return conf
 

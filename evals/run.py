@@ -42,7 +42,7 @@ import kvpolicies
 from evals import results as R
 from evals import zoo
 from evals.common import TaskContext, TaskResult
-from evals.config import (CONFIG_DIR, ConfigError, build_policy, check_text, compose, load_task, register_configs,
+from evals.config import (CONFIG_DIR, ConfigError, check_text, compose, load_task, register_configs, resolve_policy,
                           task_extent, validate)
 from evals.zoo import dtype
 
@@ -124,7 +124,7 @@ def run_config(conf: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     "Is the key in the file? run or skip; append" holds the key's lock (`results.key_lock`): a
     second process on the same key and file waits, then finds the row and skips."""
     say = tqdm.write
-    policy = build_policy(conf["policy"])
+    policy, sizing = resolve_policy(conf)
     key = run_key(conf, policy)
     results = conf["results"]
     wait = lambda: say(f"[evals.run] waiting: another process is running key {key} on {results}")  # noqa: E731
@@ -133,10 +133,11 @@ def run_config(conf: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         if done and not conf["force"]:
             say(f"[evals.run] skip {key}: already in {results} (force=true redoes it)")
             return done[-1], False
-        return _run(conf, policy, key), True
+        return _run(conf, policy, key, sizing), True
 
 
-def _run(conf: dict[str, Any], policy: kvpolicies.Policy, key: str) -> dict[str, Any]:
+def _run(conf: dict[str, Any], policy: kvpolicies.Policy, key: str, sizing: dict[str, Any] | None = None
+         ) -> dict[str, Any]:
     say = tqdm.write
     results = conf["results"]
     record = R.policy_record(policy)
@@ -194,6 +195,7 @@ def _run(conf: dict[str, Any], policy: kvpolicies.Policy, key: str) -> dict[str,
         **R.environment(),
         "metrics": res.metrics,
         "memory": memory,
+        "budget": sizing,  # None, or how `budget` sized the policy (per layer), or why it could not
         "timings": timings,
         "grid": res.grid,
         "curves": res.curves,

@@ -39,7 +39,6 @@ class H2O(Scored):
 
     per_token = True
     budget_field = "heavy"
-    run_keys = {"heavy": "budget"}
 
     heavy: int = 256
     recent: int = 256

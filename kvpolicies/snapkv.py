@@ -51,7 +51,6 @@ class SnapKV(Scored):
 
     per_token = True
     budget_field = "budget"
-    run_keys = {"budget": "budget"}
 
     budget: int = 1024
     obs_window: int = 32

@@ -35,7 +35,6 @@ class TOVA(Scored):
 
     per_token = True
     budget_field = "budget"
-    run_keys = {"budget": "budget"}
 
     budget: int = 512
     scope: Literal["layer", "head"] = "layer"

@@ -21,15 +21,6 @@ from evals import run as evrun
 TOKENS = 160
 
 
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    rng = np.random.default_rng(0)
-    words = "the of and to a in that it was her she he not be his as with had for you".split()
-    path = tmp_path_factory.mktemp("text") / "tiny.txt"
-    path.write_text(" ".join(rng.choice(words, 200)), encoding="utf-8")
-    return path
-
-
 def base_args(text_file, results, hydra_dir):
     return ["model=tiny_random", "model.max_position=96", "data=path", f"data.path={text_file}", f"tokens={TOKENS}",
             "chunk=32", "task.segment=40", f"results={results}", "progress=false",
@@ -68,14 +59,13 @@ def test_top_level_keys_reach_the_policy_and_task():
 def test_every_registered_policy_has_a_config_that_builds():
     assert set(kvpolicies.POLICIES) <= set(C.group_options("policy"))
     for name, cls in kvpolicies.POLICIES.items():
-        conf = C.validate(C.compose([f"policy={name}", "window=512", "budget=256"]))
+        conf = C.validate(C.compose([f"policy={name}", "window=512"]))
         pol = C.build_policy(conf["policy"])
         assert type(pol) is cls and conf["policy"]["name"] == name
-    follows = {"window": ("window", 512), "sink": ("window", 512), "hier": ("window", 512), "h2o": ("heavy", 256),
-               "tova": ("budget", 256), "snapkv": ("budget", 256)}
+    follows = {"window": ("window", 512), "sink": ("window", 512), "hier": ("window", 512)}
     for name, (field, value) in follows.items():
         if name in kvpolicies.POLICIES:
-            conf = C.validate(C.compose([f"policy={name}", "window=512", "budget=256"]))
+            conf = C.validate(C.compose([f"policy={name}", "window=512"]))
             assert getattr(C.build_policy(conf["policy"]), field) == value
 
 
@@ -106,11 +96,48 @@ def test_policy_options_are_derived_from_the_registry():
     """configs/policy/ holds no files: every option is derived from a registered class (the YAML
     files it replaced gave exactly these configs)."""
     assert not list((C.CONFIG_DIR / "policy").glob("*.yaml"))
-    conf = C.validate(C.compose(["policy=h2o", "budget=100"]))
-    assert conf["policy"] == {"name": "h2o", "heavy": 100, "recent": 256, "codec": "none"}
-    conf = C.validate(C.compose(["policy=snapkv", "budget=100", "codec=int4"]))
-    assert conf["policy"] == {"name": "snapkv", "budget": 100, "obs_window": 32, "kernel": 7, "max_new": 256,
+    conf = C.validate(C.compose(["policy=h2o"]))
+    assert conf["policy"] == {"name": "h2o", "heavy": 256, "recent": 256, "codec": "none"}
+    conf = C.validate(C.compose(["policy=snapkv", "codec=int4"]))
+    assert conf["policy"] == {"name": "snapkv", "budget": 1024, "obs_window": 32, "kernel": 7, "max_new": 256,
                               "codec": "int4"}
+
+
+@pytest.mark.parametrize("name", ["window", "sink", "h2o", "tova", "snapkv"])
+@pytest.mark.parametrize("budget", [0.25, 100])
+def test_budget_sizes_every_policy_to_the_same_stored_bytes(name, budget):
+    """budget= means the same bytes for every policy: stored bytes (everything) at most the
+    target and within one slot per kv head of it (closed form: a full-precision slot of the
+    tiny model stores 2 x K x D x 4 bytes + 4 bytes of position)."""
+    from kvpolicies.memory import state_bytes
+
+    over = [f"policy={name}", f"budget={budget}", "model=tiny_random", "tokens=400"]
+    over += ["policy.max_new=16", "policy.obs_window=8"] if name == "snapkv" else []  # fits 100 tokens
+    conf = C.validate(C.compose(over))
+    pol, sizing = C.resolve_policy(conf)
+    import jax.numpy as jnp
+
+    from evals.zoo import describe
+
+    mc = describe(conf["model"])
+    kv, d = mc.n_kv_heads, mc.head_dim
+    full_slot = 2 * kv * d * 4 + 4
+    target = int(budget * 400 * full_slot) if isinstance(budget, float) else budget * full_slot
+    stored = state_bytes(pol, kv_heads=kv, head_dim=d, max_len=400, dtype=jnp.float32).total
+    assert sizing["sized"] and sizing["target_bytes"] == target and sizing["stored_bytes"] == stored
+    assert stored <= target < stored + full_slot + 8 * kv  # within one slot (plus per-head bookkeeping)
+
+
+def test_budget_conflicts_and_unsized_policies():
+    with pytest.raises(C.ConfigError, match="both size the cache"):
+        C.resolve_policy(C.validate(C.compose(["policy=sink", "window=64", "budget=0.5", "model=tiny_random",
+                                               "tokens=400"])))
+    pol, sizing = C.resolve_policy(C.validate(C.compose(["policy=full", "budget=0.5", "model=tiny_random",
+                                                         "tokens=400"])))
+    assert pol == kvpolicies.get("full") and sizing["sized"] is False and "cannot be sized" in sizing["why"]
+    for bad in ("budget=0", "budget=1.5", "budget=-3"):
+        with pytest.raises(C.ConfigError, match="budget="):
+            C.validate(C.compose(["policy=h2o", bad]))
 
 
 @pytest.mark.parametrize("overrides, expected", [

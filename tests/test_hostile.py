@@ -27,15 +27,6 @@ REPO = Path(__file__).resolve().parent.parent
 TOKENS = 32
 
 
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    rng = np.random.default_rng(0)
-    words = "the of and to a in that it was her she he not be his as with had for you".split()
-    path = tmp_path_factory.mktemp("text") / "tiny.txt"
-    path.write_text(" ".join(rng.choice(words, 200)), encoding="utf-8")
-    return path
-
-
 def args_for(text_file, results, hydra_dir, *extra):
     return ["model=tiny_random", "data=path", f"data.path={text_file}", f"tokens={TOKENS}", f"chunk={TOKENS}",
             f"results={results}", "progress=false", f"hydra.run.dir={hydra_dir}/run",
