@@ -81,6 +81,17 @@ def policy_params(record: dict[str, Any]) -> str:
     return " ".join(f"{k}={v}" for k, v in record.items() if k not in ("name", "codec"))
 
 
+def layer_stack(policy: kvpolicies.Policy, n_layers: int) -> tuple[kvpolicies.Policy, ...]:
+    """The per-layer policies a run uses: the policy in every layer, except the published
+    model-level presets: `quest` keeps layers 0-1 dense (`kvpolicies.quest.quest_stack`)."""
+    from kvpolicies.quest import Quest, quest_stack
+
+    if type(policy) is Quest:
+        fields = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}
+        return quest_stack(n_layers, **fields)
+    return (policy,) * n_layers
+
+
 def run_key(conf: dict[str, Any], policy: kvpolicies.Policy) -> str:
     keyed = {k: conf[k] for k in KEY_FIELDS}
     # task.extrapolate only allows a run (retrieval past the trained length), it changes no number
@@ -168,7 +179,8 @@ def _run(conf: dict[str, Any], policy: kvpolicies.Policy, key: str, sizing: dict
     if note:
         say(note)
     fn = load_task(task_name)
-    ctx = RecordingContext(model=model, tokenizer=tokenizer, policies=policy, task=dict(conf["task"]), text=text,
+    layers = layer_stack(policy, mc.n_layers)
+    ctx = RecordingContext(model=model, tokenizer=tokenizer, policies=layers, task=dict(conf["task"]), text=text,
                            seed=conf["seed"], chunk=conf["chunk"], progress=conf["progress"])
     t3 = time.perf_counter()
     res: TaskResult = fn(ctx)
@@ -177,7 +189,7 @@ def _run(conf: dict[str, Any], policy: kvpolicies.Policy, key: str, sizing: dict
 
     from models.llama import policy_runs
 
-    stack = tuple(p for a, b, p in policy_runs(policy, mc.n_layers) for _ in range(b - a))
+    stack = tuple(p for a, b, p in policy_runs(layers, mc.n_layers) for _ in range(b - a))
     max_len = ctx.max_len or declared_max_len(conf["task"])
     memory = None
     if max_len:
@@ -196,6 +208,8 @@ def _run(conf: dict[str, Any], policy: kvpolicies.Policy, key: str, sizing: dict
         "metrics": res.metrics,
         "memory": memory,
         "budget": sizing,  # None, or how `budget` sized the policy (per layer), or why it could not
+        "slots_per_layer": [p.capacity(max_len) for p in stack] if max_len else None,
+        "dense_layers": sum(type(p) is kvpolicies.Full and type(policy) is not kvpolicies.Full for p in stack),
         "timings": timings,
         "grid": res.grid,
         "curves": res.curves,

@@ -203,7 +203,7 @@ def test_threads_on_one_key_wait_and_skip_other_keys_run_alongside(tmp_path, tex
     barrier, calls = threading.Barrier(2, timeout=60), []
 
     def task(ctx):
-        calls.append(ctx.policies.window)
+        calls.append(ctx.policies[0].window)  # the per-layer stack
         barrier.wait()
         return TaskResult(metrics={"x": 1.0}, arrays={"a": np.arange(3)})
 
