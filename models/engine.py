@@ -108,7 +108,7 @@ class Engine:
         self._model = model
         donate = dict(donate_argnums=(1,))
         self._logits_step = jax.jit(self._logits_impl, static_argnames=("prompt",), **donate)
-        self._after_prompt = jax.jit(self._after_prompt_impl, donate_argnums=(0,))
+        self._after_prompt = jax.jit(self._after_prompt_impl)  # new shapes: nothing to donate into
         self._nll_step = jax.jit(self._nll_impl, **donate)
         self._decode_n = jax.jit(self._decode_n_impl, static_argnums=(4,), **donate)
 

@@ -305,6 +305,27 @@ def test_composes_with_a_multi_leaf_codec(name):
     assert s.k[0].shape[:3] == s.k[1].shape[:3] == (B, K, pol.capacity(MAX_LEN))
 
 
+def test_snapkv_compresses_exactly_once_per_prompt_through_the_engine():
+    """Engine.generate / prefill of a fresh prompt (what the retrieval tasks call) hold the prompt
+    densely and compress it once, whatever the chunk; the first token comes from dense attention
+    (equal to full's), and a stream (score) never runs the prompt protocol."""
+    cfg = LlamaConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64)
+    model = Llama(cfg)
+    snap = kvpolicies.get("snapkv", budget=6, obs_window=3, kernel=3, max_new=8)
+    prompt = np.random.default_rng(1).integers(0, 61, (2, 30)).astype(np.int32)
+    eng, full = Engine(model, snap, max_len=64), Engine(model, kvpolicies.get("full"), max_len=64)
+    outs = [eng.generate(prompt, 6, chunk=c) for c in (30, 7, 1)]
+    assert eng.prompts_compressed == 3  # once per generate call, for every chunking
+    assert all((o == outs[0]).all() for o in outs)
+    logits, cache = eng.prefill(prompt, chunk=4)
+    assert eng.prompts_compressed == 4
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(full.prefill(prompt)[0]), atol=1e-5)
+    pos = np.asarray(cache[0].pos)[0]  # layer 0: [B, K, S] after the compression
+    assert pos.shape[-1] == 6 + 3 + 8 and ((pos >= 0).sum(-1) == 9).all()  # budget + window kept
+    eng.score(prompt[0], chunk=8)
+    assert eng.prompts_compressed == 4
+
+
 def test_decode_step_compiles_once_for_100_steps():
     cfg = LlamaConfig(vocab_size=61, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64)
     pols = (kvpolicies.get("h2o", heavy=6, recent=4), kvpolicies.get("tova", budget=8),
