@@ -468,12 +468,9 @@ def plot(recs: Sequence[dict[str, Any]], out: Path, stem: str, title: str = "") 
         ax.grid(True, alpha=0.3)
     axes[1].legend(fontsize=8)
     fig.suptitle(title or "quality vs cache bytes", fontsize=10)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / f"{stem}.{ext}" for ext in ("png", "pdf")]
-    for path in paths:
-        fig.savefig(path, bbox_inches="tight", dpi=150)
-    plt.close(fig)
-    return paths
+    from evals import plots
+
+    return plots._save(fig, out, stem)
 
 
 def title(p: Plan) -> str:

@@ -10,7 +10,6 @@ import dataclasses
 import io
 import math
 
-import numpy as np
 import pytest
 
 import kvpolicies
@@ -22,15 +21,6 @@ from kvpolicies.memory import state_bytes
 TOKENS = 128
 POLICIES = ["sink", "h2o", "snapkv"]
 BUDGETS = [0.25, 0.5]
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    rng = np.random.default_rng(0)
-    words = "the of and to a in that it was her she he not be his as with had for you".split()
-    path = tmp_path_factory.mktemp("text") / "tiny.txt"
-    path.write_text(" ".join(rng.choice(words, 200)), encoding="utf-8")
-    return path
 
 
 def base_args(text_file, results, snapkv=True):
