@@ -36,7 +36,7 @@ ROWS = [
     ("h2o", dict(heavy=128, recent=128)),
     ("tova", dict(budget=256)),
     ("snapkv", dict(budget=240, obs_window=16, max_new=0)),
-    ("hier", dict(window=128, branch=4, slots_per_level=16, levels=2)),
+    ("multires", dict(window=128, branch=4, slots_per_level=16, levels=2)),
     ("quest", dict(page=16, top_k=16)),
 ]
 

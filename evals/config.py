@@ -2,8 +2,8 @@
 and validation with errors in our words.
 
 Groups (`configs/`): model/ (smollm2, gguf, hf, tiny_random, tiny_recall; built by
-`evals.zoo`), task/ (perplexity, passkey, niah, multikey, recall; run by the functions of
-`TASKS`), data/ (austen, mobydick, path), and policy/, which has no files: `register_configs`
+`evals.zoo`), task/ (perplexity, passkey, niah, multikey, recall, the RULER-style ruler_* and
+multiquery of evals/ruler.py; run by the functions of `TASKS`), data/ (austen, mobydick, pg, path), and policy/, which has no files: `register_configs`
 derives one option per registered policy (`kvpolicies.POLICIES`) from its dataclass fields, so a
 new policy needs no config file. `policy_config` says what an option holds: every field at its
 dataclass default, except the fields of the class's `run_keys`, which follow the run-level key
@@ -17,7 +17,7 @@ and kv head (the bytes of that many full-precision tokens), a float in (0, 1] th
 full cache's bytes at the run's length; the policy is sized by `kvpolicies.budgets.sized` so
 that its stored bytes (everything it stores) are at most the budget and within one slot of it.
 A field set on the command line that the sizing would set is an error; a policy without a
-token budget (full, quest, kivi, hier) runs as configured and its row says "not sized".
+token budget (full, quest, kivi, multires) runs as configured and its row says "not sized".
 
 `validate` checks what Hydra does not (task and model names, ranges, the task's own keys, the
 policy as built), so a bad command line fails before anything runs, with one `ConfigError` that
@@ -52,12 +52,17 @@ TASKS: dict[str, str] = {
     "niah": "evals.retrieval:niah",
     "multikey": "evals.retrieval:multikey",
     "recall": "evals.retrieval:recall",
+    # RULER-style tasks and the SCBench-style multi-query task (evals/ruler.py), one function
+    **{name: "evals.ruler:run" for name in ("ruler_niah_single", "ruler_niah_multikey", "ruler_niah_multivalue",
+                                             "ruler_niah_multiquery", "ruler_vt", "ruler_cwe", "ruler_fwe",
+                                             "multiquery")},
 }
+RULER_TASKS = tuple(n for n, f in TASKS.items() if f == "evals.ruler:run")
 
 # Optional config checks run before any job ("module:function" taking the task dict, raising ValueError).
 TASK_CHECKS: dict[str, str] = {"perplexity": "evals.perplexity:check", "passkey": "evals.retrieval:check",
                                "niah": "evals.retrieval:check", "multikey": "evals.retrieval:check",
-                               "recall": "evals.retrieval:check"}
+                               "recall": "evals.retrieval:check", **{n: "evals.ruler:check" for n in RULER_TASKS}}
 
 
 @dataclasses.dataclass
@@ -116,9 +121,9 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
     files = {p.stem for p in (CONFIG_DIR / "policy").glob("*.yaml")}
-    for name in kvpolicies.POLICIES:
+    for name in [*kvpolicies.POLICIES, *kvpolicies.ALIASES]:  # policy=hier builds multires (its row says so)
         if name not in files:
-            cs.store(group="policy", name=name, node=policy_config(name))
+            cs.store(group="policy", name=name, node=policy_config(kvpolicies.ALIASES.get(name, name)))
 
 
 def group_options(group: str) -> list[str]:
@@ -280,6 +285,10 @@ def validate(cfg: DictConfig | dict[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(conf) - known)
     if unknown:  # `+foo=1` adds a key Hydra's schema does not stop
         raise ConfigError(f"{unknown[0]}: unknown key; the config has keys: {', '.join(sorted(known))}")
+    if isinstance(conf["task"].get("tasks"), list):
+        listed = ", ".join(map(str, conf["task"]["tasks"]))
+        raise ConfigError(f"task={conf['task'].get('name')}: a set of tasks ({listed}); "
+                          f"run it with `python -m evals.suite tasks={conf['task'].get('name')} ...`, or pick one task")
     if conf["task"].get("name") not in TASKS:
         raise ConfigError(f"task.name={conf['task'].get('name')!r}: must be one of {sorted(TASKS)}")
     if conf["model"].get("name") not in MODELS:
@@ -334,6 +343,11 @@ def task_extent(conf: dict[str, Any]) -> tuple[str, int, int, int] | None:
         t = retrieval.check(task)
         gen = retrieval.PASSKEY_TOKENS if name == "passkey" else retrieval.NEEDLE_TOKENS
         return f"task.lengths={t['lengths']}", max(t["lengths"]), gen, t["batch"]
+    if name in RULER_TASKS:
+        from evals import ruler
+
+        prompt, gen, batch = ruler.extent(task)
+        return f"task.lengths={_list(task.get('lengths'))}", prompt, gen, batch
     return None
 
 
@@ -358,12 +372,19 @@ def memory_estimate(mc, policy: kvpolicies.Policy, max_len: int, batch: int, chu
 
     from kvpolicies import memory as km
 
+    from models.stacks import model_stack
+
     dtype = jnp.dtype(dtype)
     chunk = min(chunk, max_len)
-    phases = {policy, policy.prompt_policy()}
-    cache = max(km.state_bytes(p, kv_heads=mc.n_kv_heads, head_dim=mc.head_dim, max_len=max_len, batch=batch,
-                               dtype=dtype).total for p in phases) * mc.n_layers
-    slots = max(p.capacity(max_len) for p in phases)
+    layers = model_stack(mc, policy)  # the per-layer policies the run uses (presets, duo's patterns, hybrids)
+
+    def nbytes(p: kvpolicies.Policy) -> int:
+        return km.state_bytes(p, kv_heads=mc.n_kv_heads, head_dim=mc.head_dim, max_len=max_len, batch=batch,
+                              dtype=dtype).total
+
+    per_layer = {p: max(nbytes(p), nbytes(p.prompt_policy())) for p in set(layers)}
+    cache = sum(per_layer[p] for p in layers)
+    slots = max(max(p.capacity(max_len), p.prompt_policy().capacity(max_len)) for p in set(layers))
     d, L = mc.d_model, mc.n_layers
     params = mc.vocab_size * d * (1 if mc.tie_embeddings else 2) + L * (
         d * mc.head_dim * 2 * (mc.n_heads + mc.n_kv_heads) + 3 * d * mc.d_ff)
@@ -437,6 +458,10 @@ def check_text(conf: dict[str, Any], tokenizer: Any, text: str | None) -> None:
             from evals import retrieval
 
             retrieval.check_prompts(conf["task"], tokenizer, conf["seed"])
+        elif name in RULER_TASKS:
+            from evals import ruler
+
+            ruler.check_prompts(conf["task"], tokenizer, conf["seed"])
     except ValueError as e:
         if name == "perplexity":
             raise ConfigError(f"tokens={conf['task']['tokens']}: {e} ({_data_field(conf)})") from None

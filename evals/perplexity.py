@@ -32,7 +32,7 @@ def token_prefix(tokenizer, text: str, n: int) -> np.ndarray:
     margin = 64
     chars = 8 * (n + margin)
     while True:
-        ids = tokenizer.encode(text[:chars])
+        ids = tokenizer.encode(text[:chars], add_special_tokens=True)  # the BOS a model asks for (gemma3; none for smollm2, qwen)
         if len(ids) >= n + margin or chars >= len(text):
             break
         chars *= 2

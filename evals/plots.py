@@ -3,7 +3,10 @@
     perplexity_vs_position   perplexity per segment along the stream, one line per run
                              (task perplexity), the model's training length dashed
     heatmap_<task>           accuracy over length x depth, one panel per run (rows whose
-                             `grid` records have length, depth and accuracy: passkey, niah)
+                             `grid` records have length, depth and accuracy: passkey, niah,
+                             ruler_niah_single with a list of depths, e.g. task=ruler_niah_heatmap);
+                             the task's protocol in the name when it has one. `niah_heatmap` draws
+                             the same for chosen rows (full first), each cell with its trials
     pareto_<task>            quality vs cache MB (exact state bytes), one point per run, the
                              Pareto front drawn (perplexity: lower is better; accuracy: higher)
 """
@@ -98,31 +101,52 @@ def accuracy_grid(row: dict[str, Any]) -> tuple[list[int], list[float], np.ndarr
     return lengths, depths, acc
 
 
+def _stem(task: str) -> str:
+    """A file-name stem for a task label ('ruler_vt [query_agnostic]' -> 'ruler_vt-query_agnostic')."""
+    return "-".join(task.replace("[", " ").replace("]", " ").split())
+
+
+def niah_heatmap(rows: Sequence[dict[str, Any]], out: str | Path, stem: str = "niah_heatmap",
+                 title: str = "NIAH: accuracy by depth and length") -> list[Path]:
+    """The NIAH depth x length heatmap of `rows` (each with a grid of length, depth, accuracy
+    cells), one panel per row, `full` first; returns the PNG and PDF paths ([] if no row has one)."""
+    rows = sorted(rows, key=lambda r: r.get("policy", {}).get("name") != "full")
+    panels = [(r, g) for r in rows if (g := accuracy_grid(r)) is not None]
+    return _heatmap_figure(panels, Path(out), stem, title)
+
+
+def _heatmap_figure(panels, out: Path, stem: str, title: str) -> list[Path]:
+    if not panels:
+        return []
+    cols = min(3, len(panels))
+    nrows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
+    for ax, (r, (lengths, depths, acc)) in zip(axes.flat, panels):
+        im = ax.imshow(acc, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="upper")
+        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)
+        ax.set_yticks(range(len(depths)), [f"{d:.2f}" for d in depths], fontsize=7)
+        for i in range(len(depths)):
+            for j in range(len(lengths)):
+                if not np.isnan(acc[i, j]):
+                    ax.text(j, i, f"{acc[i, j]:.2f}", ha="center", va="center", fontsize=7)
+        trials = sorted({g.get("trials") for g in r.get("grid", []) if g.get("trials")})
+        ax.set_xlabel("length (tokens)")
+        ax.set_ylabel("depth")
+        ax.set_title(label(r) + (f" (n={trials[0]}/cell)" if len(trials) == 1 else ""), fontsize=8)
+    fig.colorbar(im, ax=axes, shrink=0.8, label="accuracy")
+    fig.suptitle(title)
+    return _save(fig, out, stem)
+
+
 def plot_heatmaps(rows: Sequence[dict[str, Any]], out: Path) -> list[Path]:
     paths = []
     for task, rs in by_task(rows).items():
         panels = [(r, g) for r in rs if (g := accuracy_grid(r)) is not None]
         if not panels:
             continue
-        cols = min(3, len(panels))
-        nrows = math.ceil(len(panels) / cols)
-        fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.4 * nrows), squeeze=False)
-        for ax in axes.flat[len(panels):]:
-            ax.axis("off")
-        for ax, (r, (lengths, depths, acc)) in zip(axes.flat, panels):
-            im = ax.imshow(acc, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="upper")
-            ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)
-            ax.set_yticks(range(len(depths)), [f"{d:.2f}" for d in depths], fontsize=7)
-            for i in range(len(depths)):
-                for j in range(len(lengths)):
-                    if not np.isnan(acc[i, j]):
-                        ax.text(j, i, f"{acc[i, j]:.2f}", ha="center", va="center", fontsize=7)
-            ax.set_xlabel("length (tokens)")
-            ax.set_ylabel("depth")
-            ax.set_title(label(r), fontsize=8)
-        fig.colorbar(im, ax=axes, shrink=0.8, label="accuracy")
-        fig.suptitle(f"{task}: accuracy by length and depth")
-        paths += _save(fig, out, f"heatmap_{task}")
+        paths += _heatmap_figure(panels, out, f"heatmap_{_stem(task)}", f"{task}: accuracy by length and depth")
     return paths
 
 
@@ -171,7 +195,7 @@ def plot_pareto(rows: Sequence[dict[str, Any]], out: Path) -> list[Path]:
         ax.set_title(f"{task}: quality vs cache memory")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-        paths += _save(fig, out, f"pareto_{task}")
+        paths += _save(fig, out, f"pareto_{_stem(task)}")
     return paths
 
 

@@ -395,6 +395,9 @@ def memory(policies: Sequence[Policy], *, kv_heads: int, head_dim: int, max_len:
         when every layer stores plain slots (identity codec), else None; equals kv_bytes.
     read_bytes_per_step: bytes the decode step at position max_len - 1 reads (each policy's
         `decode_reads`), when the stack reads less than it stores (e.g. quest), else None.
+    prompt_phase_bytes: the state bytes while a fresh prompt is held, before `after_prompt`
+        (prompt compressors hold it densely, e.g. snapkv: max_len slots + the observation rows),
+        when any layer has a prompt phase, else None. Budgets count the state after the prompt.
     peak_device_bytes: the device's peak memory (process-wide; None on CPU).
     """
     import jax.numpy as jnp
@@ -412,10 +415,13 @@ def memory(policies: Sequence[Policy], *, kv_heads: int, head_dim: int, max_len:
             for p in policies))
     read = int(sum(km.bytes_read_per_step(p, context=max_len - 1, **kw).read.total for p in policies))
     read = read if read < sb.total else None
+    prompt = tuple(p.prompt_policy() for p in policies)
+    prompt_bytes = km.stack_bytes(prompt, **kw).total if prompt != tuple(policies) else None
     return {
         "max_len": max_len, "dtype": dtype.name, "layers": len(policies),
         "kv_bytes": sb.kv, "meta_bytes": sb.meta, "state_bytes": sb.total,
-        "closed_form_bytes": closed, "read_bytes_per_step": read, "peak_device_bytes": peak_device_bytes(),
+        "closed_form_bytes": closed, "read_bytes_per_step": read, "prompt_phase_bytes": prompt_bytes,
+        "peak_device_bytes": peak_device_bytes(),
     }
 
 

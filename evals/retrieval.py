@@ -26,7 +26,9 @@ Tasks (TaskContext -> TaskResult; `ctx.task` keys, defaults in brackets):
   recall    n_pairs [32] (int or list), trials [256], n_keys/n_values [the training layout]:
             associative recall on the synthetic model of evals/recall_model.py (token ids, no text)
 passkey, niah and multikey also take `extrapolate` [false]: evals.run refuses lengths past the
-model's trained context length unless it is true (it changes no number, so not the run key).
+model's trained context length unless it is true (it changes no number, so not the run key), and
+`protocol` ["query_aware" | "query_agnostic": the haystack compressed before the question is fed;
+see evals/ruler.py]. Accuracies come with Wilson 95 % intervals (ci_low / ci_high).
 """
 
 from __future__ import annotations
@@ -224,9 +226,9 @@ def _decode(tok: Any, ids: list[int]) -> str:
 
 
 KEYS = {
-    "passkey": {"name", "lengths", "depths", "trials", "batch", "haystack", "extrapolate"},
-    "niah": {"name", "lengths", "depths", "trials", "batch", "extrapolate"},
-    "multikey": {"name", "lengths", "n_keys", "key_kind", "trials", "batch", "extrapolate"},
+    "passkey": {"name", "lengths", "depths", "trials", "batch", "haystack", "extrapolate", "protocol"},
+    "niah": {"name", "lengths", "depths", "trials", "batch", "extrapolate", "protocol"},
+    "multikey": {"name", "lengths", "n_keys", "key_kind", "trials", "batch", "extrapolate", "protocol"},
     "recall": {"name", "n_pairs", "trials", "n_keys", "n_values"},
 }
 
@@ -263,6 +265,9 @@ def check(task: dict, name: str | None = None) -> dict[str, Any]:
         raise ValueError(f"task.extrapolate={out['extrapolate']!r}: must be true or false")
     out["trials"] = _ints(task, "trials", 4)[0]
     out["batch"] = min(_ints(task, "batch", 4)[0], out["trials"])
+    out["protocol"] = task.get("protocol", "query_aware")
+    if out["protocol"] not in ("query_aware", "query_agnostic"):
+        raise ValueError(f"task.protocol={out['protocol']!r}: must be query_aware or query_agnostic")
     if name in ("passkey", "niah"):
         depths = task.get("depths", [0.1, 0.5, 0.9])
         depths = list(depths) if not isinstance(depths, (int, float)) else [depths]
@@ -313,10 +318,20 @@ def _need_text_model(ctx: TaskContext, name: str, text: bool):
 
 
 def _metrics(grid: list[dict], lengths: list[int], key: str = "length") -> dict[str, float]:
-    acc = [g["accuracy"] for g in grid]
-    m = {"accuracy": float(np.mean(acc))}
+    """Accuracy overall and per length, each with its Wilson 95 % interval (ci_low / ci_high);
+    cells count equally (they have equal trials)."""
+    from evals.ruler import wilson
+
+    def rec(cells: list[dict]) -> tuple[float, float, float]:
+        k = sum(g["accuracy"] * g["trials"] for g in cells)
+        n = sum(g["trials"] for g in cells)
+        return (float(np.mean([g["accuracy"] for g in cells])), *wilson(k, n))
+
+    acc, lo, hi = rec(grid)
+    m = {"accuracy": acc, "ci_low": lo, "ci_high": hi}
     for n in lengths:
-        m[f"accuracy@{n}"] = float(np.mean([g["accuracy"] for g in grid if g[key] == n]))
+        acc, lo, hi = rec([g for g in grid if g[key] == n])
+        m |= {f"accuracy@{n}": acc, f"ci_low@{n}": lo, f"ci_high@{n}": hi}
     return m
 
 
@@ -383,19 +398,30 @@ def _text_haystack(tok: Any, text: str, max_len: int):
 
 def _score(ctx: TaskContext, cells: list[tuple[dict, list[Prompt]]], n_gen: int, batch: int, score,
            lengths: list[int], desc: str, shape: tuple[int, ...] | None = None,
-           arrays: dict[str, np.ndarray] | None = None) -> TaskResult:
+           arrays: dict[str, np.ndarray] | None = None, protocol: str = "query_aware") -> TaskResult:
     """The scoring path of the text retrieval tasks: greedy answers to every cell's prompts (one
     engine for all), each scored by `score(text, answer)`. grid: each cell's record with its
     accuracy and trials; arrays: `correct` [cells, trials] and the decoded `outputs`, both reshaped
     to `shape` if given, with the task's own `arrays` between them; metrics: by length."""
+    from evals.ruler import wilson
+
     max_len = max(len(p.tokens) for _, ps in cells for p in ps) + n_gen
     engine = ctx.engine(max_len)
     grid, correct, outputs = [], [], []
+    from evals.ruler import Sample, answer
+
     for rec, prompts in tqdm(cells, desc=desc, disable=not ctx.progress, leave=False):
-        ids = generate(engine, [p.tokens for p in prompts], n_gen, batch, ctx.chunk)
+        rec = rec | {"protocol": protocol}
+        if protocol == "query_aware":
+            ids = generate(engine, [p.tokens for p in prompts], n_gen, batch, ctx.chunk)
+        else:  # the context (everything before the question) compressed first
+            samples = [Sample(p.tokens, (p.answer,), p.haystack[1]) for p in prompts]
+            ids = [x for b in range(0, len(samples), batch)
+                   for x in answer(engine, samples[b:b + batch], n_gen, protocol, ctx.chunk)]
         texts = [_decode(ctx.tokenizer, x) for x in ids]
         ok = [score(t, p.answer) for t, p in zip(texts, prompts)]
-        grid.append(rec | {"accuracy": float(np.mean(ok)), "trials": len(prompts)})
+        lo, hi = wilson(float(np.sum(ok)), len(ok))
+        grid.append(rec | {"accuracy": float(np.mean(ok)), "trials": len(prompts), "ci_low": lo, "ci_high": hi})
         correct.append(ok)
         outputs.append(texts)
     correct, outputs = np.array(correct), np.array(outputs)  # [cells, trials]
@@ -419,7 +445,7 @@ def passkey(ctx: TaskContext) -> TaskResult:
              for n in cfg["lengths"] for d in cfg["depths"]]
     shape = (len(cfg["lengths"]), len(cfg["depths"]), cfg["trials"])
     return _score(ctx, cells, PASSKEY_TOKENS, cfg["batch"], lambda t, a: parse_passkey(t) == a, cfg["lengths"],
-                  "passkey", shape)
+                  "passkey", shape, protocol=cfg["protocol"])
 
 
 def niah(ctx: TaskContext) -> TaskResult:
@@ -432,7 +458,8 @@ def niah(ctx: TaskContext) -> TaskResult:
               needle_prompts(tok, n, [d], 1, "names", cfg["trials"], ctx.seed, ids, ends, starts, multi=False))
              for n in cfg["lengths"] for d in cfg["depths"]]
     shape = (len(cfg["lengths"]), len(cfg["depths"]), cfg["trials"])
-    return _score(ctx, cells, NEEDLE_TOKENS, cfg["batch"], contains_answer, cfg["lengths"], "niah", shape)
+    return _score(ctx, cells, NEEDLE_TOKENS, cfg["batch"], contains_answer, cfg["lengths"], "niah", shape,
+                  protocol=cfg["protocol"])
 
 
 def multikey(ctx: TaskContext) -> TaskResult:
@@ -447,7 +474,7 @@ def multikey(ctx: TaskContext) -> TaskResult:
              for n in cfg["lengths"]]
     depth = np.array([[p.depths[0] for p in ps] for _, ps in cells]).astype(np.float32)  # [lengths, trials]
     return _score(ctx, cells, NEEDLE_TOKENS, cfg["batch"], contains_answer, cfg["lengths"], "multikey",
-                  arrays={"depth": depth})
+                  arrays={"depth": depth}, protocol=cfg["protocol"])
 
 
 def recall(ctx: TaskContext) -> TaskResult:
@@ -455,6 +482,7 @@ def recall(ctx: TaskContext) -> TaskResult:
     token per key-value pair) -> the value paired with q. curves["by_pair@N"][i] is the accuracy
     when pair i is asked (0 = the first pair, N - i tokens before the query; NaN if never asked)."""
     from evals.recall_model import RecallTask
+    from evals.ruler import wilson
 
     cfg = check(ctx.task, "recall")
     layout = {k: cfg[k] for k in ("n_keys", "n_values") if k in cfg}
@@ -467,7 +495,8 @@ def recall(ctx: TaskContext) -> TaskResult:
         tokens, answers, which = task.prompts(ctx.seed, cfg["trials"], n)
         logits, _ = engine.prefill(tokens, chunk=ctx.chunk)  # [B, V]
         correct = np.asarray(logits).argmax(-1) == answers  # [B]
-        grid.append({"n_pairs": n, "accuracy": float(correct.mean()), "trials": cfg["trials"]})
+        grid.append({"n_pairs": n, "accuracy": float(correct.mean()), "trials": cfg["trials"]}
+                    | dict(zip(("ci_low", "ci_high"), wilson(float(correct.sum()), cfg["trials"]))))
         curves[f"by_pair@{n}"] = [float(correct[which == i].mean()) if (which == i).any() else float("nan")
                                   for i in range(n)]
         arrays[f"correct@{n}"], arrays[f"pair@{n}"] = correct, which

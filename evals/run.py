@@ -39,6 +39,7 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 import kvpolicies
+from models.stacks import model_stack
 from evals import results as R
 from evals import zoo
 from evals.common import TaskContext, TaskResult
@@ -81,21 +82,12 @@ def policy_params(record: dict[str, Any]) -> str:
     return " ".join(f"{k}={v}" for k, v in record.items() if k not in ("name", "codec"))
 
 
-def layer_stack(policy: kvpolicies.Policy, n_layers: int) -> tuple[kvpolicies.Policy, ...]:
-    """The per-layer policies a run uses: the policy in every layer, except the published
-    model-level presets: `quest` keeps layers 0-1 dense (`kvpolicies.quest.quest_stack`)."""
-    from kvpolicies.quest import Quest, quest_stack
-
-    if type(policy) is Quest:
-        fields = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}
-        return quest_stack(n_layers, **fields)
-    return (policy,) * n_layers
-
-
 def run_key(conf: dict[str, Any], policy: kvpolicies.Policy) -> str:
     keyed = {k: conf[k] for k in KEY_FIELDS}
     # task.extrapolate only allows a run (retrieval past the trained length), it changes no number
     keyed["task"] = {k: v for k, v in conf["task"].items() if k != "extrapolate"}
+    if keyed["task"].get("protocol") == "query_aware" and keyed["task"]["name"] in ("passkey", "niah", "multikey"):
+        del keyed["task"]["protocol"]  # the default: rows from before protocols existed keep their keys
     keyed["policy"] = R.policy_record(policy)  # as built: defaults included, interpolations resolved
     return R.config_key(keyed)
 
@@ -179,11 +171,14 @@ def _run(conf: dict[str, Any], policy: kvpolicies.Policy, key: str, sizing: dict
     if note:
         say(note)
     fn = load_task(task_name)
-    layers = layer_stack(policy, mc.n_layers)
+    # model-level presets (quest: layers 0-1 dense; pyramidkv: budgets by depth); a hybrid model
+    # (gemma3) keeps window(512) on its local layers, the policy acts on the global ones
+    layers = model_stack(mc, policy)
     ctx = RecordingContext(model=model, tokenizer=tokenizer, policies=layers, task=dict(conf["task"]), text=text,
                            seed=conf["seed"], chunk=conf["chunk"], progress=conf["progress"])
     t3 = time.perf_counter()
-    res: TaskResult = fn(ctx)
+    with kvpolicies.record_visible() as seen:  # the most keys any query attended
+        res: TaskResult = fn(ctx)
     timings["task_s"] = time.perf_counter() - t3
     timings["total_s"] = time.perf_counter() - t0
 
@@ -209,6 +204,7 @@ def _run(conf: dict[str, Any], policy: kvpolicies.Policy, key: str, sizing: dict
         "memory": memory,
         "budget": sizing,  # None, or how `budget` sized the policy (per layer), or why it could not
         "slots_per_layer": [p.capacity(max_len) for p in stack] if max_len else None,
+        "max_visible": seen["max_visible"] or None,  # None: no step was traced during the run
         "dense_layers": sum(type(p) is kvpolicies.Full and type(policy) is not kvpolicies.Full for p in stack),
         "timings": timings,
         "grid": res.grid,

@@ -7,6 +7,11 @@ kv_heads x head_dim x slots x bytes, where it applies), `read/step MB` (policies
 than they store) and `peak MB` (device peak, GPU only); a memory column nobody filled is
 dropped. Markdown goes to stdout (and PREFIX.md); PREFIX.tex holds booktabs tabulars, PREFIX.csv
 one long table with every metric unrounded.
+
+An accuracy with a binomial interval (metrics `accuracy<sfx>`, `ci_low<sfx>`, `ci_high<sfx>`, Wilson
+95 %, from the retrieval and RULER-style tasks) is one cell, "0.80 [0.49, 0.94]"; the CSV keeps the
+three columns. Runs of a task under the query-agnostic protocol (`task.protocol=query_agnostic`)
+get their own table, "task [query_agnostic]"; query_aware, the default, is unlabelled.
 """
 
 from __future__ import annotations
@@ -42,12 +47,38 @@ def _ids(row: dict[str, Any]) -> dict[str, Any]:
             "codec": row.get("policy", {}).get("codec", {}).get("name", "none")}
 
 
+def task_label(row: dict[str, Any]) -> str:
+    """The row's task, with its protocol unless it is the default query_aware ("ruler_vt
+    [query_agnostic]")."""
+    protocol = (row.get("config", {}).get("task") or {}).get("protocol")
+    task = str(row.get("task", "?"))
+    return f"{task} [{protocol}]" if protocol not in (None, "query_aware") else task
+
+
 def by_task(rows: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    """Latest row per key, grouped by task (tasks in first-seen order)."""
+    """Latest row per key, grouped by task and protocol (in first-seen order)."""
     out: dict[str, list[dict[str, Any]]] = {}
     for r in R.latest(rows):
-        out.setdefault(r.get("task", "?"), []).append(r)
+        out.setdefault(task_label(r), []).append(r)
     return out
+
+
+def interval_metrics(names: Sequence[str]) -> dict[str, tuple[str, str]]:
+    """accuracy<sfx> -> (ci_low<sfx>, ci_high<sfx>) for the metrics that have both bounds."""
+    out = {}
+    for m in names:
+        if m.startswith("accuracy"):
+            sfx = m[len("accuracy"):]
+            if f"ci_low{sfx}" in names and f"ci_high{sfx}" in names:
+                out[m] = (f"ci_low{sfx}", f"ci_high{sfx}")
+    return out
+
+
+def fmt_interval(acc: Any, lo: Any, hi: Any) -> str:
+    """'0.80 [0.49, 0.94]' (an accuracy and its interval), or fmt(acc) without bounds."""
+    if acc is None or lo is None or hi is None:
+        return fmt(acc)
+    return f"{acc:.2f} [{lo:.2f}, {hi:.2f}]"
 
 
 def metric_names(rows: Sequence[dict[str, Any]], hidden: Sequence[str] = HIDDEN) -> list[str]:
@@ -77,11 +108,16 @@ def fmt(v: Any) -> str:
 def grid(rows: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
     """Header and formatted cells of one task's table."""
     metrics, memory = metric_names(rows), memory_columns(rows)
-    header = list(ID_COLUMNS) + metrics + [label for label, _ in memory]
+    ci = interval_metrics(metrics)
+    bounds = {b for pair in ci.values() for b in pair}
+    metrics = [m for m in metrics if m not in bounds]
+    header = list(ID_COLUMNS) + [f"{m} (95% CI)" if m in ci else m for m in metrics] + [label for label, _ in memory]
     body = []
     for r in rows:
         ids, m, mem = _ids(r), r.get("metrics", {}), r.get("memory") or {}
-        body.append([str(ids[c]) for c in ID_COLUMNS] + [fmt(m.get(k)) for k in metrics]
+        cells = [fmt_interval(m.get(k), m.get(ci[k][0]), m.get(ci[k][1])) if k in ci else fmt(m.get(k))
+                 for k in metrics]
+        body.append([str(ids[c]) for c in ID_COLUMNS] + cells
                     + [fmt(None if mem.get(f) is None else mem[f] / MB) for _, f in memory])
     return header, body
 

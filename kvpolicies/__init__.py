@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
-from kvpolicies.attend import attend
+from kvpolicies.attend import attend, record_visible
 from kvpolicies.base import EMPTY, Policy, RopePositions, Seen, SlotState, View
 from kvpolicies.codecs import CODECS, Codec, Identity, get_codec
 from kvpolicies.rope import Rope
@@ -20,11 +20,18 @@ _REGISTRY = {
     "full": "full:Full",
     "window": "window:Window",
     "sink": "sink:Sink",
-    "hier": "hier:Hier",
+    "multires": "multires:MultiRes",  # ours (not a published method); alias "hier"
     "quest": "quest:Quest",
     "h2o": "h2o:H2O",
     "tova": "tova:TOVA",
     "snapkv": "snapkv:SnapKV",
+    "pyramidkv": "pyramidkv:PyramidKV",
+    "knorm": "knorm:Knorm",
+    "random": "random_keep:RandomKeep",
+    "observed": "observed:Observed",
+    "expected": "expected:Expected",
+    "adakv": "adakv:AdaKV",
+    "duo": "duo:Duo",
     "kivi": "kivi:Kivi",
 }
 
@@ -35,8 +42,13 @@ POLICIES: dict[str, type[Policy]] = {
 globals().update({cls.__name__: cls for cls in POLICIES.values()})  # kvpolicies.Sink, kvpolicies.H2O, ...
 
 
+# old names that still build their policy (not registered twice: the registry lists each once)
+ALIASES = {"hier": "multires"}
+
+
 def check_fields(name: str, kwargs: dict) -> type[Policy]:
-    """The class of policy `name`; unknown names or fields raise ValueError listing the choices."""
+    """The class of policy `name` (or an alias); unknown names or fields raise ValueError listing the choices."""
+    name = ALIASES.get(name, name)
     if name not in POLICIES:
         raise ValueError(f"policy={name!r}: must be one of {sorted(POLICIES)}")
     cls = POLICIES[name]
@@ -52,6 +64,6 @@ def get(name: str, codec: str | Codec = "none", **kwargs) -> Policy:
     return check_fields(name, kwargs)(codec=get_codec(codec), **kwargs)
 
 
-__all__ = ["CODECS", "EMPTY", "POLICIES", "Codec", "Identity", "Policy", "Rope", "RopePositions", "Seen",
-           "SlotState", "View", "attend", "check_fields", "get", "get_codec",
+__all__ = ["ALIASES", "CODECS", "EMPTY", "POLICIES", "Codec", "Identity", "Policy", "Rope", "RopePositions", "Seen",
+           "SlotState", "View", "attend", "check_fields", "get", "get_codec", "record_visible",
            *(cls.__name__ for cls in POLICIES.values())]

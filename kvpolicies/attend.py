@@ -15,6 +15,8 @@ linen) or plain-JAX model can call it.
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 from einops import rearrange
@@ -43,7 +45,16 @@ def attend(
     """One attention step through `policy`: returns the outputs and the policy's new state.
 
     q, k, v are un-rotated projections of the T new tokens at absolute positions `pos`.
+    Inside `record_visible()`, steps traced there also report the most keys any query attended.
     """
+    out, new_state, visible = _attend(policy, state, q, k, v, pos, rope, scale)
+    if _RECORDERS:
+        jax.debug.callback(_report, visible)
+    return out, new_state
+
+
+def _attend(policy, state, q, k, v, pos, rope, scale):
+    """`attend`, plus the most keys any query of the step attended (int32 scalar)."""
     if policy.per_token and q.shape[1] > 1:
         return _token_by_token(policy, state, q, k, v, pos, rope, scale)
     n_kv = k.shape[2]
@@ -78,9 +89,12 @@ def attend(
     seen = Seen(
         scores=probs.sum(axis=2) if "scores" in policy.observes else None,  # [B, K, T, S]
         k_rot=kr if "k_rot" in policy.observes else None,
+        q=qh if "q" in policy.observes else None,  # [B, K, G, T, D]
+        rope=rope if "rope" in policy.observes else None,
     )
     new_state = policy.compact(view, seen)
-    return rearrange(out, "B K G T D -> B T (K G) D"), new_state
+    visible = mask.sum(axis=-1, dtype=jnp.int32).max()  # keys the busiest query attended
+    return rearrange(out, "B K G T D -> B T (K G) D"), new_state, visible
 
 
 def _token_by_token(policy, state, q, k, v, pos, rope, scale):
@@ -88,8 +102,31 @@ def _token_by_token(policy, state, q, k, v, pos, rope, scale):
 
     def step(st, x):
         qt, kt, vt, pt = x  # [B, N, D], [B, K, D], [B, K, D], [B]
-        out, st = attend(policy, st, qt[:, None], kt[:, None], vt[:, None], pt[:, None], rope, scale)
-        return st, out[:, 0]  # [B, N, D]
+        out, st, vis = _attend(policy, st, qt[:, None], kt[:, None], vt[:, None], pt[:, None], rope, scale)
+        return st, (out[:, 0], vis)  # [B, N, D], []
 
-    state, out = jax.lax.scan(step, state, tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, pos)))
-    return jnp.moveaxis(out, 0, 1), state  # [B, T, N, D]
+    state, (out, vis) = jax.lax.scan(step, state, tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, pos)))
+    return jnp.moveaxis(out, 0, 1), state, vis.max()  # [B, T, N, D]
+
+
+# -- measuring what attention read: the most keys any query attended ---------------------------
+_RECORDERS: list[dict[str, int]] = []  # open `record_visible` contexts (host side)
+
+
+def _report(visible) -> None:
+    for rec in _RECORDERS:
+        rec["max_visible"] = max(rec["max_visible"], int(visible))
+
+
+@contextlib.contextmanager
+def record_visible():
+    """Record the most keys any query attended, as {"max_visible": n}, over the attention steps
+    run inside the context. Measured from the masks attention applied (causal, the view's own
+    mask, empty slots, `select`), by a host callback compiled only into steps traced while a
+    recorder is open (a step traced outside records nothing; nothing is compiled in otherwise)."""
+    rec = {"max_visible": 0}
+    _RECORDERS.append(rec)
+    try:
+        yield rec
+    finally:
+        _RECORDERS.remove(rec)

@@ -102,10 +102,14 @@ class Seen:
 
     scores: [B, K, T, S] attention probabilities summed over the G query heads of a kv head.
     k_rot:  [B, K, S, D] the view's keys after RoPE.
+    q:      [B, K, G, T, D] the step's queries before RoPE (expected attention's statistics).
+    rope:   the `Rope` attention applied (static; to rotate to positions the step does not hold).
     """
 
     scores: Float[Array, "B K T S"] | None = None
     k_rot: Float[Array, "B K S D"] | None = None
+    q: Float[Array, "B K G T D"] | None = None
+    rope: Any = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 def tree_nbytes(tree) -> int:
@@ -125,7 +129,7 @@ class Policy:
     Subclasses are frozen dataclasses with a `codec` field; class attributes declare the rest.
     """
 
-    # Which `Seen` fields `compact` needs ("scores", "k_rot"); attention computes only those.
+    # Which `Seen` fields `compact` needs ("scores", "k_rot", "q", "rope"); attention computes only those.
     observes: ClassVar[tuple[str, ...]] = ()
     # A decode-time evictor: attention runs a chunk as T single-token steps (a scan inside the
     # compiled step), so eviction happens after every token and `chunk` never changes a result.
@@ -183,6 +187,12 @@ class Policy:
         """The state after the whole prompt, as decoding starts (a prompt compressor compresses
         the `prompt_policy()` state here, once); unchanged for streaming policies."""
         return state
+
+    def stack(self, n_layers: int) -> tuple["Policy", ...]:
+        """The per-layer policies of a model of n_layers layers that runs this policy: itself in
+        every layer, except model-level presets (quest keeps layers 0-1 dense, pyramidkv gives
+        each layer its pyramid budget)."""
+        return (self,) * n_layers
 
     # -- accounting ----------------------------------------------------------------------
     def decode_reads(self, state: SlotState, context: int) -> tuple[int, int]:

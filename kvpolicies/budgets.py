@@ -27,7 +27,9 @@ fixed shape and one compiled step serves every step). Each budgeted policy decla
 budget field (`Policy.budget_field`): the tokens its eviction rule chooses; anything it always
 keeps on top (h2o's `recent` window, snapkv's observation window and decode slots, sink's sinks)
 is a separate field, kept the same in every layer, as PyramidKV keeps its observation window
-in every layer. Today: h2o heavy, tova budget, snapkv budget, window window, sink window.
+in every layer. Today: h2o heavy, tova budget, snapkv / pyramidkv / knorm / random / observed /
+expected budget (the last four count every kept token; their max_new decode slots come on top),
+window window, sink window.
 
 Per-layer budgets return a tuple of policies, one per layer, for `Llama`/`Engine`
 (consecutive equal policies share one scanned run); their memory is
@@ -129,10 +131,18 @@ def uniform(name: str, total_tokens: int, n_layers: int, codec="none", **kw) -> 
 
 
 def pyramid(name: str, total_tokens: int, n_layers: int, beta: float = 20.0, codec="none", **kw) -> tuple[Policy, ...]:
-    """One policy per layer with PyramidKV budgets (`pyramid_budgets`): more tokens in lower
-    layers, fewer in upper ones, the same total budget as `uniform`. Other fields (`kw`,
-    e.g. snapkv's obs_window) are the same in every layer. A policy whose budget field must
-    be >= 1 (tova, window) raises ValueError if the top layers round to 0: lower beta."""
+    """One policy per layer with PyramidKV's pyramidal schedule (`pyramid_budgets`) over the
+    budget field of `name`: more tokens in lower layers, fewer in upper ones, the same total
+    as `uniform`. Other fields (`kw`, e.g. snapkv's obs_window) are the same in every layer.
+
+    Only with "snapkv" (or "pyramidkv") is this PyramidKV (Cai et al. 2024: SnapKV's
+    selection with that schedule); it is then exactly the registered `pyramidkv` preset's
+    `stack(n_layers)` at budget total_tokens / n_layers. Any other policy gets the schedule
+    but not the method (e.g. "h2o": H2O with pyramidal budgets, our combination). A policy
+    whose budget field must be >= 1 (tova, window) raises ValueError if the top layers round
+    to 0: lower beta."""
+    if name == "pyramidkv":
+        name = "snapkv"  # the preset's layers are SnapKV selections
     return tuple(_build(name, b, codec, kw) for b in pyramid_budgets(total_tokens, n_layers, beta))
 
 

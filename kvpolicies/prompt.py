@@ -1,18 +1,26 @@
-"""The prompt phase of a prompt-compression method (snapkv, and later pyramidkv, adakv, ...).
+"""The prompt phase of a prompt-compression method (snapkv, pyramidkv, knorm, random,
+observed, expected, ...).
 
-Shapes: B batch, K kv heads, T new tokens, S slots (= max_len; slot j holds token j),
-W observation window (rows), D head dim.
+Shapes: B batch, K kv heads, G query heads per kv head, T new tokens, S slots (= max_len;
+slot j holds token j), W observation window (rows), D head dim.
 
 Such a method runs dense attention over the whole prompt, then compresses the cache once
 (`Policy.after_prompt`) before decoding. During the prompt every token is kept, as `full`
 does, and the attention rows of the newest W queries (summed over each kv head's G query
 heads) are kept too, so the compression after the prompt sees exactly the last W queries'
 attention — the question's, in a retrieval prompt — whatever the prefill chunk size.
+
+What else it collects over the whole prompt is set by its own fields (so two prompt phases
+with equal fields store the same thing, whatever `of`; `obs_window=0`: no rows):
+`columns`, the attention every slot received from all prompt queries (observed attention), and
+`query_sink >= 0`, the sums of the pre-RoPE queries at positions >= query_sink and of their
+outer products, per query head (expected attention's statistics), with RoPE's frequencies.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,23 +37,34 @@ class PromptState(SlotState):
     rows:    [B, K, W, S] float32: row r holds the attention of the query at position
              `row_pos[b, r]` (r = position mod W) over the slots, summed over G.
     row_pos: [B, W] int32 position of each row's query, -1 for an empty row.
+    extra:   dict of what else the phase collects: "mass" [B, K, S] float32 (columns);
+             "q_sum" [B, K, G, D], "q_sq" [B, K, G, D, D], "q_n" [B] float32 and "inv_freq"
+             [D/2] (query_sink; created by the first step, when G is known).
     """
 
     rows: Float[Array, "B K W S"]
     row_pos: Int[Array, "B W"]
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
 class PromptPhase(Policy):
-    """Dense prompt storage for the prompt compressor `of` (its codec, its observation window)."""
-
-    observes = ("scores",)
+    """Dense prompt storage for the prompt compressor `of` (its codec, its observation window,
+    what else it collects: column sums, query statistics)."""
 
     of: Policy = None
     obs_window: int = 32
+    columns: bool = False
+    query_sink: int = -1
 
     def __post_init__(self):
-        check_int("prompt phase", "obs_window", self.obs_window, 1)
+        check_int("prompt phase", "obs_window", self.obs_window, 0)
+        check_int("prompt phase", "query_sink", self.query_sink, -1)
+
+    @property
+    def observes(self):
+        scores = ("scores",) if self.obs_window or self.columns else ()
+        return scores + (("q", "rope") if self.query_sink >= 0 else ())
 
     def capacity(self, max_len):
         return max_len
@@ -53,8 +72,9 @@ class PromptPhase(Policy):
     def init(self, batch, kv_heads, head_dim, dtype, max_len):
         st = empty_slots(self.codec, batch, kv_heads, head_dim, dtype, max_len)
         w = self.obs_window
+        extra = {"mass": jnp.zeros((batch, kv_heads, max_len), jnp.float32)} if self.columns else {}
         return PromptState(st.k, st.v, st.pos, rows=jnp.zeros((batch, kv_heads, w, max_len), jnp.float32),
-                           row_pos=jnp.full((batch, w), -1, jnp.int32))
+                           row_pos=jnp.full((batch, w), -1, jnp.int32), extra=extra)
 
     def extend(self, state, k, v, pos):
         slots = SlotState(state.k, state.v, state.pos)
@@ -64,7 +84,27 @@ class PromptPhase(Policy):
     def compact(self, view, seen):
         state, written, pos = view.carry
         w = self.obs_window
-        row = jnp.where(pos > pos[:, -1:] - w, pos % w, w)  # [B, T]; w = dropped (not among the newest W)
-        rows = jax.vmap(lambda r, i, x: r.at[:, i].set(x, mode="drop"))(state.rows, row, seen.scores)  # [B, K, W, S]
-        row_pos = jax.vmap(lambda r, i, x: r.at[i].set(x, mode="drop"))(state.row_pos, row, pos)  # [B, W]
-        return PromptState(written.k, written.v, written.pos, rows=rows, row_pos=row_pos)
+        rows, row_pos = state.rows, state.row_pos
+        if w:
+            row = jnp.where(pos > pos[:, -1:] - w, pos % w, w)  # [B, T]; w = dropped (not among the newest W)
+            rows = jax.vmap(lambda r, i, x: r.at[:, i].set(x, mode="drop"))(rows, row, seen.scores)  # [B, K, W, S]
+            row_pos = jax.vmap(lambda r, i, x: r.at[i].set(x, mode="drop"))(row_pos, row, pos)  # [B, W]
+        extra = dict(state.extra)
+        if self.columns:
+            extra["mass"] = extra["mass"] + seen.scores.sum(axis=2)  # [B, K, S]
+        if self.query_sink >= 0:
+            extra.update(query_sums(seen.q, pos, self.query_sink, extra))
+            extra["inv_freq"] = jnp.asarray(seen.rope.inv_freq())  # [D/2]
+        return PromptState(written.k, written.v, written.pos, rows=rows, row_pos=row_pos, extra=extra)
+
+
+def query_sums(q: Float[Array, "B K G T D"], pos: Int[Array, "B T"], n_sink: int, sums: dict[str, Any]
+               ) -> dict[str, Any]:
+    """`sums` ("q_sum", "q_sq", "q_n"; empty = zeros) plus the step's pre-RoPE queries at
+    positions >= n_sink: their sum, the sum of their outer products and their number."""
+    use = pos >= n_sink  # [B, T]
+    q = jnp.where(use[:, None, None, :, None], q.astype(jnp.float32), 0.0)  # [B, K, G, T, D]
+    step = {"q_sum": q.sum(axis=3),  # [B, K, G, D]
+            "q_sq": jnp.einsum("BKGTI,BKGTJ->BKGIJ", q, q),  # [B, K, G, D, D]
+            "q_n": use.sum(axis=1).astype(jnp.float32)}  # [B]
+    return {n: x + sums[n] if n in sums else x for n, x in step.items()}

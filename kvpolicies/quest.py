@@ -172,6 +172,10 @@ class Quest(Policy):
         chosen = min(self.top_k - 1, n_cand)
         return context - start + 1 + self.page * chosen, (n_cand if 0 < chosen < n_cand else 0)
 
+    def stack(self, n_layers):
+        """Quest's published model-level preset: layers 0-1 dense (`quest_stack`)."""
+        return quest_stack(n_layers, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+
     def decode_reads(self, state, context):
         """The tokens `reads` gives (keys and values) and the bounds of its candidate pages."""
         tokens, pages = self.reads(context)

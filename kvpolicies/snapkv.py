@@ -12,18 +12,17 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
-
-import jax
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float, Int
 
 from kvpolicies.base import check_int, take_slots
 from kvpolicies.codecs import Codec, Identity
 from kvpolicies.prompt import PromptPhase, PromptState
-from kvpolicies.scored import LAST_KEY, Accumulated, Scored, pack, top_mask
+from kvpolicies.prompt_scored import PromptScored
+from kvpolicies.scored import LAST_KEY
 
 
 @dataclasses.dataclass(frozen=True)
-class SnapKV(Scored):
+class SnapKV(PromptScored):
     """Prompt compression to budget + obs_window tokens per kv head, then append-only decode.
 
     Slots: S = budget + obs_window + max_new (capped by max_len). Compression keeps the
@@ -49,8 +48,9 @@ class SnapKV(Scored):
     size never changes a result.
     """
 
-    per_token = True
-    budget_field = "budget"
+    label = "snapkv"
+    observes = ("scores",)
+    accumulates = True
 
     budget: int = 1024
     obs_window: int = 32
@@ -58,23 +58,20 @@ class SnapKV(Scored):
     max_new: int = 256
     codec: Codec = Identity()
 
-    accumulates = True
-
     def __post_init__(self):
-        check_int("snapkv", "budget", self.budget, 0)
+        super().__post_init__()
         check_int("snapkv", "obs_window", self.obs_window, 1)
         check_int("snapkv", "kernel", self.kernel, 1)
         if self.kernel % 2 == 0:
             raise ValueError(f"snapkv.kernel={self.kernel}: must be an odd int >= 1")
-        check_int("snapkv", "max_new", self.max_new, 0)
 
     @classmethod
     def for_tokens(cls, n, **kw):
         """n prompt tokens kept: budget = n - obs_window, plus the window (max_new comes on top)."""
         return cls(budget=max(n - kw.get("obs_window", cls.obs_window), 0), **kw)
 
-    def capacity(self, max_len):
-        return min(self.budget + self.obs_window + self.max_new, max_len)
+    def kept(self):
+        return self.budget + self.obs_window
 
     def pool(self, score, pos, cand):
         """Max of `score` over candidates within kernel // 2 text positions ([B, K, V]; -inf
@@ -96,38 +93,32 @@ class SnapKV(Scored):
         pooled = take_slots(pooled, jnp.argsort(order, axis=-1))  # back to view order
         return jnp.where(cand, pooled, -jnp.inf)
 
-    def keep(self, slots, scores, s):
-        w = self.obs_window  # one token per step (per_token): scores [B, K, 1, V]
-        filled = slots.pos >= 0  # [B, K, V]
-        count = filled.sum(axis=-1)  # [B, K] tokens in the view (equal for every head)
-        # decode observation: the query is among the last w before the cache overflows
-        obs = slots.mass + jnp.where((count >= s + 2 - w)[..., None], scores[:, :, 0], 0.0)  # [B, K, V]
-        over = count > s  # [B, K]
-        kept = jnp.where(over[..., None], self._compress(obs, slots.pos, s) & filled, filled)  # [B, K, V]
-        obs = jnp.where(over[..., None], 0.0, obs)  # a compression starts a new observation
-        return kept, dataclasses.replace(slots, mass=obs)
+    def observe(self, slots, stats, view, seen, count, s):
+        """Decode observation: a query among the last obs_window before the cache overflows
+        adds its attention to `mass`."""
+        obs = seen.scores[:, :, 0]  # [B, K, V] (one token per step)
+        mass = slots.mass + jnp.where((count >= s + 2 - self.obs_window)[..., None], obs, 0.0)
+        return dataclasses.replace(slots, mass=mass), stats
 
-    def _compress(self, window: Float[Array, "B K V"], pos: Int[Array, "B K V"], s: int) -> Bool[Array, "B K V"]:
-        """The obs_window newest tokens and the `budget` candidates with the largest pooled
-        observation score (at most s in all)."""
+    def restart(self, slots, over):
+        return dataclasses.replace(slots, mass=jnp.where(over, 0.0, slots.mass))  # a new observation
+
+    def rank(self, slots, keys, stats, seen):
+        return self._rank(slots.mass, slots.pos)
+
+    def prompt_rank(self, state: PromptState, slots, keys, stats):
+        return self._rank(state.rows.sum(axis=2), slots.pos)  # the last obs_window queries' attention
+
+    def _rank(self, window: Float[Array, "B K V"], pos: Int[Array, "B K V"]) -> tuple[Array, Array]:
+        """The obs_window newest tokens first, then the candidates by pooled observation score,
+        ties by the raw score."""
         w = self.obs_window
         filled = pos >= 0
         recent = filled & (pos > pos.max(axis=-1, keepdims=True) - w)  # [B, K, V]
         cand = filled & ~recent
         prio = jnp.where(recent, jnp.inf, self.pool(window, pos, cand))  # [B, K, V]
-        return top_mask(prio, jnp.where(cand, window, -jnp.inf), min(self.budget + w, s))
+        return prio, jnp.where(cand, window, -jnp.inf)
 
     # -- the paper's protocol: the whole prompt densely, then one compression --------------------
     def prompt_policy(self):
         return PromptPhase(codec=self.codec, of=self, obs_window=self.obs_window)
-
-    def after_prompt(self, state: PromptState) -> Accumulated:
-        s = self.capacity(state.slots)  # decode slots (the prompt state has max_len slots)
-        kh = jax.tree.leaves(state.k)[0].shape[1]  # kv heads (codec leaves are [B, K, S, ...])
-        pos = jnp.broadcast_to(state.pos, (state.pos.shape[0], kh, state.slots))  # [B, K, max_len]
-        window = state.rows.sum(axis=2)  # [B, K, max_len]: the last obs_window queries' attention
-        filled = pos >= 0
-        over = filled.sum(axis=-1) > min(self.budget + self.obs_window, s)  # [B, K]
-        kept = jnp.where(over[..., None], self._compress(window, pos, s) & filled, filled)
-        slots = Accumulated(state.k, state.v, pos, mass=jnp.zeros(pos.shape, jnp.float32))
-        return pack(slots, kept, s)

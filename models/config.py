@@ -1,4 +1,4 @@
-"""Configuration of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2).
+"""Configuration of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2, Gemma 3).
 
 The canonical parameter layout every loader produces (numpy or jax arrays, float32):
 
@@ -7,10 +7,22 @@ The canonical parameter layout every loader produces (numpy or jax arrays, float
       attn_norm  [L, d]
       wq [L, d, N*D]  wk [L, d, K*D]  wv [L, d, K*D]  wo [L, N*D, d]   (x @ W convention)
       bq [L, N*D]  bk [L, K*D]  bv [L, K*D]                            (only if qkv_bias)
+      q_norm [L, D]  k_norm [L, D]                                     (only if qk_norm)
+      post_attn_norm [L, d]                                             (only if post_norms)
       mlp_norm   [L, d]
       w_gate [L, d, F]  w_up [L, d, F]  w_down [L, F, d]
+      post_mlp_norm  [L, d]                                             (only if post_norms)
     final_norm   [d]
     lm_head      [d, V]                                                 (absent if tied)
+
+Norm weights are the multipliers themselves: Gemma's "(1 + w)" convention is resolved by the loaders
+(GGUF files store 1 + w already; HF Gemma checkpoints get 1 added).
+
+Architecture features are fields that compose (no subclass per model): Gemma 3 is
+`act="gelu_tanh", qk_norm=True, post_norms=True, embed_scale=sqrt(d)`, `layer_types` with five
+"local" layers of `sliding_window` tokens per "global" one, and `rope_theta_local` for the local
+layers. Which cache a local layer gets is the caller's choice of per-layer policy
+(`models.stacks.model_stack` gives each local layer `window(sliding_window)`).
 
 Q and K projections use the "rotate-half" RoPE layout of transformers (GGUF files store them
 permuted for interleaved pairs; the GGUF loader undoes that).
@@ -20,6 +32,15 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any
+
+
+ACTIVATIONS = ("silu", "gelu_tanh")
+LAYER_TYPES = ("global", "local")
+
+
+def gemma3_layer_types(n_layers: int, period: int = 6) -> tuple[str, ...]:
+    """Gemma 3's pattern: every `period`-th layer global, the others local (5 local : 1 global)."""
+    return tuple("global" if (i + 1) % period == 0 else "local" for i in range(n_layers))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +62,15 @@ class LlamaConfig:
     bos_id: int | None = None
     eos_id: int | None = None
     name: str = "llama"
+    # -- features beyond Llama (defaults: plain Llama) --
+    act: str = "silu"  # gated MLP activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)
+    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Gemma 3)
+    post_norms: bool = False  # RMSNorm on the attention and MLP outputs before each residual add (Gemma 2/3)
+    embed_scale: float = 1.0  # token embeddings are multiplied by this (Gemma: sqrt(d_model))
+    attn_scale: float | None = None  # attention logit scale; None: head_dim ** -0.5
+    layer_types: tuple[str, ...] = ()  # per layer "global" or "local" (sliding window); () = all global
+    sliding_window: int | None = None  # tokens a local layer sees, itself included
+    rope_theta_local: float | None = None  # RoPE base of the local layers; None: rope_theta
 
     def __post_init__(self):
         for f in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff"):
@@ -61,11 +91,34 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig.head_dim={self.head_dim}: must be even for RoPE")
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
+        if self.act not in ACTIVATIONS:
+            raise ValueError(f"LlamaConfig.act={self.act!r}: must be one of {ACTIVATIONS}")
+        for f in ("embed_scale", "attn_scale", "rope_theta_local"):
+            v = getattr(self, f)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf")):
+                raise ValueError(f"LlamaConfig.{f}={v!r}: must be a positive finite number")
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if self.layer_types:
+            if len(self.layer_types) != self.n_layers:
+                raise ValueError(f"LlamaConfig.layer_types: {len(self.layer_types)} entries for n_layers={self.n_layers}")
+            bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if bad:
+                raise ValueError(f"LlamaConfig.layer_types: {bad[0]!r} is not one of {LAYER_TYPES}")
+        w = self.sliding_window
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ValueError(f"LlamaConfig.sliding_window={w!r}: must be a positive int or None")
+        if "local" in self.layer_types and w is None:
+            raise ValueError("LlamaConfig.layer_types has local layers: sliding_window must be set")
 
     @property
     def groups(self) -> int:
         """Query heads per KV head (G)."""
         return self.n_heads // self.n_kv_heads
+
+    @property
+    def local_layers(self) -> tuple[bool, ...]:
+        """Whether each layer is a local (sliding-window) layer."""
+        return tuple(t == "local" for t in self.layer_types) if self.layer_types else (False,) * self.n_layers
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:

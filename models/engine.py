@@ -2,6 +2,18 @@
 
 Shapes: B batch, T tokens in a step, C chunk length, V vocab, n generated tokens.
 
+A prompt can also be run in stages, for protocols that compress a context before the question
+is known (`Prompted`, a functional state: a fork is the same value used twice):
+    s = engine.prompt(context)            # one prefill, through the policies' prompt phase
+    s = engine.compress(s)                # after_prompt (a prompt compressor compresses here)
+    ids = engine.continue_generate(s, question, n)   # question through the decode policies
+`engine.extend_prompt(s, question)` instead keeps the question in the prompt phase (query-aware
+compression after a shared context prefill). Every method that takes a `Prompted` leaves it
+usable (the donated buffers are copies), so N questions can fork one state. Another engine
+whose prompt phase stores the same state (`shares_prompt`: e.g. snapkv at any budget, and
+`full`) can `compress` it: one dense prefill serves several prompt compressors. Counters:
+`prefills` (fresh prompts prefilled), `prefill_tokens`, `prompts_compressed`.
+
 The model is split once into (graphdef, params); every step is a pure jitted function of
 (params, cache, tokens, pos) with the cache donated, so the compiled step is reused for every
 step of the same shape. `traces` counts how often each step kind was traced (compiled).
@@ -15,6 +27,7 @@ within `max_len`; each violation is one ValueError naming the argument, the bad 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -25,8 +38,34 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from kvpolicies.base import Policy
+from kvpolicies.base import Policy, SlotState
+from kvpolicies.full import Full
+from kvpolicies.prompt import PromptPhase, PromptState
 from models.llama import Cache, Llama, policy_runs
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompted:
+    """A prompt run so far: the cache, the number of tokens in it (the next position), the last
+    token's logits [B, V], and whether `after_prompt` has run (the cache is the decode state)."""
+
+    cache: Cache
+    length: int
+    logits: jax.Array
+    compressed: bool
+
+
+def _fork(cache: Cache) -> Cache:
+    """A copy of a cache, for a step that donates (and so invalidates) its input buffers."""
+    return jax.tree.map(jnp.copy, cache)
+
+
+def _prompt_key(p: Policy) -> Policy:
+    """What determines a prompt phase's state: a `PromptPhase` stores the same thing whatever
+    prompt compressor it serves (`of`), and full's slots are a dense prompt phase's slots."""
+    if isinstance(p, PromptPhase):
+        return dataclasses.replace(p, of=None)
+    return p
 
 
 def _check_int(name: str, value: Any, lo: int) -> int:
@@ -101,6 +140,8 @@ class Engine:
         self.prompt_policies = tuple(p.prompt_policy() for p in self.policies)
         self._compresses = self.prompt_policies != self.policies
         self.prompts_compressed = 0  # how many times after_prompt ran (once per fresh prompt)
+        self.prefills = 0  # fresh prompts prefilled (prefill, generate, prompt)
+        self.prefill_tokens = 0  # tokens those prefills and extend_prompt / continue_generate fed
         self.max_len = _check_int("Engine max_len", max_len, 1)
         self.cache_dtype = cache_dtype
         self.graphdef, self.params = nnx.split(model)
@@ -210,14 +251,129 @@ class Engine:
         chunk = self._chunk(chunk, t)
         self._check_len(t, f"prompt of {t} tokens")
         fresh = cache is None and self._compresses
+        cache_was_none = cache is None
         cache = self.init_cache(tokens.shape[0], prompt=fresh) if cache is None else cache
         logits = None
         for s in range(0, t, chunk):
             logits, cache = self._step(cache, tokens[:, s:s + chunk], s, prompt=fresh)
+        if cache_was_none:
+            self.prefills += 1
+        self.prefill_tokens += t * tokens.shape[0]
         if fresh:
             self.prompts_compressed += 1
             cache = self._after_prompt(cache)
         return logits, cache
+
+    # -- staged prompts: compress before the question, fork one state ---------------------------
+    def prompt(self, tokens, chunk: int | None = None) -> Prompted:
+        """A fresh prompt [B, T] through each policy's prompt phase, not compressed yet (one
+        prefill; `compress` or `extend_prompt` next)."""
+        tokens = self._tokens(tokens, "tokens", (2,))
+        t = tokens.shape[1]
+        if t == 0:
+            raise ValueError(f"tokens: prompt needs at least 1 token, got shape {tokens.shape}")
+        self._check_len(t, f"prompt of {t} tokens")
+        cache = self.init_cache(tokens.shape[0], prompt=True)
+        self.prefills += 1
+        return self._feed(Prompted(cache, 0, None, False), tokens, self._chunk(chunk, t), prompt=True, fork=False)
+
+    def _feed(self, state: Prompted, tokens: np.ndarray, chunk: int, prompt: bool, fork: bool = True) -> Prompted:
+        cache, logits, start = _fork(state.cache) if fork else state.cache, state.logits, state.length
+        t = tokens.shape[1]
+        for s in range(0, t, chunk):
+            logits, cache = self._step(cache, tokens[:, s:s + chunk], start + s, prompt=prompt)
+        self.prefill_tokens += t * tokens.shape[0]
+        return Prompted(cache, start + t, logits, state.compressed)
+
+    def _check_state(self, state: Prompted, tokens, what: str) -> np.ndarray:
+        if not isinstance(state, Prompted):
+            raise ValueError(f"{what}: state must be a Prompted (from Engine.prompt), got {type(state).__name__}")
+        tokens = self._tokens(tokens, "tokens", (2,))
+        if tokens.shape[0] != state.logits.shape[0]:
+            raise ValueError(f"tokens: batch {tokens.shape[0]} does not match the state's batch "
+                             f"{state.logits.shape[0]}")
+        return tokens
+
+    def extend_prompt(self, state: Prompted, tokens, chunk: int | None = None) -> Prompted:
+        """More prompt tokens [B, T] through the prompt phase of an uncompressed state (which stays
+        usable: a fork)."""
+        tokens = self._check_state(state, tokens, "extend_prompt")
+        if state.compressed:
+            raise ValueError("extend_prompt: the state is already compressed; use continue_generate")
+        t = tokens.shape[1]
+        self._check_len(state.length + t, f"prompt of {state.length} + {t} tokens")
+        return self._feed(state, tokens, self._chunk(chunk, max(t, 1)), prompt=True) if t else state
+
+    def shares_prompt(self, other: "Engine") -> bool:
+        """Whether this engine can `compress` the uncompressed states of `other`: same model,
+        max_len and cache dtype, and layer by layer the same prompt-phase state (a PromptPhase
+        whatever compressor it serves), or `full` here over a dense PromptPhase there."""
+        if other._model is not self._model or other.max_len != self.max_len or other.cache_dtype != self.cache_dtype:
+            return False
+
+        def ok(mine: Policy, theirs: Policy) -> bool:
+            if _prompt_key(mine) == _prompt_key(theirs):
+                return True
+            return type(mine) is Full and isinstance(theirs, PromptPhase) and mine.codec == theirs.codec
+
+        return all(ok(a, b) for a, b in zip(self.prompt_policies, other.prompt_policies))
+
+    def _adopt(self, cache: Cache) -> Cache:
+        """A prompt-phase cache in this engine's prompt-phase runs (full's runs take the dense
+        slots of a PromptPhase state)."""
+        runs = policy_runs(self.prompt_policies, self.cfg.n_layers)
+        if len(runs) != len(cache):
+            raise ValueError(f"compress: the state has {len(cache)} runs of layers, this engine's prompt phase "
+                             f"{len(runs)}: it comes from an engine that does not share the prompt (shares_prompt)")
+        out = []
+        for (_, _, pol), st in zip(runs, cache):
+            if isinstance(pol, Full) and isinstance(st, PromptState):
+                st = SlotState(st.k, st.v, st.pos)
+            out.append(st)
+        return tuple(out)
+
+    def compress(self, state: Prompted) -> Prompted:
+        """`after_prompt` on a prompt-phase state (this engine's, or that of an engine it
+        `shares_prompt` with); the input stays usable. A streaming policy's state is unchanged."""
+        if not isinstance(state, Prompted):
+            raise ValueError(f"compress: state must be a Prompted (from Engine.prompt), got {type(state).__name__}")
+        if state.compressed:
+            raise ValueError("compress: the state is already compressed")
+        cache = self._adopt(state.cache)
+        # the state type of each run (a phase may add statistics after its first step, so not the full structure)
+        want = [type(st) for st in jax.eval_shape(lambda: self.init_cache(state.logits.shape[0], prompt=True))]
+        if [type(st) for st in cache] != want:
+            raise ValueError("compress: the state's cache does not have this engine's prompt-phase layout "
+                             "(another model, max_len or prompt phase; see shares_prompt)")
+        if self._compresses:
+            self.prompts_compressed += 1
+            cache = self._after_prompt(cache)
+        return Prompted(cache, state.length, state.logits, True)
+
+    def continue_generate(self, state: Prompted, tokens, n: int, chunk: int | None = None) -> np.ndarray:
+        """Greedy ids [B, n] after feeding `tokens` [B, T] (T >= 0; e.g. a question) through the
+        decode policies of a compressed state (the state stays usable: forks do not interfere)."""
+        if isinstance(tokens, (list, tuple)) and len(tokens) == 0:
+            tokens = np.zeros((state.logits.shape[0], 0), np.int32)
+        tokens = self._check_state(state, tokens, "continue_generate")
+        n = _check_int("n", n, 0)
+        if not state.compressed and self._compresses:
+            raise ValueError("continue_generate: the state is not compressed yet (compress it first)")
+        t = tokens.shape[1]
+        self._check_len(state.length + t + n, f"state of {state.length} + {t} tokens + n={n} new tokens")
+        if t:
+            state = self._feed(state, tokens, self._chunk(chunk, t), prompt=False)
+            cache = state.cache
+        else:
+            cache = _fork(state.cache)
+        if n == 0:
+            return np.zeros((tokens.shape[0], 0), np.int32)
+        first = jnp.argmax(state.logits, axis=-1).astype(jnp.int32)  # [B]
+        if n == 1:
+            return np.asarray(first)[:, None]
+        pos = jnp.full(first.shape, state.length, jnp.int32)
+        rest, _ = self._decode_n(self.params, cache, first, pos, n - 1)
+        return np.concatenate([np.asarray(first)[:, None], np.asarray(rest)], axis=1)
 
     def generate(self, prompt, n: int, chunk: int | None = None) -> np.ndarray:
         """Greedy decoding: prompt ids [B, T] (or [T]) -> n new ids [B, n] (or [n]); n = 0 gives an
@@ -244,10 +400,11 @@ class Engine:
             out = np.concatenate([np.asarray(first)[:, None], np.asarray(rest)], axis=1)
         return out[0] if squeeze else out
 
-    def score(self, tokens, chunk: int = 512, progress: bool = False) -> np.ndarray:
+    def score(self, tokens, chunk: int = 512, progress: bool = False, return_cache: bool = False):
         """Per-token NLL of a stream [T] (or [B, T]), T >= 2, processed through the policy in chunks.
 
-        Returns [T-1] (or [B, T-1]): entry i is -log p(token i+1 | tokens <= i). The chunk size
+        Returns [T-1] (or [B, T-1]): entry i is -log p(token i+1 | tokens <= i); with
+        `return_cache`, (nll, the cache after the T-1 fed tokens). The chunk size
         never changes the result (tested for every policy): masks are exact per query, and
         policies that evict after every token (`per_token`) scan the chunk token by token. A
         stream has no prompt: prompt compressors run their streaming rule from the first token
@@ -276,7 +433,8 @@ class Engine:
             bar.update(e - s)
         bar.close()
         res = np.concatenate(out, axis=1)
-        return res[0] if squeeze else res
+        res = res[0] if squeeze else res
+        return (res, cache) if return_cache else res
 
 
 def perplexity(nll: np.ndarray) -> float:

@@ -1,7 +1,13 @@
-"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) in Flax NNX, one cache policy per layer.
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2, Gemma 3) in Flax NNX, one cache
+policy per layer.
 
 Shapes: B batch, T tokens in this step, V vocab, d model width, F MLP width, L layers,
 N query heads, K kv heads, D head dim.
+
+Gemma 3's differences are config fields (models/config.py): GeGLU (`act`), QK-norm, post-attention
+and post-MLP norms, scaled embeddings, and local layers with their own RoPE base. A local layer's
+sliding window is its cache policy's (`models.stacks.model_stack` gives it `window(512)`, which
+stores 512 slots), so the model has no second masking path.
 
 Weights of all layers are stacked on a leading L axis; consecutive layers with the same policy
 form a run that is one `lax.scan` (so a 30-layer model compiles one layer body). The cache is a
@@ -25,6 +31,14 @@ from models.config import LlamaConfig
 
 LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 BIAS_KEYS = ("bq", "bk", "bv")
+QK_NORM_KEYS = ("q_norm", "k_norm")
+POST_NORM_KEYS = ("post_attn_norm", "post_mlp_norm")
+
+
+def layer_keys(cfg: LlamaConfig) -> tuple[str, ...]:
+    """The per-layer weight names a config implies."""
+    return (LAYER_KEYS + (BIAS_KEYS if cfg.qkv_bias else ()) + (QK_NORM_KEYS if cfg.qk_norm else ())
+            + (POST_NORM_KEYS if cfg.post_norms else ()))
 
 Cache = tuple[SlotState, ...]  # one state per run of identical policies, leaves [L_run, ...]
 
@@ -41,6 +55,10 @@ def init_params(cfg: LlamaConfig, seed: int = 0, std: float = 0.02) -> dict:
     }
     if cfg.qkv_bias:
         layers.update(bq=w(L, N * D), bk=w(L, K * D), bv=w(L, K * D))
+    if cfg.qk_norm:
+        layers.update(q_norm=1 + w(L, D), k_norm=1 + w(L, D))
+    if cfg.post_norms:
+        layers.update(post_attn_norm=1 + w(L, d), post_mlp_norm=1 + w(L, d))
     params = {"embed": w(cfg.vocab_size, d), "layers": layers, "final_norm": 1 + w(d)}
     if not cfg.tie_embeddings:
         params["lm_head"] = w(d, cfg.vocab_size)
@@ -62,14 +80,17 @@ def policy_runs(policies: Policy | Sequence[Policy], n_layers: int) -> tuple[tup
     return tuple(runs)
 
 
-def rms_norm(x: Float[Array, "B T d"], w: Float[Array, "d"], eps: float) -> Float[Array, "B T d"]:
+def rms_norm(x: Float[Array, "*b d"], w: Float[Array, "d"], eps: float) -> Float[Array, "*b d"]:
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return w * xf.astype(x.dtype)
 
 
+ACT = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
 def block(cfg: LlamaConfig, policy: Policy, rope: Rope, w: dict, x, pos, state):
-    """One decoder layer: attention through `policy`, then the SwiGLU MLP."""
+    """One decoder layer: attention through `policy`, then the gated MLP (SwiGLU or GeGLU)."""
     B, T, _ = x.shape
     h = rms_norm(x, w["attn_norm"], cfg.norm_eps)
     q, k, v = h @ w["wq"], h @ w["wk"], h @ w["wv"]  # [B, T, N*D], [B, T, K*D] x2
@@ -78,11 +99,18 @@ def block(cfg: LlamaConfig, policy: Policy, rope: Rope, w: dict, x, pos, state):
     q = q.reshape(B, T, cfg.n_heads, cfg.head_dim)  # [B, T, N, D]
     k = k.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)  # [B, T, K, D]
     v = v.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)  # [B, T, K, D]
-    o, state = attend(policy, state, q, k, v, pos, rope)  # [B, T, N, D]
-    x = x + o.reshape(B, T, -1) @ w["wo"]  # [B, T, d]
+    if cfg.qk_norm:
+        q, k = rms_norm(q, w["q_norm"], cfg.norm_eps), rms_norm(k, w["k_norm"], cfg.norm_eps)
+    o, state = attend(policy, state, q, k, v, pos, rope, cfg.attn_scale)  # [B, T, N, D]
+    o = o.reshape(B, T, -1) @ w["wo"]  # [B, T, d]
+    if cfg.post_norms:
+        o = rms_norm(o, w["post_attn_norm"], cfg.norm_eps)
+    x = x + o
     h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
-    x = x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]  # [B, T, d]
-    return x, state
+    m = (ACT[cfg.act](h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]  # [B, T, d]
+    if cfg.post_norms:
+        m = rms_norm(m, w["post_mlp_norm"], cfg.norm_eps)
+    return x + m, state
 
 
 class Llama(nnx.Module):
@@ -93,11 +121,13 @@ class Llama(nnx.Module):
         self.cfg = cfg
         self.dtype = dtype
         self.rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        local_theta = cfg.rope_theta if cfg.rope_theta_local is None else cfg.rope_theta_local
+        self.rope_local = Rope(cfg.head_dim, local_theta)  # Gemma 3: unscaled, base 10k, on local layers
         p = lambda a: nnx.Param(jnp.asarray(a, dtype))  # noqa: E731
         self.embed = p(params["embed"])  # [V, d]
         self.final_norm = p(params["final_norm"])  # [d]
         self.lm_head = p(params["lm_head"]) if "lm_head" in params else None  # [d, V]
-        keys = LAYER_KEYS + (BIAS_KEYS if cfg.qkv_bias else ())
+        keys = layer_keys(cfg)
         self.layers = nnx.Dict({name: p(params["layers"][name]) for name in keys})  # each [L, ...]
 
     def init_cache(self, policies, batch: int, max_len: int, dtype=None) -> Cache:
@@ -119,16 +149,27 @@ class Llama(nnx.Module):
         if len(cache) != len(runs):
             raise ValueError(f"cache has {len(cache)} runs, policies give {len(runs)}")
         x = jnp.take(self.embed[...], tokens, axis=0)  # [B, T, d]
+        if cfg.embed_scale != 1.0:
+            x = x * jnp.asarray(cfg.embed_scale, x.dtype)  # Gemma: sqrt(d), in the compute dtype
         weights = {k: v[...] for k, v in self.layers.items()}  # each [L, ...]
+        local = np.asarray(cfg.local_layers)  # [L] bool
         new_cache = []
         for (a, b, pol), state in zip(runs, cache):
             wr = weights if (a, b) == (0, cfg.n_layers) else jax.tree.map(lambda t: t[a:b], weights)
+            kinds = set(local[a:b].tolist())
 
-            def body(x, inp, pol=pol):
-                w, st = inp
-                return block(cfg, pol, self.rope, w, x, pos, st)
+            def body(x, inp, pol=pol, kinds=kinds):
+                w, st, is_local = inp
+                if len(kinds) == 1:  # a run of one layer type (the usual case): its RoPE, static
+                    return block(cfg, pol, self.rope_local if kinds == {True} else self.rope, w, x, pos, st)
+                # One policy over local and global layers (e.g. `full` everywhere): pick the RoPE per layer.
+                return jax.lax.cond(
+                    is_local,
+                    lambda: block(cfg, pol, self.rope_local, w, x, pos, st),
+                    lambda: block(cfg, pol, self.rope, w, x, pos, st),
+                )
 
-            x, state = jax.lax.scan(body, x, (wr, state))
+            x, state = jax.lax.scan(body, x, (wr, state, jnp.asarray(local[a:b])))
             new_cache.append(state)
         return rms_norm(x, self.final_norm[...], cfg.norm_eps), tuple(new_cache)
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from models.config import LlamaConfig
+from models.config import LlamaConfig, gemma3_layer_types
 
 if TYPE_CHECKING:
     from models.llama import Llama
@@ -61,11 +61,7 @@ def load_default_model(dtype_name: str = "float32") -> tuple[Llama, Tokenizer]:
     from models.llama import Llama
     from models.tokenizer import Tokenizer
 
-    import gguf
-
-    path = smollm2_gguf_path()
-    check_gguf(path)
-    reader = gguf.GGUFReader(str(path))  # parsed once, shared by the weights and the tokenizer
+    reader = GGUFFile(smollm2_gguf_path())  # checked and parsed once, shared by the weights and the tokenizer
     cfg, params = load_gguf(reader)
     return Llama(cfg, params, dtype=jnp.dtype(dtype_name)), Tokenizer.from_gguf(reader)
 
@@ -242,10 +238,114 @@ def check_gguf(path: str | pathlib.Path) -> dict[str, Any]:
         if not isinstance(align, int) or isinstance(align, bool) or align < 1 or align & (align - 1):
             raise ValueError(f"{path}: GGUF general.alignment={align!r} is not a power of two")
         data_offset = -(-cur.pos // align) * align
-    if data_offset + end_of_data > size:
+    if n_tensors and data_offset + end_of_data > size:  # a vocabulary-only file has no data section
         detail = f" (tensor {last!r} ends at byte {data_offset + end_of_data})" if last else ""
         raise _truncated(path, size, data_offset + end_of_data, detail)
     return meta
+
+
+class GGUFTensorInfo:
+    """One tensor of a `GGUFFile`: name, GGUF shape (innermost first), ggml type and its raw bytes
+    as a read-only uint8 memmap of shape [rows, bytes per row]."""
+
+    __slots__ = ("name", "shape", "tensor_type", "data")
+
+    def __init__(self, name: str, shape: tuple[int, ...], tensor_type: Any, data: np.ndarray):
+        self.name, self.shape, self.tensor_type, self.data = name, shape, tensor_type, data
+
+
+class GGUFFile:
+    """A GGUF file's metadata (every key, arrays included, as Python values) and tensors, read
+    with bulk reads: a few hundred ms where `gguf.GGUFReader` takes 30-40 s on a 150k-262k-token
+    vocabulary (it builds a numpy view per string). `field(key, default)` reads a key."""
+
+    def __init__(self, path: str | pathlib.Path):
+        from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType
+
+        self.path = path = pathlib.Path(path)
+        check_gguf(path)  # missing, not GGUF, unsupported version, truncated: one error naming the file
+        self.filename = str(path)
+        raw = np.memmap(path, dtype=np.uint8, mode="r")
+        buf = memoryview(raw)
+        version = struct.unpack_from("<I", buf, 4)[0]
+        order = ">" if version & 0xFFFF == 0 else "<"
+        n_tensors, n_kv = struct.unpack_from(order + "QQ", buf, 8)
+        at = 24
+
+        def string() -> str:
+            nonlocal at
+            (n,) = struct.unpack_from(order + "Q", buf, at)
+            text = bytes(buf[at + 8:at + 8 + n]).decode("utf-8", errors="replace")  # check_gguf checked UTF-8
+            at += 8 + n
+            return text
+
+        def value(kind: int) -> Any:
+            nonlocal at
+            if kind in _GGUF_SCALARS:
+                fmt = order + _GGUF_SCALARS[kind]
+                (v,) = struct.unpack_from(fmt, buf, at)
+                at += struct.calcsize(fmt)
+                return v
+            if kind == _GGUF_STRING:
+                return string()
+            sub, count = struct.unpack_from(order + "IQ", buf, at)
+            at += 12
+            if sub in _GGUF_SCALARS:  # one bulk read
+                dt = np.dtype(_GGUF_SCALARS[sub]).newbyteorder(order)
+                arr = np.frombuffer(buf, dtype=dt, count=count, offset=at)
+                at += count * dt.itemsize
+                return [bool(x) for x in arr] if sub == 7 else arr.tolist()
+            return [value(sub) for _ in range(count)]
+
+        self.fields: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = string()
+            (kind,) = struct.unpack_from(order + "I", buf, at)
+            at += 4
+            self.fields[key] = value(kind)
+        infos = []
+        for _ in range(n_tensors):
+            name = string()
+            (n_dims,) = struct.unpack_from(order + "I", buf, at)
+            dims = struct.unpack_from(f"{order}{n_dims}Q", buf, at + 4)
+            raw_type, offset = struct.unpack_from(order + "IQ", buf, at + 4 + 8 * n_dims)
+            at += 4 + 8 * n_dims + 12
+            infos.append((name, tuple(int(d) for d in dims), GGMLQuantizationType(raw_type), offset))
+        align = self.fields.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
+        start = -(-at // align) * align
+        self.tensors: list[GGUFTensorInfo] = []
+        for name, dims, kind, offset in infos:
+            block, type_size = GGML_QUANT_SIZES[kind]
+            row_bytes = dims[0] // block * type_size
+            rows = math.prod(dims[1:])
+            data = raw[start + offset:start + offset + rows * row_bytes].reshape(rows, row_bytes)
+            self.tensors.append(GGUFTensorInfo(name, dims, kind, data))
+
+    def field(self, key: str, default: Any = None) -> Any:
+        return self.fields.get(key, default)
+
+
+def open_gguf(source: str | pathlib.Path | Any) -> Any:
+    """A `GGUFFile` for a path (a `gguf.GGUFReader` for a big-endian file, whose tensors need
+    byte swapping); a `GGUFFile` or `gguf.GGUFReader` is returned as it is."""
+    if not isinstance(source, (str, os.PathLike)):
+        return source
+    check_gguf(source)
+    with open(source, "rb") as f:
+        head = f.read(8)
+    if struct.unpack("<I", head[4:8])[0] & 0xFFFF == 0:
+        import gguf
+
+        return gguf.GGUFReader(str(source))
+    return GGUFFile(source)
+
+
+def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
+    """A metadata value of a `GGUFFile` or a `gguf.GGUFReader`."""
+    if isinstance(reader, GGUFFile):
+        return reader.field(key, default)
+    field = reader.get_field(key)
+    return default if field is None else field.contents()
 
 
 def _check_safetensors(path: pathlib.Path) -> None:
@@ -365,6 +465,10 @@ def expected_shapes(config: LlamaConfig) -> Params:
     }
     if c.qkv_bias:
         layers.update(bq=(L, q), bk=(L, kv), bv=(L, kv))
+    if c.qk_norm:
+        layers.update(q_norm=(L, c.head_dim), k_norm=(L, c.head_dim))
+    if c.post_norms:
+        layers.update(post_attn_norm=(L, d), post_mlp_norm=(L, d))
     shapes: Params = {"embed": (V, d), "layers": layers, "final_norm": (d,)}
     if not c.tie_embeddings:
         shapes["lm_head"] = (d, V)
@@ -415,50 +519,88 @@ def _gguf_tensor(tensor: Any) -> np.ndarray:
     return np.array(dequantize(data, tensor.tensor_type), dtype=np.float32).reshape(shape)
 
 
-def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.get_field(key)
-    return default if field is None else field.contents()
+_gguf_field = gguf_field
 
 
-def load_gguf(source: str | pathlib.Path | Any) -> tuple[LlamaConfig, Params]:
-    """Read a llama-architecture GGUF into (config, canonical float32 params).
+GGUF_ARCHS = ("llama", "qwen2", "gemma3")
 
-    `source` is a path or an open `gguf.GGUFReader`; sharing one reader with
-    `Tokenizer.from_gguf` saves parsing the metadata twice (seconds for a 49k-token vocabulary).
+
+def gguf_config(
+    meta: Callable[[str], Any], path: pathlib.Path, *, vocab_size: int, tie: bool, qkv_bias: bool
+) -> LlamaConfig:
+    """The LlamaConfig of a GGUF from its metadata (`meta(key) -> value or None`).
+
+    llama, qwen2 (qkv biases) and gemma3. Gemma 3's GGUF leaves implicit what llama.cpp hardcodes
+    for it, and so do we: local layers 5 of every 6 with RoPE base 10,000, logit scale
+    head_dim ** -0.5 (query_pre_attn_scalar = head_dim for every size but 27B), GeGLU, QK-norm,
+    post-norms, embeddings scaled by sqrt(d).
     """
-    import gguf
+    arch = meta("general.architecture")
+    if arch not in GGUF_ARCHS:
+        raise ValueError(f"GGUF general.architecture={arch!r}: supported are {GGUF_ARCHS} ({path})")
 
-    if isinstance(source, gguf.GGUFReader):  # parsed already: a truncated file fails to open
-        reader, path = source, pathlib.Path(source.data.filename)
-    else:
-        path = pathlib.Path(source)
-        check_gguf(path)
-        reader = gguf.GGUFReader(str(path))
-    arch = _gguf_field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"GGUF general.architecture={arch!r}: only 'llama' is supported ({path})")
-    tensors = {t.name: t for t in reader.tensors}
-
-    def meta(key: str, default: Any = None, kind: type = int) -> Any:
-        value = _gguf_field(reader, f"{arch}.{key}", default)
+    def get(key: str, default: Any = None, kind: type = int) -> Any:
+        value = meta(f"{arch}.{key}")
+        value = default if value is None else value
         if value is None:
             raise ValueError(f"GGUF metadata {arch}.{key} is missing ({path})")
         if isinstance(value, list):  # per-layer values (e.g. OpenELM) change the math
             raise ValueError(f"GGUF metadata {arch}.{key} is per-layer {value[:4]}...: not supported")
         return kind(value)
 
-    d_model = meta("embedding_length")
-    n_heads = meta("attention.head_count")
-    n_kv_heads = meta("attention.head_count_kv", n_heads)
-    head_dim = meta("attention.key_length", d_model // n_heads)
-    if meta("attention.value_length", head_dim) != head_dim:
+    d_model = get("embedding_length")
+    n_heads = get("attention.head_count")
+    head_dim = get("attention.key_length", d_model // n_heads)
+    if get("attention.value_length", head_dim) != head_dim:
         raise ValueError(f"GGUF {arch}.attention.value_length differs from key_length={head_dim}: not supported")
-    rope_dims = meta("rope.dimension_count", head_dim)
+    rope_dims = get("rope.dimension_count", head_dim)
     if rope_dims != head_dim:
         raise ValueError(f"GGUF {arch}.rope.dimension_count={rope_dims} != head_dim={head_dim}: partial RoPE unsupported")
-    scaling = _gguf_field(reader, f"{arch}.rope.scaling.type", "none")
+    scaling = meta(f"{arch}.rope.scaling.type") or "none"
     if scaling != "none":
         raise ValueError(f"GGUF {arch}.rope.scaling.type={scaling!r}: only unscaled RoPE is supported for GGUF")
+    n_layers = get("block_count")
+    gemma: dict[str, Any] = {}
+    if arch == "gemma3":
+        gemma = dict(
+            act="gelu_tanh", qk_norm=True, post_norms=True, embed_scale=_f32(math.sqrt(d_model)),
+            attn_scale=head_dim ** -0.5, layer_types=gemma3_layer_types(n_layers),
+            sliding_window=get("attention.sliding_window"), rope_theta_local=10000.0,
+        )
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=get("attention.head_count_kv", n_heads),
+        head_dim=head_dim,
+        d_ff=get("feed_forward_length"),
+        rope_theta=_f32(get("rope.freq_base", 10000.0, float)),
+        norm_eps=_f32(get("attention.layer_norm_rms_epsilon", 1e-5, float)),
+        tie_embeddings=tie,
+        qkv_bias=qkv_bias,
+        max_position=get("context_length", 4096),
+        bos_id=meta("tokenizer.ggml.bos_token_id"),
+        eos_id=meta("tokenizer.ggml.eos_token_id"),
+        name=path.name.removesuffix(".gguf"),
+        **gemma,
+    )
+
+
+def load_gguf(source: str | pathlib.Path | Any) -> tuple[LlamaConfig, Params]:
+    """Read a llama / qwen2 / gemma3 GGUF into (config, canonical float32 params).
+
+    `source` is a path, a `GGUFFile` or a `gguf.GGUFReader`; sharing one with
+    `Tokenizer.from_gguf` saves parsing the metadata twice. Only llama.cpp's "llama" converter
+    permutes Q/K rows for interleaved RoPE; qwen2 and gemma3 are stored in transformers'
+    rotate-half order (llama.cpp runs them with NEOX RoPE).
+    """
+    reader = open_gguf(source)  # a path is checked first (a truncated file: one error naming it)
+    path = pathlib.Path(reader.filename if isinstance(reader, GGUFFile) else reader.data.filename)
+    arch = _gguf_field(reader, "general.architecture")
+    if arch not in GGUF_ARCHS:
+        raise ValueError(f"GGUF general.architecture={arch!r}: supported are {GGUF_ARCHS} ({path})")
+    tensors = {t.name: t for t in reader.tensors}
     if "rope_freqs.weight" in tensors:
         raise ValueError(
             "GGUF has rope_freqs.weight (Llama-3.1 style per-frequency RoPE factors), which the GGUF loader "
@@ -466,24 +608,12 @@ def load_gguf(source: str | pathlib.Path | Any) -> tuple[LlamaConfig, Params]:
         )
     if "token_embd.weight" not in tensors:
         raise ValueError(f"GGUF has no token_embd.weight ({path})")
-
-    config = LlamaConfig(
+    config = gguf_config(
+        lambda key: _gguf_field(reader, key), path,
         vocab_size=int(tensors["token_embd.weight"].shape[1]),  # GGUF shape [d, V]
-        d_model=d_model,
-        n_layers=meta("block_count"),
-        n_heads=n_heads,
-        n_kv_heads=n_kv_heads,
-        head_dim=head_dim,
-        d_ff=meta("feed_forward_length"),
-        rope_theta=_f32(meta("rope.freq_base", 10000.0, float)),
-        norm_eps=_f32(meta("attention.layer_norm_rms_epsilon", 1e-5, float)),
-        tie_embeddings="output.weight" not in tensors,
-        qkv_bias="blk.0.attn_q.bias" in tensors,
-        max_position=meta("context_length", 4096),
-        bos_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_id=_gguf_field(reader, "tokenizer.ggml.eos_token_id"),
-        name=path.name.removesuffix(".gguf"),
+        tie="output.weight" not in tensors, qkv_bias="blk.0.attn_q.bias" in tensors,
     )
+    permute = arch == "llama"
 
     used: set[str] = set()
 
@@ -492,6 +622,8 @@ def load_gguf(source: str | pathlib.Path | Any) -> tuple[LlamaConfig, Params]:
             raise ValueError(f"GGUF tensor {name} is missing ({path})")
         used.add(name)
         w = _gguf_tensor(tensors[name])
+        if not permute:
+            return w
         if ".attn_q." in name:
             w = _unpermute_rope_rows(w, config.n_heads)
         elif ".attn_k." in name:
@@ -515,6 +647,13 @@ def load_gguf(source: str | pathlib.Path | Any) -> tuple[LlamaConfig, Params]:
     if config.qkv_bias:
         per_layer.update(
             bq=("blk.{i}.attn_q.bias", False), bk=("blk.{i}.attn_k.bias", False), bv=("blk.{i}.attn_v.bias", False)
+        )
+    if config.qk_norm:
+        per_layer.update(q_norm=("blk.{i}.attn_q_norm.weight", False), k_norm=("blk.{i}.attn_k_norm.weight", False))
+    if config.post_norms:  # Gemma: GGUF stores the norms' multipliers (1 + w) already
+        per_layer.update(
+            post_attn_norm=("blk.{i}.post_attention_norm.weight", False),
+            post_mlp_norm=("blk.{i}.post_ffw_norm.weight", False),
         )
     params = _assemble(config, get, top, per_layer)
     if unused := sorted(set(tensors) - used):

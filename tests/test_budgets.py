@@ -27,6 +27,9 @@ UNSIZED = sorted(set(kvpolicies.POLICIES) - set(BUDGETED))
 # metadata bytes per slot: int32 positions shared by the kv heads (1) or per head (K), plus a
 # float32 accumulated attention per head for the policies that accumulate
 META_PER_SLOT = {"window": 4, "sink": 4, "tova": 4, "h2o": 4 * K + 4 * K, "snapkv": 4 * K + 4 * K}
+META_PER_SLOT |= {"adakv": 8 * K, "pyramidkv": 8 * K, "observed": 8 * K, "knorm": 4 * K, "random": 4 * K, "expected": 4 * K}
+# bytes stored once per layer, not per slot: expected's running query sums (D + D^2 float32 per kv head, a count)
+FIXED = {"expected": 4 * (K * (D + D * D) + 1)}
 
 
 def head_bytes(codec: str, itemsize: int) -> int:
@@ -72,11 +75,11 @@ def test_target_bytes_is_full_precision_tokens_or_a_fraction_of_full(budget, dty
 def test_sized_policy_fills_the_budget_to_one_slot(name, codec, budget, dtype):
     pol = size(name, budget, dtype, codec)
     tgt, per = target(budget, DTYPES[dtype]), slot_bytes(name, codec, DTYPES[dtype])
-    slots = pol.capacity(MAX_LEN)
-    assert slots == min(tgt // per, MAX_LEN)  # the most slots the budget pays for
+    slots, fixed = pol.capacity(MAX_LEN), FIXED.get(name, 0)
+    assert slots == min((tgt - fixed) // per, MAX_LEN)  # the most slots the budget pays for
     got = stored(pol, dtype)
     assert slots < MAX_LEN  # (the budgets here are below the cap; see test_a_budget_above_the_cache)
-    assert got == slots * per  # everything stored is counted, by the closed form
+    assert got == slots * per + fixed  # everything stored is counted, by the closed form
     assert got <= tgt and tgt - got < per
     # one more token (the budget field + 1) no longer fits
     more = dataclasses.replace(pol, **{pol.budget_field: getattr(pol, pol.budget_field) + 1})
@@ -92,8 +95,9 @@ def test_every_policy_holds_the_same_bytes(codec, budget):
     for name in BUDGETED:
         try:
             got[name] = stored(size(name, budget, codec=codec), "bfloat16")
-        except ValueError as e:  # snapkv's observation window + decode slots do not fit 100 tokens
-            assert budget == 100 and name == "snapkv" and "too small" in str(e)
+        except ValueError as e:  # the prompt compressors' decode slots (max_new=256) do not fit 100 tokens
+            assert budget == 100 and "max_new" in {f.name for f in dataclasses.fields(kvpolicies.POLICIES[name])}
+            assert "too small" in str(e)
     widest = max(slot_bytes(n, codec, 2) for n in BUDGETED)
     assert all(b <= tgt for b in got.values())
     assert max(got.values()) - min(got.values()) < widest and tgt - min(got.values()) < widest
@@ -122,7 +126,7 @@ def test_a_budget_above_the_cache(name):
     for budget, codec in [(0.5, "int4"), (3 * MAX_LEN, "none")]:
         pol = size(name, budget, codec=codec)
         assert pol.capacity(MAX_LEN) == MAX_LEN
-        assert stored(pol, "bfloat16") == MAX_LEN * slot_bytes(name, codec, 2) <= target(budget, 2)
+        assert stored(pol, "bfloat16") == MAX_LEN * slot_bytes(name, codec, 2) + FIXED.get(name, 0) <= target(budget, 2)
         less = getattr(pol, pol.budget_field) - 1
         assert dataclasses.replace(pol, **{pol.budget_field: less}).capacity(MAX_LEN) == MAX_LEN - 1
 
@@ -183,7 +187,7 @@ def test_stacks_keep_the_total(name, codec):
     assert all(others(p) == others(uni[0]) for p in pyr)
     # bytes: the closed form, within the total and within one slot of it
     total = sum(stored(p, "bfloat16") for p in pyr)
-    assert total == sum(p.capacity(MAX_LEN) for p in pyr) * per
+    assert total == sum(p.capacity(MAX_LEN) for p in pyr) * per + L * FIXED.get(name, 0)
     assert s >= getattr(uni[0], field) * L and total <= L * tgt and L * tgt - total < per
 
 

@@ -56,13 +56,15 @@ def test_top_level_keys_reach_the_policy_and_task():
     assert pol == kvpolicies.get("sink", codec="int8", n_sink=2, window=1024)
 
 
-def test_every_registered_policy_has_a_config_that_builds():
+def test_every_registered_policy_has_a_config_that_builds(tmp_path):
     assert set(kvpolicies.POLICIES) <= set(C.group_options("policy"))
+    np.save(tmp_path / "heads.npy", np.tile([1.0, 0.0, 1.0], (30, 1)))  # duo needs a pattern: [layers, kv heads]
+    needs = {"duo": [f"policy.pattern={tmp_path / 'heads.npy'}"]}
     for name, cls in kvpolicies.POLICIES.items():
-        conf = C.validate(C.compose([f"policy={name}", "window=512"]))
+        conf = C.validate(C.compose([f"policy={name}", "window=512", *needs.get(name, [])]))
         pol = C.build_policy(conf["policy"])
         assert type(pol) is cls and conf["policy"]["name"] == name
-    follows = {"window": ("window", 512), "sink": ("window", 512), "hier": ("window", 512)}
+    follows = {"window": ("window", 512), "sink": ("window", 512), "multires": ("window", 512)}
     for name, (field, value) in follows.items():
         if name in kvpolicies.POLICIES:
             conf = C.validate(C.compose([f"policy={name}", "window=512"]))
@@ -142,7 +144,7 @@ def test_budget_conflicts_and_unsized_policies():
 
 @pytest.mark.parametrize("overrides, expected", [
     (["policy=sinc"], ["policy=sinc: no such policy; choose one of:", *sorted(kvpolicies.POLICIES)]),
-    (["task=foo"], ["task=foo: no such task; choose one of: multikey, niah, passkey, perplexity, recall"]),
+    (["task=foo"], ["task=foo: no such task; choose one of: multikey, multiquery, niah, passkey, perplexity, recall, ruler"]),
     (["window=abc"], ["window=abc: window must be int"]),
     (["progress=maybe"], ["progress=maybe: progress must be bool"]),
     (["windw=5"], ["windw: unknown key; the config has keys: budget, chunk, codec, data, force, model, n_sink"]),
@@ -207,6 +209,8 @@ def test_run_appends_one_row_with_metrics_arrays_and_exact_memory(sink_run):
     assert mem["meta_bytes"] == 2 * 68 * 4  # int32 slot positions per layer
     assert mem["state_bytes"] == closed + 2 * 68 * 4
     assert mem["max_len"] == TOKENS and mem["read_bytes_per_step"] is None and mem["peak_device_bytes"] is None
+    assert mem["prompt_phase_bytes"] is None  # sink has no prompt phase
+    assert row["max_visible"] == 4 + 64  # measured from the masks: sinks + window, in chunks of 32
     assert row["versions"]["jax"] and row["device"]["platform"] == "cpu"
     assert row["config"]["chunk"] == 32 and "results" not in row["config"]
 
@@ -405,3 +409,17 @@ def test_smollm2_sink_smoke(tmp_path):
     assert 2 < row["metrics"]["ppl"] < 60  # English prose, SmolLM2-135M
     assert row["memory"]["closed_form_bytes"] == row["memory"]["kv_bytes"] == 2 * 30 * 3 * 64 * 64 * 4
     assert json.loads(res.read_text())["key"] == row["key"]
+
+
+def test_memory_reports_the_dense_prompt_phase_of_a_prompt_compressor():
+    """snapkv holds a fresh prompt densely (max_len slots + obs_window attention rows per kv head)
+    before compressing it; rows report those bytes next to the compressed state's."""
+    from evals import results as R
+
+    L, K, D, n, w = 2, 2, 8, 100, 4
+    pol = kvpolicies.get("snapkv", budget=10, obs_window=w, max_new=6)
+    mem = R.memory((pol,) * L, kv_heads=K, head_dim=D, max_len=n, dtype="float32")
+    # per layer: keys + values, int32 positions (shared by kv heads), float32 rows [K, w, n], int32 row positions [w]
+    dense = 2 * K * D * n * 4 + n * 4 + K * w * n * 4 + w * 4
+    assert mem["prompt_phase_bytes"] == L * dense
+    assert mem["state_bytes"] == L * (2 * K * D * 20 * 4 + K * 20 * 4 + K * 20 * 4)  # 20 slots, pos + mass per head

@@ -1,4 +1,4 @@
-"""`hier` and `quest` against numpy oracles written from their definitions (token by token),
+"""`multires` (alias `hier`) and `quest` against numpy oracles written from their definitions (token by token),
 identities with `full`, a trace count through the engine, and exact memory / bytes-read numbers."""
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ INV = default_inv_freq(D, THETA)
 
 # Both evict from their top level before T = 40; "mean" with b = 2 has fractional positions.
 HIER = {
-    "cache": kvpolicies.get("hier", window=1, branch=3, slots_per_level=3, levels=2, positions="cache"),
-    "mean": kvpolicies.get("hier", window=3, branch=2, slots_per_level=2, levels=3, positions="mean"),
+    "cache": kvpolicies.get("multires", window=1, branch=3, slots_per_level=3, levels=2, positions="cache"),
+    "mean": kvpolicies.get("multires", window=3, branch=2, slots_per_level=2, levels=3, positions="mean"),
 }
 # q1: our `window` extension on top of top_k; q2, q3: Quest as published (window 0, top_k counts the
 # query's own page; q3 reads only that page).
@@ -36,7 +36,7 @@ QUEST = {
     "q3": kvpolicies.get("quest", page=4, top_k=1),
 }
 POL = {**HIER, **QUEST, "full": kvpolicies.get("full"),
-       "hier_wide": kvpolicies.get("hier", window=T, branch=2, slots_per_level=2, levels=2),
+       "hier_wide": kvpolicies.get("multires", window=T, branch=2, slots_per_level=2, levels=2),
        "quest_all": kvpolicies.get("quest", page=4, top_k=11)}  # 10 pages + its own
 
 
@@ -314,7 +314,7 @@ def test_quest_stack_keeps_the_first_two_layers_dense():
 
 def test_decode_compiles_once_through_the_engine():
     cfg = LlamaConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64)
-    pols = (kvpolicies.get("hier", window=8, branch=2, slots_per_level=3, levels=2),
+    pols = (kvpolicies.get("multires", window=8, branch=2, slots_per_level=3, levels=2),
             kvpolicies.get("quest", page=4, top_k=2, window=4))
     eng = Engine(Llama(cfg), pols, max_len=128)
     toks = np.random.default_rng(0).integers(0, 97, (1, 100)).astype(np.int32)
@@ -350,7 +350,7 @@ def test_engine_prefills_a_fresh_prompt_densely_and_streams_sparsely():
 
 def test_state_bytes_closed_form():
     kw = dict(kv_heads=3, head_dim=64, n_layers=30, batch=2, dtype=jnp.bfloat16)
-    hier = kvpolicies.get("hier", window=1024, branch=4, slots_per_level=64, levels=3)
+    hier = kvpolicies.get("multires", window=1024, branch=4, slots_per_level=64, levels=3)
     slots = 1024 + 3 + 3 * 64  # raw ring W + b - 1, then 3 levels of 64 summaries
     sb = state_bytes(hier, max_len=8192, **kw)
     assert sb.kv == 30 * 2 * 2 * 3 * 64 * slots * 2
@@ -378,20 +378,25 @@ def test_bytes_read_per_decode_step_closed_form():
     assert paper.read.kv == 30 * 2 * 3 * 1009 * 2 * 64 * 2  # token budget 64 x 16 = 1024: 1 + 63 x 16
     full = bytes_read_per_step(kvpolicies.get("full"), context=4000, **kw)
     assert full.read.kv == 30 * 2 * 3 * 4001 * 2 * 64 * 2 and full.read.meta == 30 * 2 * 4001 * 4
-    hier = kvpolicies.get("hier", window=1024, branch=4, slots_per_level=64, levels=3)
+    hier = kvpolicies.get("multires", window=1024, branch=4, slots_per_level=64, levels=3)
     hr = bytes_read_per_step(hier, context=4000, **kw)
     assert hr.read == hr.stored  # every slot is filled: read densely
     with pytest.raises(ValueError, match="context=8192"):
         bytes_read_per_step(quest, context=8192, **kw)
 
 
+def test_hier_is_an_alias_of_multires_not_a_second_registration():
+    assert kvpolicies.get("hier", window=4) == kvpolicies.get("multires", window=4) == kvpolicies.MultiRes(window=4)
+    assert "hier" not in kvpolicies.POLICIES and kvpolicies.ALIASES["hier"] in kvpolicies.POLICIES
+
+
 @pytest.mark.parametrize(
     "name,kw,msg",
     [
-        ("hier", dict(branch=1), "hier.branch=1"),
-        ("hier", dict(branch=4, slots_per_level=3), "hier.slots_per_level=3"),
-        ("hier", dict(positions="original"), "hier.positions='original'"),
-        ("hier", dict(branch=2, levels=40), "hier.levels=40"),
+        ("hier", dict(branch=1), "multires.branch=1"),  # the old name is an alias
+        ("multires", dict(branch=4, slots_per_level=3), "multires.slots_per_level=3"),
+        ("multires", dict(positions="original"), "multires.positions='original'"),
+        ("multires", dict(branch=2, levels=40), "multires.levels=40"),
         ("quest", dict(page=0), "quest.page=0"),
         ("quest", dict(top_k=0), "quest.top_k=0"),
         ("quest", dict(window=-1), "quest.window=-1"),
@@ -420,7 +425,7 @@ def test_smollm2_perplexity_hier_and_quest_vs_full():
     pols = {
         "full": kvpolicies.get("full"),
         "window": kvpolicies.get("window", window=128),
-        "hier": kvpolicies.get("hier", window=128, branch=4, slots_per_level=16, levels=2),
+        "hier": kvpolicies.get("multires", window=128, branch=4, slots_per_level=16, levels=2),
         # Quest as published at a 256-token budget (16 pages of 16, its own page included); a
         # stream is sparse at every token (Quest's PG19 protocol), whatever the chunk
         "quest": kvpolicies.get("quest", page=16, top_k=16),

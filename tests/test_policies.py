@@ -14,6 +14,7 @@ import kvpolicies
 from kvpolicies import Rope
 from oracle import VISIBLE, default_inv_freq, dense_attention
 from helpers import run_policy
+from test_baselines import pyramid_ref, stream_ref
 
 B, N, K, D, THETA = 2, 4, 2, 16, 10000.0
 ROPE = Rope(D, THETA)
@@ -84,7 +85,16 @@ REFERENCES = {
     "h2o": ([kvpolicies.get("h2o", heavy=4, recent=3)], _scored_ref),
     "tova": ([kvpolicies.get("tova", budget=6), kvpolicies.get("tova", budget=6, scope="head")], _scored_ref),
     "snapkv": ([kvpolicies.get("snapkv", budget=5, obs_window=3, kernel=3, max_new=4)], _scored_ref),
-    "hier": ([kvpolicies.get("hier", window=3, branch=2, slots_per_level=2, levels=3)], _hier_ref),
+    "pyramidkv": ([kvpolicies.get("pyramidkv", budget=5, obs_window=3, kernel=3, max_new=4)], pyramid_ref),
+    "knorm": ([kvpolicies.get("knorm", budget=6, max_new=3)], stream_ref),  # tests/test_baselines.py
+    "random": ([kvpolicies.get("random", budget=6, max_new=3, seed=1)], stream_ref),
+    "observed": ([kvpolicies.get("observed", budget=6, max_new=3)], stream_ref),
+    "expected": ([kvpolicies.get("expected", budget=6, max_new=3, n_sink=2, n_future_positions=8)], stream_ref),
+    "adakv": ([kvpolicies.get("adakv", budget=5, obs_window=3, kernel=3, max_new=4)],
+              lambda *a: __import__("test_headwise").adakv_reference(*a)),  # tests/test_headwise.py
+    "duo": ([kvpolicies.get("duo", sink=2, recent=5, heads=(1, 0))],
+            lambda *a: __import__("test_headwise").duo_reference(*a)),
+    "multires": ([kvpolicies.get("multires", window=3, branch=2, slots_per_level=2, levels=3)], _hier_ref),
     "quest": ([kvpolicies.get("quest", page=4, top_k=2, window=5)], _quest_ref),
     "kivi": ([kvpolicies.get("kivi", bits=2, group=4, residual=8)], _kivi_ref),
 }
@@ -115,10 +125,11 @@ def test_chunk_never_changes_a_result(name, tiny_model):
     from models.engine import Engine
 
     pol = REFERENCES[name][0][0]
-    tokens = np.random.default_rng(4).integers(0, 97, 40).astype(np.int32)
+    tokens = np.random.default_rng(4).integers(0, 97, 43).astype(np.int32)  # 42 fed: 6 chunks of 7, one of 64
     eng = Engine(tiny_model, pol, max_len=48)
-    nll = {c: eng.score(tokens, chunk=c) for c in (1, 7, 64)}
-    states = {c: eng.prefill(tokens[None], chunk=c, cache=eng.init_cache())[1] for c in (1, 7, 64)}
+    nll, states = {}, {}
+    for c in (1, 7, 64):
+        nll[c], states[c] = eng.score(tokens, chunk=c, return_cache=True)
     for c in (7, 64):
         np.testing.assert_allclose(nll[c], nll[1], atol=1e-5, rtol=0, err_msg=f"{name} chunk {c}")
         for a, b in zip(jax.tree.leaves(states[c]), jax.tree.leaves(states[1])):
@@ -126,6 +137,39 @@ def test_chunk_never_changes_a_result(name, tiny_model):
                 np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=1e-5)
             else:
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("name,pol,want", [
+    ("full", kvpolicies.get("full"), 42),  # every fed token, by the last query
+    ("sink", kvpolicies.get("sink", n_sink=2, window=5), 7),
+    ("h2o", kvpolicies.get("h2o", heavy=4, recent=4), 9),  # 8 slots + the token that joins, whatever the chunk
+    ("tova", kvpolicies.get("tova", budget=6), 7),
+    ("snapkv", kvpolicies.get("snapkv", budget=5, obs_window=3, kernel=3, max_new=4), 13),  # stream rule
+])
+def test_record_visible_measures_the_keys_queries_attended(name, pol, want, tiny_model):
+    """`record_visible` reads the masks attention applied: a chunk of 7 (or 64) never lets a
+    query of an evictor see more than its slots + 1, the bound a per-token step has."""
+    from models.engine import Engine
+
+    tokens = np.random.default_rng(4).integers(0, 97, 43).astype(np.int32)
+    for chunk in (7, 64):
+        with kvpolicies.record_visible() as rec:
+            Engine(tiny_model, pol, max_len=48).score(tokens, chunk=chunk)
+        assert rec["max_visible"] == want, (name, chunk, rec)
+
+
+def test_record_visible_sees_snapkvs_dense_prompt(tiny_model):
+    from models.engine import Engine
+
+    pol = kvpolicies.get("snapkv", budget=5, obs_window=3, kernel=3, max_new=4)
+    prompt = np.random.default_rng(5).integers(0, 97, (1, 30)).astype(np.int32)
+    eng = Engine(tiny_model, pol, max_len=40)
+    with kvpolicies.record_visible() as rec:
+        logits, cache = eng.prefill(prompt, chunk=8)
+    assert rec["max_visible"] == 30  # the whole prompt, densely, in chunks of 8
+    with kvpolicies.record_visible() as rec:
+        eng.step(cache, np.asarray(logits).argmax(-1)[:, None], 30)
+    assert rec["max_visible"] == 5 + 3 + 1  # compressed to budget + obs_window, plus the new token
 
 
 def test_references_cover_only_registered_policies():

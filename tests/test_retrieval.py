@@ -11,6 +11,7 @@ import pytest
 
 import kvpolicies
 from evals import retrieval as R
+from evals import ruler
 from evals.common import TaskContext
 from models.config import LlamaConfig
 from models.llama import Llama
@@ -203,7 +204,13 @@ def test_passkey_scoring_grid():
     acc = {(g["length"], g["depth"]): g["accuracy"] for g in res.grid}
     assert acc == {(400, 0.1): 1.0, (400, 0.9): 0.0, (800, 0.1): 1.0, (800, 0.9): 0.0}
     assert all(g["trials"] == 5 for g in res.grid)
-    assert res.metrics == {"accuracy": 0.5, "accuracy@400": 0.5, "accuracy@800": 0.5}
+    lo, hi = ruler.wilson(5, 10)  # 10 trials per length, 5 found; 20 in all, 10 found
+    lo2, hi2 = ruler.wilson(10, 20)
+    assert res.metrics == pytest.approx({"accuracy": 0.5, "ci_low": lo2, "ci_high": hi2, "accuracy@400": 0.5,
+                                         "ci_low@400": lo, "ci_high@400": hi, "accuracy@800": 0.5,
+                                         "ci_low@800": lo, "ci_high@800": hi})
+    assert (res.grid[0]["ci_low"], res.grid[0]["ci_high"]) == pytest.approx(ruler.wilson(5, 5))
+    assert all(g["protocol"] == "query_aware" for g in res.grid)
     assert res.arrays["correct"].shape == (2, 2, 5)
     assert eng.calls == [(2, 400)] * 6 + [(2, 800)] * 6  # 5 trials in padded batches of 2, per cell
 
@@ -245,6 +252,33 @@ def test_passkey_through_a_real_engine():
     assert res.metrics["accuracy"] == 0.0
 
 
+def test_query_agnostic_niah_feeds_the_question_after_the_compressed_haystack():
+    """protocol=query_agnostic: the engine prefills and compresses the prompt up to the haystack's
+    end, then answers after the question (recorded in every cell)."""
+    calls = []
+
+    class Staged:
+        def prompt(self, tokens, chunk=None):
+            calls.append(("prompt", TOK.decode(tokens[0])))
+            return tokens
+
+        def compress(self, state):
+            calls.append(("compress",))
+            return state
+
+        def continue_generate(self, state, tokens, n, chunk=None):
+            calls.append(("question", TOK.decode(tokens[0])))
+            ans = re.search(r"The special magic number for \w+ is (\d{7})", TOK.decode(state[0])).group(1)
+            return np.array([TOK.encode(" " + ans)[:n]] * state.shape[0], np.int32)
+
+    res = R.niah(_ctx({"name": "niah", "lengths": [700], "depths": [0.5], "trials": 2, "batch": 1,
+                       "protocol": "query_agnostic"}, Staged()))
+    assert res.metrics["accuracy"] == 1.0 and res.grid[0]["protocol"] == "query_agnostic"
+    assert [c[0] for c in calls] == ["prompt", "compress", "question"] * 2
+    assert "What is the special magic number" not in calls[0][1]
+    assert calls[2][1].startswith("\n\nWhat is the special magic number")
+
+
 def test_text_tasks_need_a_tokenizer():
     with pytest.raises(ValueError, match="needs a tokenizer"):
         R.passkey(_ctx({"name": "passkey"}, tok=None))
@@ -272,7 +306,9 @@ def test_recall_full_retrieves_window_fails(recall_model):
     far = np.concatenate([win.arrays["correct@32"][win.arrays["pair@32"] == i] for i in range(29)])
     assert far.mean() <= full.metrics["chance"] + 0.1
     assert np.nanmean(by_pair[29:]) >= 0.6
-    assert full.grid == [{"n_pairs": 32, "accuracy": full.metrics["accuracy"], "trials": 256}]
+    lo, hi = ruler.wilson(round(full.metrics["accuracy"] * 256), 256)
+    assert full.grid == [{"n_pairs": 32, "accuracy": full.metrics["accuracy"], "trials": 256, "ci_low": lo,
+                          "ci_high": hi}]
 
 
 @pytest.mark.slow

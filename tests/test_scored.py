@@ -434,35 +434,36 @@ def test_pyramid_in_the_model_cache():
 
 
 # ------------------------------------------------------------------------------------------
-# SmolLM2 smoke test (slow): real text, budget 256 out of 1,024 tokens
+# SmolLM2 smoke test (slow): real text, budget 128 out of 512 tokens
 # ------------------------------------------------------------------------------------------
 
 
 @pytest.mark.slow
-def test_smollm2_perplexity_with_budget_256():
-    """1,024 tokens of Pride & Prejudice through SmolLM2-135M, 256 slots per layer and head.
+def test_smollm2_perplexity_with_budget_128():
+    """512 tokens of Pride & Prejudice through SmolLM2-135M, 128 slots per layer and head.
 
     Eviction is per token whatever the chunk (chunk 64 here only batches the matmuls), so every
-    query of h2o/tova/snapkv reads at most 256 + 1 tokens, the window exactly 256. Measured
-    (float32): full 18.205, window-256 29.280 (its first token, the attention sink, is gone),
-    h2o 128+128 18.367, tova 256 18.681, snapkv 240 + 16 (streaming rule, max_new=0) 18.374.
+    query of h2o/tova/snapkv reads at most 128 + 1 tokens, the window exactly 128. Measured
+    (float32): full 16.141, window-128 35.495 (its first token, the attention sink, is gone),
+    h2o 64+64 16.635, tova 128 16.822, snapkv 112 + 16 (streaming rule, max_new=0) 16.619.
     The claim tested is the ordering, which has wide margins on the window side; all three
-    keep the early tokens the window drops.
+    keep the early tokens the window drops. (README's 256-slot row over 1,024 tokens is
+    `python -m benchmarks.policy_zoo`; this is the same claim at half the cost.)
     """
     from evals.data import default_text
     from models.engine import perplexity
     from models.loading import load_default_model
 
     model, tok = load_default_model()
-    ids = np.asarray(tok.encode(default_text())[:1024])
-    assert len(ids) == 1024
+    ids = np.asarray(tok.encode(default_text()[:20000])[:512])
+    assert len(ids) == 512
     ppl = {}
-    for name, pol in [("full", kvpolicies.get("full")), ("window", kvpolicies.get("window", window=256)),
-                      ("h2o", kvpolicies.get("h2o", heavy=128, recent=128)),
-                      ("tova", kvpolicies.get("tova", budget=256)),
-                      ("snapkv", kvpolicies.get("snapkv", budget=240, obs_window=16, max_new=0))]:
-        assert pol.capacity(1024) == (1024 if name == "full" else 256)
-        ppl[name] = perplexity(Engine(model, pol, max_len=1024).score(ids, chunk=64))
+    for name, pol in [("full", kvpolicies.get("full")), ("window", kvpolicies.get("window", window=128)),
+                      ("h2o", kvpolicies.get("h2o", heavy=64, recent=64)),
+                      ("tova", kvpolicies.get("tova", budget=128)),
+                      ("snapkv", kvpolicies.get("snapkv", budget=112, obs_window=16, max_new=0))]:
+        assert pol.capacity(512) == (512 if name == "full" else 128)
+        ppl[name] = perplexity(Engine(model, pol, max_len=512).score(ids, chunk=64))
     print(ppl)
     assert all(np.isfinite(list(ppl.values())))
     for name in ("h2o", "tova", "snapkv"):

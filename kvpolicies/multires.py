@@ -1,4 +1,4 @@
-"""`hier`: a mean-pooled multi-resolution cache — the newest tokens in full, older tokens averaged
+"""`multires` (alias `hier`): a mean-pooled multi-resolution cache — the newest tokens in full, older tokens averaged
 into summary slots in levels whose reach grows geometrically (fixed capacity, reach ~ M b^L tokens).
 
 This library's own baseline, not a published method: no paper's protocol is reproduced and none
@@ -57,7 +57,7 @@ def _mod(a: Int[Array, "*s"], b) -> Int[Array, "*s"]:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class HierState(SlotState):
+class MultiResState(SlotState):
     """Slots plus how many tokens each stands for.
 
     count: [B, 1, S] int32: 1 for a raw token, b^l for a level-l summary, 0 for an empty slot.
@@ -67,7 +67,7 @@ class HierState(SlotState):
 
 
 @dataclasses.dataclass(frozen=True)
-class Hier(Policy):
+class MultiRes(Policy):
     """Raw ring of the newest W..W+b-1 tokens + `levels` levels of `slots_per_level` summaries
     (mean-pooled multi-resolution cache with a log-count bias; ours, not a published method).
 
@@ -87,13 +87,13 @@ class Hier(Policy):
     codec: Codec = Identity()
 
     def __post_init__(self):
-        check_int("hier", "window", self.window, 1)
-        check_int("hier", "branch", self.branch, 2)
-        check_int("hier", "levels", self.levels, 1)
-        check_int("hier", "slots_per_level", self.slots_per_level, self.branch)  # merges take the oldest b
-        check_choice("hier", "positions", self.positions, ("mean", "cache"))
+        check_int("multires", "window", self.window, 1)
+        check_int("multires", "branch", self.branch, 2)
+        check_int("multires", "levels", self.levels, 1)
+        check_int("multires", "slots_per_level", self.slots_per_level, self.branch)  # merges take the oldest b
+        check_choice("multires", "positions", self.positions, ("mean", "cache"))
         if self.branch**self.levels > 2**30:
-            raise ValueError(f"hier.levels={self.levels}: branch**levels must be <= 2**30 (int32 counts)")
+            raise ValueError(f"multires.levels={self.levels}: branch**levels must be <= 2**30 (int32 counts)")
 
     # -- layout --------------------------------------------------------------------------
     @property
@@ -132,7 +132,7 @@ class Hier(Policy):
         f = [b * x for x in h[1:]] + [jnp.maximum(0, h[-1] - m)]
         return jnp.stack(h, -1), jnp.stack(f, -1)
 
-    def _slot_ids(self, view: HierState) -> tuple[Int[Array, "B 1 S"], Int[Array, "B 1 S"], Int[Array, "B 1 S"]]:
+    def _slot_ids(self, view: MultiResState) -> tuple[Int[Array, "B 1 S"], Int[Array, "B 1 S"], Int[Array, "B 1 S"]]:
         """(level, count b^level, index at that level) of every slot; raw tokens are level 0."""
         count = jnp.maximum(view.count, 1)  # [B, 1, S]
         level = sum((count >= self.branch**l).astype(jnp.int32) for l in range(1, self.levels + 1))
@@ -141,12 +141,12 @@ class Hier(Policy):
     # -- state ---------------------------------------------------------------------------
     def init(self, batch, kv_heads, head_dim, dtype, max_len):
         st = super().init(batch, kv_heads, head_dim, dtype, max_len)
-        return HierState(st.k, st.v, st.pos, count=jnp.zeros(st.pos.shape, jnp.int32))  # [B, 1, S]
+        return MultiResState(st.k, st.v, st.pos, count=jnp.zeros(st.pos.shape, jnp.int32))  # [B, 1, S]
 
     def extend(self, state, k, v, pos):
         ring = self._ring_of(state.slots)
         raw = encode_new(self.codec, k, v, pos)
-        new = HierState(raw.k, raw.v, raw.pos, count=jnp.ones_like(raw.pos))  # [B, 1, T]
+        new = MultiResState(raw.k, raw.v, raw.pos, count=jnp.ones_like(raw.pos))  # [B, 1, T]
         if new.slots == 1:  # decode: write the ring slot in place (summaries are made in compact)
             slots = scatter(state, new, _mod(pos, ring))
             carry = (slots, None, None)
@@ -173,8 +173,8 @@ class Hier(Policy):
         vv = self.codec.decode(jax.tree.map(take, st.v), jnp.float32)
         return kk.reshape(kk.shape[:2] + (e, c) + kk.shape[3:]), vv.reshape(vv.shape[:2] + (e, c) + vv.shape[3:])
 
-    def _grow(self, view: HierState, cap: int, first: Int[Array, "B"], n0: Int[Array, "B"], n1: Int[Array, "B"],
-              sizes: tuple[int, ...]) -> HierState:
+    def _grow(self, view: MultiResState, cap: int, first: Int[Array, "B"], n0: Int[Array, "B"], n1: Int[Array, "B"],
+              sizes: tuple[int, ...]) -> MultiResState:
         """The summaries created while the block count goes from n0 to n1, level by level.
 
         Raw token j is in the view's ring (j mod R) or, from position `first` on, among the
@@ -184,7 +184,7 @@ class Hier(Policy):
         b, m, ring = self.branch, self.slots_per_level, self._ring_of(cap)
         h0, _ = self.alive(n0)  # [B, L]
         h1, _ = self.alive(n1)
-        made: list[HierState] = []
+        made: list[MultiResState] = []
         for lv in range(self.levels):  # level lv + 1
             idx = h0[:, lv, None] + jnp.arange(sizes[lv])  # [B, E]
             valid = idx < h1[:, lv, None]  # [B, E]
@@ -201,7 +201,7 @@ class Hier(Policy):
             km = jnp.where(keep, kc.mean(axis=3), 0.0)  # [B, K, E, D]
             vm = jnp.where(keep, vc.mean(axis=3), 0.0)
             cast = lambda enc, ref: jax.tree.map(lambda x, r: x.astype(r.dtype), enc, ref)  # noqa: E731
-            made.append(HierState(
+            made.append(MultiResState(
                 k=cast(self.codec.encode(km), view.k),
                 v=cast(self.codec.encode(vm), view.v),
                 pos=jnp.where(valid, (idx + 1) * b ** (lv + 1) - 1, -1)[:, None].astype(jnp.int32),  # [B, 1, E]
@@ -238,7 +238,7 @@ class Hier(Policy):
         return scatter(state, made, target)
 
     # -- what attention sees -------------------------------------------------------------
-    def _rope(self, q_pos: Int[Array, "B T"], view: HierState) -> RopePositions:
+    def _rope(self, q_pos: Int[Array, "B T"], view: MultiResState) -> RopePositions:
         level, count, idx = self._slot_ids(view)  # [B, 1, S] each
         if self.positions == "mean":
             return RopePositions(q=q_pos[..., None], k=view.pos.astype(jnp.float32) - (count - 1) / 2)
@@ -256,7 +256,7 @@ class Hier(Policy):
             seg=level,
         )
 
-    def _visible(self, q_pos: Int[Array, "B T"], view: HierState) -> Bool[Array, "B 1 T S"]:
+    def _visible(self, q_pos: Int[Array, "B T"], view: MultiResState) -> Bool[Array, "B 1 T S"]:
         """Query p sees raw tokens of blocks >= n(p) and level-l summaries i in [f_l, h_l)."""
         level, _, idx = self._slot_ids(view)
         n = self.blocks_done(q_pos)  # [B, T]

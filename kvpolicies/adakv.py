@@ -1,0 +1,232 @@
+"""`adakv`: Ada-KV (Feng et al. 2024, "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget
+Allocation for Efficient LLM Inference", NeurIPS 2025; authors' repo FFY0/AdaKV, kvpress
+`AdaKVPress`) over SnapKV's scores — the kv heads of a layer share one budget of K x budget
+prompt tokens, each head keeping as many as its scores win, with real per-head memory.
+
+Shapes: B batch, K kv heads, S = budget + obs_window + max_new slots per kv head on average,
+P = K x S pool slots per layer, T new tokens, V = P + K x T view slots, M = max_len (the
+prompt phase's slots), D head dim.
+
+Storage: one pool of P slots per layer shared by the K kv heads, stored as K rows of S slots
+(leaves [B, K, S, ...], the shapes of snapkv's state) and read as one flat pool [B, 1, P, ...]
+(a free reshape, so the `Kp = 1` slot machinery applies); row r is pool slots r*S..r*S+S-1,
+not head r. Head h's slots form one contiguous segment of the pool, sorted by position;
+segments follow in head order, empty slots last. The segment boundaries are not
+stored: every kv head always holds the newest token (it is inside every head's observation
+window), so a segment ends at the slot holding the largest position, and the head of a slot is
+the number of such markers before it. The state is therefore exactly SnapKV's at the same
+budget: K x S slots of keys and values, one int32 position and one float32 observation mass
+per slot — stored bytes equal, while the heads hold different numbers of tokens. `extend`
+builds the transient view in which every kv head reads the whole pool through the mask
+`head(slot) == h` (K times the pool's compute at attention time, never stored).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from kvpolicies.base import (EMPTY, Policy, RopePositions, View, check_choice, check_int, concat, empty_slots,
+                             encode_new, take_slots)
+from kvpolicies.codecs import Codec, Identity
+from kvpolicies.prompt import PromptPhase, PromptState
+from kvpolicies.scored import LAST_KEY, Accumulated, top_mask
+from kvpolicies.snapkv import SnapKV
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class HeadPool(Accumulated):
+    """A layer's pool of P = K x S slots shared by its kv heads (see the module docstring).
+
+    k, v: codec leaves [B, K, S, ...]; pos: [B, K, S] int32 (-1 empty); mass: [B, K, S] float32,
+    the observation mass of each slot (for the re-compression of a stream, as snapkv's); all as
+    K rows of one flat pool of P slots, grouped by head (rows are not heads).
+    """
+
+
+def snapkv_scores(pol: "AdaKV", window: Float[Array, "B K V"], pos: Int[Array, "B K V"],
+                  cand: Bool[Array, "B K V"]) -> tuple[Float[Array, "B K V"], Float[Array, "B K V"]]:
+    """SnapKV's ranking of the candidates of each kv head: (priority, tie-break), -inf elsewhere.
+    Priority: the observation mass max-pooled over `kernel` neighbouring candidates; tie-break:
+    the raw observation mass (as kvpolicies.snapkv)."""
+    snap = SnapKV(budget=pol.budget, obs_window=pol.obs_window, kernel=pol.kernel, max_new=pol.max_new)
+    return snap.pool(window, pos, cand), jnp.where(cand, window, -jnp.inf)
+
+
+# scorer name -> fn(policy, window mass [B, K, V], positions [B, K, V], candidates [B, K, V])
+#                -> (priority, tie-break) [B, K, V], -inf for non-candidates
+SCORERS: dict[str, Callable] = {"snapkv": snapkv_scores}
+
+
+def head_of(pos: Int[Array, "B 1 V"], kv_heads: int) -> Int[Array, "B 1 V"]:
+    """The kv head of each pool slot (K for empty slots): segments end at the newest token."""
+    last = (pos >= 0) & (pos == pos.max(axis=-1, keepdims=True))  # [B, 1, V]
+    marks = last.astype(jnp.int32)
+    head = jnp.cumsum(marks, axis=-1) - marks  # markers strictly before the slot
+    return jnp.where(pos >= 0, head, kv_heads).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaKV(Policy):
+    """SnapKV with head-adaptive budgets: a layer keeps K x budget candidates in all.
+
+    Compression (after the prompt, and again on overflow for streams, as `snapkv`): every kv head
+    keeps its `obs_window` newest tokens; of the other tokens ("candidates"), ranked by the
+    `scorer` (default SnapKV's max-pooled observation mass, ties by the raw mass), each head first
+    keeps its top floor(alpha_safeguard x b) (the safeguard), then the layer keeps the top
+    K x b of the remaining candidates of all heads together (flattened [K, candidates], ties
+    to the lower head, then the earlier token), b = min(budget + obs_window, S) - obs_window.
+    This is kvpress's AdaKVPress rule (reviewed by Ada-KV's first author): the safeguard
+    candidates get the largest score, then a top-k over the flattened layer scores. Decoded
+    tokens are appended to every head (max_new free slots per head on average).
+
+    Defaults: the authors' Ada-SnapKV setting (observation window 32, max-pool kernel 7,
+    floor_alpha = alpha_safeguard = 0.2) and our snapkv's budget 1024 and max_new 256.
+
+    Deviations: (1) the authors' repo (adaptive_snapkv/monkeypatch/snapkv_utils.py) counts each
+    head's share c_h of the flattened top K x b, then keeps round(c_h (1 - alpha) + floor(alpha b))
+    per head, which can exceed K x b by rounding; we keep kvpress's rule, whose total is exactly
+    K x b (a fixed pool). (2) Scores are the observation queries' attention summed over each kv
+    head's G query heads (the authors average over the window and support GQA on a branch; a
+    common factor does not change the ranking). (3) Streams are re-compressed on overflow as
+    our snapkv (the paper compresses only the prompt). (4) Attention reads the pool through a
+    per-head mask (K x the pool's attention compute); the authors use a varlen flash kernel.
+    """
+
+    observes = ("scores",)
+    per_token = True
+    budget_field = "budget"
+
+    budget: int = 1024
+    obs_window: int = 32
+    kernel: int = 7
+    max_new: int = 256
+    alpha_safeguard: float = 0.2
+    scorer: str = "snapkv"
+    codec: Codec = Identity()
+
+    def __post_init__(self):
+        check_int("adakv", "budget", self.budget, 0)
+        check_int("adakv", "obs_window", self.obs_window, 1)
+        check_int("adakv", "kernel", self.kernel, 1)
+        if self.kernel % 2 == 0:
+            raise ValueError(f"adakv.kernel={self.kernel}: must be an odd int >= 1")
+        check_int("adakv", "max_new", self.max_new, 0)
+        a = self.alpha_safeguard
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 <= a <= 1:
+            raise ValueError(f"adakv.alpha_safeguard={a!r}: must be a number in [0, 1]")
+        check_choice("adakv", "scorer", self.scorer, tuple(SCORERS))
+
+    @classmethod
+    def for_tokens(cls, n, **kw):
+        """n prompt tokens per kv head on average: budget = n - obs_window (as snapkv)."""
+        return cls(budget=max(n - kw.get("obs_window", cls.obs_window), 0), **kw)
+
+    def capacity(self, max_len):
+        """Slots per kv head on average (the pool holds kv_heads x this many)."""
+        return min(self.budget + self.obs_window + self.max_new, max_len)
+
+    def init(self, batch, kv_heads, head_dim, dtype, max_len):
+        st = empty_slots(self.codec, batch, kv_heads, head_dim, dtype, self.capacity(max_len), kv_heads)  # [B, K, S, D]
+        return HeadPool(st.k, st.v, st.pos, mass=jnp.zeros(st.pos.shape, jnp.float32))
+
+    # -- one decode step: the pool plus the new token in every head -----------------------------
+    def extend(self, state, k, v, pos):
+        b, kh, t, _ = k.shape
+        flat = lambda x: x.reshape(b, 1, kh * t, x.shape[-1])  # noqa: E731  [B, K, T, D] -> [B, 1, K*T, D]
+        new = encode_new(self.codec, flat(k), flat(v), jnp.tile(pos, (1, kh)))  # head-major
+        new = HeadPool(new.k, new.v, new.pos, mass=jnp.zeros(new.pos.shape, jnp.float32))
+        pool = _map(_flat, state)  # [B, 1, P, ...]
+        slots = concat(pool, new)  # [B, 1, V]
+        head = jnp.concatenate([head_of(pool.pos, kh),
+                                jnp.broadcast_to(jnp.repeat(jnp.arange(kh, dtype=jnp.int32), t), (b, 1, kh * t))],
+                               axis=-1)  # [B, 1, V]
+        mask = head[:, :, None, :] == jnp.arange(kh)[None, :, None, None]  # [B, K, 1, V]
+        dec = lambda x: jnp.broadcast_to(x, (b, kh) + x.shape[2:])  # noqa: E731  [B, 1, V, D] -> [B, K, V, D]
+        return View(k=dec(self.codec.decode(slots.k, k.dtype)), v=dec(self.codec.decode(slots.v, k.dtype)),
+                    pos=slots.pos, rope=RopePositions(q=pos[..., None], k=slots.pos),
+                    mask=jnp.broadcast_to(mask, (b, kh, t, mask.shape[-1])), carry=(slots, head, pool.slots))
+
+    def compact(self, view, seen):
+        if seen.scores is None:
+            raise ValueError(f"AdaKV.compact needs the attention scores (observes={self.observes})")
+        slots, head, p = view.carry
+        kh, t = seen.scores.shape[1], seen.scores.shape[2]
+        if t != 1:
+            raise ValueError(f"AdaKV evicts after every token (per_token): got a step of {t} tokens")
+        s, w = p // kh, self.obs_window
+        score = seen.scores[:, :, 0].sum(axis=1, keepdims=True)  # [B, 1, V]: each slot's own head (others are 0)
+        filled = slots.pos >= 0  # [B, 1, V]
+        n = filled.sum(axis=-1, keepdims=True)  # [B, 1, 1] slots in the view (K x tokens per head on average)
+        obs = slots.mass + jnp.where(n >= kh * (s + 2 - w), score, 0.0)  # the last w queries before overflow
+        over = n > p  # [B, 1, 1]
+        per_head = head == jnp.arange(kh)[None, :, None]  # [B, K, V]
+        kept_h = self._compress(jnp.where(per_head, obs, 0.0), jnp.where(per_head, slots.pos, EMPTY), s)
+        kept = jnp.where(over, kept_h.any(axis=1, keepdims=True) & filled, filled)  # [B, 1, V]
+        slots = dataclasses.replace(slots, mass=jnp.where(over, 0.0, obs))
+        return _map(lambda x: _rows(x, kh), pack_by_head(slots, kept, head, p))
+
+    def _compress(self, window: Float[Array, "B K V"], pos: Int[Array, "B K V"], s: int) -> Bool[Array, "B K V"]:
+        """Per kv head (pos = -1 where a slot is not the head's): the obs_window newest tokens and
+        the layer's K x b candidates, each head guaranteed floor(alpha_safeguard x b)."""
+        b_, kh, v = pos.shape
+        w = self.obs_window
+        filled = pos >= 0
+        recent = filled & (pos > pos.max(axis=(1, 2), keepdims=True) - w)  # [B, K, V]
+        cand = filled & ~recent
+        prio, tie = SCORERS[self.scorer](self, window, pos, cand)  # [B, K, V]
+        b = min(self.budget + w, s) - w  # candidates per head on average
+        safe = top_mask(prio, tie, int(self.alpha_safeguard * b)) & cand  # [B, K, V]
+        prio = jnp.where(safe, jnp.inf, prio)
+        chosen = top_mask(prio.reshape(b_, kh * v), tie.reshape(b_, kh * v), kh * b).reshape(b_, kh, v) & cand
+        return recent | chosen
+
+    # -- the paper's protocol: the whole prompt densely, then one compression --------------------
+    def prompt_policy(self):
+        return PromptPhase(codec=self.codec, of=self, obs_window=self.obs_window)
+
+    def after_prompt(self, state: PromptState) -> HeadPool:
+        m = state.slots  # max_len
+        s = self.capacity(m)
+        kh = jax.tree.leaves(state.k)[0].shape[1]
+        b = state.pos.shape[0]
+        pos = jnp.broadcast_to(state.pos, (b, kh, m))  # [B, K, M]
+        window = state.rows.sum(axis=2)  # [B, K, M]: the last obs_window queries' attention
+        filled = pos >= 0
+        over = filled.sum(axis=-1, keepdims=True) > min(self.budget + self.obs_window, s)  # [B, K, 1]
+        kept = jnp.where(over, self._compress(window, pos, s) & filled, filled)  # [B, K, M]
+        flat = lambda x: x.reshape((b, 1, kh * m) + x.shape[3:])  # noqa: E731  head-major [B, 1, K*M, ...]
+        slots = HeadPool(jax.tree.map(flat, state.k), jax.tree.map(flat, state.v), flat(pos),
+                         mass=jnp.zeros((b, 1, kh * m), jnp.float32))
+        head = flat(jnp.broadcast_to(jnp.arange(kh, dtype=jnp.int32)[None, :, None], (b, kh, m)))
+        return _map(lambda x: _rows(x, kh), pack_by_head(slots, flat(kept), head, kh * s))
+
+
+def _flat(x: Array) -> Array:
+    """[B, K, S, ...] rows -> [B, 1, K*S, ...] pool (a free reshape)."""
+    return x.reshape((x.shape[0], 1, x.shape[1] * x.shape[2]) + x.shape[3:])
+
+
+def _rows(x: Array, kv_heads: int) -> Array:
+    """[B, 1, K*S, ...] pool -> [B, K, S, ...] rows (row r holds pool slots r*S..r*S+S-1, not head r)."""
+    return x.reshape((x.shape[0], kv_heads, x.shape[2] // kv_heads) + x.shape[3:])
+
+
+def _map(fn, state: HeadPool) -> HeadPool:
+    return HeadPool(*(jax.tree.map(fn, getattr(state, f.name)) for f in dataclasses.fields(state)))
+
+
+def pack_by_head(slots: HeadPool, kept: Bool[Array, "B 1 V"], head: Int[Array, "B 1 V"], p: int) -> HeadPool:
+    """The kept slots (at most p) grouped by head, each head's in text order, then empty slots."""
+    order = jnp.lexsort((jnp.where(kept, slots.pos, LAST_KEY), jnp.where(kept, head, LAST_KEY)), axis=-1)
+    idx = order[..., :p]  # [B, 1, P]
+    live = take_slots(kept, idx)  # [B, 1, P]
+    return HeadPool(k=jax.tree.map(lambda y: take_slots(y, idx), slots.k),
+                    v=jax.tree.map(lambda y: take_slots(y, idx), slots.v),
+                    pos=jnp.where(live, take_slots(slots.pos, idx), EMPTY).astype(jnp.int32),
+                    mass=jnp.where(live, take_slots(slots.mass, idx), 0.0).astype(jnp.float32))

@@ -1,0 +1,127 @@
+"""`PromptScored`: the base of the prompt compressors (snapkv, knorm, random, observed, expected).
+
+Shapes: B batch, K kv heads, S slots (= kept + max_new), T new tokens, V = S + T view slots,
+D head dim.
+
+Such a method ranks the prompt's tokens once, after the whole prompt, and keeps the `kept()`
+best per kv head (kvpress's `ScorerPress`: score, then top-k). The paper's protocol (retrieval:
+`Engine.generate` / `prefill` of a fresh prompt): the prompt is held densely by a `PromptPhase`
+(which also collects what the ranking needs: snapkv's last-window rows, observed's column sums,
+expected's query statistics), `after_prompt` keeps the best `kept()` tokens (if there are more),
+and decoding appends into the `max_new` free slots.
+
+Our extension, for streams (`Engine.score`) and generation beyond `max_new`, the same for every
+subclass: decoding is token by token (`per_token`), and a token that finds no free slot (the
+view holds S + 1 tokens) triggers the same compression, to `kept()` tokens, ranked by what the
+state has seen so far. Memory is fixed whatever the length; chunk never changes a result.
+
+A subclass declares its fields (at least `budget` and `max_new`) and writes `rank`; it
+overrides `observe` / `restart` to keep statistics in the state, `prompt_rank` when the prompt
+is ranked from what the prompt phase collected, and `split` / `join` for statistics that are
+not per slot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from kvpolicies.base import Pending, SlotState, View, check_int, concat, view_of
+from kvpolicies.prompt import PromptPhase, PromptState
+from kvpolicies.scored import Accumulated, Scored, pack, top_mask
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptScored(Scored):
+    """Keep the `kept()` best-ranked tokens after the prompt, append after; recompress on overflow."""
+
+    per_token = True
+    budget_field = "budget"
+    label: ClassVar[str] = "prompt scorer"  # the registry name, for error messages
+    observes = ()
+    # what the prompt phase collects: PromptPhase fields (columns, query_sink) -> values
+    collects: ClassVar[dict[str, Any]] = {}
+
+    def __post_init__(self):
+        check_int(self.label, "budget", self.budget, 0)
+        check_int(self.label, "max_new", self.max_new, 0)
+
+    def kept(self) -> int:
+        """Tokens per kv head after a compression (the budget; snapkv adds its window)."""
+        return self.budget
+
+    def capacity(self, max_len):
+        return min(self.kept() + self.max_new, max_len)
+
+    # -- the ranking (subclasses) -----------------------------------------------------------
+    def rank(self, slots: SlotState, keys: Float[Array, "B K V D"], stats: Any, seen: Any
+             ) -> tuple[Float[Array, "B K V"], Array]:
+        """(priority, tie) of every slot: the top `kept()` by priority survive, ties keep the
+        larger `tie` (by default the position: the newer token). `seen` is None after the prompt."""
+        raise NotImplementedError
+
+    def prompt_rank(self, state: PromptState, slots: SlotState, keys: Float[Array, "B K V D"], stats: Any):
+        """The ranking after the prompt, from the prompt phase's state (default: `rank`)."""
+        return self.rank(slots, keys, stats, None)
+
+    def observe(self, slots: SlotState, stats: Any, view: View, seen: Any, count: Int[Array, "B K"], s: int):
+        """(slots, stats) after a decode step's query (default: unchanged)."""
+        return slots, stats
+
+    def restart(self, slots: SlotState, over: Bool[Array, "B K 1"]) -> SlotState:
+        """The slots after a compression (where `over`) (default: unchanged)."""
+        return slots
+
+    def split(self, state: SlotState) -> tuple[SlotState, Any]:
+        """(per-slot state, per-layer statistics) (default: no statistics)."""
+        return state, None
+
+    def join(self, slots: SlotState, stats: Any) -> SlotState:
+        return slots
+
+    def from_prompt(self, state: PromptState, pos: Int[Array, "B K S"]) -> tuple[SlotState, Any]:
+        """(slots, statistics) of the decode state, from the prompt phase's state (slots
+        [B, K, max_len]: every prompt token; `mass` zeros when the state accumulates)."""
+        if not self.accumulates:
+            return SlotState(state.k, state.v, pos), None
+        return Accumulated(state.k, state.v, pos, mass=jnp.zeros(pos.shape, jnp.float32)), None
+
+    # -- the protocol -------------------------------------------------------------------------
+    def extend(self, state, k, v, pos):
+        slots, stats = self.split(state)
+        new = self._new(slots, k, v, pos)
+        return view_of(self.codec, concat(slots, new), pos, k.dtype, carry=(Pending(slots, new), stats))
+
+    def compact(self, view, seen):
+        (old, new), stats = view.carry
+        slots = concat(old, new)  # [B, K, V, ...]; one new token (per_token)
+        s = old.slots
+        filled = slots.pos >= 0  # [B, K, V]
+        count = filled.sum(axis=-1)  # [B, K] tokens in the view
+        slots, stats = self.observe(slots, stats, view, seen, count, s)
+        over = (count > s)[..., None]  # [B, K, 1]: no free slot for the new token
+        prio, tie = self.rank(slots, view.k, stats, seen)
+        kept = jnp.where(over, top_mask(prio, tie, min(self.kept(), s)) & filled, filled)
+        return self.join(pack(self.restart(slots, over), kept, s), stats)
+
+    def prompt_policy(self):
+        return PromptPhase(codec=self.codec, of=self, obs_window=0, **self.collects)
+
+    def after_prompt(self, state: PromptState) -> SlotState:
+        s = self.capacity(state.slots)  # decode slots (the prompt state has max_len slots)
+        keys = self.codec.decode(state.k, jnp.float32)  # [B, K, max_len, D]
+        pos = jnp.broadcast_to(state.pos, keys.shape[:3])  # [B, K, max_len]
+        slots, stats = self.from_prompt(state, pos)
+        filled = pos >= 0
+        n = min(self.kept(), s)
+        prio, tie = self.prompt_rank(state, slots, keys, stats)
+        kept = jnp.where((filled.sum(axis=-1) > n)[..., None], top_mask(prio, tie, n) & filled, filled)
+        return self.join(pack(slots, kept, s), stats)
+
+
+def rank_by(prio: Float[Array, "B K V"], pos: Int[Array, "B K V"]) -> tuple[Float[Array, "B K V"], Array]:
+    """(priority, tie) with empty slots never kept and ties keeping the newer token."""
+    return jnp.where(pos >= 0, prio, -jnp.inf), pos
