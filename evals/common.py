@@ -27,8 +27,15 @@ class TaskContext:
     progress: bool = True
 
     def engine(self, max_len: int) -> Engine:
-        """An engine for sequences up to max_len tokens (reuse it: it holds the compiled steps)."""
-        return Engine(self.model, self.policies, max_len)
+        """An engine for sequences up to max_len tokens (reuse it: it holds the compiled steps);
+        with kvzip's repeat prompts in this tokenizer's ids when a policy reconstructs."""
+        pols = (self.policies,) if isinstance(self.policies, Policy) else tuple(self.policies)
+        repeat = None
+        if self.tokenizer is not None and any(p.reconstructs for p in pols):
+            from models.reconstruct import repeat_prompts
+
+            repeat = repeat_prompts(self.tokenizer)
+        return Engine(self.model, self.policies, max_len, repeat=repeat)
 
 
 @dataclasses.dataclass

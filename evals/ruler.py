@@ -556,6 +556,13 @@ def _metrics(grid: list[dict], lengths: list[int]) -> dict[str, float]:
     return m
 
 
+def work(engine) -> dict[str, int]:
+    """What the engine fed: fresh prefills, their tokens, and (kvzip) the reconstruction's repeat
+    tokens, the method's prefill overhead."""
+    out = {"prefills": engine.prefills, "prefill_tokens": engine.prefill_tokens}
+    return out | ({"reconstruct_tokens": engine.reconstruct_tokens} if engine.reconstruct_tokens else {})
+
+
 def run(ctx: TaskContext) -> TaskResult:
     """A RULER-style task (ctx.task["name"] in TASKS) under its protocol: grid cells (length[,
     depth]) with accuracy, Wilson interval and trials; arrays `score` [cells, trials] and the
@@ -586,7 +593,7 @@ def run(ctx: TaskContext) -> TaskResult:
         grid.append(rec | accuracy_record(sc) | {"_scores": sc})
         scores.append(sc)
         outputs.append(texts)
-    metrics = _metrics(grid, cfg["lengths"]) | {"prefills": engine.prefills}
+    metrics = _metrics(grid, cfg["lengths"]) | work(engine)
     for g in grid:
         g.pop("_scores")
     return TaskResult(metrics=metrics, grid=grid, arrays={"score": np.asarray(scores, np.float32),
@@ -630,7 +637,7 @@ def run_multiquery(ctx: TaskContext, cfg: dict[str, Any]) -> TaskResult:
     for i in range(nq):
         rec = accuracy_record(all_sc[:, :, i].ravel())
         metrics |= {f"accuracy_q{i}": rec["accuracy"], f"ci_low_q{i}": rec["ci_low"], f"ci_high_q{i}": rec["ci_high"]}
-    metrics |= {"prefills": engine.prefills, "contexts": len(cfg["lengths"]) * cfg["trials"]}
+    metrics |= work(engine) | {"contexts": len(cfg["lengths"]) * cfg["trials"]}
     return TaskResult(metrics=metrics, grid=grid, arrays={"score": all_sc.astype(np.float32),
                                                           "outputs": np.stack(outputs)})
 

@@ -31,6 +31,7 @@ _REGISTRY = {
     "observed": "observed:Observed",
     "expected": "expected:Expected",
     "adakv": "adakv:AdaKV",
+    "kvzip": "kvzip:KVzip",
     "duo": "duo:Duo",
     "kivi": "kivi:Kivi",
 }

@@ -137,20 +137,7 @@ class AdaKV(Policy):
 
     # -- one decode step: the pool plus the new token in every head -----------------------------
     def extend(self, state, k, v, pos):
-        b, kh, t, _ = k.shape
-        flat = lambda x: x.reshape(b, 1, kh * t, x.shape[-1])  # noqa: E731  [B, K, T, D] -> [B, 1, K*T, D]
-        new = encode_new(self.codec, flat(k), flat(v), jnp.tile(pos, (1, kh)))  # head-major
-        new = HeadPool(new.k, new.v, new.pos, mass=jnp.zeros(new.pos.shape, jnp.float32))
-        pool = _map(_flat, state)  # [B, 1, P, ...]
-        slots = concat(pool, new)  # [B, 1, V]
-        head = jnp.concatenate([head_of(pool.pos, kh),
-                                jnp.broadcast_to(jnp.repeat(jnp.arange(kh, dtype=jnp.int32), t), (b, 1, kh * t))],
-                               axis=-1)  # [B, 1, V]
-        mask = head[:, :, None, :] == jnp.arange(kh)[None, :, None, None]  # [B, K, 1, V]
-        dec = lambda x: jnp.broadcast_to(x, (b, kh) + x.shape[2:])  # noqa: E731  [B, 1, V, D] -> [B, K, V, D]
-        return View(k=dec(self.codec.decode(slots.k, k.dtype)), v=dec(self.codec.decode(slots.v, k.dtype)),
-                    pos=slots.pos, rope=RopePositions(q=pos[..., None], k=slots.pos),
-                    mask=jnp.broadcast_to(mask, (b, kh, t, mask.shape[-1])), carry=(slots, head, pool.slots))
+        return pool_view(self.codec, state, k, v, pos)
 
     def compact(self, view, seen):
         if seen.scores is None:
@@ -200,11 +187,39 @@ class AdaKV(Policy):
         filled = pos >= 0
         over = filled.sum(axis=-1, keepdims=True) > min(self.budget + self.obs_window, s)  # [B, K, 1]
         kept = jnp.where(over, self._compress(window, pos, s) & filled, filled)  # [B, K, M]
-        flat = lambda x: x.reshape((b, 1, kh * m) + x.shape[3:])  # noqa: E731  head-major [B, 1, K*M, ...]
-        slots = HeadPool(jax.tree.map(flat, state.k), jax.tree.map(flat, state.v), flat(pos),
-                         mass=jnp.zeros((b, 1, kh * m), jnp.float32))
-        head = flat(jnp.broadcast_to(jnp.arange(kh, dtype=jnp.int32)[None, :, None], (b, kh, m)))
-        return _map(lambda x: _rows(x, kh), pack_by_head(slots, flat(kept), head, kh * s))
+        return prompt_pool(state, kept, jnp.zeros((b, kh, m), jnp.float32), kh * s)
+
+
+def pool_view(codec: Codec, state: HeadPool, k: Float[Array, "B K T D"], v: Float[Array, "B K T D"],
+              pos: Int[Array, "B T"]) -> View:
+    """The view of a head pool plus the T new tokens of every head: [B, 1, V = P + K x T] slots
+    (new tokens head-major), each kv head reading its own slots through the mask; carry =
+    (slots [B, 1, V], head of each slot [B, 1, V], P)."""
+    b, kh, t, _ = k.shape
+    flat = lambda x: x.reshape(b, 1, kh * t, x.shape[-1])  # noqa: E731  [B, K, T, D] -> [B, 1, K*T, D]
+    new = encode_new(codec, flat(k), flat(v), jnp.tile(pos, (1, kh)))  # head-major
+    new = HeadPool(new.k, new.v, new.pos, mass=jnp.zeros(new.pos.shape, jnp.float32))
+    pool = _map(_flat, state)  # [B, 1, P, ...]
+    slots = concat(pool, new)  # [B, 1, V]
+    head = jnp.concatenate([head_of(pool.pos, kh),
+                            jnp.broadcast_to(jnp.repeat(jnp.arange(kh, dtype=jnp.int32), t), (b, 1, kh * t))],
+                           axis=-1)  # [B, 1, V]
+    mask = head[:, :, None, :] == jnp.arange(kh)[None, :, None, None]  # [B, K, 1, V]
+    dec = lambda x: jnp.broadcast_to(x, (b, kh) + x.shape[2:])  # noqa: E731  [B, 1, V, D] -> [B, K, V, D]
+    return View(k=dec(codec.decode(slots.k, k.dtype)), v=dec(codec.decode(slots.v, k.dtype)),
+                pos=slots.pos, rope=RopePositions(q=pos[..., None], k=slots.pos),
+                mask=jnp.broadcast_to(mask, (b, kh, t, mask.shape[-1])), carry=(slots, head, pool.slots))
+
+
+def prompt_pool(state: PromptState, kept: Bool[Array, "B K M"], mass: Float[Array, "B K M"], p: int) -> HeadPool:
+    """A dense prompt state's kept tokens ([B, K, M] per kv head) as a head pool of p slots
+    (K rows), each kept slot with its `mass`."""
+    b, kh, m = kept.shape
+    pos = jnp.broadcast_to(state.pos, (b, kh, m))  # [B, K, M]
+    flat = lambda x: x.reshape((b, 1, kh * m) + x.shape[3:])  # noqa: E731  head-major [B, 1, K*M, ...]
+    slots = HeadPool(jax.tree.map(flat, state.k), jax.tree.map(flat, state.v), flat(pos), mass=flat(mass))
+    head = flat(jnp.broadcast_to(jnp.arange(kh, dtype=jnp.int32)[None, :, None], (b, kh, m)))
+    return _map(lambda x: _rows(x, kh), pack_by_head(slots, flat(kept), head, p))
 
 
 def _flat(x: Array) -> Array:

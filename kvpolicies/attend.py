@@ -91,6 +91,7 @@ def _attend(policy, state, q, k, v, pos, rope, scale):
         k_rot=kr if "k_rot" in policy.observes else None,
         q=qh if "q" in policy.observes else None,  # [B, K, G, T, D]
         rope=rope if "rope" in policy.observes else None,
+        logits=lg if "logits" in policy.observes else None,  # [B, K, G, T, S]
     )
     new_state = policy.compact(view, seen)
     visible = mask.sum(axis=-1, dtype=jnp.int32).max()  # keys the busiest query attended

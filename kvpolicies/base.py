@@ -104,12 +104,15 @@ class Seen:
     k_rot:  [B, K, S, D] the view's keys after RoPE.
     q:      [B, K, G, T, D] the step's queries before RoPE (expected attention's statistics).
     rope:   the `Rope` attention applied (static; to rotate to positions the step does not hold).
+    logits: [B, K, G, T, S] float32 scaled logits, masked slots at float32's lowest value
+            (a softmax over another set of slots: kvzip's reconstruction scores).
     """
 
     scores: Float[Array, "B K T S"] | None = None
     k_rot: Float[Array, "B K S D"] | None = None
     q: Float[Array, "B K G T D"] | None = None
     rope: Any = dataclasses.field(default=None, metadata=dict(static=True))
+    logits: Float[Array, "B K G T S"] | None = None
 
 
 def tree_nbytes(tree) -> int:
@@ -129,7 +132,8 @@ class Policy:
     Subclasses are frozen dataclasses with a `codec` field; class attributes declare the rest.
     """
 
-    # Which `Seen` fields `compact` needs ("scores", "k_rot", "q", "rope"); attention computes only those.
+    # Which `Seen` fields `compact` needs ("scores", "k_rot", "q", "rope", "logits"); attention
+    # computes only those.
     observes: ClassVar[tuple[str, ...]] = ()
     # A decode-time evictor: attention runs a chunk as T single-token steps (a scan inside the
     # compiled step), so eviction happens after every token and `chunk` never changes a result.
@@ -139,6 +143,10 @@ class Policy:
     # field -> run-level config key it follows in `python -m evals.run` (e.g. h2o's heavy <- budget);
     # every other field takes its dataclass default, and `codec` always follows the run's codec.
     run_keys: ClassVar[dict[str, str]] = {}
+    # A prompt compressor that scores the prompt with a second model pass (kvzip's context
+    # reconstruction): the engine runs `reconstruction()` policies over its repeat inputs
+    # between the prompt phase and `after_prompt`.
+    reconstructs: ClassVar[bool] = False
     codec: Codec = Identity()
 
     # -- sizes ---------------------------------------------------------------------------

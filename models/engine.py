@@ -40,8 +40,10 @@ from tqdm.auto import tqdm
 
 from kvpolicies.base import Policy, SlotState
 from kvpolicies.full import Full
+from kvpolicies.kvzip import Reconstruct
 from kvpolicies.prompt import PromptPhase, PromptState
 from models.llama import Cache, Llama, policy_runs
+from models.reconstruct import RepeatPrompts, repeat_inputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +55,7 @@ class Prompted:
     length: int
     logits: jax.Array
     compressed: bool
+    tokens: np.ndarray | None = None  # [B, length] the ids fed (kvzip reconstructs them)
 
 
 def _fork(cache: Cache) -> Cache:
@@ -65,6 +68,17 @@ def _prompt_key(p: Policy) -> Policy:
     prompt compressor it serves (`of`), and full's slots are a dense prompt phase's slots."""
     if isinstance(p, PromptPhase):
         return dataclasses.replace(p, of=None)
+    return p
+
+
+def _recon_policy(p: Policy) -> Policy:
+    """A layer's policy in kvzip's reconstruction pass: a kvzip layer scores; a dense layer (full,
+    another compressor's prompt phase) is read without writing; any other policy runs as it is
+    (its writes are discarded)."""
+    if isinstance(p, PromptPhase) and p.of is not None and p.of.reconstructs:
+        return p.of.reconstruction()
+    if isinstance(p, (PromptPhase, Full)):
+        return Reconstruct(codec=p.codec)
     return p
 
 
@@ -132,13 +146,19 @@ def _row_lengths(tokens: Any) -> list[int] | None:
 class Engine:
     """Runs a `Llama` with a fixed per-layer policy tuple and maximum length."""
 
-    def __init__(self, model: Llama, policies: Policy | Sequence[Policy], max_len: int, cache_dtype=None):
+    def __init__(self, model: Llama, policies: Policy | Sequence[Policy], max_len: int, cache_dtype=None,
+                 repeat: RepeatPrompts | None = None):
         self.cfg = model.cfg
         self.policies = tuple(p for a, b, p in policy_runs(policies, model.cfg.n_layers) for _ in range(b - a))
         # A fresh prompt is held by each policy's prompt phase, then `after_prompt` (once); the
         # same policies for streaming policies, a dense phase for prompt compressors (snapkv).
         self.prompt_policies = tuple(p.prompt_policy() for p in self.policies)
         self._compresses = self.prompt_policies != self.policies
+        # kvzip: a reconstruction pass between the prompt phase and after_prompt (models.reconstruct)
+        self.repeat = repeat
+        self._zippers = tuple(dict.fromkeys(p for p in self.policies if p.reconstructs))
+        self.recon_policies = tuple(_recon_policy(p) for p in self.prompt_policies)
+        self.reconstruct_tokens = 0  # repeat-input tokens fed by reconstruction passes
         self.prompts_compressed = 0  # how many times after_prompt ran (once per fresh prompt)
         self.prefills = 0  # fresh prompts prefilled (prefill, generate, prompt)
         self.prefill_tokens = 0  # tokens those prefills and extend_prompt / continue_generate fed
@@ -152,6 +172,7 @@ class Engine:
         self._after_prompt = jax.jit(self._after_prompt_impl)  # new shapes: nothing to donate into
         self._nll_step = jax.jit(self._nll_impl, **donate)
         self._decode_n = jax.jit(self._decode_n_impl, static_argnums=(4,), **donate)
+        self._recon_step = jax.jit(self._recon_impl)  # the prompt state stays usable: no donation
 
     # -- pure step functions (traced once per shape) ---------------------------------------
     def _merge(self, params) -> Llama:
@@ -185,6 +206,50 @@ class Engine:
 
         (cache, _, _), toks = jax.lax.scan(step, (cache, token, pos), None, length=n)
         return toks.T, cache  # [B, n]
+
+    def _recon_impl(self, params, cache, tokens, pos):
+        """The cache after one repeat input through the reconstruction policies (kvzip layers'
+        scores updated; every other layer's writes are discarded by `_reconstruct`)."""
+        self.traces["reconstruct"] += 1
+        _, cache = self._merge(params).hidden(tokens, pos, cache, self.recon_policies)
+        return cache
+
+    def _check_repeat(self):
+        if self._zippers and self.repeat is None:
+            raise ValueError("kvzip scores a prompt by reconstructing it: give the engine the repeat prompts, "
+                             "Engine(..., repeat=models.reconstruct.repeat_prompts(tokenizer))")
+
+    def _reconstruct(self, cache: Cache, tokens: np.ndarray) -> Cache:
+        """KVzip's context reconstruction over a prompt-phase cache holding `tokens` [B, T]: each
+        chunk's repeat input runs after the context (positions T..), the cache is read, not written;
+        returns the cache with every kvzip layer's scores (`extra["zip"]` [B, K, M])."""
+        if not self._zippers:
+            return cache
+        self._check_repeat()
+        chunks = {(p.repeat_chunk, p.repeat_tail) for p in self._zippers}
+        if len(chunks) > 1:
+            raise ValueError(f"kvzip layers with different repeat_chunk/repeat_tail {sorted(chunks)}: one pass serves all")
+        (chunk, tail), = chunks
+        runs = policy_runs(self.recon_policies, self.cfg.n_layers)
+        if len(runs) != len(cache):
+            raise ValueError("reconstruct: the cache does not have this engine's prompt-phase layout")
+        scored = [isinstance(p, Reconstruct) and p.of is not None for _, _, p in runs]
+        b, t = tokens.shape
+
+        def with_range(st, lo, hi):
+            n = st.pos.shape[0]  # layers in the run
+            zip0 = st.extra.get("zip", jnp.zeros(st.pos.shape[:2] + (jax.tree.leaves(st.k)[0].shape[2], st.slots),
+                                                  jnp.float32))  # [L, B, K, M]
+            rng = jnp.broadcast_to(jnp.asarray([lo, hi], jnp.int32), (n, b, 2))
+            return dataclasses.replace(st, extra={**st.extra, "zip": zip0, "zip_range": rng})
+
+        for lo, hi, ids in repeat_inputs(tokens, self.repeat, chunk, tail):
+            cache = tuple(with_range(st, lo, hi) if z else st for st, z in zip(cache, scored))
+            pos = jnp.broadcast_to(jnp.arange(t, t + ids.shape[1], dtype=jnp.int32), ids.shape)
+            new = self._recon_step(self.params, cache, jnp.asarray(ids), pos)
+            cache = tuple(n if z else st for st, n, z in zip(cache, new, scored))
+            self.reconstruct_tokens += ids.size
+        return cache
 
     def _after_prompt_impl(self, cache):
         """Each run's prompt state -> its decode state (stacked over the run's layers)."""
@@ -251,6 +316,8 @@ class Engine:
         chunk = self._chunk(chunk, t)
         self._check_len(t, f"prompt of {t} tokens")
         fresh = cache is None and self._compresses
+        if fresh:
+            self._check_repeat()
         cache_was_none = cache is None
         cache = self.init_cache(tokens.shape[0], prompt=fresh) if cache is None else cache
         logits = None
@@ -261,7 +328,7 @@ class Engine:
         self.prefill_tokens += t * tokens.shape[0]
         if fresh:
             self.prompts_compressed += 1
-            cache = self._after_prompt(cache)
+            cache = self._after_prompt(self._reconstruct(cache, tokens))
         return logits, cache
 
     # -- staged prompts: compress before the question, fork one state ---------------------------
@@ -273,9 +340,12 @@ class Engine:
         if t == 0:
             raise ValueError(f"tokens: prompt needs at least 1 token, got shape {tokens.shape}")
         self._check_len(t, f"prompt of {t} tokens")
+        self._check_repeat()
         cache = self.init_cache(tokens.shape[0], prompt=True)
         self.prefills += 1
-        return self._feed(Prompted(cache, 0, None, False), tokens, self._chunk(chunk, t), prompt=True, fork=False)
+        empty = np.zeros((tokens.shape[0], 0), np.int32)
+        return self._feed(Prompted(cache, 0, None, False, empty), tokens, self._chunk(chunk, t), prompt=True,
+                          fork=False)
 
     def _feed(self, state: Prompted, tokens: np.ndarray, chunk: int, prompt: bool, fork: bool = True) -> Prompted:
         cache, logits, start = _fork(state.cache) if fork else state.cache, state.logits, state.length
@@ -283,7 +353,8 @@ class Engine:
         for s in range(0, t, chunk):
             logits, cache = self._step(cache, tokens[:, s:s + chunk], start + s, prompt=prompt)
         self.prefill_tokens += t * tokens.shape[0]
-        return Prompted(cache, start + t, logits, state.compressed)
+        fed = None if state.tokens is None else np.concatenate([state.tokens, tokens], axis=1)
+        return Prompted(cache, start + t, logits, state.compressed, fed)
 
     def _check_state(self, state: Prompted, tokens, what: str) -> np.ndarray:
         if not isinstance(state, Prompted):
@@ -347,8 +418,12 @@ class Engine:
                              "(another model, max_len or prompt phase; see shares_prompt)")
         if self._compresses:
             self.prompts_compressed += 1
+            if self._zippers:
+                if state.tokens is None:
+                    raise ValueError("compress: kvzip needs the prompt's token ids (a state from Engine.prompt)")
+                cache = self._reconstruct(cache, state.tokens)
             cache = self._after_prompt(cache)
-        return Prompted(cache, state.length, state.logits, True)
+        return Prompted(cache, state.length, state.logits, True, state.tokens)
 
     def continue_generate(self, state: Prompted, tokens, n: int, chunk: int | None = None) -> np.ndarray:
         """Greedy ids [B, n] after feeding `tokens` [B, T] (T >= 0; e.g. a question) through the

@@ -92,6 +92,8 @@ REFERENCES = {
     "expected": ([kvpolicies.get("expected", budget=6, max_new=3, n_sink=2, n_future_positions=8)], stream_ref),
     "adakv": ([kvpolicies.get("adakv", budget=5, obs_window=3, kernel=3, max_new=4)],
               lambda *a: __import__("test_headwise").adakv_reference(*a)),  # tests/test_headwise.py
+    "kvzip": ([kvpolicies.get("kvzip", budget=5, max_new=3, n_sink=2)],
+              lambda *a: __import__("test_kvzip").stream_reference(*a)),  # tests/test_kvzip.py
     "duo": ([kvpolicies.get("duo", sink=2, recent=5, heads=(1, 0))],
             lambda *a: __import__("test_headwise").duo_reference(*a)),
     "multires": ([kvpolicies.get("multires", window=3, branch=2, slots_per_level=2, levels=3)], _hier_ref),

@@ -1,0 +1,177 @@
+"""`kvzip`: KVzip (Kim et al., "KVzip: Query-Agnostic KV Cache Compression with Context
+Reconstruction", NeurIPS 2025; authors' repo snu-mllab/KVzip, kvpress `KVzipPress`) — score each
+cached token by the most attention it receives while the model is asked to repeat the context,
+then keep the best tokens with head-wise budgets, before any question is known.
+
+Shapes: B batch, K kv heads, G query heads per kv head, M = max_len (the prompt phase's slots),
+T new tokens (a repeat input in the reconstruction pass), S = budget + max_new slots per kv head
+on average, P = K x S pool slots per layer, V view slots, D head dim.
+
+Protocol (a prompt compressor that needs a second model pass):
+  1. prompt phase: the context is held densely (`PromptPhase(obs_window=0)`, the state knorm and
+     random use, so one dense prefill serves them all);
+  2. reconstruction (run by `models.engine.Engine`, which owns the model): the context is cut into
+     chunks of `repeat_chunk` tokens; chunk i is fed after the whole context as
+     [repeat prompt, chat suffix, chunk i] (chunk > 0: "...starting with" + the previous chunk's
+     last `repeat_tail` tokens), through `Reconstruct` layers that attend over the whole cache
+     (the model's forward is unchanged) and score the chunk: a softmax of the repeat queries'
+     logits restricted to the first `n_sink` tokens, chunk i's tokens and the repeat input itself
+     (causal), maximised over the G query heads and the repeat queries — the cache is not written;
+  3. `after_prompt`: each layer keeps K x budget tokens, chosen from the scores of all its kv heads
+     together (head-wise budgets), every head keeping the `n_sink` first tokens and the context's
+     last token; stored as Ada-KV's head pool (`kvpolicies.adakv`): exactly the bytes of a uniform
+     policy with the same slots, the heads holding different numbers of tokens.
+
+Defaults: the authors' (chunk 2000, previous-chunk tail 8, repeat prompts of model/wrapper.py) and
+kvpress's n_sink = 4. Deviations, named: (1) layer budgets are uniform (kvpress's
+`layerwise=True`); the authors' default ("pair") and kvpress's default threshold all layers'
+scores together, which gives layers different sizes — our layers have static shapes, so a
+layer-adaptive split would not save memory; (2) the whole prompt is reconstructed and scored,
+chat header included (the authors keep a system prompt whole and do not score it; kvpress scores
+only after the chat prefix and keeps n_sink); (3) scores are float32 (the authors: the model's
+bfloat16); (4) ties keep the newer token. Stream extension (ours; `Engine.score` and generation
+beyond `max_new`): no reconstruction is possible mid-stream, so a slot's score is the most
+attention any later query gave it (the same statistic, from real queries), and a full pool is
+recompressed with the same head-wise rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from kvpolicies.adakv import HeadPool, _map, _rows, pack_by_head, pool_view, prompt_pool
+from kvpolicies.base import EMPTY, Policy, SlotState, check_int, concat, empty_slots, encode_new, view_of
+from kvpolicies.codecs import Codec, Identity
+from kvpolicies.prompt import PromptPhase, PromptState
+from kvpolicies.scored import top_mask
+
+LOWEST = jnp.finfo(jnp.float32).min
+
+
+@dataclasses.dataclass(frozen=True)
+class KVzip(Policy):
+    """Keep, per layer, the K x budget tokens with the largest context-reconstruction score."""
+
+    observes = ("logits",)
+    per_token = True
+    budget_field = "budget"
+    reconstructs = True
+
+    budget: int = 1024  # tokens per kv head on average after compression (sinks and last token included)
+    max_new: int = 256  # free slots per kv head on average for the question and the answer
+    n_sink: int = 4
+    repeat_chunk: int = 2000
+    repeat_tail: int = 8
+    codec: Codec = Identity()
+
+    def __post_init__(self):
+        check_int("kvzip", "n_sink", self.n_sink, 0)
+        check_int("kvzip", "budget", self.budget, self.n_sink + 1)
+        check_int("kvzip", "max_new", self.max_new, 0)
+        check_int("kvzip", "repeat_chunk", self.repeat_chunk, 1)
+        check_int("kvzip", "repeat_tail", self.repeat_tail, 0)
+
+    def capacity(self, max_len):
+        """Slots per kv head on average (the pool holds kv_heads x this many)."""
+        return min(self.budget + self.max_new, max_len)
+
+    def init(self, batch, kv_heads, head_dim, dtype, max_len):
+        st = empty_slots(self.codec, batch, kv_heads, head_dim, dtype, self.capacity(max_len), kv_heads)  # [B, K, S, D]
+        return HeadPool(st.k, st.v, st.pos, mass=jnp.zeros(st.pos.shape, jnp.float32))
+
+    # -- the head-wise choice ---------------------------------------------------------------------
+    def keep(self, score: Float[Array, "B K V"], pos: Int[Array, "B K V"], s: int) -> Bool[Array, "B K V"]:
+        """Per kv head (pos = -1 where a slot is not the head's): the n_sink first tokens and the
+        newest, then the layer's best-scored tokens of all heads together, K x min(budget, s) in all
+        (ties to the lower head, then the newer token)."""
+        b, kh, v = pos.shape
+        filled = pos >= 0
+        always = filled & ((pos < self.n_sink) | (pos == pos.max(axis=(1, 2), keepdims=True)))
+        prio = jnp.where(always, jnp.inf, jnp.where(filled, score, -jnp.inf))
+        n = kh * min(self.budget, s)
+        return top_mask(prio.reshape(b, kh * v), pos.reshape(b, kh * v), n).reshape(b, kh, v) & filled
+
+    # -- decoding and streams: the pool plus the new token of every head -----------------------------
+    def extend(self, state, k, v, pos):
+        return pool_view(self.codec, state, k, v, pos)
+
+    def compact(self, view, seen):
+        if seen.logits is None:
+            raise ValueError(f"KVzip.compact needs the attention logits (observes={self.observes})")
+        slots, head, p = view.carry
+        kh = seen.logits.shape[1]
+        if seen.logits.shape[3] != 1:
+            raise ValueError(f"KVzip evicts after every token (per_token): got a step of {seen.logits.shape[3]} tokens")
+        s = p // kh
+        probs = jax.nn.softmax(seen.logits[:, :, :, 0], axis=-1).max(axis=2)  # [B, K, V] max over G
+        score = probs.sum(axis=1, keepdims=True)  # [B, 1, V]: each slot's own head (the others read 0)
+        filled = slots.pos >= 0
+        mass = jnp.maximum(slots.mass, score)  # the most attention a slot has received
+        over = filled.sum(axis=-1, keepdims=True) > p  # [B, 1, 1]
+        per_head = head == jnp.arange(kh)[None, :, None]  # [B, K, V]
+        kept_h = self.keep(jnp.where(per_head, mass, 0.0), jnp.where(per_head, slots.pos, EMPTY), s)
+        kept = jnp.where(over, kept_h.any(axis=1, keepdims=True) & filled, filled)  # [B, 1, V]
+        slots = dataclasses.replace(slots, mass=mass)
+        return _map(lambda x: _rows(x, kh), pack_by_head(slots, kept, head, p))
+
+    # -- the paper's protocol ---------------------------------------------------------------------------
+    def prompt_policy(self):
+        return PromptPhase(codec=self.codec, of=self, obs_window=0)
+
+    def reconstruction(self) -> "Reconstruct":
+        """The layer's policy while the engine feeds the repeat inputs."""
+        return Reconstruct(codec=self.codec, of=self)
+
+    def after_prompt(self, state: PromptState) -> HeadPool:
+        if "zip" not in state.extra:
+            raise ValueError("kvzip: the prompt has no reconstruction scores; run it through models.engine.Engine "
+                             "(prefill / generate / compress run the reconstruction pass)")
+        m = state.slots
+        s = self.capacity(m)
+        kh = jax.tree.leaves(state.k)[0].shape[1]
+        b = state.pos.shape[0]
+        pos = jnp.broadcast_to(state.pos, (b, kh, m))  # [B, K, M]
+        score = state.extra["zip"]  # [B, K, M]
+        filled = pos >= 0
+        over = filled.sum(axis=-1, keepdims=True) > min(self.budget, s)  # [B, K, 1]
+        kept = jnp.where(over, self.keep(score, pos, s), filled)
+        return prompt_pool(state, kept, jnp.where(filled, score, 0.0), kh * s)
+
+
+@dataclasses.dataclass(frozen=True)
+class Reconstruct(Policy):
+    """A kvzip layer during the reconstruction pass: attention over the dense prompt state and the
+    repeat input (not stored), and the scores of the chunk `extra["zip_range"]` = [lo, hi)
+    written into `extra["zip"]` [B, K, M] (see the module docstring). With `of=None`, a dense
+    layer of another policy (full, a prompt phase) read without writing or scoring."""
+
+    of: KVzip | None = None
+
+    @property
+    def observes(self):
+        return ("logits",) if self.of is not None else ()
+
+    def capacity(self, max_len):
+        return max_len
+
+    def extend(self, state: PromptState, k, v, pos):
+        slots = concat(SlotState(state.k, state.v, state.pos), encode_new(self.codec, k, v, pos))  # [B, 1, M + T]
+        return view_of(self.codec, slots, pos, k.dtype, carry=state)
+
+    def compact(self, view, seen):
+        state = view.carry
+        if self.of is None:
+            return state
+        m = state.slots
+        lo, hi = (state.extra["zip_range"][:, i, None, None] for i in (0, 1))  # [B, 1, 1]
+        p = view.pos  # [B, 1, M + T]
+        repeat = jnp.arange(p.shape[-1]) >= m  # the repeat input's own slots
+        scored = ((p >= 0) & (p < self.of.n_sink)) | ((p >= lo) & (p < hi)) | repeat  # [B, 1, M + T]
+        lg = jnp.where(scored[:, :, None, None, :], seen.logits, LOWEST)  # [B, K, G, T, M + T]
+        score = jax.nn.softmax(lg, axis=-1)[..., :m].max(axis=(2, 3))  # [B, K, M]: max over G and queries
+        chunk = (state.pos >= lo) & (state.pos < hi)  # [B, 1, M]
+        return dataclasses.replace(state, extra={**state.extra, "zip": jnp.where(chunk, score, state.extra["zip"])})

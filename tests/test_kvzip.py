@@ -1,0 +1,237 @@
+"""`kvzip`: KVzip's context-reconstruction scores and head-wise budgets.
+
+References written independently of the library:
+- the prompt protocol against transformers' PyTorch Qwen2 (eager attention, `output_attentions`)
+  on a tiny random checkpoint: the authors' scoring re-simulated in numpy on transformers'
+  attention probabilities (repeat inputs built from the authors' rule, the softmax restricted to
+  the sinks, the chunk and the repeat input by renormalising, max over the group's query heads
+  and the repeat queries), then the per-layer head-wise choice (sinks and the last token, then
+  the best K x budget of all heads' scores) as Python sets;
+- the stream extension token by token in float64 numpy (the most attention each slot received,
+  the same head-wise choice on overflow), as tests/test_headwise.py does for Ada-KV.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvpolicies
+from helpers import run_policy
+from kvpolicies.kvzip import KVzip
+from kvpolicies.memory import state_bytes
+from models.reconstruct import RepeatPrompts, repeat_inputs
+from test_headwise import B, G, K, MAX_LEN, ROPE, _rotated, kept_by_head, qkv
+
+REPEAT = RepeatPrompts(first=(5, 6, 7), next=(8, 9), suffix=(10, 11))
+
+
+# ------------------------------------------------------------------------------------------
+# the stream extension (the registry reference)
+# ------------------------------------------------------------------------------------------
+
+
+def _probs(qr, kr, b, p, h, js):
+    """Attention probabilities [G, len(js)] of query p's G heads of kv head h over positions js."""
+    js = np.asarray(sorted(js))
+    lg = np.einsum("jd,gd->gj", kr[b, js, h], qr[b, p, h * G:(h + 1) * G]) / np.sqrt(qr.shape[-1])
+    w = np.exp(lg - lg.max(axis=1, keepdims=True))
+    return js, w / w.sum(axis=1, keepdims=True)
+
+
+def choose(score, pos_sets, n_sink, newest, n):
+    """Head-wise choice: score[h] {pos: score}; every head keeps j < n_sink and `newest`, then the
+    best of all (head, pos) until n are kept (ties: newer token, then lower head)."""
+    always = [{j for j in s if j < n_sink or j == newest} for s in pos_sets]
+    rest = sorted(((h, j) for h, s in enumerate(pos_sets) for j in s - always[h]),
+                  key=lambda hj: (-score[hj[0]][hj[1]], -hj[1], hj[0]))
+    kept = [set(a) for a in always]
+    for h, j in rest[: max(n - sum(len(a) for a in always), 0)]:
+        kept[h].add(j)
+    return kept
+
+
+def simulate_stream(pol, q, k, v, max_len=MAX_LEN):
+    qr, kr = _rotated(q, k)
+    t = q.shape[1]
+    cap = pol.capacity(max_len)
+    out = np.zeros(q.shape)
+    kept_all = []
+    for b in range(B):
+        kept = [set() for _ in range(K)]
+        mass = [dict() for _ in range(K)]
+        for p in range(t):
+            view = [kept[h] | {p} for h in range(K)]
+            for h in range(K):
+                js, w = _probs(qr, kr, b, p, h, view[h])
+                out[b, p, h * G:(h + 1) * G] = w @ np.asarray(v, np.float64)[b, js, h]
+                for j, x in zip(js.tolist(), w.max(axis=0)):
+                    mass[h][j] = max(mass[h].get(j, 0.0), x)
+            if sum(len(x) for x in view) > K * cap:
+                kept = choose(mass, view, pol.n_sink, p, K * min(pol.budget, cap))
+            else:
+                kept = view
+            mass = [{j: mass[h][j] for j in kept[h]} for h in range(K)]
+        kept_all.append([sorted(x) for x in kept])
+    return out, kept_all
+
+
+def stream_reference(pol, q, k, v, chunks=None):
+    """The registry reference (tests/test_policies.py)."""
+    return simulate_stream(pol, q, k, v)[0]
+
+
+@pytest.mark.parametrize("chunks", [[1], [6]], ids=str)
+def test_stream_extension_matches_the_reference(chunks):
+    pol = KVzip(budget=5, max_new=3, n_sink=2)
+    q, k, v = qkv(27, seed=4, head_scale=(4.0, 0.3))
+    out, state = run_policy(pol, q, k, v, chunks, ROPE, max_len=MAX_LEN)
+    ref, kept = simulate_stream(pol, q, k, v)
+    np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
+    assert kept_by_head(state) == kept
+    counts = [[len(x) for x in kb] for kb in kept]
+    assert any(c[0] != c[1] for c in counts), counts  # heads hold different numbers of tokens
+
+
+# ------------------------------------------------------------------------------------------
+# the paper's protocol against transformers
+# ------------------------------------------------------------------------------------------
+
+
+def test_repeat_inputs_follow_the_authors_chunking():
+    ctx = np.arange(100, 125, dtype=np.int32)[None]  # 25 tokens, chunks of 10
+    got = repeat_inputs(ctx, REPEAT, chunk=10, tail=3)
+    assert [(lo, hi) for lo, hi, _ in got] == [(0, 10), (10, 20), (20, 25)]
+    assert got[0][2][0].tolist() == [5, 6, 7, 10, 11] + list(range(100, 110))
+    assert got[1][2][0].tolist() == [8, 9, 107, 108, 109, 10, 11] + list(range(110, 120))
+    assert got[2][2][0].tolist() == [8, 9, 117, 118, 119, 10, 11] + list(range(120, 125))
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen(tmp_path_factory):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from models.llama import Llama
+    from models.loading import load_hf
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   tie_word_embeddings=True, attn_implementation="eager")
+    ref = transformers.Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():  # larger weights: peaked, head-dependent attention
+        for name, p in ref.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(8.0)
+            if name.endswith(".bias") or "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    path = tmp_path_factory.mktemp("qwen")
+    ref.save_pretrained(path)
+    return ref, Llama(*load_hf(path))
+
+
+def reference_scores(ref, ctx, pol):
+    """[layer][b][h] {pos: score}: the authors' scoring on transformers' attention probabilities."""
+    import torch
+    from transformers import DynamicCache
+
+    b, t = ctx.shape
+    n_layers, kh = ref.config.num_hidden_layers, ref.config.num_key_value_heads
+    g = ref.config.num_attention_heads // kh
+    cache = DynamicCache()
+    with torch.no_grad():
+        ref(torch.tensor(ctx, dtype=torch.long), past_key_values=cache, use_cache=True)
+    scores = [[[dict() for _ in range(kh)] for _ in range(b)] for _ in range(n_layers)]
+    for lo, hi, ids in repeat_inputs(ctx, REPEAT, pol.repeat_chunk, pol.repeat_tail):
+        with torch.no_grad():
+            att = ref(torch.tensor(ids, dtype=torch.long), past_key_values=copy.deepcopy(cache), use_cache=True,
+                      output_attentions=True).attentions  # layers x [B, N, R, T + R]
+        cols = np.arange(t + ids.shape[1])
+        allowed = (cols < pol.n_sink) | ((cols >= lo) & (cols < hi)) | (cols >= t)
+        for layer, a in enumerate(att):
+            p = a.double().numpy() * allowed
+            p = p / p.sum(axis=-1, keepdims=True)  # the softmax over the allowed keys only
+            for bb in range(b):
+                for h in range(kh):
+                    best = p[bb, h * g:(h + 1) * g].max(axis=(0, 1))  # max over group and queries
+                    scores[layer][bb][h].update({j: best[j] for j in range(lo, hi)})
+    return scores
+
+
+def test_prompt_protocol_matches_transformers(tiny_qwen):
+    """Scores of every prompt token, per layer and kv head, equal the authors' rule on
+    transformers' attention (<= 1e-5), and the compressed cache keeps exactly the head-wise
+    choice; the heads of a layer keep different numbers of tokens, K x budget in all."""
+    from models.engine import Engine
+
+    ref, ours = tiny_qwen
+    pol = KVzip(budget=9, max_new=4, n_sink=2, repeat_chunk=12, repeat_tail=3)
+    ctx = np.random.default_rng(1).integers(12, 64, (B, 30)).astype(np.int32)
+    eng = Engine(ours, pol, max_len=40, repeat=REPEAT)
+    state = eng.prompt(ctx, chunk=7)
+    zipped = eng._reconstruct(state.cache, state.tokens)[0].extra["zip"]  # [L, B, K, M]
+    want = reference_scores(ref, ctx, pol)
+    for layer in range(2):
+        for b in range(B):
+            for h in range(K):
+                got = np.asarray(zipped[layer, b, h, :30], np.float64)
+                np.testing.assert_allclose(got, [want[layer][b][h][j] for j in range(30)], atol=1e-5, rtol=0)
+    fed = eng.reconstruct_tokens
+    comp = eng.compress(state)
+    assert eng.reconstruct_tokens - fed == B * (17 + 19 + 13)  # three repeat inputs: prompt + suffix + chunk
+    for layer in range(2):
+        st = jax.tree.map(lambda x: x[layer], comp.cache[0])
+        kept = kept_by_head(st)
+        for b in range(B):
+            sets = [set(range(30)) for _ in range(K)]
+            assert [set(x) for x in kept[b]] == choose(want[layer][b], sets, 2, 29, K * 9)
+            counts = [len(x) for x in kept[b]]
+            assert sum(counts) == K * 9
+    assert any(len(x[0]) != len(x[1]) for layer in range(2)
+               for x in kept_by_head(jax.tree.map(lambda a: a[layer], comp.cache[0]))), "heads all kept equal counts"
+    # the prompt state is unchanged by the reconstruction (read, not written), and stays usable
+    again = eng.compress(state)
+    for a, c in zip(jax.tree.leaves(again.cache), jax.tree.leaves(comp.cache)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+
+
+def test_generate_equals_prompt_compress_continue(tiny_qwen):
+    """`generate` (query-aware: the whole prompt reconstructed) is prompt + compress +
+    continue_generate of the same ids; the prefill chunk changes nothing."""
+    from models.engine import Engine
+
+    _, ours = tiny_qwen
+    pol = KVzip(budget=9, max_new=8, n_sink=2, repeat_chunk=12, repeat_tail=3)
+    ctx = np.random.default_rng(2).integers(12, 64, (B, 26)).astype(np.int32)
+    eng = Engine(ours, pol, max_len=40, repeat=REPEAT)
+    a = eng.generate(ctx, 6, chunk=5)
+    b = eng.continue_generate(eng.compress(eng.prompt(ctx, chunk=26)), np.zeros((B, 0), np.int32), 6)
+    np.testing.assert_array_equal(a, b)
+
+
+def test_needs_repeat_prompts_before_any_compute(tiny_qwen):
+    from models.engine import Engine
+
+    _, ours = tiny_qwen
+    eng = Engine(ours, KVzip(budget=9, max_new=4), max_len=40)
+    ctx = np.ones((1, 20), np.int32)
+    for call in (lambda: eng.prompt(ctx), lambda: eng.generate(ctx, 2), lambda: eng.prefill(ctx)):
+        with pytest.raises(ValueError, match="repeat_prompts"):
+            call()
+    assert eng.traces == {}  # nothing was compiled
+
+
+def test_stores_the_bytes_of_a_uniform_pool():
+    """State bytes: K x S slots of keys and values, an int32 position and a float32 score per
+    slot (closed form), equal to Ada-KV's at the same slots."""
+    pol = kvpolicies.get("kvzip", budget=100, max_new=28)
+    d, m = 16, 1000
+    s = 128
+    size = dict(kv_heads=K, head_dim=d, max_len=m, dtype=jnp.float32)
+    assert state_bytes(pol, **size).total == K * s * (2 * d * 4 + 4 + 4)
+    ada = kvpolicies.get("adakv", budget=100 - 32, obs_window=32, max_new=28)
+    assert state_bytes(ada, **size).total == state_bytes(pol, **size).total
