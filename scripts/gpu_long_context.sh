@@ -26,7 +26,7 @@ if [[ $what == 4k || $what == all ]]; then
   # issues 10 and 11: the RULER-style average at 4K, both protocols, 10 trials per cell
   for protocol in query_aware query_agnostic; do
     "$PY" -m evals.suite tasks=ruler "task.lengths=[4096]" task.trials=10 task.protocol=$protocol \
-      "policies=[sink,snapkv,h2o,adakv,pyramidkv,knorm,random,observed,expected]" "budgets=[0.25,0.5]" \
+      "policies=[sink,snapkv,h2o,adakv,pyramidkv,kvzip,knorm,random,observed,expected]" "budgets=[0.25,0.5]" \
       "extra=[quest,kivi]" "${common[@]}"
   done
 fi
