@@ -29,3 +29,28 @@ def text_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("text") / "tiny.txt"
     path.write_text(" ".join(rng.choice(words, 200)), encoding="utf-8")
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen(tmp_path_factory):
+    """(transformers Qwen2ForCausalLM, our Llama) on one tiny random checkpoint: peaked,
+    head-dependent attention (q/k weights x8, biases and norms perturbed), eager attention."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from models.llama import Llama
+    from models.loading import load_hf
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   tie_word_embeddings=True, attn_implementation="eager")
+    ref = transformers.Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():  # larger weights: peaked, head-dependent attention
+        for name, p in ref.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(8.0)
+            if name.endswith(".bias") or "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    path = tmp_path_factory.mktemp("qwen")
+    ref.save_pretrained(path)
+    return ref, Llama(*load_hf(path))

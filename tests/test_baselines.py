@@ -362,3 +362,43 @@ def test_bad_hyperparameters_raise():
                           ("expected", dict(epsilon=-0.1), r"expected.epsilon=-0.1")]:
         with pytest.raises(ValueError, match=msg):
             kvpolicies.get(name, **kw)
+
+
+def test_expected_keeps_what_kvpress_keeps_on_transformers_tensors(tiny_qwen):
+    """Expected attention through our engine keeps, per layer and KV head, exactly the tokens that
+    kvpress's ExpectedAttentionPress.score ranks best when it is computed (float64, kvpress's
+    formulas) from transformers' own tensors of the same prompt: the layer's normed input for
+    the pre-RoPE queries, the cache's post-RoPE keys and values (a tiny random Qwen2)."""
+    import torch
+    from transformers import DynamicCache
+
+    from models.engine import Engine
+
+    ref, ours = tiny_qwen
+    pol = kvpolicies.get("expected", budget=12, max_new=4, n_sink=2, n_future_positions=16)
+    ctx = np.random.default_rng(3).integers(0, 64, (1, 40)).astype(np.int32)
+    t = ctx.shape[1]
+    state = Engine(ours, pol, max_len=48).compress(Engine(ours, pol, max_len=48).prompt(ctx, chunk=9))
+    cache = DynamicCache()
+    with torch.no_grad():
+        out = ref(torch.tensor(ctx, dtype=torch.long), past_key_values=cache, use_cache=True,
+                  output_hidden_states=True)
+    cfg = ref.config
+    g = cfg.num_attention_heads // cfg.num_key_value_heads
+    d = cfg.hidden_size // cfg.num_attention_heads
+    theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    inv = 1.0 / (theta ** (np.arange(0, d, 2) / d))
+    for layer in range(cfg.num_hidden_layers):
+        attn = ref.model.layers[layer].self_attn
+        with torch.no_grad():
+            h = ref.model.layers[layer].input_layernorm(out.hidden_states[layer])  # the attention's input
+            q = attn.q_proj(h).view(1, t, -1, d).transpose(1, 2).double().numpy()[0]  # [N, T, D] pre-RoPE
+        keys = cache.layers[layer].keys.double().numpy()[0]  # [K, T, D] post-RoPE
+        vals = cache.layers[layer].values.double().numpy()[0]
+        st = jax.tree.map(lambda x: x[layer], state.cache[0])
+        for kv in range(cfg.num_key_value_heads):
+            sc = expected_scores(pol, [q[kv * g + i, pol.n_sink:] for i in range(g)], keys[kv], vals[kv],
+                                 list(range(t)), t, inv)
+            want = set(sorted(range(t), key=lambda j: (-sc[j], -j))[: pol.budget])
+            got = {int(p) for p in np.asarray(st.pos)[0, kv] if p >= 0}
+            assert got == want, (layer, kv)

@@ -111,29 +111,6 @@ def test_repeat_inputs_follow_the_authors_chunking():
     assert got[2][2][0].tolist() == [8, 9, 117, 118, 119, 10, 11] + list(range(120, 125))
 
 
-@pytest.fixture(scope="module")
-def tiny_qwen(tmp_path_factory):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    from models.llama import Llama
-    from models.loading import load_hf
-
-    torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                   tie_word_embeddings=True, attn_implementation="eager")
-    ref = transformers.Qwen2ForCausalLM(cfg).eval()
-    with torch.no_grad():  # larger weights: peaked, head-dependent attention
-        for name, p in ref.named_parameters():
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
-                p.mul_(8.0)
-            if name.endswith(".bias") or "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    path = tmp_path_factory.mktemp("qwen")
-    ref.save_pretrained(path)
-    return ref, Llama(*load_hf(path))
-
-
 def reference_scores(ref, ctx, pol):
     """[layer][b][h] {pos: score}: the authors' scoring on transformers' attention probabilities."""
     import torch
