@@ -120,3 +120,28 @@ def test_qkv_bias_and_untied_head():
     for t in range(4, 12):
         logits, cache = eng.step(cache, toks[:, t:t + 1], t)
     np.testing.assert_allclose(np.asarray(logits), ref[:, -1], atol=1e-5)
+
+
+@pytest.mark.slow
+def test_bfloat16_weights_and_cache_keep_perplexity_and_halve_the_state():
+    """SmolLM2 in bfloat16 (weights, activations and cache): perplexity of the first 512 tokens
+    of the default text within 0.5 % of float32 (1,024 tokens: 18.2104 vs 18.2047, +0.03 %), and
+    the cache state is half the bytes."""
+    from evals.data import default_text
+    from kvpolicies.memory import state_bytes
+    from models.engine import perplexity
+    from models.loading import load_default_model
+
+    ppl, nbytes = {}, {}
+    for dt in ("float32", "bfloat16"):
+        model, tok = load_default_model(dt)
+        ids = np.asarray(tok.encode(default_text()[:8000]), np.int32)[:512]
+        eng = Engine(model, kvpolicies.get("full"), max_len=512)
+        nll, cache = eng.score(ids, chunk=256, return_cache=True)
+        ppl[dt] = perplexity(nll)
+        assert cache[0].k.dtype == jnp.dtype(dt)
+        cfg = model.cfg
+        nbytes[dt] = state_bytes(kvpolicies.get("full"), kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                                 max_len=512, dtype=jnp.dtype(dt))
+    assert abs(ppl["bfloat16"] / ppl["float32"] - 1) < 0.005, ppl
+    assert nbytes["bfloat16"].kv * 2 == nbytes["float32"].kv
