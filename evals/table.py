@@ -35,7 +35,11 @@ ID_COLUMNS = ("model", "data", "policy", "params", "codec")
 
 
 def _data_name(row: dict[str, Any]) -> str:
-    data = row.get("config", {}).get("data", {})
+    config = row.get("config", {})
+    hay = (config.get("task") or {}).get("haystack")
+    if hay in ("pg", "filler"):  # a RULER-style task that reads its own haystack, not data=
+        return hay
+    data = config.get("data", {})
     if data.get("name") == "path":
         return Path(str(data.get("spec", ""))).name
     return str(data.get("name", ""))
