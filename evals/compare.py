@@ -348,9 +348,11 @@ def cells(p: Plan, rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         if row is None:
             raise KeyError(f"no row with key {j.key} ({j.policy} at budget {j.budget}) in {p.results}")
         metric, value, lower = score_of(row)
-        mem = row.get("memory") or {}
+        mem, m = row.get("memory") or {}, row.get("metrics", {})
+        ci = (m.get("ci_low"), m.get("ci_high")) if metric == "accuracy" else (None, None)
         out.append({"policy": j.policy, "budget": j.budget, "compression": j.compression,
                     "params": row.get("params", ""), "metric": metric, "score": value, "lower": lower,
+                    "ci_low": ci[0], "ci_high": ci[1],
                     "state_bytes": mem.get("state_bytes"), "target_bytes": j.target_bytes,
                     "max_len": mem.get("max_len"), "key": j.key})
     return out
@@ -367,10 +369,19 @@ def _mb(n: int | None) -> str:
     return "-" if n is None else f"{n / MB:.4g} MB"
 
 
+def _score(r: dict[str, Any]) -> str:
+    """'score' or, for an accuracy with its Wilson interval, 'score [low, high]'."""
+    from evals.table import fmt, fmt_interval
+
+    if r.get("ci_low") is None or r.get("ci_high") is None:
+        return fmt(r["score"])
+    return fmt_interval(r["score"], r["ci_low"], r["ci_high"])
+
+
 def grid(recs: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]], str]:
     """(header, rows of cells, caption) of the comparison: the full reference first (its score in
-    every column), then one row per policy; a cell is 'score (stored MB)'."""
-    from evals.table import fmt
+    every column), then one row per policy; a cell is 'score (stored MB)', an accuracy with its
+    Wilson 95 % interval in square brackets."""
 
     full = next(r for r in recs if r["budget"] is None)
     cols: list[tuple[Any, float]] = []
@@ -378,16 +389,17 @@ def grid(recs: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]], st
         if r["budget"] is not None and (r["budget"], r["compression"]) not in cols:
             cols.append((r["budget"], r["compression"]))
     header = ["policy"] + [budget_label(b, c) for b, c in cols]
-    body = [[f"full ({_mb(full['state_bytes'])})"] + [fmt(full["score"])] * len(cols)]
+    body = [[f"full ({_mb(full['state_bytes'])})"] + [_score(full)] * len(cols)]
     for name in dict.fromkeys(r["policy"] for r in recs if r["budget"] is not None):
         at = {r["budget"]: r for r in recs if r["policy"] == name}
-        body.append([name] + [f"{fmt(at[b]['score'])} ({_mb(at[b]['state_bytes'])})" if b in at else "-"
+        body.append([name] + [f"{_score(at[b])} ({_mb(at[b]['state_bytes'])})" if b in at else "-"
                               for b, _ in cols])
     better = "lower" if full["lower"] else "higher"
     caption = (f"{full['metric']} ({better} is better) by policy and budget; a budget is the stored cache bytes "
                f"(a float: that fraction of the full cache's, CR = compression ratio = 1 - it; an int: that many "
                f"full-precision tokens), sinks, windows, scales and positions included; in brackets the stored "
-               f"bytes measured, all layers")
+               f"bytes measured, all layers"
+               + ("; an accuracy's Wilson 95 % interval in square brackets" if full.get("ci_low") is not None else ""))
     return header, body, caption
 
 
@@ -411,8 +423,8 @@ def latex(recs: Sequence[dict[str, Any]], title: str = "") -> str:
     return "\n".join(lines + ["\\bottomrule", "\\end{tabular}"]) + "\n"
 
 
-CSV_COLUMNS = ("policy", "budget", "compression", "params", "metric", "score", "state_bytes", "target_bytes",
-               "max_len", "key")
+CSV_COLUMNS = ("policy", "budget", "compression", "params", "metric", "score", "ci_low", "ci_high", "state_bytes",
+               "target_bytes", "max_len", "key")
 
 
 def csv_text(recs: Sequence[dict[str, Any]]) -> str:
@@ -457,6 +469,10 @@ def plot(recs: Sequence[dict[str, Any]], out: Path, stem: str, title: str = "") 
             xs = [r["compression"] if x == "compression" else r["state_bytes"] / MB for r in pts]
             ys = [r["score"] if top is None else min(r["score"], top) for r in pts]
             ax.plot(xs, ys, marker="o", color=f"C{i}", label=name)
+            if all(r.get("ci_low") is not None for r in pts):  # accuracy: Wilson 95 % intervals
+                ax.errorbar(xs, ys, yerr=[[y - r["ci_low"] for y, r in zip(ys, pts)],
+                                          [r["ci_high"] - y for y, r in zip(ys, pts)]],
+                            fmt="none", ecolor=f"C{i}", alpha=0.5, capsize=3)
             for xi, r in zip(xs, pts):
                 if top is not None and r["score"] > top:
                     ax.plot([xi], [top], marker="^", markersize=9, color=f"C{i}", clip_on=False)

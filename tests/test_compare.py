@@ -211,3 +211,21 @@ def test_parse_args_splits_own_keys_policy_fields_and_run_overrides():
     assert a.passthrough == ["tokens=64", "model=tiny_random"] and (a.out, a.name) == ("x", "y")
     d = compare.parse_args([])
     assert d.policies == list(compare.DEFAULT_POLICIES) and d.budgets == list(compare.DEFAULT_BUDGETS)
+
+
+def test_accuracy_cells_carry_their_wilson_interval():
+    """An accuracy row's interval (its ci_low / ci_high metrics) is printed in every cell and in
+    the CSV; a perplexity cell has none."""
+    from evals.ruler import wilson
+
+    lo, hi = wilson(9, 10)
+    rec = dict(compression=0.5, params="", metric="accuracy", lower=False, target_bytes=0, max_len=64, key="k")
+    recs = [rec | dict(policy="full", budget=None, compression=0.0, score=1.0, ci_low=wilson(10, 10)[0],
+                       ci_high=1.0, state_bytes=2_000_000),
+            rec | dict(policy="kvzip", budget=0.5, score=0.9, ci_low=lo, ci_high=hi, state_bytes=1_000_000)]
+    header, body, caption = compare.grid(recs)
+    assert body[1] == ["kvzip", f"0.90 [{lo:.2f}, {hi:.2f}] (1 MB)"]
+    assert body[0][1].startswith("1.00 [0.72, 1.00]") and "Wilson" in caption
+    assert f"{lo}" in compare.csv_text(recs)
+    ppl = [r | dict(metric="ppl", lower=True, ci_low=None, ci_high=None, score=18.5) for r in recs]
+    assert compare.grid(ppl)[1][1] == ["kvzip", "18.50 (1 MB)"]
