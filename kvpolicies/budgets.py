@@ -28,7 +28,7 @@ budget field (`Policy.budget_field`): the tokens its eviction rule chooses; anyt
 keeps on top (h2o's `recent` window, snapkv's observation window and decode slots, sink's sinks)
 is a separate field, kept the same in every layer, as PyramidKV keeps its observation window
 in every layer. Today: h2o heavy, tova budget, snapkv / pyramidkv / knorm / random / observed /
-expected budget (the last four count every kept token; their max_new decode slots come on top),
+expected / kvzip budget (the last five count every kept token; their max_new decode slots come on top),
 window window, sink window.
 
 Per-layer budgets return a tuple of policies, one per layer, for `Llama`/`Engine`
