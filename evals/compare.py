@@ -17,6 +17,15 @@ Keys of its own (key=value, as evals.run):
                                             (sink.n_sink=8, snapkv.max_new=64, h2o.recent=128)
     out=DIR                                 where the table and plot go (default <results folder>/compare)
     name=STEM                               their file name (default <task>-<model>-<length>[-<codec>])
+    share_gb=4                              memory for prompt states shared between jobs (0: none)
+
+Shared prefill. The jobs run in this process inside `evals.prefills.sharing()`: a context is
+prefilled once, by the first prompt compressor that meets it, and every later job whose engine
+can compress that state (`Engine.shares_prompt`: the same compressor at another budget, one with
+the same prompt phase, and `full`, which runs last for that reason) takes it from the store
+instead of prefilling again (RULER tasks: `evals.ruler.answer`, multiquery). Answers are the same
+as unshared (tested); each row records `prefills` and `prefills_shared`. Up to share_gb GiB of
+uncompressed states are kept (least recently used dropped first).
 
 Every other key is evals.run's (model=, model.*, data=, data.*, task=, task.*, tokens=, chunk=,
 seed=, codec=, results=, progress=, force=). `policy`, `window`, `n_sink` and `budget` are what
@@ -52,7 +61,7 @@ from evals.config import ConfigError
 
 DEFAULT_POLICIES = ("window", "sink", "h2o", "tova", "snapkv")
 DEFAULT_BUDGETS = (0.125, 0.25, 0.5, 0.75)
-OWN_KEYS = ("policies", "budgets", "out", "name")
+OWN_KEYS = ("policies", "budgets", "out", "name", "share_gb")
 SET_PER_JOB = ("policy", "window", "n_sink", "budget")  # evals.run keys the sizing sets for each job
 MB = 1e6
 
@@ -115,6 +124,7 @@ class Args:
     passthrough: list[str]
     out: str | None = None
     name: str | None = None
+    share_gb: float = 4.0
 
 
 def parse_args(argv: Sequence[str]) -> Args:
@@ -161,7 +171,10 @@ def parse_args(argv: Sequence[str]) -> Args:
     for p in fields:
         if p not in policies:
             raise ConfigError(f"{p}.{next(iter(fields[p]))}: {p} is not in policies=[{','.join(policies)}]")
-    return Args(policies, budgets, fields, passthrough, own.get("out"), own.get("name"))
+    share = _scalar(own.get("share_gb", "4"))
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or share < 0:
+        raise ConfigError(f"share_gb={own['share_gb']}: expected a number of GiB >= 0 (0: no shared prefill)")
+    return Args(policies, budgets, fields, passthrough, own.get("out"), own.get("name"), float(share))
 
 
 # -- the plan: every job sized and validated, nothing loaded ----------------------------------------
@@ -199,6 +212,7 @@ class Plan:
     out: Path
     stem: str
     progress: bool
+    share_bytes: int = 0  # memory for shared prompt states (evals.prefills)
 
 
 def model_dims(mconf: dict[str, Any]):
@@ -321,7 +335,7 @@ def plan(argv: Sequence[str]) -> Plan:
                                  + ([codec] if codec != "none" else []))
     return Plan(jobs, args.policies, budgets, base["task"]["name"], base["model"]["name"], _data_name(base),
                 max_len, mc.n_layers, mc.n_kv_heads, mc.head_dim, dtype.name, codec, results, out, stem,
-                bool(base["progress"]))
+                bool(base["progress"]), int(args.share_gb * (1 << 30)))
 
 
 # -- the cells: numbers read back from the results file ----------------------------------------------
@@ -470,8 +484,9 @@ def plot(recs: Sequence[dict[str, Any]], out: Path, stem: str, title: str = "") 
             ys = [r["score"] if top is None else min(r["score"], top) for r in pts]
             ax.plot(xs, ys, marker="o", color=f"C{i}", label=name)
             if all(r.get("ci_low") is not None for r in pts):  # accuracy: Wilson 95 % intervals
-                ax.errorbar(xs, ys, yerr=[[y - r["ci_low"] for y, r in zip(ys, pts)],
-                                          [r["ci_high"] - y for y, r in zip(ys, pts)]],
+                # clipped at 0: a 0 or 1 accuracy sits on its interval's end up to rounding
+                ax.errorbar(xs, ys, yerr=[[max(0.0, y - r["ci_low"]) for y, r in zip(ys, pts)],
+                                          [max(0.0, r["ci_high"] - y) for y, r in zip(ys, pts)]],
                             fmt="none", ecolor=f"C{i}", alpha=0.5, capsize=3)
             for xi, r in zip(xs, pts):
                 if top is not None and r["score"] > top:
@@ -520,26 +535,32 @@ def run(p: Plan) -> list[dict[str, Any]]:
 
     from tqdm.auto import tqdm
 
+    from evals import prefills
     from evals import results as R
     from evals.run import run_config
 
     logging.getLogger("jax").setLevel(logging.WARNING)
     bar = tqdm(total=len(p.jobs), desc="compare", unit="job", position=0, disable=not p.progress)
+    order = sorted(p.jobs, key=lambda j: j.budget is None)  # full last: it can compress any dense prompt state
     try:
-        for j in p.jobs:
-            bar.set_postfix_str(f"{j.policy} @ {'full' if j.budget is None else j.budget}")
-            row, ran = run_config(j.conf)
-            metric, value, _ = score_of(row)
-            mem = (row.get("memory") or {}).get("state_bytes")
-            secs = (row.get("timings") or {}).get("total_s")
-            how = f"ran in {secs:.0f} s" if ran and secs is not None else "ran" if ran else "already there"
-            tqdm.write(f"[evals.compare] {j.policy} {row.get('params', '')} @ "
-                       f"{'full' if j.budget is None else j.budget}: {metric} {value:.4g}, {_mb(mem)} "
-                       f"(budget {_mb(j.target_bytes)}; {how})")
-            if mem is not None and mem > j.target_bytes:
-                tqdm.write(f"[evals.compare] warning: {j.policy} at {j.budget} stores {mem} bytes, over its budget "
-                           f"of {j.target_bytes}")
-            bar.update()
+        with prefills.sharing(p.share_bytes) as store:
+            for j in order:
+                bar.set_postfix_str(f"{j.policy} @ {'full' if j.budget is None else j.budget}")
+                row, ran = run_config(j.conf)
+                metric, value, _ = score_of(row)
+                mem = (row.get("memory") or {}).get("state_bytes")
+                secs = (row.get("timings") or {}).get("total_s")
+                how = f"ran in {secs:.0f} s" if ran and secs is not None else "ran" if ran else "already there"
+                tqdm.write(f"[evals.compare] {j.policy} {row.get('params', '')} @ "
+                           f"{'full' if j.budget is None else j.budget}: {metric} {value:.4g}, {_mb(mem)} "
+                           f"(budget {_mb(j.target_bytes)}; {how})")
+                if mem is not None and mem > j.target_bytes:
+                    tqdm.write(f"[evals.compare] warning: {j.policy} at {j.budget} stores {mem} bytes, over its "
+                               f"budget of {j.target_bytes}")
+                bar.update()
+        if store.hits:
+            tqdm.write(f"[evals.compare] shared prefill: {store.prefills} prompt prefills ran, {store.hits} were "
+                       "taken from an earlier job's state")
     finally:
         bar.close()
     recs = cells(p, R.read(p.results))

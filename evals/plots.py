@@ -2,7 +2,8 @@
 
     perplexity_vs_position   perplexity per segment along the stream, one line per run
                              (task perplexity), the model's training length dashed
-    heatmap_<task>           accuracy over length x depth, one panel per run (rows whose
+    heatmap_<task>           accuracy over length x depth, one panel per policy (its runs at
+                             several lengths merged into one panel; rows whose
                              `grid` records have length, depth and accuracy: passkey, niah,
                              ruler_niah_single with a list of depths, e.g. task=ruler_niah_heatmap);
                              the task's protocol in the name when it has one. `niah_heatmap` draws
@@ -106,11 +107,29 @@ def _stem(task: str) -> str:
     return "-".join(task.replace("[", " ").replace("]", " ").split())
 
 
+def merged_runs(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows of one policy (same label, model and protocol) run at different lengths, as one row
+    whose grid holds all their cells (a later row's cell replaces an earlier one's): the 4K and
+    8K columns of a heatmap may come from two runs."""
+    out: dict[tuple, dict[str, Any]] = {}
+    for r in rows:
+        protocols = tuple(sorted({str(g.get("protocol")) for g in r.get("grid", [])}))
+        key = (label(r), r.get("model", {}).get("name"), protocols)
+        if key not in out:
+            out[key] = dict(r, grid=list(r.get("grid", [])))
+            continue
+        cell = lambda g: (g.get("length"), g.get("depth"), g.get("question"))  # noqa: E731
+        new = {cell(g) for g in r.get("grid", [])}
+        out[key]["grid"] = [g for g in out[key]["grid"] if cell(g) not in new] + list(r.get("grid", []))
+    return list(out.values())
+
+
 def niah_heatmap(rows: Sequence[dict[str, Any]], out: str | Path, stem: str = "niah_heatmap",
                  title: str = "NIAH: accuracy by depth and length") -> list[Path]:
     """The NIAH depth x length heatmap of `rows` (each with a grid of length, depth, accuracy
-    cells), one panel per row, `full` first; returns the PNG and PDF paths ([] if no row has one)."""
-    rows = sorted(rows, key=lambda r: r.get("policy", {}).get("name") != "full")
+    cells), one panel per policy (its runs at several lengths merged: `merged_runs`), `full`
+    first; returns the PNG and PDF paths ([] if no row has one)."""
+    rows = sorted(merged_runs(rows), key=lambda r: r.get("policy", {}).get("name") != "full")
     panels = [(r, g) for r in rows if (g := accuracy_grid(r)) is not None]
     return _heatmap_figure(panels, Path(out), stem, title)
 
@@ -143,7 +162,7 @@ def _heatmap_figure(panels, out: Path, stem: str, title: str) -> list[Path]:
 def plot_heatmaps(rows: Sequence[dict[str, Any]], out: Path) -> list[Path]:
     paths = []
     for task, rs in by_task(rows).items():
-        panels = [(r, g) for r in rs if (g := accuracy_grid(r)) is not None]
+        panels = [(r, g) for r in merged_runs(rs) if (g := accuracy_grid(r)) is not None]
         if not panels:
             continue
         paths += _heatmap_figure(panels, out, f"heatmap_{_stem(task)}", f"{task}: accuracy by length and depth")

@@ -68,6 +68,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
+from evals import prefills
 from evals import retrieval as R
 from evals.common import TaskContext, TaskResult
 
@@ -143,7 +144,8 @@ def wilson(successes: float, n: int, z: float = 1.959963984540054) -> tuple[floa
     d = 1 + z * z / n
     center = (p + z * z / (2 * n)) / d
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    return max(0.0, center - half), min(1.0, center + half)
+    # the interval holds p (exactly at p = 0 or 1, where the rounding of center -/+ half may not)
+    return min(p, max(0.0, center - half)), max(p, min(1.0, center + half))
 
 
 def accuracy_record(scores: Sequence[float]) -> dict[str, float]:
@@ -531,17 +533,17 @@ def _text(tok: Any, ids: Sequence[int]) -> str:
 
 
 def answer(engine, group: Sequence[Sample], n: int, protocol: str, chunk: int) -> list[list[int]]:
-    """Greedy answers to prompts of equal length: query-aware (`generate` of the whole prompt) or
-    query-agnostic (context prefilled and compressed, then the question; rows with equal split
-    run together)."""
-    if protocol == "query_aware":
-        return R.generate(engine, [s.tokens for s in group], n, len(group), chunk)
+    """Greedy answers to prompts of equal length. The prompt phase gets the whole prompt
+    (query-aware: what `Engine.generate` does) or the context only (query-agnostic: the question
+    follows the compression); rows with equal split run together. The prefill goes through
+    `evals.prefills.prompted`: inside `sharing()`, one prefill serves every engine that can
+    compress it."""
     out: dict[int, list[int]] = {}
-    splits = sorted({s.split for s in group})
-    for sp in splits:
-        idx = [i for i, s in enumerate(group) if s.split == sp]
+    cut = [len(s.tokens) if protocol == "query_aware" else s.split for s in group]
+    for sp in sorted(set(cut)):
+        idx = [i for i, c in enumerate(cut) if c == sp]
         toks = np.stack([group[i].tokens for i in idx])
-        state = engine.compress(engine.prompt(toks[:, :sp], chunk=chunk))
+        state = engine.compress(prefills.prompted(engine, toks[:, :sp], chunk))
         ids = engine.continue_generate(state, toks[:, sp:], n, chunk=chunk)
         out.update({i: list(map(int, r)) for i, r in zip(idx, ids)})
     return [out[i] for i in range(len(group))]
@@ -559,7 +561,8 @@ def _metrics(grid: list[dict], lengths: list[int]) -> dict[str, float]:
 def work(engine) -> dict[str, int]:
     """What the engine fed: fresh prefills, their tokens, and (kvzip) the reconstruction's repeat
     tokens, the method's prefill overhead."""
-    out = {"prefills": engine.prefills, "prefill_tokens": engine.prefill_tokens}
+    out = {"prefills": engine.prefills, "prefill_tokens": engine.prefill_tokens,
+           "prefills_shared": engine.prefills_shared}
     return out | ({"reconstruct_tokens": engine.reconstruct_tokens} if engine.reconstruct_tokens else {})
 
 
@@ -618,7 +621,7 @@ def run_multiquery(ctx: TaskContext, cfg: dict[str, Any]) -> TaskResult:
         for t, (sample, questions) in enumerate(tqdm(multiquery_samples(tok, hay, n, cfg["trials"], ctx.seed, nq,
                                                                         cfg["value_kind"]),
                                                      desc="multiquery", disable=not ctx.progress, leave=False)):
-            state = engine.prompt(sample.tokens[None], chunk=ctx.chunk)  # the one prefill of this context
+            state = prefills.prompted(engine, sample.tokens[None], ctx.chunk)  # the one prefill of this context
             shared = engine.compress(state) if cfg["protocol"] == "query_agnostic" else None
             for i, (q, ref) in enumerate(questions):
                 if shared is not None:
@@ -647,28 +650,15 @@ def shared_prefill(engines: Sequence, prompts: Sequence[Sample], n: int, protoco
                    ) -> tuple[list[list[list[int]]], dict[str, int]]:
     """Answers of every engine (one per policy stack, same model and max_len) to every prompt,
     with ONE prefill per prompt for each group of engines that share a prompt phase
-    (`Engine.shares_prompt`: snapkv at any budget, and full beside it): the group's first engine
-    (a prompt compressor) prefills the context, every member compresses its own fork and answers.
-    A streaming policy (sink, h2o...) prefills on its own. Returns (answers[engine][prompt],
+    (`Engine.shares_prompt`: snapkv at any budget, and full beside it), through
+    `evals.prefills.sharing()`: prompt compressors run first, the first of a group prefills each
+    context, every later member compresses its own fork and answers. A streaming policy (sink,
+    h2o...) prefills on its own. Returns (answers[engine][prompt],
     {"prefills": done, "prefills_unshared": what one run per policy would do})."""
     order = sorted(range(len(engines)), key=lambda i: not engines[i]._compresses)  # compressors lead
-    groups: list[list[int]] = []  # each: [source, members...]
-    for i in order:
-        g = next((g for g in groups if engines[i].shares_prompt(engines[g[0]])), None)
-        if g is None:
-            groups.append([i])
-        else:
-            g.append(i)
     out: list[list[Any]] = [[None] * len(prompts) for _ in engines]
-    prefills = 0
-    for g in groups:
-        src = engines[g[0]]
-        for k, s in enumerate(prompts):
-            tokens = s.tokens[None]
-            split = len(s.tokens) if protocol == "query_aware" else s.split
-            state = src.prompt(tokens[:, :split], chunk=chunk)
-            prefills += 1
-            for i in g:
-                ids = engines[i].continue_generate(engines[i].compress(state), tokens[:, split:], n, chunk=chunk)
-                out[i][k] = list(map(int, ids[0]))
-    return out, {"prefills": prefills, "prefills_unshared": len(engines) * len(prompts)}
+    with prefills.sharing() as store:
+        for i in order:
+            for k, s in enumerate(prompts):
+                out[i][k] = answer(engines[i], [s], n, protocol, chunk)[0]
+    return out, {"prefills": store.prefills, "prefills_unshared": len(engines) * len(prompts)}

@@ -12,7 +12,8 @@ compression after a shared context prefill). Every method that takes a `Prompted
 usable (the donated buffers are copies), so N questions can fork one state. Another engine
 whose prompt phase stores the same state (`shares_prompt`: e.g. snapkv at any budget, and
 `full`) can `compress` it: one dense prefill serves several prompt compressors. Counters:
-`prefills` (fresh prompts prefilled), `prefill_tokens`, `prompts_compressed`.
+`prefills` (fresh prompts prefilled), `prefill_tokens`, `prompts_compressed`, `prefills_shared`
+(states prefilled by another engine and compressed here; `evals.prefills` keeps the count).
 
 The model is split once into (graphdef, params); every step is a pure jitted function of
 (params, cache, tokens, pos) with the cache donated, so the compiled step is reused for every
@@ -161,6 +162,7 @@ class Engine:
         self.reconstruct_tokens = 0  # repeat-input tokens fed by reconstruction passes
         self.prompts_compressed = 0  # how many times after_prompt ran (once per fresh prompt)
         self.prefills = 0  # fresh prompts prefilled (prefill, generate, prompt)
+        self.prefills_shared = 0  # prompt states another engine prefilled for this one (evals.prefills)
         self.prefill_tokens = 0  # tokens those prefills and extend_prompt / continue_generate fed
         self.max_len = _check_int("Engine max_len", max_len, 1)
         self.cache_dtype = cache_dtype

@@ -10,6 +10,7 @@ import dataclasses
 import io
 import math
 
+import numpy as np
 import pytest
 
 import kvpolicies
@@ -229,3 +230,30 @@ def test_accuracy_cells_carry_their_wilson_interval():
     assert f"{lo}" in compare.csv_text(recs)
     ppl = [r | dict(metric="ppl", lower=True, ci_low=None, ci_high=None, score=18.5) for r in recs]
     assert compare.grid(ppl)[1][1] == ["kvzip", "18.50 (1 MB)"]
+
+
+def test_jobs_share_one_prefill_per_context_with_the_answers_of_unshared_runs(tmp_path):
+    """A RULER compare prefills each context once: the snapkv job prefills, full (run last)
+    compresses that state; rows, answers and scores equal those of a run with share_gb=0, where
+    every job prefills its own. (Which engines can share: tests/test_ruler.py.)"""
+    def run(share, folder):
+        argv = ["model=tiny_random", "model.max_position=1024", "task=ruler_niah_single", "task.lengths=[420]",
+                "task.trials=2", "task.gen=4", "task.protocol=query_agnostic", "policies=[snapkv]",
+                "budgets=[0.5]", "snapkv.max_new=8", "snapkv.obs_window=4", "chunk=512", f"share_gb={share}",
+                f"results={folder / 'r.jsonl'}", f"out={folder / 'out'}", "progress=false"]
+        compare.main(argv)
+        return {r["params"]: r for r in R.read(folder / "r.jsonl")}
+
+    shared, alone = run(4, tmp_path / "shared"), run(0, tmp_path / "alone")
+    work = lambda rows: sorted((r["metrics"]["prefills"], r["metrics"]["prefills_shared"])  # noqa: E731
+                               for r in rows.values())
+    assert work(shared) == [(0, 2), (2, 0)]  # one job prefilled both contexts for both
+    assert work(alone) == [(2, 0)] * 2
+    assert shared.keys() == alone.keys() and len(shared) == 2
+    for params, r in shared.items():
+        mine = alone[params]
+        assert r["key"] == mine["key"] and r["metrics"]["accuracy"] == mine["metrics"]["accuracy"]
+        for name in ("outputs", "score"):
+            a = np.load(tmp_path / "shared" / r["arrays"][name])
+            b = np.load(tmp_path / "alone" / mine["arrays"][name])
+            np.testing.assert_array_equal(a, b)

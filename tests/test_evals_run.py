@@ -423,3 +423,21 @@ def test_memory_reports_the_dense_prompt_phase_of_a_prompt_compressor():
     dense = 2 * K * D * n * 4 + n * 4 + K * w * n * 4 + w * 4
     assert mem["prompt_phase_bytes"] == L * dense
     assert mem["state_bytes"] == L * (2 * K * D * 20 * 4 + K * 20 * 4 + K * 20 * 4)  # 20 slots, pos + mass per head
+
+
+def test_heatmap_merges_one_policys_runs_at_several_lengths():
+    """A 4K run and an 8K run of the same policy draw one panel with both columns; another
+    policy keeps its own panel; a repeated cell takes the later run's value."""
+    def row(policy, length, acc, params=""):
+        return {"policy": {"name": policy, "codec": {"name": "none"}}, "params": params, "model": {"name": "qwen"},
+                "grid": [{"length": length, "depth": d, "accuracy": acc, "trials": 1, "protocol": "query_aware"}
+                         for d in (0.0, 0.5)]}
+
+    rows = [row("full", 4096, 1.0), row("full", 8192, 0.5), row("snapkv", 4096, 0.0, "budget=64"),
+            row("full", 8192, 0.0)]
+    merged = plots.merged_runs(rows)
+    assert [r["policy"]["name"] for r in merged] == ["full", "snapkv"]
+    lengths, depths, acc = plots.accuracy_grid(merged[0])
+    assert lengths == [4096, 8192] and depths == [0.0, 0.5]
+    np.testing.assert_array_equal(acc, [[1.0, 0.0], [1.0, 0.0]])
+    assert plots.accuracy_grid(merged[1])[0] == [4096]
