@@ -23,7 +23,7 @@ from einops import rearrange
 from jaxtyping import Array, Bool, Float, Int
 
 from kvpolicies.base import Policy, Seen, SlotState
-from kvpolicies.rope import Rope
+from kvpolicies.rope import Rope, RopeTable
 
 
 def causal(q_pos: Int[Array, "B T"], k_pos: Int[Array, "B Kp S"]) -> Bool[Array, "B Kp T S"]:
@@ -39,7 +39,7 @@ def attend(
     k: Float[Array, "B T K D"],
     v: Float[Array, "B T K D"],
     pos: Int[Array, "B T"],
-    rope: Rope,
+    rope: Rope | RopeTable,
     scale: float | None = None,
 ) -> tuple[Float[Array, "B T N D"], SlotState]:
     """One attention step through `policy`: returns the outputs and the policy's new state.
@@ -90,7 +90,7 @@ def _attend(policy, state, q, k, v, pos, rope, scale):
         scores=probs.sum(axis=2) if "scores" in policy.observes else None,  # [B, K, T, S]
         k_rot=kr if "k_rot" in policy.observes else None,
         q=qh if "q" in policy.observes else None,  # [B, K, G, T, D]
-        rope=rope if "rope" in policy.observes else None,
+        rope=(rope.rope if isinstance(rope, RopeTable) else rope) if "rope" in policy.observes else None,
         logits=lg if "logits" in policy.observes else None,  # [B, K, G, T, S]
     )
     new_state = policy.compact(view, seen)

@@ -1,6 +1,14 @@
 """Rotary position embedding (RoPE), applied by `kvpolicies.attend` at the positions a view gives.
 
-Shapes: L positions, D head dim (rotate-half layout: channel i pairs with i + D/2).
+Shapes: L positions, D head dim (rotate-half layout: channel i pairs with i + D/2), n tabulated
+positions.
+
+`Rope.apply` computes cos/sin of the angles at every call: on XLA's CPU backend that trigonometry
+was most of a decode step's cache cost (every layer rotates every slot's key at every step:
+about 20 ms of a 4K-slot SmolLM2 layer). `RopeTable` is the same rotation with cos/sin read from a
+table of positions [0, n) computed once on the host (`Rope.table`) and passed to the step as an
+array; the angles are the same float32 products, so results agree with `Rope.apply` to the last
+bit or so (numpy's float32 cos/sin vs XLA's). Positions outside the table take `Rope.apply`.
 """
 
 from __future__ import annotations
@@ -9,6 +17,7 @@ import dataclasses
 import math
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
@@ -46,6 +55,42 @@ class Rope:
     def apply(self, x: Float[Array, "*b L D"], pos: Int[Array, "*b L"]) -> Float[Array, "*b L D"]:
         """Rotate x at positions pos (pos broadcasts against x's leading axes)."""
         ang = pos.astype(jnp.float32)[..., None] * jnp.asarray(self.inv_freq())  # [*b, L, D/2]
-        cos, sin = jnp.cos(ang).astype(x.dtype), jnp.sin(ang).astype(x.dtype)
-        x1, x2 = jnp.split(x, 2, axis=-1)  # [*b, L, D/2] each
-        return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+        return _rotate(x, jnp.cos(ang), jnp.sin(ang))
+
+    def table(self, n: int) -> "RopeTable":
+        """This rotation with cos/sin tabulated (float32, on the host) for positions [0, n)."""
+        ang = np.arange(n, dtype=np.int64).astype(np.float32)[:, None] * self.inv_freq()  # [n, D/2] float32
+        return RopeTable(jnp.asarray(np.cos(ang)), jnp.asarray(np.sin(ang)), self)
+
+
+def _rotate(x, cos, sin):
+    cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
+    x1, x2 = jnp.split(x, 2, axis=-1)  # [*b, L, D/2] each
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RopeTable:
+    """`rope` with cos/sin read from tables of positions [0, n) (arrays: pass it into a jitted
+    step as an argument). A step whose positions all lie in the table gathers; any other takes
+    `rope.apply` (lax.cond), as do fractional positions. A negative position reads |p| with the
+    sine negated."""
+
+    cos: Float[Array, "n H"]
+    sin: Float[Array, "n H"]
+    rope: Rope = dataclasses.field(metadata=dict(static=True))
+
+    def inv_freq(self) -> np.ndarray:
+        return self.rope.inv_freq()
+
+    def apply(self, x: Float[Array, "*b L D"], pos: Int[Array, "*b L"]) -> Float[Array, "*b L D"]:
+        if not jnp.issubdtype(pos.dtype, jnp.integer):  # fractional positions (multires summaries)
+            return self.rope.apply(x, pos)
+        a = jnp.abs(pos)
+
+        def gathered():
+            sin = jnp.take(self.sin, a, axis=0, mode="clip")  # [*b, L, D/2]
+            return _rotate(x, jnp.take(self.cos, a, axis=0, mode="clip"), jnp.where((pos < 0)[..., None], -sin, sin))
+
+        return jax.lax.cond(jnp.max(a) < self.cos.shape[0], gathered, lambda: self.rope.apply(x, pos))

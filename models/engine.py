@@ -166,7 +166,10 @@ class Engine:
         self.prefill_tokens = 0  # tokens those prefills and extend_prompt / continue_generate fed
         self.max_len = _check_int("Engine max_len", max_len, 1)
         self.cache_dtype = cache_dtype
-        self.graphdef, self.params = nnx.split(model)
+        self.graphdef, state = nnx.split(model)
+        # each step's arguments: the weights and the RoPE cos/sin tables of positions [0, max_len)
+        # (every position this engine feeds, but kvzip's repeat inputs, which fall back to cos/sin)
+        self.params = (state, model.rope_tables(self.max_len))
         self.traces: collections.Counter = collections.Counter()
         self._model = model
         donate = dict(donate_argnums=(1,))
@@ -177,32 +180,34 @@ class Engine:
         self._recon_step = jax.jit(self._recon_impl)  # the prompt state stays usable: no donation
 
     # -- pure step functions (traced once per shape) ---------------------------------------
-    def _merge(self, params) -> Llama:
-        return nnx.merge(self.graphdef, params)
+    def _merge(self, params) -> tuple[Llama, dict]:
+        """(the model, its RoPE tables) from a step's `params` argument."""
+        state, tables = params
+        return nnx.merge(self.graphdef, state), tables
 
     def _logits_impl(self, params, cache, tokens, pos, prompt=False):
         """Logits of the last token [B, V] and the new cache (prompt: through the prompt phase)."""
         self.traces["logits" if tokens.shape[1] > 1 else "decode"] += 1
-        m = self._merge(params)
-        h, cache = m.hidden(tokens, pos, cache, self.prompt_policies if prompt else self.policies)
+        m, tables = self._merge(params)
+        h, cache = m.hidden(tokens, pos, cache, self.prompt_policies if prompt else self.policies, tables)
         return m.logits(h[:, -1:])[:, 0], cache
 
     def _nll_impl(self, params, cache, tokens, pos, targets):
         """Negative log-likelihood [B, T] of `targets` (the next tokens) and the new cache."""
         self.traces["nll"] += 1
-        m = self._merge(params)
-        h, cache = m.hidden(tokens, pos, cache, self.policies)
+        m, tables = self._merge(params)
+        h, cache = m.hidden(tokens, pos, cache, self.policies, tables)
         lp = jax.nn.log_softmax(m.logits(h), axis=-1)  # [B, T, V] float32
         return -jnp.take_along_axis(lp, targets[..., None], axis=-1)[..., 0], cache
 
     def _decode_n_impl(self, params, cache, token, pos, n):
         """n greedy steps from `token` [B] at positions `pos` [B], as one lax.scan."""
         self.traces["decode_n"] += 1
-        m = self._merge(params)
+        m, tables = self._merge(params)
 
         def step(carry, _):
             cache, tok, p = carry
-            h, cache = m.hidden(tok[:, None], p[:, None], cache, self.policies)
+            h, cache = m.hidden(tok[:, None], p[:, None], cache, self.policies, tables)
             nxt = jnp.argmax(m.logits(h)[:, 0], axis=-1).astype(jnp.int32)  # [B]
             return (cache, nxt, p + 1), nxt
 
@@ -213,7 +218,8 @@ class Engine:
         """The cache after one repeat input through the reconstruction policies (kvzip layers'
         scores updated; every other layer's writes are discarded by `_reconstruct`)."""
         self.traces["reconstruct"] += 1
-        _, cache = self._merge(params).hidden(tokens, pos, cache, self.recon_policies)
+        m, tables = self._merge(params)
+        _, cache = m.hidden(tokens, pos, cache, self.recon_policies, tables)
         return cache
 
     def _check_repeat(self):

@@ -27,6 +27,7 @@ from jaxtyping import Array, Float, Int
 
 from kvpolicies.base import Policy, SlotState
 from kvpolicies import Rope, attend
+from kvpolicies.rope import RopeTable
 from models.config import LlamaConfig
 
 LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
@@ -89,7 +90,7 @@ def rms_norm(x: Float[Array, "*b d"], w: Float[Array, "d"], eps: float) -> Float
 ACT = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
 
-def block(cfg: LlamaConfig, policy: Policy, rope: Rope, w: dict, x, pos, state):
+def block(cfg: LlamaConfig, policy: Policy, rope: Rope | RopeTable, w: dict, x, pos, state):
     """One decoder layer: attention through `policy`, then the gated MLP (SwiGLU or GeGLU)."""
     B, T, _ = x.shape
     h = rms_norm(x, w["attn_norm"], cfg.norm_eps)
@@ -140,11 +141,19 @@ class Llama(nnx.Module):
             out.append(jax.tree.map(lambda x, n=b - a: jnp.broadcast_to(x, (n,) + x.shape).copy(), st))
         return tuple(out)
 
+    def rope_tables(self, n: int) -> dict[str, RopeTable]:
+        """cos/sin of the global and local RoPE for positions [0, n) (host-computed arrays), for
+        `hidden(..., tables=)`: a step then gathers instead of computing trigonometry per layer."""
+        return {"global": self.rope.table(n), "local": self.rope_local.table(n)}
+
     def hidden(
-        self, tokens: Int[Array, "B T"], pos: Int[Array, "B T"], cache: Cache, policies
+        self, tokens: Int[Array, "B T"], pos: Int[Array, "B T"], cache: Cache, policies,
+        tables: dict[str, RopeTable] | None = None,
     ) -> tuple[Float[Array, "B T d"], Cache]:
-        """Final-norm hidden states of the T new tokens, and the updated cache."""
+        """Final-norm hidden states of the T new tokens, and the updated cache (`tables`: the
+        RoPE tables of `rope_tables`, or None to compute cos/sin in the step)."""
         cfg = self.cfg
+        rope, rope_local = (self.rope, self.rope_local) if tables is None else (tables["global"], tables["local"])
         runs = policy_runs(policies, cfg.n_layers)
         if len(cache) != len(runs):
             raise ValueError(f"cache has {len(cache)} runs, policies give {len(runs)}")
@@ -161,12 +170,12 @@ class Llama(nnx.Module):
             def body(x, inp, pol=pol, kinds=kinds):
                 w, st, is_local = inp
                 if len(kinds) == 1:  # a run of one layer type (the usual case): its RoPE, static
-                    return block(cfg, pol, self.rope_local if kinds == {True} else self.rope, w, x, pos, st)
+                    return block(cfg, pol, rope_local if kinds == {True} else rope, w, x, pos, st)
                 # One policy over local and global layers (e.g. `full` everywhere): pick the RoPE per layer.
                 return jax.lax.cond(
                     is_local,
-                    lambda: block(cfg, pol, self.rope_local, w, x, pos, st),
-                    lambda: block(cfg, pol, self.rope, w, x, pos, st),
+                    lambda: block(cfg, pol, rope_local, w, x, pos, st),
+                    lambda: block(cfg, pol, rope, w, x, pos, st),
                 )
 
             x, state = jax.lax.scan(body, x, (wr, state, jnp.asarray(local[a:b])))
@@ -177,7 +186,7 @@ class Llama(nnx.Module):
         head = self.embed[...].T if self.lm_head is None else self.lm_head[...]  # [d, V]
         return jnp.einsum("BTd,dV->BTV", h, head, preferred_element_type=jnp.float32)
 
-    def __call__(self, tokens, pos, cache, policies):
+    def __call__(self, tokens, pos, cache, policies, tables=None):
         """Logits [B, T, V] of the T new tokens, and the updated cache."""
-        h, cache = self.hidden(tokens, pos, cache, policies)
+        h, cache = self.hidden(tokens, pos, cache, policies, tables)
         return self.logits(h), cache

@@ -145,3 +145,28 @@ def test_bfloat16_weights_and_cache_keep_perplexity_and_halve_the_state():
                                  max_len=512, dtype=jnp.dtype(dt))
     assert abs(ppl["bfloat16"] / ppl["float32"] - 1) < 0.005, ppl
     assert nbytes["bfloat16"].kv * 2 == nbytes["float32"].kv
+
+
+@pytest.mark.parametrize("rope", [
+    kvpolicies.Rope(8, 10000.0),
+    kvpolicies.Rope(64, 1e6),
+    kvpolicies.Rope(64, 500000.0, (("rope_type", "llama3"), ("factor", 8.0), ("low_freq_factor", 1.0),
+                                   ("high_freq_factor", 4.0), ("original_max_position_embeddings", 8192))),
+])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rope_table_rotates_like_the_trigonometry(rope, dtype):
+    """A tabulated RoPE (cos/sin gathered) rotates as Rope.apply does: positions inside the table
+    (negative ones too: |p| with the sine negated) to float32 rounding, positions past it through
+    the fallback, exactly."""
+    import jax
+
+    table = rope.table(300)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 3, 40, rope.head_dim)), dtype)
+    inside = jnp.asarray(np.random.default_rng(2).integers(-299, 300, (2, 1, 40)), jnp.int32)
+    past = inside.at[1, 0, 7].set(5000)
+    apply = jax.jit(lambda r, x, p: r.apply(x, p))
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(np.asarray(apply(table, x, inside), np.float32),
+                               np.asarray(rope.apply(x, inside), np.float32), atol=tol)
+    np.testing.assert_array_equal(np.asarray(apply(table, x, past)), np.asarray(jax.jit(rope.apply)(x, past)))
+    assert table.inv_freq().tolist() == rope.inv_freq().tolist()
