@@ -6,6 +6,12 @@ Reports, per policy and context: prefill tokens/s, decode-step compile time, dec
 (host loop of jitted steps, and the fused lax.scan generator), plus transformers' decode
 tokens/s with its DynamicCache in float32. Timings are wall-clock on a shared machine: compare
 the ratios measured in one run, not absolute numbers across runs.
+
+Roofline: the process first measures its read bandwidth (a jitted sum over a 512 MB array, best
+of 5); a decode step must read the weights and the keys/values it attends (the filled slots), so
+its floor is (weight bytes + those cache bytes) / bandwidth. Each row reports that floor, the
+fraction of it the host loop and the scan reach (`roofline`, `scan_roofline`: 1.0 = at the
+bound), and `vs_transformers` (our scan decode tokens/s over transformers' at that context).
 """
 
 from __future__ import annotations
@@ -28,6 +34,36 @@ def _block(x):
     return x
 
 
+def read_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
+    """Bytes/s of a jitted float32 sum over `nbytes` (the best of `repeats`), measured here."""
+    a = jnp.ones((nbytes // 4,), jnp.float32)
+    f = jax.jit(lambda x: x.sum())
+    f(a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
+def step_read_bytes(model, cache, ctx: int) -> dict[str, int]:
+    """What a decode step at context `ctx` must read: every weight, and the filled cache slots
+    (a policy's whole state once it holds fewer slots than the context)."""
+    from kvpolicies.base import tree_nbytes
+
+    weights = tree_nbytes(nnx_state(model))
+    slots = int(cache[0].pos.shape[-1])
+    kv = tree_nbytes(cache) * min(1.0, (ctx + 1) / slots)
+    return {"weight_bytes": int(weights), "kv_read_bytes": int(kv)}
+
+
+def nnx_state(model):
+    from flax import nnx
+
+    return nnx.split(model)[1]
+
+
 def bench_ours(model, tokens, policy, ctx, steps, chunk):
     eng = Engine(model, policy, max_len=ctx + steps + 1)
     t0 = time.perf_counter()
@@ -46,18 +82,19 @@ def bench_ours(model, tokens, policy, ctx, steps, chunk):
         logits, cache = eng.step(cache, nxt, ctx + 1 + i)
     _block(logits)
     t_decode = time.perf_counter() - t0
-    # fused generator (one lax.scan): compile once, then time
-    eng.generate(tokens[:ctx], steps, chunk=chunk)
+    # fused generator (one lax.scan over the steps), from a prompted state: compile once, then time
+    state = eng.compress(eng.prompt(tokens[None, :ctx], chunk=chunk))
+    eng.continue_generate(state, [], steps + 1)
     t0 = time.perf_counter()
-    eng.generate(tokens[:ctx], steps, chunk=chunk)
-    t_gen = time.perf_counter() - t0 - t_prefill
-    assert eng.traces["decode"] == 1
-    return dict(
+    eng.continue_generate(state, [], steps + 1)  # the first token is the prompt's; then `steps` decode steps
+    t_gen = time.perf_counter() - t0
+    assert eng.traces["decode"] == 1 and eng.traces["decode_n"] == 1
+    return step_read_bytes(model, cache, ctx) | dict(
         prefill_tok_s=ctx / t_prefill,
         prefill_cold_s=t_prefill_cold,
         decode_compile_s=t_compile,
         decode_tok_s=steps / t_decode,
-        scan_decode_tok_s=steps / max(t_gen, 1e-9),
+        scan_decode_tok_s=steps / t_gen,
         cache_slots=int(cache[0].pos.shape[-1]),
     )
 
@@ -93,27 +130,39 @@ def main(argv=None):
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--sink-window", type=int, default=1020)
     ap.add_argument("--no-transformers", action="store_true")
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--policies", nargs="+", default=["full", "sink", "int8"], choices=["full", "sink", "int8"])
+    ap.add_argument("--out", default=None, help="write the rows here, one JSON object per line")
     args = ap.parse_args(argv)
 
     from evals.data import default_text
 
     model, tok = load_default_model()
     tokens = np.asarray(tok.encode(default_text()[:200_000]), np.int32)
-    policies = {"full": kvpolicies.get("full"), "sink": kvpolicies.get("sink", n_sink=4, window=args.sink_window)}
+    policies = {"full": kvpolicies.get("full"), "sink": kvpolicies.get("sink", n_sink=4, window=args.sink_window),
+                "int8": kvpolicies.get("full", codec="int8")}
+    policies = {k: policies[k] for k in args.policies}
+    bw = read_bandwidth()
+    print(json.dumps({"read_bandwidth_GB_s": bw / 1e9}), flush=True)
     rows = []
     for ctx in args.contexts:
+        ours = []
         for name, pol in policies.items():
             r = dict(impl="kvpolicies", policy=name, context=ctx, **bench_ours(model, tokens, pol, ctx, args.steps, args.chunk))
-            print(json.dumps(r), flush=True)
+            floor = (r["weight_bytes"] + r["kv_read_bytes"]) / bw
+            r |= {"roofline_ms": floor * 1e3, "roofline": floor * r["decode_tok_s"],
+                  "scan_roofline": floor * r["scan_decode_tok_s"], "read_bandwidth_GB_s": bw / 1e9}
+            ours.append(r)
             rows.append(r)
         if not args.no_transformers:
-            r = dict(impl="transformers", policy="full", context=ctx, **bench_transformers(tokens, ctx, args.steps))
+            t = dict(impl="transformers", policy="full", context=ctx, **bench_transformers(tokens, ctx, args.steps))
+            for r in ours:
+                r["vs_transformers"] = r["scan_decode_tok_s"] / t["decode_tok_s"]
+            rows.append(t)
+        for r in rows[-len(ours) - (0 if args.no_transformers else 1):]:
             print(json.dumps(r), flush=True)
-            rows.append(r)
-    if args.out:
+    if args.out:  # one JSON object per line, as printed
         with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+            f.writelines(json.dumps(r) + "\n" for r in rows)
     return rows
 
 

@@ -47,6 +47,9 @@ from models.llama import Cache, Llama, policy_runs
 from models.reconstruct import RepeatPrompts, repeat_inputs
 
 
+MAX_LEN = 2**31 - 2**16  # positions are int32 (and kvzip feeds up to ~2K repeat tokens past a context)
+
+
 @dataclasses.dataclass(frozen=True)
 class Prompted:
     """A prompt run so far: the cache, the number of tokens in it (the next position), the last
@@ -148,7 +151,7 @@ class Engine:
     """Runs a `Llama` with a fixed per-layer policy tuple and maximum length."""
 
     def __init__(self, model: Llama, policies: Policy | Sequence[Policy], max_len: int, cache_dtype=None,
-                 repeat: RepeatPrompts | None = None):
+                 repeat: RepeatPrompts | None = None, rope_tables: bool = True):
         self.cfg = model.cfg
         self.policies = tuple(p for a, b, p in policy_runs(policies, model.cfg.n_layers) for _ in range(b - a))
         # A fresh prompt is held by each policy's prompt phase, then `after_prompt` (once); the
@@ -165,11 +168,15 @@ class Engine:
         self.prefills_shared = 0  # prompt states another engine prefilled for this one (evals.prefills)
         self.prefill_tokens = 0  # tokens those prefills and extend_prompt / continue_generate fed
         self.max_len = _check_int("Engine max_len", max_len, 1)
+        if self.max_len > MAX_LEN:
+            raise ValueError(f"Engine max_len={self.max_len}: positions are int32, so a sequence holds at most "
+                             f"MAX_LEN={MAX_LEN} tokens (2^31 - 2^16: room for kvzip's repeat inputs after it)")
         self.cache_dtype = cache_dtype
         self.graphdef, state = nnx.split(model)
         # each step's arguments: the weights and the RoPE cos/sin tables of positions [0, max_len)
         # (every position this engine feeds, but kvzip's repeat inputs, which fall back to cos/sin)
-        self.params = (state, model.rope_tables(self.max_len))
+        # (rope_tables=False: cos/sin computed in every step, the slower path; benchmarks.decode_profile)
+        self.params = (state, model.rope_tables(self.max_len) if rope_tables else None)
         self.traces: collections.Counter = collections.Counter()
         self._model = model
         donate = dict(donate_argnums=(1,))

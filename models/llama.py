@@ -66,6 +66,9 @@ def init_params(cfg: LlamaConfig, seed: int = 0, std: float = 0.02) -> dict:
     return params
 
 
+ROPE_TABLE_BYTES = 32 << 20  # the largest RoPE cos/sin table `rope_tables` builds (bytes)
+
+
 def policy_runs(policies: Policy | Sequence[Policy], n_layers: int) -> tuple[tuple[int, int, Policy], ...]:
     """(start, end, policy) for each run of consecutive layers sharing one policy."""
     if isinstance(policies, Policy):
@@ -143,7 +146,10 @@ class Llama(nnx.Module):
 
     def rope_tables(self, n: int) -> dict[str, RopeTable]:
         """cos/sin of the global and local RoPE for positions [0, n) (host-computed arrays), for
-        `hidden(..., tables=)`: a step then gathers instead of computing trigonometry per layer."""
+        `hidden(..., tables=)`: a step then gathers instead of computing trigonometry per layer.
+        At most ROPE_TABLE_BYTES per table (131,072 positions at head_dim 64): a step whose
+        positions go past it computes cos/sin (a million-token stream does not hold a 256 MB table)."""
+        n = max(1, min(n, ROPE_TABLE_BYTES // (self.cfg.head_dim * 4)))  # cos + sin, D/2 float32 each
         return {"global": self.rope.table(n), "local": self.rope_local.table(n)}
 
     def hidden(

@@ -10,9 +10,12 @@ if [ "$#" -gt 0 ]; then
   exec "${PYTEST[@]}" "$@"
 fi
 # The unit tests (not `slow`) are dominated by XLA compiling many small steps: its CPU backend at
-# -O0 compiles them about 30 % faster (tests/test_policies.py: 107 s -> 74 s, same results). The
-# `slow` tests run the real models, where -O0 code runs about 2x slower: they keep the default.
+# -O0 compiles them about 30 % faster (tests/test_policies.py: 107 s -> 74 s, same results), and
+# a compile runs on one core, so two pytest-xdist workers (a test file per worker) use both. The
+# `slow` tests run the real models, where -O0 code runs about 2x slower: they keep the default,
+# in one process (their steps use every core).
 rc=0
-XLA_FLAGS="${XLA_FLAGS:-} --xla_backend_optimization_level=0" "${PYTEST[@]}" -m "not slow" || rc=$?
-"${PYTEST[@]}" -m slow || rc=$?
+XLA_FLAGS="${XLA_FLAGS:-} --xla_backend_optimization_level=0" \
+  "${PYTEST[@]}" -m "not slow" -n "${KVP_TEST_WORKERS:-2}" --dist loadfile --durations=10 || rc=$?
+"${PYTEST[@]}" -m slow --durations=20 || rc=$?
 exit "$rc"

@@ -374,3 +374,21 @@ def test_check_hf_dir_with_tokenizer(tmp_path):
 def test_read_json_strips_a_bom(tmp_path):
     (tmp_path / "c.json").write_bytes(b'\xef\xbb\xbf{"a": 1}')
     assert read_json(tmp_path / "c.json") == {"a": 1}
+
+
+def test_positions_are_int32_max_len_is_bounded_and_a_stream_runs_at_the_limit(model):
+    """Positions are int32: max_len past MAX_LEN (2^31 - 2^16) is one error before anything runs;
+    a bounded policy at MAX_LEN runs a chunk whose positions end at MAX_LEN - 1 and keeps the
+    last of them (its sink slots stay for positions 0-1, which this stream never fed)."""
+    from models.engine import MAX_LEN
+
+    with pytest.raises(ValueError, match="int32"):
+        Engine(model, kvpolicies.get("sink", n_sink=2, window=6), max_len=MAX_LEN + 1)
+    eng = Engine(model, kvpolicies.get("sink", n_sink=2, window=6), max_len=MAX_LEN)
+    toks = np.arange(8, dtype=np.int32)[None]
+    logits, cache = eng.step(eng.init_cache(1), toks, MAX_LEN - 8)
+    assert np.isfinite(np.asarray(logits)).all()
+    for layer in np.asarray(cache[0].pos).reshape(CFG.n_layers, -1):  # the window: the last 6 positions
+        assert sorted(p for p in layer.tolist() if p >= 0) == list(range(MAX_LEN - 6, MAX_LEN))
+    with pytest.raises(ValueError, match="max_len"):
+        eng.step(cache, toks[:, :1], MAX_LEN)
