@@ -112,7 +112,7 @@ def check_token_ids(tokens: Any, vocab_size: int, name: str = "tokens") -> np.nd
     Integer arrays (and lists) are checked for range; float arrays are accepted when every value is
     a whole number (e.g. `np.zeros(5)`), otherwise the first non-integral id is reported; bool,
     string and object arrays are rejected. A ragged list of lists (rows of different lengths) is
-    rejected: batches of unequal lengths are not supported yet. Errors name `name`, the bad id and
+    rejected here (`Engine.generate` and `Engine.score` take them before this check). Errors name `name`, the bad id and
     its position ("row b, position t" for a batch).
     """
     try:
@@ -122,7 +122,8 @@ def check_token_ids(tokens: Any, vocab_size: int, name: str = "tokens") -> np.nd
         if lengths is not None and len(set(lengths)) > 1:
             raise ValueError(
                 f"{name}: ragged batch (rows of lengths {lengths[:8]}{'...' if len(lengths) > 8 else ''}) is not "
-                "supported yet: pad the rows to one length or run them separately"
+                "supported here (Engine.generate and Engine.score take one): pad the rows to one length or run "
+                "them separately"
             ) from None
         raise ValueError(f"{name}: cannot be read as an array of token ids ({e})") from None
     kind = arr.dtype.kind
@@ -145,6 +146,12 @@ def _row_lengths(tokens: Any) -> list[int] | None:
     if not all(isinstance(r, (Sequence, np.ndarray)) and not isinstance(r, (str, bytes)) for r in tokens):
         return None
     return [len(r) for r in tokens]
+
+
+def _is_ragged(tokens: Any) -> bool:
+    """A list of token rows of different lengths."""
+    lengths = _row_lengths(tokens)
+    return lengths is not None and len(set(lengths)) > 1
 
 
 class Engine:
@@ -467,7 +474,10 @@ class Engine:
 
     def generate(self, prompt, n: int, chunk: int | None = None) -> np.ndarray:
         """Greedy decoding: prompt ids [B, T] (or [T]) -> n new ids [B, n] (or [n]); n = 0 gives an
-        empty int32 array of that shape."""
+        empty int32 array of that shape. A list of rows of different lengths is a ragged batch
+        (`_generate_ragged`: each row prefilled alone, decoded together; [B, n])."""
+        if _is_ragged(prompt):
+            return self._generate_ragged(prompt, n, chunk)
         prompt = self._tokens(prompt, "prompt", (1, 2))
         n = _check_int("n", n, 0)
         squeeze = prompt.ndim == 1
@@ -490,16 +500,65 @@ class Engine:
             out = np.concatenate([np.asarray(first)[:, None], np.asarray(rest)], axis=1)
         return out[0] if squeeze else out
 
+    def _rows(self, rows: Sequence, name: str) -> list[np.ndarray]:
+        out = []
+        for i, r in enumerate(rows):
+            r = self._tokens(r, f"{name} row {i}", (1,))
+            if r.shape[0] == 0:
+                raise ValueError(f"{name} row {i}: empty")
+            out.append(r)
+        return out
+
+    def _generate_ragged(self, prompts: Sequence, n: int, chunk: int | None) -> np.ndarray:
+        """Greedy ids [B, n] for prompts of different lengths: each row is prefilled on its own
+        (its policy's prompt phase and compression included), the rows' states are stacked into
+        one batch and decoded together, each row at its own positions. Equal to one row at a time."""
+        rows = self._rows(prompts, "prompt")
+        n = _check_int("n", n, 0)
+        for i, r in enumerate(rows):
+            self._check_len(len(r) + n, f"prompt row {i} of {len(r)} tokens + n={n} new tokens = {len(r) + n}")
+        if n == 0:
+            return np.zeros((len(rows), 0), np.int32)
+        done = [self.prefill(r[None], chunk) for r in rows]  # (logits [1, V], cache) per row
+        logits = jnp.concatenate([lg for lg, _ in done], axis=0)  # [B, V]
+        cache = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *[c for _, c in done])  # batch: axis 1
+        first = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B]
+        if n == 1:
+            return np.asarray(first)[:, None]
+        pos = jnp.asarray([len(r) for r in rows], jnp.int32)
+        rest, _ = self._decode_n(self.params, cache, first, pos, n - 1)
+        return np.concatenate([np.asarray(first)[:, None], np.asarray(rest)], axis=1)
+
+    def _score_ragged(self, streams: Sequence, chunk: int, progress: bool) -> list[np.ndarray]:
+        """Per-token NLL of streams of different lengths, in one batch: each row is padded at its
+        end (with its last id) to the longest, and its NLL cut to its own T_i - 1 entries. A pad
+        comes after every real token of its row, and attention is causal, so no real token's NLL
+        sees it (equal to one row at a time)."""
+        rows = self._rows(streams, "tokens")
+        short = [i for i, r in enumerate(rows) if len(r) < 2]
+        if short:
+            raise ValueError(f"tokens row {short[0]}: score needs a stream of at least 2 tokens, got {len(rows[short[0]])}")
+        longest = max(len(r) for r in rows)
+        batch = np.stack([np.concatenate([r, np.full(longest - len(r), r[-1], np.int32)]) for r in rows])
+        nll = self.score(batch, chunk=chunk, progress=progress)
+        return [nll[i, :len(r) - 1] for i, r in enumerate(rows)]
+
     def score(self, tokens, chunk: int = 512, progress: bool = False, return_cache: bool = False):
         """Per-token NLL of a stream [T] (or [B, T]), T >= 2, processed through the policy in chunks.
 
         Returns [T-1] (or [B, T-1]): entry i is -log p(token i+1 | tokens <= i); with
-        `return_cache`, (nll, the cache after the T-1 fed tokens). The chunk size
+        `return_cache`, (nll, the cache after the T-1 fed tokens). A list of streams of different
+        lengths is scored in one batch (`_score_ragged`) and gives a list of [T_i - 1] arrays. The chunk size
         never changes the result (tested for every policy): masks are exact per query, and
         policies that evict after every token (`per_token`) scan the chunk token by token. A
         stream has no prompt: prompt compressors run their streaming rule from the first token
         (snapkv: compress whenever the cache overflows).
         """
+        if _is_ragged(tokens):
+            if return_cache:
+                raise ValueError("score: return_cache with streams of different lengths (the padded rows' caches "
+                                 "hold their pads); score them one at a time")
+            return self._score_ragged(tokens, _check_int("chunk", chunk, 1), progress)
         tokens = self._tokens(tokens, "tokens", (1, 2))
         chunk = _check_int("chunk", chunk, 1)
         squeeze = tokens.ndim == 1

@@ -112,13 +112,25 @@ def test_too_long_reports_the_whole_prompt(eng):
     eng.score(np.zeros(33, np.int32), chunk=8)  # 32 positions fed: exactly max_len is fine
 
 
-@pytest.mark.parametrize("method", ["score", "generate", "prefill"])
-def test_ragged_batches_are_rejected(eng, method):
+@pytest.mark.parametrize("method", ["prefill", "step", "prompt"])
+def test_ragged_batches_are_rejected_where_not_supported(eng, method):
     rows = [[1, 2, 3], [4, 5]]
-    call = {"score": lambda: eng.score(rows), "generate": lambda: eng.generate(rows, 2),
-            "prefill": lambda: eng.prefill(rows)}[method]
-    with pytest.raises(ValueError, match=r"ragged batch \(rows of lengths \[3, 2\]\) is not supported yet"):
+    call = {"prefill": lambda: eng.prefill(rows), "step": lambda: eng.step(eng.init_cache(2), rows, 0),
+            "prompt": lambda: eng.prompt(rows)}[method]
+    with pytest.raises(ValueError, match=r"ragged batch \(rows of lengths \[3, 2\]\) is not supported here"):
         call()
+    untraced(eng)
+
+
+def test_ragged_score_and_generate_check_every_row_before_compute(eng):
+    with pytest.raises(ValueError, match="return_cache with streams of different lengths"):
+        eng.score([[1, 2, 3], [4, 5]], return_cache=True)
+    with pytest.raises(ValueError, match="tokens row 1: score needs a stream of at least 2 tokens"):
+        eng.score([[1, 2, 3], [4]])
+    with pytest.raises(ValueError, match=r"prompt row 1 of 30 tokens \+ n=5 new tokens = 35 exceeds"):
+        eng.generate([[1, 2], [0] * 30], 5)
+    with pytest.raises(ValueError, match="prompt row 0: token id 300 at position 0 is outside"):
+        eng.generate([[300, 2], [1]], 2)
     untraced(eng)
 
 

@@ -170,3 +170,26 @@ def test_rope_table_rotates_like_the_trigonometry(rope, dtype):
                                np.asarray(rope.apply(x, inside), np.float32), atol=tol)
     np.testing.assert_array_equal(np.asarray(apply(table, x, past)), np.asarray(jax.jit(rope.apply)(x, past)))
     assert table.inv_freq().tolist() == rope.inv_freq().tolist()
+
+
+RAGGED = {  # a per-token evictor, a prompt compressor (head-wise), a sparse reader over a dense cache
+    "h2o": kvpolicies.get("h2o", heavy=4, recent=4),
+    "adakv": kvpolicies.get("adakv", budget=8, obs_window=4, kernel=3, max_new=8),
+    "quest": kvpolicies.get("quest", page=4, top_k=2),
+}
+
+
+@pytest.mark.parametrize("name", list(RAGGED))
+def test_ragged_batches_equal_one_row_at_a_time(model, name):
+    """generate and score take rows of different lengths in one batch (generate: each row
+    prefilled alone, decoded together at its own positions; score: padded at the end) and give
+    each row what it gets alone."""
+    rng = np.random.default_rng(3)
+    rows = [rng.integers(0, CFG.vocab_size, n).astype(np.int32) for n in (16, 8, 24)]  # whole chunks of 8
+    eng = Engine(model, RAGGED[name], max_len=T)
+    together = eng.generate([r.tolist() for r in rows], 6, chunk=8)
+    alone = [eng.generate(r, 6, chunk=8) for r in rows]
+    np.testing.assert_array_equal(together, np.stack(alone))
+    scored = eng.score([r.tolist() for r in rows], chunk=8)
+    for got, r in zip(scored, rows):
+        np.testing.assert_allclose(got, eng.score(r, chunk=8), atol=1e-5, rtol=0)
