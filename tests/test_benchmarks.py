@@ -29,3 +29,17 @@ def test_step_reads_the_weights_and_the_filled_slots():
 
 def test_read_bandwidth_is_a_rate():
     assert 1e8 < read_bandwidth(16 << 20, repeats=2) < 1e13
+
+
+def test_gpu_script_dry_run_measures_every_policy():
+    """benchmarks.gpu --dry-run (what the CPU can check of the H200 script): every policy decodes
+    on the tiny bfloat16 model and gets its roofline fraction; no test subprocess is started."""
+    from benchmarks import gpu
+
+    rows = gpu.main(["--dry-run"])
+    assert rows[0]["platform"] == "cpu" and "tests" not in {k for r in rows for k in r}
+    measured = [r for r in rows if "policy" in r]
+    assert [r["policy"] for r in measured] == list(gpu.POLICIES)
+    assert all(r["context"] == 64 and r["scan_roofline"] > 0 and r["kv_read_bytes"] > 0 for r in measured)
+    full, int8 = measured[0], measured[-1]
+    assert int8["kv_read_bytes"] < full["kv_read_bytes"]  # the codec's smaller bytes are what a step reads
