@@ -12,6 +12,9 @@ of 5); a decode step must read the weights and the keys/values it attends (the f
 its floor is (weight bytes + those cache bytes) / bandwidth. Each row reports that floor, the
 fraction of it the host loop and the scan reach (`roofline`, `scan_roofline`: 1.0 = at the
 bound), and `vs_transformers` (our scan decode tokens/s over transformers' at that context).
+
+Scaling rows (`impl: scaling`): the ratio of two host-loop step times, `sink` after 64K tokens
+over after 1K (flat = 1.0) and `full` at a 1K context with a 16K over a 1K `max_len`.
 """
 
 from __future__ import annotations
@@ -99,6 +102,36 @@ def bench_ours(model, tokens, policy, ctx, steps, chunk):
     )
 
 
+def step_ms(model, policy, max_len: int, pos: int, steps: int) -> float:
+    """ms per host-loop decode step at positions pos, pos+1, ... of an engine of `max_len` (the
+    cache's content does not change these policies' work: every slot is read, masked or not)."""
+    eng = Engine(model, policy, max_len=max_len)
+    tok = np.zeros((1, 1), np.int32)
+    logits, cache = _block(eng.step(eng.init_cache(1), tok, pos))  # compile
+    best = float("inf")
+    for r in range(3):  # the best of 3 runs of `steps` steps
+        t0 = time.perf_counter()
+        for i in range(steps):
+            logits, cache = eng.step(cache, tok, pos + 1 + r * steps + i)
+        _block(logits)
+        best = min(best, (time.perf_counter() - t0) / steps * 1e3)
+    return best
+
+
+def bench_scaling(model, steps: int, sink_window: int) -> list[dict]:
+    """Does a step cost what it reads? `sink` after 64K tokens vs after 1K (the same slots: flat
+    is 1.0), and `full` at a 1K context inside a 16K max_len vs a 1K max_len (1.0 would be a
+    step that reads only the filled slots)."""
+    sink = kvpolicies.get("sink", n_sink=4, window=sink_window)
+    full = kvpolicies.get("full")
+    room = 4 * steps  # positions the timed steps take
+    near, far = (step_ms(model, sink, p + room, p, steps) for p in (1024, 65536))
+    small, big = (step_ms(model, full, n, 1000, steps) for n in (1000 + room, 16384))
+    return [dict(impl="scaling", check="sink step after 64K / after 1K", ms=[near, far], ratio=far / near),
+            dict(impl="scaling", check="full step at 1K context: max_len 16K / max_len 1K", ms=[small, big],
+                 ratio=big / small)]
+
+
 def bench_transformers(tokens, ctx, steps):
     import torch
     from transformers import AutoModelForCausalLM
@@ -132,6 +165,7 @@ def main(argv=None):
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--policies", nargs="+", default=["full", "sink", "int8"], choices=["full", "sink", "int8"])
     ap.add_argument("--out", default=None, help="write the rows here, one JSON object per line")
+    ap.add_argument("--no-scaling", action="store_true", help="skip the step-cost-vs-position/max_len rows")
     args = ap.parse_args(argv)
 
     from evals.data import default_text
@@ -160,6 +194,10 @@ def main(argv=None):
             rows.append(t)
         for r in rows[-len(ours) - (0 if args.no_transformers else 1):]:
             print(json.dumps(r), flush=True)
+    if not args.no_scaling:
+        for r in bench_scaling(model, args.steps, args.sink_window):
+            print(json.dumps(r), flush=True)
+            rows.append(r)
     if args.out:  # one JSON object per line, as printed
         with open(args.out, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)

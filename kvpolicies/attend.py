@@ -16,13 +16,14 @@ linen) or plain-JAX model can call it.
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from einops import rearrange
 from jaxtyping import Array, Bool, Float, Int
 
-from kvpolicies.base import Policy, Seen, SlotState
+from kvpolicies.base import Policy, Seen, SlotState, write_at
 from kvpolicies.rope import Rope, RopeTable
 
 
@@ -41,19 +42,38 @@ def attend(
     pos: Int[Array, "B T"],
     rope: Rope | RopeTable,
     scale: float | None = None,
-) -> tuple[Float[Array, "B T N D"], SlotState]:
+    defer: bool = False,
+) -> tuple[Float[Array, "B T N D"], SlotState | Deferred]:
     """One attention step through `policy`: returns the outputs and the policy's new state.
 
     q, k, v are un-rotated projections of the T new tokens at absolute positions `pos`.
     Inside `record_visible()`, steps traced there also report the most keys any query attended.
+    defer: where the step only writes its new tokens (`View.append` with a `start`), return
+    them as `Deferred` instead of the new state; the caller writes them (`write_deferred`),
+    e.g. a model after its layer loop, so the stored slots are never copied per layer.
     """
-    out, new_state, visible = _attend(policy, state, q, k, v, pos, rope, scale)
+    out, new_state, visible = _attend(policy, state, q, k, v, pos, rope, scale, defer)
     if _RECORDERS:
         jax.debug.callback(_report, visible)
     return out, new_state
 
 
-def _attend(policy, state, q, k, v, pos, rope, scale):
+class Deferred(NamedTuple):
+    """The writes of an appending step, not yet applied: the new state is
+    `write_at(state, slots, start)` (leaves may carry leading axes, e.g. a model's layers)."""
+
+    slots: SlotState  # the T new slots, encoded
+    start: Int[Array, "*L B"]
+
+
+def write_deferred(state: SlotState, writes: Deferred, lead: int = 0) -> SlotState:
+    """Apply `Deferred` writes; `lead` leading axes (e.g. stacked layers) share one `start`
+    (the layers of a run hold one policy and see the same positions)."""
+    start = writes.start[(0,) * lead]  # [B]
+    return write_at(state, writes.slots, start, lead=lead)
+
+
+def _attend(policy, state, q, k, v, pos, rope, scale, defer=False):
     """`attend`, plus the most keys any query of the step attended (int32 scalar)."""
     if policy.per_token and q.shape[1] > 1:
         return _token_by_token(policy, state, q, k, v, pos, rope, scale)
@@ -62,13 +82,25 @@ def _attend(policy, state, q, k, v, pos, rope, scale):
     view = policy.extend(state, rearrange(k, "B T K D -> B K T D"), rearrange(v, "B T K D -> B K T D"), pos)
 
     rp = view.rope
-    kr = rope.apply(view.k, rp.k)  # [B, K, S, D]
+    app = view.append  # the new tokens, read after the S stored slots (None: all in view.k)
+    s = view.k.shape[2]
+    kr = rope.apply(view.k, rp.k[..., :s])  # [B, K, S, D]
+    kr_new = None if app is None else rope.apply(app.k, rp.k[..., s:])  # [B, K, T, D]
     qh = rearrange(q, "B T (K G) D -> B K G T D", K=n_kv)
     qr = [rope.apply(qh, rp.q[:, None, None, :, p]) for p in range(rp.q.shape[-1])]  # P x [B, K, G, T, D]
-    logits = [
-        jnp.einsum("BKGTD,BKSD->BKGTS", x, kr, preferred_element_type=jnp.float32) for x in qr
-    ]  # P x [B, K, G, T, S]
-    selected = policy.select(view, qr[0], kr)  # [B, K|Kp, G|1, T, S] or None
+
+    def dots(x):  # [B, K, G, T, D] -> [B, K, G, T, S'] float32 (S' = S + T with new tokens)
+        lg = jnp.einsum("BKGTD,BKSD->BKGTS", x, kr, preferred_element_type=jnp.float32)
+        if app is None:
+            return lg
+        return jnp.concatenate([lg, jnp.einsum("BKGTD,BKSD->BKGTS", x, kr_new, preferred_element_type=jnp.float32)], -1)
+
+    logits = [dots(x) for x in qr]  # P x [B, K, G, T, S']
+    # keys of every slot the view holds (stored then new): built only for a policy that reads them
+    k_all = kr if app is None else None
+    if app is not None and ("k_rot" in policy.observes or type(policy).select is not Policy.select):
+        k_all = jnp.concatenate([kr, kr_new], axis=2)  # [B, K, S', D]
+    selected = policy.select(view, qr[0], k_all)  # [B, K|Kp, G|1, T, S'] or None
     lg = logits[0]
     if rp.seg is not None:
         seg = rp.seg[:, :, None, None, :]  # [B, Kp, 1, 1, S]
@@ -84,18 +116,23 @@ def _attend(policy, state, q, k, v, pos, rope, scale):
     if selected is not None:
         mask = mask & selected  # [B, K, G|1, T, S]
     lg = jnp.where(mask, lg, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(lg, axis=-1)  # [B, K, G, T, S] float32
-    out = jnp.einsum("BKGTS,BKSD->BKGTD", probs.astype(view.v.dtype), view.v)
+    probs = jax.nn.softmax(lg, axis=-1)  # [B, K, G, T, S'] float32
+    pv = probs.astype(view.v.dtype)
+    out = jnp.einsum("BKGTS,BKSD->BKGTD", pv[..., :s], view.v)
+    if app is not None:
+        out = out + jnp.einsum("BKGTS,BKSD->BKGTD", pv[..., s:], app.v)
     seen = Seen(
-        scores=probs.sum(axis=2) if "scores" in policy.observes else None,  # [B, K, T, S]
-        k_rot=kr if "k_rot" in policy.observes else None,
+        scores=probs.sum(axis=2) if "scores" in policy.observes else None,  # [B, K, T, S']
+        k_rot=k_all if "k_rot" in policy.observes else None,
         q=qh if "q" in policy.observes else None,  # [B, K, G, T, D]
         rope=(rope.rope if isinstance(rope, RopeTable) else rope) if "rope" in policy.observes else None,
         logits=lg if "logits" in policy.observes else None,  # [B, K, G, T, S]
     )
-    new_state = policy.compact(view, seen)
     visible = mask.sum(axis=-1, dtype=jnp.int32).max()  # keys the busiest query attended
-    return rearrange(out, "B K G T D -> B T (K G) D"), new_state, visible
+    out = rearrange(out, "B K G T D -> B T (K G) D")
+    if defer and app is not None and app.start is not None:
+        return out, Deferred(app.slots, app.start), visible  # compact would only write these
+    return out, policy.compact(view, seen), visible
 
 
 def _token_by_token(policy, state, q, k, v, pos, rope, scale):
@@ -117,6 +154,11 @@ _RECORDERS: list[dict[str, int]] = []  # open `record_visible` contexts (host si
 def _report(visible) -> None:
     for rec in _RECORDERS:
         rec["max_visible"] = max(rec["max_visible"], int(visible))
+
+
+def recording() -> bool:
+    """Whether a `record_visible` context is open (steps traced now report what they attended)."""
+    return bool(_RECORDERS)
 
 
 @contextlib.contextmanager

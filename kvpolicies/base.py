@@ -73,17 +73,38 @@ class RopePositions(NamedTuple):
     seg: Int[Array, "B Kp S"] | None = None
 
 
+class Appended(NamedTuple):
+    """A step's T new tokens, read by attention *after* the view's stored slots, so that the
+    stored slots are read where they are, never copied into a bigger buffer first.
+
+    k, v:  [B, K, T, D] the new tokens as attention reads them (encoded, then decoded).
+    slots: the T new slots, encoded (a state of T slots).
+    start: [B] the slot from which `compact` writes `slots`, contiguously, *and does nothing
+           else*: the new state is `write_at(old state, slots, start)`, so a model may defer
+           that write past its layer loop (`attend(..., defer=True)`); None when `compact`
+           does more than that (a ring chunk folded by `ring_compact`, an eviction).
+    """
+
+    k: Float[Array, "B K T D"]
+    v: Float[Array, "B K T D"]
+    slots: "SlotState"
+    start: Int[Array, "B"] | None
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class View:
     """What one attention step reads, as data (built by `extend`, consumed by `attend`).
 
-    k, v:  [B, K, S, D] keys (un-rotated) and values, decoded to the step's dtype.
-    pos:   [B, Kp, S] slot positions; attention masks empty slots (< 0) and future ones.
-    rope:  the positions RoPE sees (segments included).
-    mask:  [B, Kp, T, S] the policy's own visibility rule (None: every past slot is visible).
-    bias:  [B, Kp, S] added to every query's logit for a slot (None: no bias).
-    carry: private to the policy: whatever `compact` needs (stored slots, new tokens...).
+    k, v:   [B, K, S, D] keys (un-rotated) and values, decoded to the step's dtype.
+    pos:    [B, Kp, S'] slot positions; attention masks empty slots (< 0) and future ones.
+    rope:   the positions RoPE sees (segments included).
+    mask:   [B, Kp, T, S'] the policy's own visibility rule (None: every past slot is visible).
+    bias:   [B, Kp, S'] added to every query's logit for a slot (None: no bias).
+    carry:  private to the policy: whatever `compact` needs (stored slots, new tokens...).
+    append: the step's new tokens, read after the S stored slots (None: k, v hold every slot).
+            With it, pos / rope / mask / bias cover S' = S + T slots: the stored ones, then the
+            new ones (`append_view` builds such a view).
     """
 
     k: Float[Array, "B K S D"]
@@ -93,6 +114,7 @@ class View:
     mask: Bool[Array, "B Kp T S"] | None = None
     bias: Float[Array, "B Kp S"] | None = None
     carry: Any = None
+    append: Appended | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -260,16 +282,41 @@ def concat(a: SlotState, b: SlotState) -> SlotState:
     return _map_fields(cat, a, b)
 
 
-def write_at(state: SlotState, new: SlotState, start: Int[Array, "B"]) -> SlotState:
-    """Write `new`'s slots contiguously at slot `start[b]` (in place under donation)."""
+def write_at(state: SlotState, new: SlotState, start: Int[Array, "B"], lead: int = 0) -> SlotState:
+    """Write `new`'s slots contiguously at slot `start[b]` (in place under donation). `lead`:
+    leading axes both states have before B (a model's stacked layers), written alike."""
 
-    def upd(name, buf, x):  # buf [B, H, S, ...], x [B, H', T, ...]
-        x = jnp.broadcast_to(x, x.shape[:1] + buf.shape[1:2] + x.shape[2:])
-        return jax.vmap(lambda b, y, i: jax.lax.dynamic_update_slice_in_dim(b, y.astype(b.dtype), i, axis=1))(
-            buf, x, start
-        )
+    def upd(name, buf, x):  # buf [*lead, B, H, S, ...], x [*lead, B, H', T, ...]
+        x = jnp.broadcast_to(x, x.shape[:lead + 1] + buf.shape[lead + 1:lead + 2] + x.shape[lead + 2:])
+        x = x.astype(buf.dtype)
+        zero = jnp.zeros((), jnp.int32)
+        # one dynamic_update_slice per row (B is static): XLA updates the buffer in place
+        for b in range(buf.shape[lead]):
+            row = x[(slice(None),) * lead + (slice(b, b + 1),)]
+            idx = (zero,) * lead + (jnp.int32(b), zero, start[b].astype(jnp.int32)) + (zero,) * (buf.ndim - lead - 3)
+            buf = jax.lax.dynamic_update_slice(buf, row, idx)
+        return buf
 
     return _map_fields(upd, state, new)
+
+
+def append_view(codec: Codec, state: SlotState, new: SlotState, pos: Int[Array, "B T"], dtype: Any, carry: Any,
+                start: Int[Array, "B"] | None = None, **kw) -> View:
+    """A view of `state`'s stored slots followed by the T `new` ones (`View.append`): positions,
+    RoPE, masks then cover S + T slots, while the stored keys/values are read in place. With
+    `start` (compact writes the new slots there and does nothing else), the stored slots
+    [start, start + T) are read as empty: the new tokens replace them in this very step."""
+    spos = state.pos  # [B, Kp, S]
+    if start is not None:
+        s = jnp.arange(spos.shape[-1])
+        over = (s >= start[:, None]) & (s < start[:, None] + new.slots)  # [B, S]
+        spos = jnp.where(over[:, None, :], EMPTY, spos)
+    npos = jnp.broadcast_to(new.pos, new.pos.shape[:1] + spos.shape[1:2] + new.pos.shape[2:])  # [B, Kp, T]
+    allpos = jnp.concatenate([spos, npos.astype(spos.dtype)], axis=-1)  # [B, Kp, S + T]
+    kw.setdefault("rope", RopePositions(q=pos[..., None], k=allpos))
+    app = Appended(codec.decode(new.k, dtype), codec.decode(new.v, dtype), new, start)
+    return View(k=codec.decode(state.k, dtype), v=codec.decode(state.v, dtype), pos=allpos, carry=carry,
+                append=app, **kw)
 
 
 def scatter(state: SlotState, new: SlotState, slots: Int[Array, "B T"]) -> SlotState:
@@ -305,26 +352,32 @@ class Pending(NamedTuple):
     new: SlotState | None
 
 
-def ring_extend(codec: Codec, state: SlotState, k, v, pos: Int[Array, "B T"], slots: Int[Array, "B T"]
-                ) -> tuple[SlotState, Pending]:
-    """(slots attention reads, carry). Decode (T == 1) writes in place; a chunk is appended so
-    its early queries still see the slots its later tokens will overwrite."""
+def flat(view: View) -> View:
+    """`view` with its appended tokens moved into k, v (a copy of every slot): for a policy that
+    composes other policies' views (duo) and needs one slot axis."""
+    if view.append is None:
+        return view
+    return dataclasses.replace(view, k=jnp.concatenate([view.k, view.append.k], axis=2),
+                               v=jnp.concatenate([view.v, view.append.v], axis=2), append=None)
+
+
+def ring_extend(codec: Codec, state: SlotState, k, v, pos: Int[Array, "B T"], slots: Int[Array, "B T"]) -> View:
+    """The view of a ring step: the stored slots, then the new tokens (`append_view`). A decode
+    step (T == 1) overwrites its slot (`Appended.start`); a chunk is folded back by
+    `ring_compact`, so its early queries still see the slots its later tokens overwrite. The
+    policy adds its mask / RoPE positions (`dataclasses.replace`)."""
     new = encode_new(codec, k, v, pos)
-    if new.slots == 1:
-        written = scatter(state, new, slots)
-        return written, Pending(written, None)
-    return concat(state, new), Pending(state, new)
+    start = slots[:, 0] if new.slots == 1 else None
+    return append_view(codec, state, new, pos, k.dtype, Pending(state, new), start=start)
 
 
 def ring_compact(carry: Pending, slot_of, keep_of) -> SlotState:
-    """Fold the appended chunk of a ring step back into the ring (only surviving tokens).
+    """Fold the appended tokens of a ring step back into the ring (only surviving tokens).
 
     slot_of(pos [B, T], capacity) -> slots; keep_of(pos [B, T]) -> bool, True for the tokens
     that are the last writer of their slot.
     """
     old, new = carry
-    if new is None:
-        return old
     pos = new.pos[:, 0]  # [B, T]
     slots = jnp.where(keep_of(pos), slot_of(pos, old.slots), old.slots)  # out of range = dropped
     return scatter(old, new, slots)

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
 
-from kvpolicies.base import Policy, RopePositions, SlotState, View, check_int, empty_slots, tree_nbytes
+from kvpolicies.base import Policy, RopePositions, SlotState, View, check_int, empty_slots, flat, tree_nbytes
 from kvpolicies.codecs import Codec, Identity
 from kvpolicies.full import Full
 from kvpolicies.sink import Sink
@@ -181,11 +181,12 @@ class Duo(Policy):
         views = []
         if ret:
             idx = np.asarray(ret)
-            views.append(self._full().extend(SlotState(state.k[0], state.v[0], state.pos), k[:, idx], v[:, idx], pos))
+            views.append(flat(self._full().extend(SlotState(state.k[0], state.v[0], state.pos), k[:, idx], v[:, idx],
+                                                  pos)))
         if st:
             idx = np.asarray(st)
-            views.append(self._sink().extend(SlotState(state.k[1], state.v[1], state.stream_pos), k[:, idx], v[:, idx],
-                                             pos))
+            views.append(flat(self._sink().extend(SlotState(state.k[1], state.v[1], state.stream_pos), k[:, idx],
+                                                  v[:, idx], pos)))
         width = max(x.pos.shape[-1] for x in views)
 
         def pad(x, fill, axis=2):  # the slot axis (2 for k, v, pos; 3 for a mask) to Sv

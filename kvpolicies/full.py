@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvpolicies.base import Policy, encode_new, view_of, write_at
+from kvpolicies.base import Policy, append_view, encode_new, write_at
 from kvpolicies.codecs import Codec, Identity
 
 
@@ -18,9 +18,10 @@ class Full(Policy):
         return max_len
 
     def extend(self, state, k, v, pos):
-        # Chunks are contiguous, so the chunk starts at slot pos[:, 0].
-        written = write_at(state, encode_new(self.codec, k, v, pos), pos[:, 0])
-        return view_of(self.codec, written, pos, k.dtype, carry=written)
+        # Chunks are contiguous, so the chunk starts at slot pos[:, 0]; attention reads the
+        # stored slots in place and the new tokens after them.
+        new = encode_new(self.codec, k, v, pos)
+        return append_view(self.codec, state, new, pos, k.dtype, carry=(state, new, pos[:, 0]), start=pos[:, 0])
 
     def compact(self, view, seen):
-        return view.carry
+        return write_at(*view.carry)

@@ -8,7 +8,7 @@ from typing import Literal
 
 import jax.numpy as jnp
 
-from kvpolicies.base import Policy, RopePositions, check_choice, check_int, ring_compact, ring_extend, view_of
+from kvpolicies.base import Policy, RopePositions, check_choice, check_int, ring_compact, ring_extend
 from kvpolicies.codecs import Codec, Identity
 
 
@@ -53,10 +53,10 @@ class Sink(Policy):
         return jnp.where(pos < self.n_sink, pos, self.n_sink + (pos - self.n_sink) % max(ring, 1))
 
     def extend(self, state, k, v, pos):
-        slots, carry = ring_extend(self.codec, state, k, v, pos, self._slot(pos, state.slots))
-        kp = slots.pos[:, :, None, :]  # [B, Kp, 1, S]
-        mask = (kp < self.n_sink) | (kp > pos[:, None, :, None] - self.window)  # [B, Kp, T, S]
-        return view_of(self.codec, slots, pos, k.dtype, carry, mask=mask, rope=self._rope(pos, slots.pos))
+        view = ring_extend(self.codec, state, k, v, pos, self._slot(pos, state.slots))
+        kp = view.pos[:, :, None, :]  # [B, Kp, 1, S + T]
+        mask = (kp < self.n_sink) | (kp > pos[:, None, :, None] - self.window)  # [B, Kp, T, S + T]
+        return dataclasses.replace(view, mask=mask, rope=self._rope(pos, view.pos))
 
     def _rope(self, q_pos, k_pos):
         if self.positions == "original" or self.n_sink == 0:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvpolicies.base import Policy, check_int, ring_compact, ring_extend, view_of
+from kvpolicies.base import Policy, check_int, ring_compact, ring_extend
 from kvpolicies.codecs import Codec, Identity
 
 
@@ -33,9 +33,9 @@ class Window(Policy):
         return pos % capacity  # capacity < window only when max_len < window: then pos < capacity
 
     def extend(self, state, k, v, pos):
-        slots, carry = ring_extend(self.codec, state, k, v, pos, self._slot(pos, state.slots))
-        mask = slots.pos[:, :, None, :] > pos[:, None, :, None] - self.window  # [B, Kp, T, S]
-        return view_of(self.codec, slots, pos, k.dtype, carry, mask=mask)
+        view = ring_extend(self.codec, state, k, v, pos, self._slot(pos, state.slots))
+        mask = view.pos[:, :, None, :] > pos[:, None, :, None] - self.window  # [B, Kp, T, S + T]
+        return dataclasses.replace(view, mask=mask)
 
     def compact(self, view, seen):
         return ring_compact(view.carry, self._slot, lambda pos: pos > pos[:, -1:] - self.window)

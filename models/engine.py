@@ -39,6 +39,7 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
+from kvpolicies.attend import recording
 from kvpolicies.base import Policy, SlotState
 from kvpolicies.full import Full
 from kvpolicies.kvzip import Reconstruct
@@ -572,13 +573,22 @@ class Engine:
         self._check_len(n, f"stream of {n + 1} tokens ({n} fed to the model, the last only as a target)")
         cache = self.init_cache(tokens.shape[0])
         out = []
+        # A ragged last chunk is padded at its end to a whole chunk (its pads come after every real
+        # token, so causal attention keeps them out of every real NLL), so that a stream compiles
+        # one step, not two. Not when the cache is returned (it would hold the pads), when the
+        # pads' positions pass max_len, or inside `record_visible` (pad queries would be counted).
+        last = n - (n - 1) // chunk * chunk
+        padded = n > chunk and not return_cache and not recording() and n - last + chunk <= self.max_len
+        pad = chunk - last if padded else 0
+        toks = np.concatenate([tokens, np.repeat(tokens[:, -1:], pad, axis=1)], axis=1)
         bar = tqdm(total=n, desc="score", unit="tok", disable=not progress, leave=False)
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
-            pos = jnp.broadcast_to(jnp.arange(s, e, dtype=jnp.int32), (tokens.shape[0], e - s))
-            nll, cache = self._nll_step(self.params, cache, jnp.asarray(tokens[:, s:e]), pos,
-                                        jnp.asarray(tokens[:, s + 1:e + 1]))
-            out.append(np.asarray(nll))
+            f = e + pad if e == n else e  # fed up to f: the last chunk with its pads
+            pos = jnp.broadcast_to(jnp.arange(s, f, dtype=jnp.int32), (tokens.shape[0], f - s))
+            nll, cache = self._nll_step(self.params, cache, jnp.asarray(toks[:, s:f]), pos,
+                                        jnp.asarray(toks[:, s + 1:f + 1]))
+            out.append(np.asarray(nll)[:, :e - s])
             bar.update(e - s)
         bar.close()
         res = np.concatenate(out, axis=1)

@@ -11,7 +11,10 @@ stores 512 slots), so the model has no second masking path.
 
 Weights of all layers are stacked on a leading L axis; consecutive layers with the same policy
 form a run that is one `lax.scan` (so a 30-layer model compiles one layer body). The cache is a
-tuple with one stacked `SlotState` per run, passed in and returned explicitly.
+tuple with one stacked `SlotState` per run, passed in and returned explicitly. A run whose
+policy only appends in this step (`View.append` with a start: full, a ring's decode step)
+reads its layers' stored slots as scan inputs and returns just the new slots, written into the
+stacked cache after the scan (`attend(..., defer=True)`): no per-layer copy of the cache.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from jaxtyping import Array, Float, Int
 
 from kvpolicies.base import Policy, SlotState
 from kvpolicies import Rope, attend
+from kvpolicies.attend import Deferred, write_deferred
 from kvpolicies.rope import RopeTable
 from models.config import LlamaConfig
 
@@ -105,7 +109,9 @@ def block(cfg: LlamaConfig, policy: Policy, rope: Rope | RopeTable, w: dict, x, 
     v = v.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)  # [B, T, K, D]
     if cfg.qk_norm:
         q, k = rms_norm(q, w["q_norm"], cfg.norm_eps), rms_norm(k, w["k_norm"], cfg.norm_eps)
-    o, state = attend(policy, state, q, k, v, pos, rope, cfg.attn_scale)  # [B, T, N, D]
+    # defer: a step that only appends returns its new slots, which `hidden` writes after the
+    # layer loop (the stored cache is then read in place, not copied through the scan)
+    o, state = attend(policy, state, q, k, v, pos, rope, cfg.attn_scale, defer=True)  # [B, T, N, D]
     o = o.reshape(B, T, -1) @ w["wo"]  # [B, T, d]
     if cfg.post_norms:
         o = rms_norm(o, w["post_attn_norm"], cfg.norm_eps)
@@ -184,8 +190,9 @@ class Llama(nnx.Module):
                     lambda: block(cfg, pol, rope, w, x, pos, st),
                 )
 
-            x, state = jax.lax.scan(body, x, (wr, state, jnp.asarray(local[a:b])))
-            new_cache.append(state)
+            x, out = jax.lax.scan(body, x, (wr, state, jnp.asarray(local[a:b])))
+            # an appending policy's layers return only their new slots: written here, in place
+            new_cache.append(write_deferred(state, out, lead=1) if isinstance(out, Deferred) else out)
         return rms_norm(x, self.final_norm[...], cfg.norm_eps), tuple(new_cache)
 
     def logits(self, h: Float[Array, "B T d"]) -> Float[Array, "B T V"]:

@@ -103,6 +103,22 @@ def test_score_is_chunk_invariant_and_matches_forward(model, tokens):
         np.testing.assert_allclose(eng.score(tokens, chunk=chunk), want, atol=2e-5)
 
 
+@pytest.mark.parametrize("name", ["full", "h2o", "quest"])
+def test_score_pads_a_ragged_last_chunk_and_compiles_once(model, tokens, name):
+    """A stream of 2.5 chunks compiles one step (its last chunk padded at the end), with the NLL
+    of one chunk per token; padding stops where the pads would pass max_len."""
+    pol = {"full": kvpolicies.get("full"), "h2o": kvpolicies.get("h2o", heavy=4, recent=4),
+           "quest": kvpolicies.get("quest", page=4, top_k=2)}[name]
+    stream = tokens[0, :21]  # 20 fed: chunks of 8, 8, 4
+    eng = Engine(model, pol, max_len=32)
+    nll = eng.score(stream, chunk=8)
+    assert eng.traces["nll"] == 1 and nll.shape == (20,)
+    np.testing.assert_allclose(nll, Engine(model, pol, max_len=32).score(stream, chunk=1), atol=1e-5, rtol=0)
+    tight = Engine(model, pol, max_len=20)  # the pads of the last chunk would sit at 20..23
+    np.testing.assert_allclose(tight.score(stream, chunk=8), nll, atol=1e-5, rtol=0)
+    assert tight.traces["nll"] == 2
+
+
 def test_engine_rejects_too_long_sequences(model):
     eng = Engine(model, kvpolicies.get("full"), max_len=8)
     with pytest.raises(ValueError, match="exceeds the engine's max_len=8"):

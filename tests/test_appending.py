@@ -1,0 +1,123 @@
+"""Appending views (`View.append`) and deferred writes: attention reads the stored slots in place
+and the step's new tokens after them; a model writes the new slots after its layer loop.
+
+References: the same step with every slot in one buffer (`flat`, the layout before appending
+views), and the policy's own `compact` (what a deferred write must equal).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvpolicies
+from kvpolicies.attend import Deferred, attend, write_deferred
+from kvpolicies.base import flat, tree_nbytes
+from kvpolicies.rope import Rope
+
+ROPE = Rope(8)
+APPENDING = {
+    "full": kvpolicies.get("full"),
+    "full-int8": kvpolicies.get("full", codec="int8"),
+    "window": kvpolicies.get("window", window=5),
+    "sink": kvpolicies.get("sink", n_sink=2, window=5),
+    "sink-original": kvpolicies.get("sink", n_sink=2, window=5, positions="original"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Flat(kvpolicies.Policy):
+    """`inner` with its view flattened: every slot in one k/v buffer (the reference layout)."""
+
+    inner: kvpolicies.Policy = kvpolicies.get("full")
+
+    def capacity(self, max_len):
+        return self.inner.capacity(max_len)
+
+    def init(self, *a):
+        return self.inner.init(*a)
+
+    def extend(self, state, k, v, pos):
+        return flat(self.inner.extend(state, k, v, pos))
+
+    def compact(self, view, seen):
+        return self.inner.compact(view, seen)
+
+
+def _qkv(t, seed):
+    r = np.random.default_rng(seed)
+    q, k, v = (jnp.asarray(r.standard_normal((2, t, h, 8)), jnp.float32) for h in (4, 2, 2))
+    return q, k, v
+
+
+def _prefilled(pol, n):
+    """A state after n tokens (chunks of 3), and the next token's q, k, v at position n."""
+    q, k, v = _qkv(n + 1, seed=n)
+    st = pol.init(2, 2, 8, jnp.float32, 32)
+    for a in range(0, n, 3):
+        b = min(a + 3, n)
+        pos = jnp.broadcast_to(jnp.arange(a, b, dtype=jnp.int32), (2, b - a))
+        _, st = attend(pol, st, q[:, a:b], k[:, a:b], v[:, a:b], pos, ROPE)
+    return st, (q[:, n:], k[:, n:], v[:, n:], jnp.full((2, 1), n, jnp.int32))
+
+
+@pytest.mark.parametrize("name", sorted(APPENDING))
+@pytest.mark.parametrize("n", [4, 11])  # before and after a ring wraps
+def test_deferred_write_equals_compact_and_flat_view(name, n):
+    pol = APPENDING[name]
+    st, (q, k, v, pos) = _prefilled(pol, n)
+    out, new = attend(pol, st, q, k, v, pos, ROPE)
+    out_d, writes = attend(pol, st, q, k, v, pos, ROPE, defer=True)
+    assert isinstance(writes, Deferred) and writes.slots.slots == 1
+    np.testing.assert_array_equal(np.asarray(out_d), np.asarray(out))
+    for a, b in zip(jax.tree.leaves(write_deferred(st, writes)), jax.tree.leaves(new)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    out_f, new_f = attend(Flat(inner=pol), st, q, k, v, pos, ROPE)  # all slots in one buffer
+    np.testing.assert_allclose(np.asarray(out), np.asarray(out_f), atol=1e-6, rtol=0)
+    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(new_f)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_only_pure_appends_defer():
+    """A ring chunk (folded by compact) and an evictor return their new state, never `Deferred`."""
+    q, k, v = _qkv(4, seed=0)
+    pos = jnp.broadcast_to(jnp.arange(4, dtype=jnp.int32), (2, 4))
+    for pol in (kvpolicies.get("window", window=3), kvpolicies.get("h2o", heavy=2, recent=2)):
+        _, st = attend(pol, pol.init(2, 2, 8, jnp.float32, 32), q, k, v, pos, ROPE, defer=True)
+        assert not isinstance(st, Deferred), pol
+
+
+def test_write_deferred_over_stacked_layers():
+    """A run's stacked states [L, ...] take the layers' new slots at the one start of the run."""
+    pol = kvpolicies.get("full", codec="int8")
+    st = jax.tree.map(lambda x: jnp.stack([x, x + 1]), pol.init(2, 2, 8, jnp.float32, 16))  # [L=2, ...]
+    new = kvpolicies.base.encode_new(pol.codec, *(_qkv(3, 1)[1:]), jnp.array([[5, 6, 7], [2, 3, 4]], jnp.int32))
+    new = jax.tree.map(lambda x: x.transpose(0, 2, 1, 3) if x.ndim == 4 else x, new)  # [B, K, T, .]
+    layers = jax.tree.map(lambda x: jnp.stack([x, 2 * x if jnp.issubdtype(x.dtype, jnp.floating) else x]), new)
+    got = write_deferred(st, Deferred(layers, jnp.array([[5, 2], [5, 2]], jnp.int32)), lead=1)
+    for layer in range(2):
+        one = jax.tree.map(lambda x: x[layer], st)
+        want = kvpolicies.base.write_at(one, jax.tree.map(lambda x: x[layer], layers), jnp.array([5, 2]))
+        for a, b in zip(jax.tree.leaves(jax.tree.map(lambda x: x[layer], got)), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_model_decode_step_does_not_copy_the_cache():
+    """The decode step of `full` reads its stacked cache in place: XLA's temporary buffers hold
+    less than a third of the cache (the layer scan copied the whole cache through its outputs
+    before appending views: temporaries of at least the cache's size)."""
+    from models.config import LlamaConfig
+    from models.engine import Engine
+    from models.llama import Llama
+
+    model = Llama(LlamaConfig(vocab_size=97, d_model=32, n_layers=8, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=32))
+    for pol in (kvpolicies.get("full"), kvpolicies.get("sink", n_sink=4, window=2044)):
+        eng = Engine(model, pol, max_len=2048)
+        cache = eng.init_cache(1)
+        tok, pos = np.zeros((1, 1), np.int32), np.full((1, 1), 100, np.int32)
+        mem = eng._logits_step.lower(eng.params, cache, tok, pos).compile().memory_analysis()
+        assert mem.temp_size_in_bytes < tree_nbytes(cache) / 3, (pol, mem.temp_size_in_bytes, tree_nbytes(cache))
