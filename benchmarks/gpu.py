@@ -9,9 +9,18 @@ wherever JAX has a device): `python -m benchmarks.gpu [--out results/gpu.jsonl]`
    top 16) and `full` with the int8 codec at 4K / 16K / 32K tokens, each decode step as a fraction
    of its roofline ((weights + the filled cache) / bandwidth; `benchmarks.decode_speed`).
 
+4. Quest's gathered decode read and its host tier (`kvpolicies.offload`), rows with
+   "section": "quest_gather" / "host_tier": `benchmarks.quest_gather`'s attention-level step at
+   16K (quest's top_k pages against `full` over top_k x page tokens: the issue's <= 1.3x), and for
+   SmolLM2 in bfloat16 at 16K / 32K the decode step of `quest` with its keys/values in device
+   memory and in pinned host memory (prefilled on the device, then `offload.to_host`), with the
+   bytes each step moves host -> device (recorded) next to their closed form. A failure here is a
+   row with "error" (the rest of the script still runs): the host tier's gather runs on host-memory
+   operands, which only the CPU backend has been seen to compile.
+
 `--dry-run` does the same on a tiny random model at 64 tokens and skips the test subset: it is
-what the CPU test suite runs (`tests/test_benchmarks.py`). Budget: about 8 minutes on an H200.
-No result of it is in README until a GPU has run it.
+what the CPU test suite runs (`tests/test_benchmarks.py`). Budget: about 8 minutes on an H200
+(sections 1-3), about 1 more for section 4. No result of it is in README until a GPU has run it.
 """
 
 from __future__ import annotations
@@ -63,6 +72,58 @@ def models(dry_run: bool):
     yield "qwen", qwen, np.asarray(qtok.encode(load_text("pg")[:400_000]), np.int32)
 
 
+def quest_sections(model, tokens, contexts, steps: int, dry_run: bool) -> list[dict]:
+    """Section 4: Quest's gathered read at the attention level, then its host tier in the model."""
+    from benchmarks import quest_gather
+    from kvpolicies import offload
+    from models.engine import Engine
+
+    rows = []
+    try:
+        ctx, page, top_k = (256, 4, 4) if dry_run else (16384, 16, 64)
+        att = quest_gather.attention_level(ctx, page, top_k, rounds=1 if dry_run else 5, steps=1 if dry_run else 20)
+        ratio = quest_gather.ratios(att)["attention"]
+        rows += [{"section": "quest_gather"} | r for r in att] + [{"section": "quest_gather", "ratios": ratio}]
+    except Exception as e:  # noqa: BLE001 (report and go on)
+        rows.append({"section": "quest_gather", "error": f"{type(e).__name__}: {str(e)[:300]}"})
+    for ctx in contexts:
+        if ctx + steps + 1 > len(tokens):
+            continue
+        pol = POLICIES["quest"]()
+        row = {"section": "host_tier", "quest_page": pol.page, "quest_top_k": pol.top_k, "context": ctx,
+               "memory_kind": offload.host_kind(), "simulated": jax.default_backend() == "cpu"}
+        try:
+            eng = Engine(model, pol, max_len=ctx + steps + 1)
+            logits, cache = eng.prefill(tokens[None, :ctx], chunk=min(512, ctx))
+            nxt = jnp.argmax(logits, -1)[:, None].astype(jnp.int32)
+            caches = {"device": cache, "host": offload.to_host(jax.tree.map(jnp.copy, cache))}
+            row["host_bytes_stored"] = offload.host_bytes(caches["host"])
+            with offload.record_moves() as rec:  # one step of another engine (its own trace) counts the bytes
+                counter = Engine(model, pol, max_len=ctx + steps + 1)
+                jax.block_until_ready(counter.step(jax.tree.map(jnp.copy, caches["host"]), nxt, ctx)[0])
+            row["bytes_moved_per_step"] = rec["bytes"]
+            for where in caches:  # compile (the host cache is another input type: its own step)
+                out, caches[where] = eng.step(caches[where], nxt, ctx)
+                jax.block_until_ready(out)
+            times = {w: [] for w in caches}
+            for _ in range(3):  # interleaved rounds
+                for where in caches:
+                    t0 = time.perf_counter()
+                    for i in range(steps):
+                        out, caches[where] = eng.step(caches[where], nxt, ctx + 1 + i)
+                    jax.block_until_ready(out)
+                    times[where].append((time.perf_counter() - t0) / steps * 1e3)
+            cfg = model.cfg
+            row |= {f"{w}_ms_per_step": float(np.median(t)) for w, t in times.items()}
+            row["bytes_moved_closed_form"] = offload.gathered_bytes(
+                pol, kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, max_len=ctx + steps + 1, n_layers=cfg.n_layers,
+                dtype=jax.tree.leaves(cache[0].k)[0].dtype)
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        rows.append(row)
+    return rows
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 32768])
@@ -70,6 +131,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--dry-run", action="store_true", help="a tiny model at 64 tokens, no test subset (CPU)")
     ap.add_argument("--skip-tests", action="store_true")
+    ap.add_argument("--skip-quest", action="store_true", help="no section 4 (quest gather, host tier)")
     ap.add_argument("--out", default=None, help="write the rows here, one JSON object per line")
     args = ap.parse_args(argv)
     contexts, steps = ([64], 2) if args.dry_run else (args.contexts, args.steps)
@@ -93,6 +155,11 @@ def main(argv=None) -> list[dict]:
                 r |= bench_ours(model, tokens, POLICIES[pol](), ctx, steps, chunk=min(512, ctx))
                 floor = (r["weight_bytes"] + r["kv_read_bytes"]) / bw
                 r |= {"roofline_ms": floor * 1e3, "scan_roofline": floor * r["scan_decode_tok_s"]}
+                print(json.dumps(r), flush=True)
+                rows.append(r)
+        if not args.skip_quest and (name == "smollm2" or args.dry_run):
+            host_contexts = contexts if args.dry_run else [c for c in contexts if c >= 16384]
+            for r in quest_sections(model, tokens, host_contexts, steps, args.dry_run):
                 print(json.dumps(r), flush=True)
                 rows.append(r)
     if args.out:

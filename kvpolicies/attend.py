@@ -11,11 +11,23 @@ causality and empty-slot masking, RoPE and the softmax. Prefill and decode are t
 with T >= 1; for a policy that evicts after every token (`per_token`), a chunk is a scan of
 T single-token steps, so the chunk size never changes its result. Pure JAX: any Flax (NNX or
 linen) or plain-JAX model can call it.
+
+Sparse reads are this module's business too. A decode step (T == 1) of a policy that declares
+`gathers = True` (Quest) asks `select(view, q_rot, None)` *before* any key is rotated; the policy
+answers with a `Gather` (M static: the slots each kv head reads, e.g. its top_k pages), and the
+step gathers only those slots' keys, values and positions and computes RoPE, the logits and the
+softmax over M slots instead of S. The result is the masked step's: the same slots, the same
+logits (the same rotations of the same keys), a softmax over the same set (masked slots weigh
+exactly 0 there). Chunks (T > 1) keep the masked path. In a gathered step the per-slot fields of
+`Seen` (scores, k_rot, logits) are over the Gather's M slots, in its order. A view whose keys and
+values live in host memory (`kvpolicies.offload`) is read the same way: a gathered step moves only
+the M slots to the device, a dense step the whole view.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -23,8 +35,23 @@ import jax.numpy as jnp
 from einops import rearrange
 from jaxtyping import Array, Bool, Float, Int
 
-from kvpolicies.base import Policy, Seen, SlotState, write_at
+from kvpolicies import offload
+from kvpolicies.base import Policy, Seen, SlotState, View, take_slots, write_at
 from kvpolicies.rope import Rope, RopeTable
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Gather:
+    """A decode step's sparse read, as data (`select`'s answer when `attend` asks with k_rot=None):
+    per kv head, n blocks of `size` consecutive view slots, block i covering slots
+    [start_i, start_i + size) (Quest: its pages). M = n x size is static; a block with ok False is
+    not read (a missing candidate, a page past the cache), nor are its slots past the view's end;
+    the blocks must not overlap. Blocks are gathered whole (contiguous size x D copies)."""
+
+    start: Int[Array, "B K n"]
+    ok: Bool[Array, "B K n"]
+    size: int = dataclasses.field(default=1, metadata=dict(static=True))
 
 
 def causal(q_pos: Int[Array, "B T"], k_pos: Int[Array, "B Kp S"]) -> Bool[Array, "B Kp T S"]:
@@ -81,26 +108,38 @@ def _attend(policy, state, q, k, v, pos, rope, scale, defer=False):
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     view = policy.extend(state, rearrange(k, "B T K D -> B K T D"), rearrange(v, "B T K D -> B K T D"), pos)
 
+    own = view  # the policy's own view: `compact` folds the step into the state from it
+    rp = view.rope
+    qh = rearrange(q, "B T (K G) D -> B K G T D", K=n_kv)
+    qr = [rope.apply(qh, rp.q[:, None, None, :, p]) for p in range(rp.q.shape[-1])]  # P x [B, K, G, T, D]
+    gathered = q.shape[1] == 1 and policy.gathers
+    if gathered:  # a sparse decode read: only the gathered slots are moved, rotated and attended
+        gather = policy.select(view, qr[0], None)
+        if not isinstance(gather, Gather):
+            raise TypeError(f"{type(policy).__name__} gathers: select(view, q_rot, None) must return a Gather "
+                            f"at decode (T == 1), got {type(gather).__name__}")
+        view = _gathered_view(view, gather)  # S -> M slots below
+    else:
+        view = dataclasses.replace(view, k=offload.device(view.k), v=offload.device(view.v))  # a host tier: all of it
     rp = view.rope
     app = view.append  # the new tokens, read after the S stored slots (None: all in view.k)
     s = view.k.shape[2]
     kr = rope.apply(view.k, rp.k[..., :s])  # [B, K, S, D]
     kr_new = None if app is None else rope.apply(app.k, rp.k[..., s:])  # [B, K, T, D]
-    qh = rearrange(q, "B T (K G) D -> B K G T D", K=n_kv)
-    qr = [rope.apply(qh, rp.q[:, None, None, :, p]) for p in range(rp.q.shape[-1])]  # P x [B, K, G, T, D]
 
     def dots(x):  # [B, K, G, T, D] -> [B, K, G, T, S'] float32 (S' = S + T with new tokens)
         lg = jnp.einsum("BKGTD,BKSD->BKGTS", x, kr, preferred_element_type=jnp.float32)
         if app is None:
             return lg
-        return jnp.concatenate([lg, jnp.einsum("BKGTD,BKSD->BKGTS", x, kr_new, preferred_element_type=jnp.float32)], -1)
+        new = jnp.einsum("BKGTD,BKSD->BKGTS", x, kr_new, preferred_element_type=jnp.float32)
+        return jnp.concatenate([lg, new], -1)
 
     logits = [dots(x) for x in qr]  # P x [B, K, G, T, S']
     # keys of every slot the view holds (stored then new): built only for a policy that reads them
     k_all = kr if app is None else None
     if app is not None and ("k_rot" in policy.observes or type(policy).select is not Policy.select):
         k_all = jnp.concatenate([kr, kr_new], axis=2)  # [B, K, S', D]
-    selected = policy.select(view, qr[0], k_all)  # [B, K|Kp, G|1, T, S'] or None
+    selected = None if gathered else policy.select(view, qr[0], k_all)  # [B, K|Kp, G|1, T, S'] or None
     lg = logits[0]
     if rp.seg is not None:
         seg = rp.seg[:, :, None, None, :]  # [B, Kp, 1, 1, S]
@@ -132,7 +171,38 @@ def _attend(policy, state, q, k, v, pos, rope, scale, defer=False):
     out = rearrange(out, "B K G T D -> B T (K G) D")
     if defer and app is not None and app.start is not None:
         return out, Deferred(app.slots, app.start), visible  # compact would only write these
-    return out, policy.compact(view, seen), visible
+    # (in a gathered step Seen's per-slot fields are over the M slots; compact gets the policy's own view)
+    return out, policy.compact(own, seen), visible
+
+
+def _gathered_view(view: View, g: Gather) -> View:
+    """The view (S slots) restricted to the Gather's M = n x size slots (keys and values moved from
+    a host tier if they live there); unread slots get position -1, so causality masks them."""
+    if view.append is not None:
+        raise NotImplementedError("a gathered read of a view with appended tokens (View.append)")
+    s, size = view.pos.shape[-1], g.size
+    if size > s:  # blocks longer than the view: gather slot by slot
+        return _gathered_view(view, _slotwise(g, s))
+    start = jnp.clip(g.start, 0, s - size)  # [B, K, n] a block past the end is read from s - size
+    slots = start[..., None] + jnp.arange(size)  # [B, K, n, size]
+    ok = g.ok[..., None] & (slots >= g.start[..., None])  # [B, K, n, size]: only the block's own slots
+    b, k, n = start.shape
+    slots, ok = slots.reshape(b, k, n * size), ok.reshape(b, k, n * size)  # [B, K, M]
+    k_, v_ = offload.fetch((view.k, view.v), start, size)  # [B, K, M, D] each
+    pos = jnp.where(ok, take_slots(view.pos, slots), -1)  # [B, K, M]
+    rp = view.rope
+    rope = type(rp)(q=rp.q, k=take_slots(rp.k, slots), seg=None if rp.seg is None else take_slots(rp.seg, slots))
+    mask = None if view.mask is None else take_slots(view.mask[:, :, 0], slots)[:, :, None]  # [B, K, 1, M]
+    bias = None if view.bias is None else take_slots(view.bias, slots)  # [B, K, M]
+    return View(k=k_, v=v_, pos=pos, rope=rope, mask=mask, bias=bias, carry=view.carry)
+
+
+def _slotwise(g: Gather, s: int) -> Gather:
+    """The same read as blocks of one slot (slots past the view's end not read)."""
+    slots = g.start[..., None] + jnp.arange(g.size)  # [B, K, n, size]
+    ok = g.ok[..., None] & (slots < s)
+    b, k, n, size = slots.shape
+    return Gather(jnp.minimum(slots, s - 1).reshape(b, k, n * size), ok.reshape(b, k, n * size), 1)
 
 
 def _token_by_token(policy, state, q, k, v, pos, rope, scale):

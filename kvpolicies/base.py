@@ -165,6 +165,9 @@ class Policy:
     # field -> run-level config key it follows in `python -m evals.run` (e.g. h2o's heavy <- budget);
     # every other field takes its dataclass default, and `codec` always follows the run's codec.
     run_keys: ClassVar[dict[str, str]] = {}
+    # A sparse reader (Quest): at decode (T == 1) `attend` asks `select(view, q_rot, None)` before
+    # rotating any key, and reads only the slots of the `kvpolicies.attend.Gather` it answers.
+    gathers: ClassVar[bool] = False
     # A prompt compressor that scores the prompt with a second model pass (kvzip's context
     # reconstruction): the engine runs `reconstruction()` policies over its repeat inputs
     # between the prompt phase and `after_prompt`.

@@ -49,6 +49,15 @@ Our deviations and extensions:
 Candidate pages are complete and lie before the always-read region, so a chunk selects for each
 query exactly what decoding one by one would; the prompt phase stores the same state as the
 decode phase would, so the final state never depends on the chunking either.
+
+Sparse reads are real at decode (`gathers`): `kvpolicies.attend` asks a decode query's selection
+before rotating any key, and `select` answers with an `attend.Gather` of M = `gather_slots(max_len)`
+slots per kv head (the top_k - 1 chosen pages, then the pages of the always-read region: top_k x
+page for window <= 1), so the step rotates, scores and reads M slots instead of max_len; ranking
+reads the page bounds (C x D per kv head). The pages and the softmax are the masked path's (the
+query's own page is never a candidate, so ranking before folding the new key in changes nothing).
+A chunk (T > 1) keeps the masked path. The gathered step also moves only those M slots to the
+device when the keys and values live in host memory (`kvpolicies.offload.to_host`).
 """
 
 from __future__ import annotations
@@ -59,6 +68,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
+from kvpolicies import offload
+from kvpolicies.attend import Gather
 from kvpolicies.base import Policy, SlotState, check_int, encode_new, tree_nbytes, view_of, write_at
 from kvpolicies.codecs import Codec, Identity
 from kvpolicies.full import Full
@@ -82,6 +93,7 @@ class Quest(Policy):
     before it (`top_k` pages in all); a fresh prompt is dense (`prompt_policy()`)."""
 
     observes = ("k_rot",)
+    gathers = True  # a decode query's read is a Gather (attend's sparse path)
 
     page: int = 16
     top_k: int = 64
@@ -106,23 +118,48 @@ class Quest(Policy):
 
     def extend(self, state, k, v, pos):
         slots = SlotState(state.k, state.v, state.pos)
-        written = write_at(slots, encode_new(self.codec, k, v, pos), pos[:, 0])  # contiguous chunk at slot pos[:, 0]
+        new = encode_new(self.codec, k, v, pos)
+        like = jax.tree.leaves(state.k)[0]  # a host tier (offload.to_host): the new tokens go there too
+        new = SlotState(offload.to_space(new.k, like), offload.to_space(new.v, like), new.pos)
+        written = write_at(slots, new, pos[:, 0])  # contiguous chunk at slot pos[:, 0]
         return view_of(self.codec, written, pos, k.dtype, carry=(state, written, pos))
 
-    def _bounds(self, carry, k_rot: Float[Array, "B K S D"]) -> tuple[Array, Array]:
-        """The pages' bounds with the step's new rotated keys (slots pos[:, 0] ...) folded in."""
+    def _bounds(self, carry, k_rot: Float[Array, "B K S D"], at: Array) -> tuple[Array, Array]:
+        """The pages' bounds with the step's new rotated keys folded in: they are k_rot's slots
+        at[b], at[b] + 1, ... (view slots pos[:, 0] ..., or their place in a gathered read)."""
         state, _, q_pos = carry
         t = q_pos.shape[1]
-        new = jax.vmap(lambda x, i: jax.lax.dynamic_slice_in_dim(x, i, t, axis=1))(k_rot, q_pos[:, 0])  # [B, K, T, D]
+        new = jax.vmap(lambda x, i: jax.lax.dynamic_slice_in_dim(x, i, t, axis=1))(k_rot, at)  # [B, K, T, D]
         pg = q_pos // self.page  # [B, T]
         kmin = jax.vmap(lambda m, c, x: m.at[:, c].min(x.astype(m.dtype)))(state.kmin, pg, new)  # [B, K, C, D]
         kmax = jax.vmap(lambda m, c, x: m.at[:, c].max(x.astype(m.dtype)))(state.kmax, pg, new)
         return kmin, kmax
 
     def compact(self, view, seen):
-        _, written, _ = view.carry
-        kmin, kmax = self._bounds(view.carry, seen.k_rot)
+        _, written, q_pos = view.carry
+        at = q_pos[:, 0]  # [B] the new tokens' slots
+        if self.gathers and q_pos.shape[1] == 1:  # a gathered decode step: Seen.k_rot holds the M gathered slots
+            n_pages, s = view.carry[0].kmin.shape[2], view.pos.shape[-1]
+            page = at // self.page  # the new token's page: local page j, after the kk chosen pages
+            j = page - self.local_start(at) // self.page
+            first = page * self.page if self.page > s else jnp.minimum(page * self.page, s - self.page)  # attend clamps
+            at = (self.gather_chosen(n_pages) + j) * self.page + at - first
+        kmin, kmax = self._bounds(view.carry, seen.k_rot, at)
         return QuestState(written.k, written.v, written.pos, kmin=kmin, kmax=kmax)
+
+    def local_pages(self) -> int:
+        """Pages an always-read region can span (1 for window <= 1)."""
+        return (max(self.window, 1) + self.page - 2) // self.page + 1
+
+    def gather_chosen(self, n_pages: int) -> int:
+        """Pages a gathered decode step chooses besides its always-read region: top_k - 1, or
+        fewer in a cache of fewer pages (the query's own page is never a candidate)."""
+        return min(self.top_k - 1, n_pages - 1)
+
+    def gather_slots(self, max_len: int) -> int:
+        """M: the slots a gathered decode step reads per kv head (top_k x page for window <= 1,
+        fewer in a cache of fewer pages): the chosen pages, then the always-read region's."""
+        return (self.gather_chosen(self.pages(max_len)) + min(self.local_pages(), self.pages(max_len))) * self.page
 
     def local_start(self, q_pos):
         """First token of query p's always-read region: the start of its own page, or with
@@ -133,35 +170,64 @@ class Quest(Policy):
         """Quest's prefill: the prompt attended densely, the page bounds built (same state)."""
         return QuestPrompt(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
 
-    def select(self, view, q_rot, k_rot) -> Bool[Array, "B K|1 1 T S"]:
-        q_pos = view.carry[2]  # [B, T]
-        t, s = q_pos.shape[1], view.pos.shape[-1]
-        start = self.local_start(q_pos)  # [B, T]
-        slot = jnp.arange(s)  # [S]
-        mask = slot >= start[:, None, :, None]  # [B, 1, T, S] the always-read region
-        n_pages = view.carry[0].kmin.shape[2]
-        kk = min(self.top_k - 1, n_pages)  # pages chosen besides the query's own
-        if kk == 0:
-            return mask[:, :, None]
-        kmin, kmax = self._bounds(view.carry, k_rot)  # the new tokens folded in
-        # Upper bound of q . k per page, per kv head (max over the group's query heads).
-        lo = jnp.where(jnp.isfinite(kmin), kmin, 0).astype(jnp.float32)  # empty pages -> 0 (never candidates)
-        hi = jnp.where(jnp.isfinite(kmax), kmax, 0).astype(jnp.float32)
+    def _rank(self, q_rot, kmin, kmax, start, kk: int) -> tuple[Array, Array]:
+        """(top, ok) [B, K, T, kk]: the kk highest-bound pages before each query's always-read
+        region (per kv head: max over the group's query heads), ok False where fewer candidates
+        exist. 0 < kk <= C."""
+        n_pages = kmin.shape[2]
+        # Upper bound of q . k per page, per kv head (max over the group's query heads). Empty
+        # pages (+-inf bounds: -inf or nan here) are never candidates, so they are not cleaned
+        # first: that pass over all C x D bounds cost as much as the bound itself.
+        lo, hi = kmin.astype(jnp.float32), kmax.astype(jnp.float32)
         q = q_rot.astype(jnp.float32)  # [B, K, G, T, D]
-        bound = (jnp.einsum("BKGTD,BKCD->BKGTC", jnp.maximum(q, 0), hi, preferred_element_type=jnp.float32)
-                 + jnp.einsum("BKGTD,BKCD->BKGTC", jnp.minimum(q, 0), lo, preferred_element_type=jnp.float32))
-        score = bound.max(axis=2)  # [B, K, T, C]
+        bound = (jnp.einsum("BKCD,BKGTD->BKTCG", hi, jnp.maximum(q, 0), preferred_element_type=jnp.float32)
+                 + jnp.einsum("BKCD,BKGTD->BKTCG", lo, jnp.minimum(q, 0), preferred_element_type=jnp.float32))
+        score = bound.max(axis=-1)  # [B, K, T, C]
 
         # Top (top_k - 1) among the complete pages before each query's always-read region.
         cand = jnp.arange(n_pages) < (start // self.page)[:, None, :, None]  # [B, 1, T, C]
         score = jnp.where(cand, score, -jnp.inf)
         _, top = jax.lax.top_k(score, kk)  # [B, K, T, kk]; ties -> lower page
         ok = jnp.take_along_axis(jnp.broadcast_to(cand, score.shape), top, axis=-1)  # [B, K, T, kk]
-        b, k = score.shape[:2]
+        return top, ok
+
+    def select(self, view, q_rot, k_rot) -> Bool[Array, "B K|1 1 T S"] | Gather:
+        """The slots each query reads: a mask [B, K|1, 1, T, S]; or, asked with k_rot=None (the
+        decode step of `attend`, T == 1), the same slots as a `Gather` of `gather_slots` slots."""
+        q_pos = view.carry[2]  # [B, T]
+        if k_rot is None:
+            return self._gather(view, q_rot, q_pos)
+        t, s = q_pos.shape[1], view.pos.shape[-1]
+        start = self.local_start(q_pos)  # [B, T]
+        slot = jnp.arange(s)  # [S]
+        mask = slot >= start[:, None, :, None]  # [B, 1, T, S] the always-read region
+        if min(self.top_k - 1, view.carry[0].kmin.shape[2]) == 0:
+            return mask[:, :, None]
+        kmin, kmax = self._bounds(view.carry, k_rot, q_pos[:, 0])  # the new tokens folded in
+        top, ok = self._rank(q_rot, kmin, kmax, start, min(self.top_k - 1, kmin.shape[2]))  # [B, K, T, kk]
+        b, k, _, kk = top.shape
         ix = jnp.ix_(jnp.arange(b), jnp.arange(k), jnp.arange(t), jnp.arange(kk))[:3]  # index grids
-        sel = jnp.zeros(score.shape, bool).at[ix + (top,)].set(ok)  # [B, K, T, C] chosen pages
+        sel = jnp.zeros((b, k, t, kmin.shape[2]), bool).at[ix + (top,)].set(ok)  # [B, K, T, C] chosen pages
         mask = mask | jnp.take(sel, slot // self.page, axis=-1)  # [B, K, T, S]
         return mask[:, :, None]  # [B, K, 1, T, S]
+
+    def _gather(self, view, q_rot, q_pos) -> Gather:
+        """A decode query's slots as a Gather [B, K, M]: its chosen pages (ranked on the stored
+        bounds: the new key's page is never a candidate), then the always-read region's pages."""
+        if q_pos.shape[1] != 1:
+            raise ValueError(f"quest: a Gather answers one decode query (T == 1), got T={q_pos.shape[1]}")
+        state = view.carry[0]
+        n_pages = state.kmin.shape[2]
+        start = self.local_start(q_pos)  # [B, 1]
+        b, k = q_rot.shape[:2]
+        local = (start // self.page) + jnp.arange(min(self.local_pages(), n_pages))  # [B, L] always-read pages
+        pages = jnp.broadcast_to(local[:, None], (b, k, local.shape[-1]))  # [B, K, L]
+        ok = jnp.broadcast_to((local < n_pages)[:, None], pages.shape)
+        if self.gather_chosen(n_pages) > 0:
+            top, chosen = self._rank(q_rot, state.kmin, state.kmax, start, self.gather_chosen(n_pages))  # [B, K, 1, kk]
+            pages = jnp.concatenate([top[:, :, 0], pages], axis=-1)  # [B, K, kk + L]
+            ok = jnp.concatenate([chosen[:, :, 0], ok], axis=-1)
+        return Gather(start=pages * self.page, ok=ok, size=self.page)  # [B, K, kk + L] pages of `page` slots
 
     def reads(self, context: int) -> tuple[int, int]:
         """(tokens read, pages whose bounds are read) per kv head by the decode query at position
@@ -187,6 +253,8 @@ class Quest(Policy):
 class QuestPrompt(Quest):
     """Quest's prompt phase: every query attends to all earlier tokens, as Quest's code does
     whenever the query length is > 1; the state (tokens and page bounds) is Quest's."""
+
+    gathers = False  # dense: every query reads every earlier token
 
     def prompt_policy(self):
         return self
