@@ -13,6 +13,22 @@ codec is counted exactly as it is stored:
     available    = gpu - weights - overhead (activations, workspace, fragmentation)
     requests     = floor(available / per request); cache total = requests x per request
 
+With `--block N` (`plan(..., block=N)`) every row whose policy has a paged layout (full, window,
+sink, or `paged` itself: kvpolicies/paged.py) also gets the paged numbers, from the same exact
+state shapes and the closed form of the blocks a sequence holds (`live_blocks`):
+
+    block        = one block of all layers: keys + values (codes + scales) of N tokens, their
+                   N slot positions and the block's refcount
+    per request  = peak blocks x block + its block table (int32 per entry and layer)
+    unwritten    = the newest block's empty slots at `context` (internal fragmentation, < N)
+    shared       = with `--shared-prefix P`: the prefix's full blocks still live at `context`,
+                   stored once for all requests (prefix sharing)
+    requests     = floor((available - shared x block - pool flags) / (per request - shared x block))
+
+Every request is counted at its peak (all at `context` tokens at once); paging saves memory when
+requests are shorter than the dense reservation or share a prefix, not otherwise (a block's
+rounding and the tables cost a little: the columns show how much).
+
 Units: MB/GB are 1e6/1e9 bytes, MiB/GiB 2^20/2^30. A policy spec is `name[:field=value,...]`:
 `sink:n_sink=4,window=4096`, `full:codec=int4,codec.group=64` (`codec.` fields go to the codec).
 """
@@ -30,9 +46,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import kvpolicies
-from kvpolicies.base import Policy
+from kvpolicies.base import Policy, tree_nbytes
+from kvpolicies.full import Full
+from kvpolicies.paged import Paged
+from kvpolicies.sink import Sink
+from kvpolicies.window import Window
 from kvpolicies.memory import state_bytes
 from models.config import LlamaConfig, smollm2_135m
 from models.loading import expected_shapes
@@ -248,6 +269,104 @@ def kv_bytes(
                         slots=pol.capacity(context))
 
 
+# ----------------------------------------------------------------------------------------------
+# Paged layout (kvpolicies/paged.py)
+
+
+def paged_layout(policy: Policy, block: int) -> Paged | None:
+    """The paged layout of a policy, blocks of `block` tokens: full, window and sink (codec and
+    position mode kept) over pages, a `paged` policy as it is; None for any other policy."""
+    if isinstance(policy, Paged):
+        return policy
+    if type(policy) is Full:
+        return Paged(block=block, codec=policy.codec)
+    if type(policy) is Window:
+        return Paged(block=block, window=policy.window, codec=policy.codec)
+    if type(policy) is Sink:
+        return Paged(block=block, window=policy.window, n_sink=policy.n_sink, positions=policy.positions,
+                     codec=policy.codec)
+    return None
+
+
+def live_blocks(pg: Paged, last: np.ndarray | int) -> np.ndarray:
+    """Blocks one sequence holds after writing position `last` (closed form of Paged's freeing
+    rule): full every block so far; window/sink the ceil(n_sink / N) sink blocks written so far,
+    plus the blocks whose last token is still inside the next query's window."""
+    last = np.asarray(last, np.int64)
+    hi = last // pg.block  # the newest block
+    if pg.window is None:
+        return hi + 1
+    ns = -(-pg.n_sink // pg.block)
+    lo = np.maximum((last - pg.window + 2) // pg.block, ns)  # the oldest live window block
+    return np.minimum(ns, hi + 1) + np.maximum(hi - lo + 1, 0)
+
+
+def _shared_live(pg: Paged, last: int, prefix_blocks: int) -> int:
+    """Of the blocks live after `last`, how many are full blocks of the shared prefix."""
+    hi = last // pg.block
+    if pg.window is None:
+        return min(prefix_blocks, hi + 1)
+    ns = -(-pg.n_sink // pg.block)
+    lo = max((last - pg.window + 2) // pg.block, ns)
+    return min(ns, hi + 1, prefix_blocks) + max(min(hi, prefix_blocks - 1) - lo + 1, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedBytes:
+    """A paged request of up to `context` tokens (all layers)."""
+
+    block: int  # tokens per block
+    block_bytes: int  # one block: keys + values (codes + scales), slot positions, refcount
+    blocks: int  # the most blocks the request holds at once
+    table_bytes: int  # its block table
+    unwritten: int  # empty slots of its newest block at `context` (internal fragmentation)
+    shared_blocks: int  # of its blocks at `context`, full blocks of the shared prefix (stored once)
+    pool_bytes: int  # per pool: the exhaustion flag of every layer
+
+    @property
+    def total(self) -> int:
+        """Bytes of one request alone (nothing shared)."""
+        return self.blocks * self.block_bytes + self.table_bytes
+
+
+def paged_bytes(
+    model: str | pathlib.Path | LlamaConfig | ModelShape,
+    context: int,
+    policy: str | Policy,
+    block: int = 16,
+    dtype: Any = "bfloat16",
+    shared_prefix: int = 0,
+) -> PagedBytes | None:
+    """Exact bytes of a request under the paged layout of `policy` (None: it has none), from the
+    layout's real state shapes (`jax.eval_shape`) and `live_blocks`."""
+    m = resolve_model(model)
+    pol = parse_policy(policy) if isinstance(policy, str) else policy
+    pg = paged_layout(pol, block)
+    if pg is None:
+        return None
+    if context < 1:
+        raise ValueError(f"context={context}: must be >= 1")
+    if shared_prefix < 0:
+        raise ValueError(f"shared_prefix={shared_prefix}: must be >= 0")
+    one = jax.eval_shape(lambda: dataclasses.replace(pg, blocks=1).init(1, m.kv_heads, m.head_dim, jnp.dtype(dtype),
+                                                                         context))
+    block_bytes = tree_nbytes((one.k, one.v, one.pos, one.refs)) * m.n_layers
+    peak = int(live_blocks(pg, np.arange(context)).max())
+    last = context - 1
+    unwritten = (last // pg.block + 1) * pg.block - context  # the newest block's empty tail
+    shared = _shared_live(pg, last, min(shared_prefix, context) // pg.block)
+    return PagedBytes(block=pg.block, block_bytes=block_bytes, blocks=peak,
+                      table_bytes=tree_nbytes(one.table) * m.n_layers, unwritten=unwritten,
+                      shared_blocks=shared, pool_bytes=tree_nbytes(one.overflow) * m.n_layers)
+
+
+def paged_fit(pb: PagedBytes, available: int, shared: bool) -> int:
+    """Requests at their peak that fit in `available` bytes (sharing the prefix blocks or not)."""
+    s = pb.shared_blocks if shared else 0
+    room = available - s * pb.block_bytes - pb.pool_bytes
+    return max(room // (pb.total - s * pb.block_bytes), 0)
+
+
 def plan(
     model: str | pathlib.Path | LlamaConfig | ModelShape,
     context: int,
@@ -257,9 +376,12 @@ def plan(
     batch: int = 1,
     dtype: Any = "bfloat16",
     weights_gb: float | None = None,
+    block: int | None = None,
+    shared_prefix: int = 0,
 ) -> list[dict[str, Any]]:
     """One row per policy: bytes per request, how many requests of `context` tokens fit, and
-    whether `batch` concurrent requests fit. All byte counts are ints (GB = 1e9 bytes)."""
+    whether `batch` concurrent requests fit. All byte counts are ints (GB = 1e9 bytes). With
+    `block`, the paged numbers too (`paged_*` keys; None for a policy without a paged layout)."""
     m = resolve_model(model)
     if weights_gb is not None:
         weights = int(round(weights_gb * GB))
@@ -284,6 +406,17 @@ def plan(
             batch=batch, batch_bytes=many.total, batch_fits=many.total <= available,
             headroom_bytes=available - many.total,
         ))
+        if block is not None:
+            pb = paged_bytes(m, context, pol, block, dtype, shared_prefix)
+            rows[-1].update(
+                paged_block=block, paged_blocks=None if pb is None else pb.blocks,
+                paged_block_bytes=None if pb is None else pb.block_bytes,
+                paged_unwritten_slots=None if pb is None else pb.unwritten,
+                paged_bytes_per_request=None if pb is None else pb.total,
+                paged_max_requests=None if pb is None else int(paged_fit(pb, available, False)),
+                shared_prefix=shared_prefix, paged_shared_blocks=None if pb is None else pb.shared_blocks,
+                paged_max_requests_shared=None if pb is None else int(paged_fit(pb, available, True)),
+            )
     return rows
 
 
@@ -324,6 +457,11 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             "GPU used"]
     if batch != 1:
         head += [f"{batch} requests", "fits?"]
+    paged = "paged_block" in rows[0]
+    if paged:
+        head += [f"blocks of {rows[0]['paged_block']}", "unwritten", "paged/request", "fit (paged)"]
+        if rows[0]["shared_prefix"]:
+            head += [f"fit (shared {rows[0]['shared_prefix']:,})"]
     body = []
     for r in rows:
         line = [
@@ -335,6 +473,14 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         ]
         if batch != 1:
             line += [fmt_bytes(r["batch_bytes"]), "yes" if r["batch_fits"] else "no"]
+        if paged:
+            if r["paged_blocks"] is None:
+                line += ["-"] * (4 + bool(r["shared_prefix"]))
+            else:
+                line += [f"{r['paged_blocks']:,}", f"{r['paged_unwritten_slots']}",
+                         fmt_bytes(r["paged_bytes_per_request"]), f"{r['paged_max_requests']:,}"]
+                if r["shared_prefix"]:
+                    line += [f"{r['paged_max_requests_shared']:,}"]
         body.append(line)
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
     out = ["  ".join(x.ljust(w) if j == 0 else x.rjust(w) for j, (x, w) in enumerate(zip(line, widths)))
@@ -378,6 +524,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16", help="cache dtype before any codec (default bfloat16)")
     ap.add_argument("--policy", nargs="+", default=["full"], metavar="SPEC",
                     help="name[:field=value,...], e.g. full sink:window=4096 full:codec=int8")
+    ap.add_argument("--block", type=int, help="also the paged layout (kvpolicies/paged.py) in blocks of this many tokens")
+    ap.add_argument("--shared-prefix", type=parse_context, default=0,
+                    help="with --block: tokens of a prompt prefix every request shares (stored once)")
     ap.add_argument("--list", action="store_true", help="list presets, policies and codecs, then exit")
     args = ap.parse_args(argv)
     if args.list:
@@ -385,6 +534,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.batch < 1:
         ap.error(f"--batch={args.batch}: must be >= 1")
+    if args.block is not None and args.block < 1:
+        ap.error(f"--block={args.block}: must be >= 1")
+    if args.shared_prefix and args.block is None:
+        ap.error("--shared-prefix needs --block (prefix sharing is a paged layout's)")
     try:
         m = resolve_model(args.config if args.config else args.model)
         if args.kv_heads is not None:
@@ -393,7 +546,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             m = dataclasses.replace(m, kv_heads=args.kv_heads, name=f"{m.name} ({args.kv_heads} kv heads)")
         jnp.dtype(args.dtype)
         rows = plan(m, args.context, args.gpu_gb, args.overhead_gb, args.policy, batch=args.batch, dtype=args.dtype,
-                    weights_gb=args.weights_gb)
+                    weights_gb=args.weights_gb, block=args.block, shared_prefix=args.shared_prefix)
     except (ValueError, TypeError, FileNotFoundError) as e:
         ap.error(str(e))
     print(format_header(m, rows))

@@ -34,6 +34,7 @@ _REGISTRY = {
     "kvzip": "kvzip:KVzip",
     "duo": "duo:Duo",
     "kivi": "kivi:Kivi",
+    "paged": "paged:Paged",  # a storage layout: full/window/sink over a block pool (vLLM-style pages)
 }
 
 POLICIES: dict[str, type[Policy]] = {

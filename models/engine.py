@@ -43,6 +43,7 @@ from kvpolicies.attend import recording
 from kvpolicies.base import Policy, SlotState
 from kvpolicies.full import Full
 from kvpolicies.kvzip import Reconstruct
+from kvpolicies.paged import PagedState, concat_rows
 from kvpolicies.prompt import PromptPhase, PromptState
 from models.llama import Cache, Llama, policy_runs
 from models.reconstruct import RepeatPrompts, repeat_inputs
@@ -159,7 +160,7 @@ class Engine:
     """Runs a `Llama` with a fixed per-layer policy tuple and maximum length."""
 
     def __init__(self, model: Llama, policies: Policy | Sequence[Policy], max_len: int, cache_dtype=None,
-                 repeat: RepeatPrompts | None = None, rope_tables: bool = True):
+                 repeat: RepeatPrompts | None = None, rope_tables: bool = True, mesh=None):
         self.cfg = model.cfg
         self.policies = tuple(p for a, b, p in policy_runs(policies, model.cfg.n_layers) for _ in range(b - a))
         # A fresh prompt is held by each policy's prompt phase, then `after_prompt` (once); the
@@ -193,6 +194,25 @@ class Engine:
         self._nll_step = jax.jit(self._nll_impl, **donate)
         self._decode_n = jax.jit(self._decode_n_impl, static_argnums=(4,), **donate)
         self._recon_step = jax.jit(self._recon_impl)  # the prompt state stays usable: no donation
+        self.placement = None  # a models.sharding.Placement once on a mesh (`shard`)
+        if mesh is not None:
+            self.shard(mesh)
+
+    def shard(self, mesh) -> "Engine":
+        """Put this engine on a `jax.sharding.Mesh` with axes (data, model), or [data, model] devices
+        (models.sharding: weights split by their logical axes, batch on data, kv heads on model);
+        every step then places its cache and inputs first. Returns the engine."""
+        from models.sharding import Placement
+
+        if self.placement is not None:
+            raise ValueError(f"Engine.shard: the engine is already on a mesh ({self.placement})")
+        pl = Placement(self.cfg, mesh)
+        self.params = pl.params(self.params)
+        self._logits_step, self._nll_step, self._decode_n = map(pl.step, (self._logits_step, self._nll_step,
+                                                                          self._decode_n))
+        self._recon_step = pl.step(self._recon_step, returns_cache_only=True)
+        self.placement = pl  # (_after_prompt's cache comes from placed steps: jit keeps its shardings)
+        return self
 
     # -- pure step functions (traced once per shape) ---------------------------------------
     def _merge(self, params) -> tuple[Llama, dict]:
@@ -281,9 +301,11 @@ class Engine:
 
     # -- public API ---------------------------------------------------------------------------
     def init_cache(self, batch: int = 1, prompt: bool = False) -> Cache:
-        """An empty cache (prompt: the prompt phase's, for `prefill` of a fresh prompt)."""
-        return self._model.init_cache(self.prompt_policies if prompt else self.policies, batch, self.max_len,
-                                      self.cache_dtype)
+        """An empty cache (prompt: the prompt phase's, for `prefill` of a fresh prompt); on a mesh,
+        created in its shardings."""
+        make = lambda: self._model.init_cache(self.prompt_policies if prompt else self.policies, batch,  # noqa: E731
+                                              self.max_len, self.cache_dtype)
+        return make() if self.placement is None else self.placement.create(make, batch, prompt)
 
     def _tokens(self, tokens: Any, name: str, ndims: tuple[int, ...]) -> np.ndarray:
         """Host-side check of a token array: ids, rank and a non-empty batch."""
@@ -522,7 +544,9 @@ class Engine:
             return np.zeros((len(rows), 0), np.int32)
         done = [self.prefill(r[None], chunk) for r in rows]  # (logits [1, V], cache) per row
         logits = jnp.concatenate([lg for lg, _ in done], axis=0)  # [B, V]
-        cache = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *[c for _, c in done])  # batch: axis 1
+        cache = tuple(concat_rows(run) if isinstance(run[0], PagedState)  # paged: pools joined, tables re-based
+                      else jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *run)  # batch: axis 1
+                      for run in zip(*[c for _, c in done]))
         first = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B]
         if n == 1:
             return np.asarray(first)[:, None]

@@ -35,7 +35,11 @@ def visible_sink(p, pol):
     return [j for j in range(p + 1) if j < pol.n_sink or j > p - pol.window]
 
 
-VISIBLE = {"full": visible_full, "window": visible_window, "sink": visible_sink}
+def visible_paged(p, pol):  # a layout: the visibility of full (window=None) or sink (n_sink=0: window)
+    return visible_full(p, pol) if pol.window is None else visible_sink(p, pol)
+
+
+VISIBLE = {"full": visible_full, "window": visible_window, "sink": visible_sink, "paged": visible_paged}
 
 def dense_attention(q, k, v, visible_sets, cache_ranks: bool, inv_freq, scale=None):
     """q [B, T, N, D], k/v [B, T, K, D]; visible_sets[p] = list of key positions (same per batch).

@@ -170,3 +170,41 @@ def test_cli(capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         main(["--policy", "bogus"])
     assert e.value.code == 2 and "must be one of" in capsys.readouterr().err
+
+
+def test_paged_numbers_against_the_closed_form():
+    """`plan(..., block=16, shared_prefix=2048)`: a block of all layers is keys + values of 16
+    tokens, their int32 positions and an int32 refcount; a request holds ceil(context / 16)
+    blocks (full) or 1 sink block + ceil((W - 2) / 16) + 1 window blocks (sink), plus its table;
+    a shared prefix's blocks are stored once (a sink at 8K has only its sink block left of it)."""
+    from evals.planner import paged_bytes
+
+    rows = plan("llama-3-8b", 8192, 80, 12, ["full", "sink:window=4096", "h2o"], block=16, shared_prefix=2048)
+    full, sink, h2o = rows
+    blk = L8 * (2 * K8 * 16 * D8 * 2 + 16 * 4 + 4)
+    assert full["paged_block_bytes"] == sink["paged_block_bytes"] == blk == 2_099_328
+    per = 512 * blk + L8 * 512 * 4  # 512 blocks + a table of 512 entries
+    assert (full["paged_blocks"], full["paged_bytes_per_request"], full["paged_unwritten_slots"]) == (512, per, 0)
+    avail = full["available_bytes"]
+    assert full["paged_max_requests"] == (avail - 4 * L8) // per == full["max_requests"] == 48
+    assert full["paged_shared_blocks"] == 128
+    assert full["paged_max_requests_shared"] == (avail - 128 * blk - 4 * L8) // (per - 128 * blk) == 64
+    assert sink["paged_blocks"] == 1 + math.ceil((4096 - 2) / 16) + 1 == 258
+    assert sink["paged_bytes_per_request"] == 258 * blk + L8 * (1 + (4096 - 1) // 16 + 2) * 4
+    assert sink["paged_shared_blocks"] == 1 and sink["paged_max_requests_shared"] >= sink["paged_max_requests"]
+    assert h2o["paged_blocks"] is None and h2o["paged_max_requests"] is None  # no paged layout
+    odd = paged_bytes("llama-3-8b", 1000, "full:codec=int8", 16)
+    assert (odd.blocks, odd.unwritten) == (63, 63 * 16 - 1000)
+    assert odd.block_bytes == L8 * (2 * K8 * 16 * (D8 + 4) + 16 * 4 + 4)  # int8 codes + a float32 scale per token
+
+
+def test_paged_cli_columns(capsys):
+    assert main(["--model", "llama-3-8b", "--context", "8K", "--block", "16", "--shared-prefix", "2K",
+                 "--policy", "full", "h2o"]) == 0
+    out = capsys.readouterr().out
+    assert "blocks of 16" in out and "fit (shared 2,048)" in out
+    line = next(x for x in out.splitlines() if x.startswith("full "))
+    assert line.split()[-6:] == ["512", "0", "1.07", "GB", "48", "64"]  # blocks, unwritten, bytes, fits
+    assert next(x for x in out.splitlines() if x.startswith("h2o ")).split()[-5:] == ["-"] * 5
+    with pytest.raises(SystemExit):
+        main(["--shared-prefix", "2K"])  # needs --block

@@ -73,6 +73,12 @@ def _kivi_ref(pol, q, k, v, chunks):
     return np_kivi_attention(q, k, v, [1], pol.bits, pol.group, pol.residual)  # token by token, any chunk
 
 
+def _paged_ref(pol, q, k, v, chunks):  # paged storage: the dense oracle of full / window / sink
+    vis = [VISIBLE["paged"](p, pol) for p in range(q.shape[1])]
+    ranks = pol.n_sink > 0 and pol.positions == "cache"
+    return dense_attention(q, k, v, vis, ranks, default_inv_freq(D, THETA))
+
+
 def _dense_ref(name):
     return lambda pol, q, k, v, chunks: reference(name, pol, q, k, v)
 
@@ -99,6 +105,7 @@ REFERENCES = {
     "multires": ([kvpolicies.get("multires", window=3, branch=2, slots_per_level=2, levels=3)], _hier_ref),
     "quest": ([kvpolicies.get("quest", page=4, top_k=2, window=5)], _quest_ref),
     "kivi": ([kvpolicies.get("kivi", bits=2, group=4, residual=8)], _kivi_ref),
+    "paged": ([kvpolicies.get("paged", block=4), kvpolicies.get("paged", block=3, window=5, n_sink=2)], _paged_ref),
 }
 
 
