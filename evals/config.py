@@ -83,6 +83,7 @@ class RunConfig:
     results: str = "results/results.jsonl"
     progress: bool = True
     force: bool = False
+    mesh: Any = None  # [data, model]: run the engines sharded on that many devices (models/sharding.py)
 
 
 class ConfigError(ValueError):
@@ -317,6 +318,7 @@ def validate(cfg: DictConfig | dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"data.path={conf['data']['spec']}: no such file")
     if conf["codec"] not in kvpolicies.CODECS:
         raise ConfigError(f"codec={conf['codec']!r}: must be one of {sorted(kvpolicies.CODECS)}")
+    check_mesh(conf.get("mesh"))
     policy, _ = resolve_policy(conf)
     check_inputs(conf, policy)
     return conf
@@ -436,6 +438,22 @@ def check_inputs(conf: dict[str, Any], policy: kvpolicies.Policy | None = None) 
         R.check_writable(conf["results"])
     except OSError as e:
         raise ConfigError(f"results={conf['results']}: {e}") from None
+
+
+def check_mesh(mesh: Any) -> None:
+    """`mesh` is null or [data, model], two ints >= 1 whose product is the number of devices (a
+    ConfigError listing the devices otherwise), checked before anything loads."""
+    if mesh is None:
+        return
+    if not (isinstance(mesh, (list, tuple)) and len(mesh) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in mesh)):
+        raise ConfigError(f"mesh={_list(mesh)}: must be [data, model], two ints >= 1 (e.g. mesh=[2,4]), or null")
+    from models.sharding import make_mesh
+
+    try:
+        make_mesh(*mesh)
+    except ValueError as e:
+        raise ConfigError(f"mesh={_list(mesh)}: {e}") from None
 
 
 def policy_name(policy: kvpolicies.Policy) -> str:

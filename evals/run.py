@@ -62,10 +62,12 @@ class RecordingContext(TaskContext):
     memory of the row is computed for it)."""
 
     max_len: int = 0
+    mesh: list[int] | None = None  # [data, model]: each engine is sharded on that mesh (models.sharding)
 
     def engine(self, max_len: int):
         self.max_len = max(self.max_len, max_len)
-        return super().engine(max_len)
+        eng = super().engine(max_len)
+        return eng if self.mesh is None else eng.shard(self.mesh)
 
 
 def declared_max_len(task: dict[str, Any]) -> int | None:
@@ -103,8 +105,9 @@ def job_header(conf: dict[str, Any], record: dict[str, Any], key: str) -> str:
     model = conf["model"]["name"] + (f" {conf['model']['path']}" if "path" in conf["model"] else "")
     data = conf["data"].get("spec") if conf["data"].get("name") == "path" else conf["data"].get("name")
     policy = f"{record['name']} {policy_params(record)}".strip()
+    mesh = f" | mesh={conf['mesh'][0]}x{conf['mesh'][1]}" if conf.get("mesh") else ""
     return (f"[evals.run] {task} | model={model} | data={data} | {policy} | codec={conf['codec']} "
-            f"| chunk={conf['chunk']} seed={conf['seed']} | key {key}")
+            f"| chunk={conf['chunk']} seed={conf['seed']}{mesh} | key {key}")
 
 
 def _trained_length_note(conf: dict[str, Any], mc) -> str | None:
@@ -175,7 +178,7 @@ def _run(conf: dict[str, Any], policy: kvpolicies.Policy, key: str, sizing: dict
     # (gemma3) keeps window(512) on its local layers, the policy acts on the global ones
     layers = model_stack(mc, policy)
     ctx = RecordingContext(model=model, tokenizer=tokenizer, policies=layers, task=dict(conf["task"]), text=text,
-                           seed=conf["seed"], chunk=conf["chunk"], progress=conf["progress"])
+                           seed=conf["seed"], chunk=conf["chunk"], progress=conf["progress"], mesh=conf.get("mesh"))
     t3 = time.perf_counter()
     with kvpolicies.record_visible() as seen:  # the most keys any query attended
         res: TaskResult = fn(ctx)

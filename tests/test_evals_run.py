@@ -147,7 +147,11 @@ def test_budget_conflicts_and_unsized_policies():
     (["task=foo"], ["task=foo: no such task; choose one of: multikey, multiquery, niah, passkey, perplexity, recall, ruler"]),
     (["window=abc"], ["window=abc: window must be int"]),
     (["progress=maybe"], ["progress=maybe: progress must be bool"]),
-    (["windw=5"], ["windw: unknown key; the config has keys: budget, chunk, codec, data, force, model, n_sink"]),
+    (["windw=5"], ["windw: unknown key; the config has keys: budget, chunk, codec, data, force, mesh, model, n_sink"]),
+    (["mesh=[2]"], ["mesh=[2]: must be [data, model], two ints >= 1 (e.g. mesh=[2,4]), or null"]),
+    (["mesh=[0,1]"], ["mesh=[0, 1]: must be [data, model], two ints >= 1"]),
+    (["mesh=abc"], ["mesh=abc: must be [data, model]"]),
+    (["mesh=[1,1024]"], ["mesh=[1, 1024]: mesh data=1 x model=1024 = 1024 devices, but there are ", "Device"]),
     (["policy=sink", "policy.windw=3"], ["policy.windw: unknown key; policy 'sink' has keys: codec, n_sink, name, "
                                          "positions, window"]),
     (["policy=sink", "policy.window=0"], ["sink.window=0: must be an int >= 1"]),
@@ -223,6 +227,25 @@ def test_chunked_perplexity_equals_token_by_token(sink_run, text_file):
     one_by_one = evrun.RecordingContext(model=model, tokenizer=tok, policies=C.build_policy(row["config"]["policy"]),
                                         task={}).engine(TOKENS).score(np.asarray(ids), chunk=1)
     np.testing.assert_allclose(R.load_array(row, "nll"), one_by_one, atol=2e-5)
+
+
+def test_mesh_option_shards_every_engine_and_keeps_the_run_key(sink_run, tmp_path, monkeypatch):
+    """mesh=[1,1] (this process has one device; tests/test_sharding.py runs 8): each engine the task
+    builds is sharded, the numbers are the unsharded run's, and the resume key ignores the mesh
+    (a layout, not a result)."""
+    from models.engine import Engine
+
+    meshes = []
+    shard = Engine.shard
+    monkeypatch.setattr(Engine, "shard", lambda self, mesh: meshes.append(mesh) or shard(self, mesh))
+    first, _, args = sink_run
+    res = tmp_path / "mesh.jsonl"
+    evrun.main([a for a in args if not a.startswith("results=")] + [f"results={res}", "mesh=[1,1]"])
+    assert meshes == [[1, 1]]
+    (row,), (unsharded,) = R.read(res), R.read(first)
+    assert row["key"] == unsharded["key"] and row["config"]["mesh"] == [1, 1]
+    np.testing.assert_allclose(R.load_array(row, "nll"), R.load_array(unsharded, "nll"), atol=1e-5, rtol=0)
+    assert "chunk=32 seed=0 | mesh=1x1 | key " in evrun.job_header(row["config"], row["policy"], row["key"])
 
 
 def test_resume_skips_done_config_and_force_redoes_it(sink_run):
