@@ -5,7 +5,8 @@ the 8-device checks: on a data=2 x model=4 mesh, every registered policy equals 
 The 8 CPU devices need XLA_FLAGS before jax is imported, so that half runs tests/sharding_check.py
 in a subprocess: `quick` (snapkv and h2o in a 2-layer model, then the fallback where neither the kv
 heads nor a batch of 1 split) in the unit tests, `all` (one model with one layer per registered
-policy: one compile serves them all, ~2 min of CPU) marked slow.
+policy: one compile serves them all, ~1.5 min of CPU) also in the unit tests (its subprocess runs
+beside the other pytest-xdist worker's files); the two-process `jax.distributed` run is slow.
 """
 
 from __future__ import annotations
@@ -231,9 +232,8 @@ def test_heads_that_do_not_split_and_a_batch_of_one_fall_back_to_replication(qui
         assert leaf["shard"] == leaf["shape"], leaf  # batch 1, 2 kv heads: whole on every device
 
 
-@pytest.mark.slow
 def test_every_policy_on_a_data_x_model_mesh_equals_one_device():
-    """Every registered policy, one per layer of one model (~2 min of CPU: slow)."""
+    """Every registered policy, one per layer of one model (~1.5 min of CPU)."""
     out = eight_devices("all")
     assert sorted(out["order"]) == sorted(kvpolicies.POLICIES)
     check_equal(out["mesh"], out["order"])
