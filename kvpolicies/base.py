@@ -172,6 +172,12 @@ class Policy:
     # reconstruction): the engine runs `reconstruction()` policies over its repeat inputs
     # between the prompt phase and `after_prompt`.
     reconstructs: ClassVar[bool] = False
+    # Slot i holds token i (or is empty), and no field depends on the number of slots: a step
+    # whose positions are all below n reads and writes only slots [0, n), and equals the same
+    # step over the state cut to its first n slots (`head_slots`). The engine then hands the step
+    # only those slots (length buckets, `models.engine.reach_of`): its cost follows the filled
+    # length, not max_len (full).
+    prefix_slots: ClassVar[bool] = False
     codec: Codec = Identity()
 
     # -- sizes ---------------------------------------------------------------------------
@@ -271,6 +277,18 @@ def _map_fields(fn, *states: SlotState) -> SlotState:
         else:
             out[f.name] = fn(f.name, *xs)
     return type(states[0])(**out)
+
+
+def head_slots(state: SlotState, n: int, lead: int = 0) -> SlotState:
+    """The first n slots of every field (`lead` leading axes before B, e.g. a model's layers)."""
+    return _map_fields(lambda name, x: jax.lax.slice_in_dim(x, 0, n, axis=lead + 2), state)
+
+
+def put_head(state: SlotState, head: SlotState, lead: int = 0) -> SlotState:
+    """`state` with its first slots replaced by `head`'s (the inverse of `head_slots`; in place
+    under donation)."""
+    return _map_fields(lambda name, buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), 0,
+                                                                                  axis=lead + 2), state, head)
 
 
 def concat(a: SlotState, b: SlotState) -> SlotState:

@@ -13,6 +13,7 @@ class Full(Policy):
     """The dense baseline: slot i holds token i. New tokens are written in place (any T)."""
 
     codec: Codec = Identity()
+    prefix_slots = True  # slot i holds token i: a step at positions < n needs only slots [0, n)
 
     def capacity(self, max_len):
         return max_len

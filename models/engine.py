@@ -19,6 +19,14 @@ The model is split once into (graphdef, params); every step is a pure jitted fun
 (params, cache, tokens, pos) with the cache donated, so the compiled step is reused for every
 step of the same shape. `traces` counts how often each step kind was traced (compiled).
 
+Length buckets: where a policy stores token i in slot i (`Policy.prefix_slots`: full), a step
+whose positions all lie below n needs only the cache's first n slots. Each step is given the
+smallest bucket of 1024 x 2^k x {1, 1.25, 1.5, 1.75} slots (decode) or 1024 x 2^k x {1, 1.5}
+(chunks) that holds its positions (`reach_of`; static, so one trace per bucket reached), and
+reads and writes only those slots: a 1K context in a 16K-slot cache costs a 1,280-slot step, and
+a long prompt's chunks attend over the filled part, not max_len. An engine of at most 1,024
+slots, or without such a policy, has one bucket.
+
 Every public method checks its arguments on the host, with numpy, before anything is traced:
 token ids must be whole numbers in [0, vocab) (an integer array, or a float array whose values are
 all whole numbers), batches rectangular, counts and chunk sizes ints in range, and the sequence
@@ -50,6 +58,22 @@ from models.reconstruct import RepeatPrompts, repeat_inputs
 
 
 MAX_LEN = 2**31 - 2**16  # positions are int32 (and kvzip feeds up to ~2K repeat tokens past a context)
+REACH_MIN = 1024  # the smallest length bucket (slots)
+
+
+def reach_of(end: int, max_len: int, fine: bool = True) -> int | None:
+    """The length bucket of a step whose positions are all below `end`: the smallest bucket
+    >= end, or None (the whole cache) when that is not below max_len. Buckets are REACH_MIN x
+    2^k x {1, 1.25, 1.5, 1.75} (`fine`: a decode step reads at most 25 % more than it needs), or
+    x {1, 1.5} (a chunk of a prompt or stream: half the traces, at most 50 % more attention)."""
+    steps = (4, 5, 6, 7) if fine else (4, 6)
+    octave = REACH_MIN
+    while True:
+        for m in steps:
+            r = octave * m // 4
+            if r >= end:
+                return r if r < max_len else None
+        octave *= 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,10 +213,10 @@ class Engine:
         self.traces: collections.Counter = collections.Counter()
         self._model = model
         donate = dict(donate_argnums=(1,))
-        self._logits_step = jax.jit(self._logits_impl, static_argnames=("prompt",), **donate)
+        self._logits_step = jax.jit(self._logits_impl, static_argnames=("prompt", "reach"), **donate)
         self._after_prompt = jax.jit(self._after_prompt_impl)  # new shapes: nothing to donate into
-        self._nll_step = jax.jit(self._nll_impl, **donate)
-        self._decode_n = jax.jit(self._decode_n_impl, static_argnums=(4,), **donate)
+        self._nll_step = jax.jit(self._nll_impl, static_argnames=("reach",), **donate)
+        self._decode_n = jax.jit(self._decode_n_impl, static_argnums=(4, 5), **donate)
         self._recon_step = jax.jit(self._recon_impl)  # the prompt state stays usable: no donation
         self.placement = None  # a models.sharding.Placement once on a mesh (`shard`)
         if mesh is not None:
@@ -220,29 +244,36 @@ class Engine:
         state, tables = params
         return nnx.merge(self.graphdef, state), tables
 
-    def _logits_impl(self, params, cache, tokens, pos, prompt=False):
+    def _reach(self, end: int, t: int = 1, prompt: bool = False) -> int | None:
+        """The static length bucket of a step of `t` tokens whose positions are below `end`
+        (None: the whole cache; also when no policy of the step has `prefix_slots`, so that it
+        never splits traces)."""
+        pols = self.prompt_policies if prompt else self.policies
+        return reach_of(end, self.max_len, fine=t == 1) if any(p.prefix_slots for p in pols) else None
+
+    def _logits_impl(self, params, cache, tokens, pos, prompt=False, reach=None):
         """Logits of the last token [B, V] and the new cache (prompt: through the prompt phase)."""
         self.traces["logits" if tokens.shape[1] > 1 else "decode"] += 1
         m, tables = self._merge(params)
-        h, cache = m.hidden(tokens, pos, cache, self.prompt_policies if prompt else self.policies, tables)
+        h, cache = m.hidden(tokens, pos, cache, self.prompt_policies if prompt else self.policies, tables, reach)
         return m.logits(h[:, -1:])[:, 0], cache
 
-    def _nll_impl(self, params, cache, tokens, pos, targets):
+    def _nll_impl(self, params, cache, tokens, pos, targets, reach=None):
         """Negative log-likelihood [B, T] of `targets` (the next tokens) and the new cache."""
         self.traces["nll"] += 1
         m, tables = self._merge(params)
-        h, cache = m.hidden(tokens, pos, cache, self.policies, tables)
+        h, cache = m.hidden(tokens, pos, cache, self.policies, tables, reach)
         lp = jax.nn.log_softmax(m.logits(h), axis=-1)  # [B, T, V] float32
         return -jnp.take_along_axis(lp, targets[..., None], axis=-1)[..., 0], cache
 
-    def _decode_n_impl(self, params, cache, token, pos, n):
+    def _decode_n_impl(self, params, cache, token, pos, n, reach=None):
         """n greedy steps from `token` [B] at positions `pos` [B], as one lax.scan."""
         self.traces["decode_n"] += 1
         m, tables = self._merge(params)
 
         def step(carry, _):
             cache, tok, p = carry
-            h, cache = m.hidden(tok[:, None], p[:, None], cache, self.policies, tables)
+            h, cache = m.hidden(tok[:, None], p[:, None], cache, self.policies, tables, reach)
             nxt = jnp.argmax(m.logits(h)[:, 0], axis=-1).astype(jnp.int32)  # [B]
             return (cache, nxt, p + 1), nxt
 
@@ -328,7 +359,8 @@ class Engine:
         """The jitted step on checked tokens [B, T] at positions start..start+T-1."""
         tokens = jnp.asarray(tokens, jnp.int32)
         pos = jnp.broadcast_to(jnp.arange(start, start + tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        return self._logits_step(self.params, cache, tokens, pos, prompt=prompt)
+        return self._logits_step(self.params, cache, tokens, pos, prompt=prompt,
+                                 reach=self._reach(start + tokens.shape[1], tokens.shape[1], prompt))
 
     def step(self, cache: Cache, tokens, start: int):
         """Feed tokens [B, T] at positions start..start+T-1; returns last logits [B, V] and cache.
@@ -492,7 +524,7 @@ class Engine:
         if n == 1:
             return np.asarray(first)[:, None]
         pos = jnp.full(first.shape, state.length, jnp.int32)
-        rest, _ = self._decode_n(self.params, cache, first, pos, n - 1)
+        rest, _ = self._decode_n(self.params, cache, first, pos, n - 1, self._reach(state.length + n - 1))
         return np.concatenate([np.asarray(first)[:, None], np.asarray(rest)], axis=1)
 
     def generate(self, prompt, n: int, chunk: int | None = None) -> np.ndarray:
@@ -519,7 +551,7 @@ class Engine:
             out = np.asarray(first)[:, None]
         else:
             pos = jnp.full(first.shape, t, jnp.int32)
-            rest, _ = self._decode_n(self.params, cache, first, pos, n - 1)
+            rest, _ = self._decode_n(self.params, cache, first, pos, n - 1, self._reach(t + n - 1))
             out = np.concatenate([np.asarray(first)[:, None], np.asarray(rest)], axis=1)
         return out[0] if squeeze else out
 
@@ -551,7 +583,7 @@ class Engine:
         if n == 1:
             return np.asarray(first)[:, None]
         pos = jnp.asarray([len(r) for r in rows], jnp.int32)
-        rest, _ = self._decode_n(self.params, cache, first, pos, n - 1)
+        rest, _ = self._decode_n(self.params, cache, first, pos, n - 1, self._reach(max(map(len, rows)) + n - 1))
         return np.concatenate([np.asarray(first)[:, None], np.asarray(rest)], axis=1)
 
     def _score_ragged(self, streams: Sequence, chunk: int, progress: bool) -> list[np.ndarray]:
@@ -611,7 +643,7 @@ class Engine:
             f = e + pad if e == n else e  # fed up to f: the last chunk with its pads
             pos = jnp.broadcast_to(jnp.arange(s, f, dtype=jnp.int32), (tokens.shape[0], f - s))
             nll, cache = self._nll_step(self.params, cache, jnp.asarray(toks[:, s:f]), pos,
-                                        jnp.asarray(toks[:, s + 1:f + 1]))
+                                        jnp.asarray(toks[:, s + 1:f + 1]), reach=self._reach(f, f - s))
             out.append(np.asarray(nll)[:, :e - s])
             bar.update(e - s)
         bar.close()

@@ -15,6 +15,8 @@ tuple with one stacked `SlotState` per run, passed in and returned explicitly. A
 policy only appends in this step (`View.append` with a start: full, a ring's decode step)
 reads its layers' stored slots as scan inputs and returns just the new slots, written into the
 stacked cache after the scan (`attend(..., defer=True)`): no per-layer copy of the cache.
+A run whose policy has `prefix_slots` (full) reads only the first `reach` slots of its cache when
+the step says all its positions are below `reach` (length buckets, chosen by the engine).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from kvpolicies.base import Policy, SlotState
+from kvpolicies.base import Policy, SlotState, head_slots, put_head
 from kvpolicies import Rope, attend
 from kvpolicies.attend import Deferred, write_deferred
 from kvpolicies.rope import RopeTable
@@ -160,10 +162,12 @@ class Llama(nnx.Module):
 
     def hidden(
         self, tokens: Int[Array, "B T"], pos: Int[Array, "B T"], cache: Cache, policies,
-        tables: dict[str, RopeTable] | None = None,
+        tables: dict[str, RopeTable] | None = None, reach: int | None = None,
     ) -> tuple[Float[Array, "B T d"], Cache]:
         """Final-norm hidden states of the T new tokens, and the updated cache (`tables`: the
-        RoPE tables of `rope_tables`, or None to compute cos/sin in the step)."""
+        RoPE tables of `rope_tables`, or None to compute cos/sin in the step). `reach` (static):
+        every position of this step is below it, so a run whose policy has `prefix_slots` reads
+        and writes only its first `reach` slots (the step's cost follows the filled length)."""
         cfg = self.cfg
         rope, rope_local = (self.rope, self.rope_local) if tables is None else (tables["global"], tables["local"])
         runs = policy_runs(policies, cfg.n_layers)
@@ -178,9 +182,12 @@ class Llama(nnx.Module):
         for (a, b, pol), state in zip(runs, cache):
             wr = weights if (a, b) == (0, cfg.n_layers) else jax.tree.map(lambda t: t[a:b], weights)
             kinds = set(local[a:b].tolist())
+            cut = reach is not None and pol.prefix_slots and reach < state.slots
 
-            def body(x, inp, pol=pol, kinds=kinds):
+            def body(x, inp, pol=pol, kinds=kinds, cut=cut):
                 w, st, is_local = inp
+                if cut:  # the layer's first `reach` slots (sliced inside the loop: one copy, of reach slots)
+                    st = head_slots(st, reach)
                 if len(kinds) == 1:  # a run of one layer type (the usual case): its RoPE, static
                     return block(cfg, pol, rope_local if kinds == {True} else rope, w, x, pos, st)
                 # One policy over local and global layers (e.g. `full` everywhere): pick the RoPE per layer.
@@ -192,7 +199,11 @@ class Llama(nnx.Module):
 
             x, out = jax.lax.scan(body, x, (wr, state, jnp.asarray(local[a:b])))
             # an appending policy's layers return only their new slots: written here, in place
-            new_cache.append(write_deferred(state, out, lead=1) if isinstance(out, Deferred) else out)
+            if isinstance(out, Deferred):
+                out = write_deferred(state, out, lead=1)
+            elif cut:
+                out = put_head(state, out, lead=1)
+            new_cache.append(out)
         return rms_norm(x, self.final_norm[...], cfg.norm_eps), tuple(new_cache)
 
     def logits(self, h: Float[Array, "B T d"]) -> Float[Array, "B T V"]:
