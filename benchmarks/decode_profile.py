@@ -6,8 +6,8 @@ For each cache size: ms per decode step with RoPE's cos/sin tabulated once per e
 default) and computed in every step (`Engine(..., rope_tables=False)`), both in this process;
 then the XLA operations of the tabulated step that took the most time, from a `jax.profiler`
 trace (its Perfetto JSON), per step. The cache content does not change the work of these
-policies (every slot is read, masked or not), so the cache is left empty and the step runs at
-position N - 40. Wall-clock on a shared machine: read the ratios within one run.
+policies (every slot is read, masked or not; at position N - 40 no length bucket is smaller than
+the cache), so the cache is left empty and the step runs at position N - 40. Wall-clock on a shared machine: read the ratios within one run.
 """
 
 from __future__ import annotations

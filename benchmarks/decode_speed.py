@@ -104,7 +104,8 @@ def bench_ours(model, tokens, policy, ctx, steps, chunk):
 
 def step_ms(model, policy, max_len: int, pos: int, steps: int) -> float:
     """ms per host-loop decode step at positions pos, pos+1, ... of an engine of `max_len` (the
-    cache's content does not change these policies' work: every slot is read, masked or not)."""
+    cache's content does not change these policies' work: `full` reads the length bucket of its
+    positions, `sink` its ring, filled or not)."""
     eng = Engine(model, policy, max_len=max_len)
     tok = np.zeros((1, 1), np.int32)
     logits, cache = _block(eng.step(eng.init_cache(1), tok, pos))  # compile
@@ -120,8 +121,8 @@ def step_ms(model, policy, max_len: int, pos: int, steps: int) -> float:
 
 def bench_scaling(model, steps: int, sink_window: int) -> list[dict]:
     """Does a step cost what it reads? `sink` after 64K tokens vs after 1K (the same slots: flat
-    is 1.0), and `full` at a 1K context inside a 16K max_len vs a 1K max_len (1.0 would be a
-    step that reads only the filled slots)."""
+    is 1.0), and `full` at a 1K context inside a 16K max_len vs a 1K max_len (1.0: the step
+    reads only the filled slots; with length buckets it reads 1,280 of the 16,384)."""
     sink = kvpolicies.get("sink", n_sink=4, window=sink_window)
     full = kvpolicies.get("full")
     room = 4 * steps  # positions the timed steps take
