@@ -217,6 +217,16 @@ class Policy:
         """The state after the step, back at the fixed capacity."""
         raise NotImplementedError
 
+    # -- length buckets (`prefix_slots` policies only) -------------------------------------
+    def head(self, state: SlotState, n: int, lead: int = 0) -> SlotState:
+        """`state` cut to its first n slots (`lead` leading axes, e.g. a model's layers); every
+        per-slot field, along its slot axis (by default axis 2 of every field)."""
+        return head_slots(state, n, lead)
+
+    def with_head(self, state: SlotState, head: SlotState, lead: int = 0) -> SlotState:
+        """`state` with its first slots replaced by `head`'s (the inverse of `head`)."""
+        return put_head(state, head, lead)
+
     # -- prompt compressors (compress once after the whole prompt) -------------------------
     def prompt_policy(self) -> "Policy":
         """The policy that holds a prompt before `after_prompt` (itself, for streaming policies)."""

@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kvpolicies.base import Policy, SlotState, check_int, empty_slots, encode_new, view_of, write_at
+from kvpolicies.base import (Policy, SlotState, check_int, empty_slots, encode_new, head_slots, put_head, view_of,
+                             write_at)
 
 
 @jax.tree_util.register_dataclass
@@ -56,6 +57,9 @@ class PromptPhase(Policy):
     obs_window: int = 32
     columns: bool = False
     query_sink: int = -1
+    # slot j holds token j; rows and column sums of slots past every query are 0: a step at
+    # positions < n needs the first n slots (length buckets: prefill attention follows the filled length)
+    prefix_slots = True
 
     def __post_init__(self):
         check_int("prompt phase", "obs_window", self.obs_window, 0)
@@ -75,6 +79,21 @@ class PromptPhase(Policy):
         extra = {"mass": jnp.zeros((batch, kv_heads, max_len), jnp.float32)} if self.columns else {}
         return PromptState(st.k, st.v, st.pos, rows=jnp.zeros((batch, kv_heads, w, max_len), jnp.float32),
                            row_pos=jnp.full((batch, w), -1, jnp.int32), extra=extra)
+
+    def head(self, state, n, lead=0):
+        cut = lambda x, axis: jax.lax.slice_in_dim(x, 0, n, axis=lead + axis)  # noqa: E731
+        slots = head_slots(SlotState(state.k, state.v, state.pos), n, lead)
+        extra = dict(state.extra, **({"mass": cut(state.extra["mass"], 2)} if "mass" in state.extra else {}))
+        return PromptState(slots.k, slots.v, slots.pos, rows=cut(state.rows, 3), row_pos=state.row_pos, extra=extra)
+
+    def with_head(self, state, head, lead=0):
+        put = lambda buf, x, axis: jax.lax.dynamic_update_slice_in_dim(buf, x, 0, axis=lead + axis)  # noqa: E731
+        slots = put_head(SlotState(state.k, state.v, state.pos), SlotState(head.k, head.v, head.pos), lead)
+        extra = dict(head.extra)  # the query statistics are not per slot (and appear at the first step)
+        if "mass" in extra:
+            extra["mass"] = put(state.extra["mass"], head.extra["mass"], 2)
+        return PromptState(slots.k, slots.v, slots.pos, rows=put(state.rows, head.rows, 3), row_pos=head.row_pos,
+                           extra=extra)
 
     def extend(self, state, k, v, pos):
         slots = SlotState(state.k, state.v, state.pos)

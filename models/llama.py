@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from kvpolicies.base import Policy, SlotState, head_slots, put_head
+from kvpolicies.base import Policy, SlotState
 from kvpolicies import Rope, attend
 from kvpolicies.attend import Deferred, write_deferred
 from kvpolicies.rope import RopeTable
@@ -187,7 +187,7 @@ class Llama(nnx.Module):
             def body(x, inp, pol=pol, kinds=kinds, cut=cut):
                 w, st, is_local = inp
                 if cut:  # the layer's first `reach` slots (sliced inside the loop: one copy, of reach slots)
-                    st = head_slots(st, reach)
+                    st = pol.head(st, reach)
                 if len(kinds) == 1:  # a run of one layer type (the usual case): its RoPE, static
                     return block(cfg, pol, rope_local if kinds == {True} else rope, w, x, pos, st)
                 # One policy over local and global layers (e.g. `full` everywhere): pick the RoPE per layer.
@@ -202,7 +202,7 @@ class Llama(nnx.Module):
             if isinstance(out, Deferred):
                 out = write_deferred(state, out, lead=1)
             elif cut:
-                out = put_head(state, out, lead=1)
+                out = pol.with_head(state, out, lead=1)
             new_cache.append(out)
         return rms_norm(x, self.final_norm[...], cfg.norm_eps), tuple(new_cache)
 

@@ -41,21 +41,20 @@ def test_bucket_sizes():
 
 
 def test_buckets_equal_the_whole_cache(model, monkeypatch):
-    """Scoring a 2,100-token stream in chunks of 512 and greedy decoding through buckets equal the
-    same engine reading all 2,200 slots; one trace per bucket reached."""
+    """Scoring a 1,400-token stream in chunks of 512 and greedy decoding through buckets equal the
+    same engine reading all 1,600 slots; one trace per bucket reached."""
     pol = kvpolicies.get("full")
-    ids = np.random.default_rng(0).integers(0, CFG.vocab_size, 2100)
-    eng = Engine(model, pol, max_len=2200)
+    ids = np.random.default_rng(0).integers(0, CFG.vocab_size, 1400)
+    eng = Engine(model, pol, max_len=1600)
     got = eng.score(ids, chunk=512)
-    # chunk ends 512, 1024 -> bucket 1024; 1536; 2048; the last chunk (2099, padded to 2560: past
-    # max_len, so not padded) -> the whole cache
-    assert eng.traces["nll"] == 4
+    # chunks ending at 512 and 1024 -> bucket 1024; the last (1399, padded to 1536) -> 1536
+    assert eng.traces["nll"] == 2
     toks = eng.generate(ids[None, :1100], 30)  # decode positions 1100..1128 -> bucket 1280
     with monkeypatch.context() as m:
         no_buckets(m)
-        ref = Engine(model, pol, max_len=2200)
+        ref = Engine(model, pol, max_len=1600)
         want = ref.score(ids, chunk=512)
-        assert ref.traces["nll"] == 2
+        assert ref.traces["nll"] == 1
         np.testing.assert_array_equal(ref.generate(ids[None, :1100], 30), toks)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
@@ -94,3 +93,35 @@ def test_decode_step_cost_follows_the_filled_length(model):
     assert big == small and whole >= 8 * small, (big, small, whole)
     _, out = eng._logits_step(eng.params, cache, tok, pos, reach=1024)
     assert out[0].pos.shape[-1] == 16384 and int(out[0].pos[0, 0, 0, 1000]) == 1000
+
+
+def test_prompt_phase_buckets_equal_the_whole_cache(model, monkeypatch):
+    """A prompt compressor's dense prompt phase through buckets: its state (slots, the newest
+    queries' attention rows, column sums, query statistics) equals the whole-cache state, and
+    snapkv's prompt -> compress -> decode gives the same ids."""
+    import jax
+
+    from kvpolicies.prompt import PromptPhase
+
+    phase = PromptPhase(obs_window=32, columns=True, query_sink=4)  # every collector at once
+    snap = kvpolicies.get("snapkv", budget=256)
+    ids = np.random.default_rng(2).integers(0, CFG.vocab_size, 1400)
+
+    def run():
+        nll, cache = Engine(model, phase, max_len=1600).score(ids, chunk=512, return_cache=True)
+        eng = Engine(model, snap, max_len=1600)
+        state = eng.prompt(ids[None, :1300], chunk=256)
+        return nll, cache, eng.continue_generate(eng.compress(state), [], 12), eng.traces["logits"]
+
+    nll, cache, toks, traces = run()
+    # prompt chunks of 256 ending at 256..1024 -> bucket 1024; at 1280 -> 1536; the last (20 tokens) -> 1536
+    assert traces == 3
+    with monkeypatch.context() as m:
+        no_buckets(m)
+        ref_nll, ref_cache, ref_toks, ref_traces = run()
+    assert ref_traces == 2  # the whole cache: one trace per chunk length
+    np.testing.assert_array_equal(toks, ref_toks)
+    np.testing.assert_allclose(nll, ref_nll, atol=1e-5, rtol=0)
+    assert jax.tree.structure(cache) == jax.tree.structure(ref_cache)
+    for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(ref_cache)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
