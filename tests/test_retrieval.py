@@ -1,6 +1,6 @@
 """Retrieval tasks: exact prompt lengths, needles where asked, answer parsing, scoring through the
-task functions (with an oracle engine, a tiny random Llama, the trained recall model) and one
-SmolLM2 passkey check (slow)."""
+task functions (with an oracle engine and a tiny random Llama; the recall task on the trained recall
+model is in tests/test_train.py, beside its fixture) and one SmolLM2 passkey check (slow)."""
 
 from __future__ import annotations
 
@@ -282,33 +282,6 @@ def test_query_agnostic_niah_feeds_the_question_after_the_compressed_haystack():
 def test_text_tasks_need_a_tokenizer():
     with pytest.raises(ValueError, match="needs a tokenizer"):
         R.passkey(_ctx({"name": "passkey"}, tok=None))
-
-
-# -- the trained recall model -------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def recall_model(tmp_path_factory):
-    from evals.recall_model import load_or_train
-
-    # the same folder as tests/test_train.py, so one session trains once
-    model, meta = load_or_train(cache_dir=tmp_path_factory.getbasetemp() / "recall-cache", seed=0)
-    return model
-
-
-def test_recall_full_retrieves_window_fails(recall_model):
-    task = {"name": "recall", "n_pairs": 32, "trials": 256}
-    full = R.recall(TaskContext(recall_model, None, kvpolicies.get("full"), task, progress=False))
-    win = R.recall(TaskContext(recall_model, None, kvpolicies.get("window", window=4), task, progress=False))
-    assert full.metrics["accuracy"] >= 0.9
-    assert win.metrics["accuracy"] <= 0.25
-    # window=4 at query position N+1 sees only the last 3 pairs: those are still retrieved,
-    # and pairs farther back are at chance level
-    by_pair = np.array(win.curves["by_pair@32"])
-    far = np.concatenate([win.arrays["correct@32"][win.arrays["pair@32"] == i] for i in range(29)])
-    assert far.mean() <= full.metrics["chance"] + 0.1
-    assert np.nanmean(by_pair[29:]) >= 0.6
-    lo, hi = ruler.wilson(round(full.metrics["accuracy"] * 256), 256)
-    assert full.grid == [{"n_pairs": 32, "accuracy": full.metrics["accuracy"], "trials": 256, "ci_low": lo,
-                          "ci_high": hi}]
 
 
 @pytest.mark.slow

@@ -108,3 +108,27 @@ def test_bad_config_raises():
         T.RecallTask(n_keys=4, n_pairs=8)
     with pytest.raises(ValueError, match="warmup"):
         T.TrainConfig(steps=50, warmup=50)
+
+
+def test_recall_task_full_retrieves_window_fails(trained):
+    """evals.retrieval's `recall` task on the trained model (here, beside the training fixture, so
+    that a session trains once whichever pytest worker runs it)."""
+    from evals import retrieval as R
+    from evals import ruler
+    from evals.common import TaskContext
+
+    model, _ = trained
+    task = {"name": "recall", "n_pairs": 32, "trials": 256}
+    full = R.recall(TaskContext(model, None, kvpolicies.get("full"), task, progress=False))
+    win = R.recall(TaskContext(model, None, kvpolicies.get("window", window=4), task, progress=False))
+    assert full.metrics["accuracy"] >= 0.9
+    assert win.metrics["accuracy"] <= 0.25
+    # window=4 at query position N+1 sees only the last 3 pairs: those are still retrieved,
+    # and pairs farther back are at chance level
+    by_pair = np.array(win.curves["by_pair@32"])
+    far = np.concatenate([win.arrays["correct@32"][win.arrays["pair@32"] == i] for i in range(29)])
+    assert far.mean() <= full.metrics["chance"] + 0.1
+    assert np.nanmean(by_pair[29:]) >= 0.6
+    lo, hi = ruler.wilson(round(full.metrics["accuracy"] * 256), 256)
+    assert full.grid == [{"n_pairs": 32, "accuracy": full.metrics["accuracy"], "trials": 256, "ci_low": lo,
+                          "ci_high": hi}]
