@@ -13,6 +13,17 @@ its floor is (weight bytes + those cache bytes) / bandwidth. Each row reports th
 fraction of it the host loop and the scan reach (`roofline`, `scan_roofline`: 1.0 = at the
 bound), and `vs_transformers` (our scan decode tokens/s over transformers' at that context).
 
+Prefill is compute-bound: the process also measures its matmul rate (`matmul_rate`: jitted float32
+matmuls of the model's projection and MLP shapes at 512 rows, best of 5) and counts the FLOPs a
+prefill of `ctx` tokens needs (`prefill_flops`: 2 x the layers' weights per token, the causal
+attention's QK and PV, 4 x heads x head_dim per (query, visible key) pair, a sink query seeing at
+most n_sink + window keys, and the output head
+for the last token), so each row reports `prefill_gflop_s`, `prefill_of_matmul` (that rate over the
+matmul rate; the target is 0.5) and `prefill_vs_transformers` (our prefill tokens/s over
+transformers' single forward of the same tokens). Both rates are measured at the start and again
+at the end of the run; the rows written to `--out` divide by the better of the two (the rows
+printed during the run use the start's).
+
 Scaling rows (`impl: scaling`): the ratio of two host-loop step times, `sink` after 64K tokens
 over after 1K (flat = 1.0) and `full` at a 1K context with a 16K over a 1K `max_len`.
 """
@@ -48,6 +59,35 @@ def read_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
         f(a).block_until_ready()
         best = min(best, time.perf_counter() - t0)
     return nbytes / best
+
+
+def matmul_rate(rows: int = 512, shapes=None, repeats: int = 5) -> float:
+    """FLOP/s of jitted float32 matmuls [rows, a] @ [a, b] over `shapes` (default: SmolLM2's
+    projection and MLP shapes), the best of `repeats` runs of all of them, measured here."""
+    shapes = shapes or [(576, 576), (576, 192), (576, 1536), (1536, 576)]
+    key = jax.random.PRNGKey(0)
+    xs = [(jax.random.normal(key, (rows, a), jnp.float32), jax.random.normal(key, (a, b), jnp.float32))
+          for a, b in shapes]
+    f = jax.jit(lambda pairs: [x @ w for x, w in pairs])
+    _block(f(xs))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        _block(f(xs))
+        best = min(best, time.perf_counter() - t0)
+    return sum(2 * rows * a * b for a, b in shapes) / best
+
+
+def prefill_flops(cfg, ctx: int, span: int | None = None) -> int:
+    """FLOPs a prefill of `ctx` tokens needs (multiply-adds count 2): every layer weight matrix
+    once per token, attention over the keys each query may see (query i sees keys 0..i, at most
+    `span` of them for a policy that keeps `span` slots: QK and PV, 2 x 2 x n_heads x head_dim per
+    pair), and the output head for the last token (prefill returns only its logits)."""
+    d, f, h, k, hd, n = cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_layers
+    per_token = n * (d * h * hd + 2 * d * k * hd + h * hd * d + 3 * d * f)  # q, k, v, o; gate, up, down
+    w = ctx if span is None else min(span, ctx)
+    pairs = w * (w + 1) // 2 + (ctx - w) * w  # sum over i of min(i + 1, w)
+    return 2 * per_token * ctx + 4 * n * h * hd * pairs + 2 * d * cfg.vocab_size
 
 
 def step_read_bytes(model, cache, ctx: int) -> dict[str, int]:
@@ -157,6 +197,15 @@ def bench_transformers(tokens, ctx, steps):
     return dict(prefill_tok_s=ctx / t_prefill, decode_tok_s=steps / t_decode)
 
 
+def _fractions(r: dict, bw: float, mm: float) -> dict:
+    """A row's roofline fractions (read bandwidth `bw`, bytes/s) and prefill's fraction of the
+    matmul rate `mm` (FLOP/s), in place."""
+    floor = (r["weight_bytes"] + r["kv_read_bytes"]) / bw
+    r |= {"roofline_ms": floor * 1e3, "roofline": floor * r["decode_tok_s"], "scan_roofline": floor * r["scan_decode_tok_s"],
+          "read_bandwidth_GB_s": bw / 1e9, "prefill_of_matmul": r["prefill_gflop_s"] / (mm / 1e9), "matmul_GFLOP_s": mm / 1e9}
+    return r
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
@@ -176,22 +225,22 @@ def main(argv=None):
     policies = {"full": kvpolicies.get("full"), "sink": kvpolicies.get("sink", n_sink=4, window=args.sink_window),
                 "int8": kvpolicies.get("full", codec="int8")}
     policies = {k: policies[k] for k in args.policies}
-    bw = read_bandwidth()
-    print(json.dumps({"read_bandwidth_GB_s": bw / 1e9}), flush=True)
+    bw, mm = read_bandwidth(), matmul_rate()
+    print(json.dumps({"read_bandwidth_GB_s": bw / 1e9, "matmul_GFLOP_s": mm / 1e9, "when": "start"}), flush=True)
     rows = []
     for ctx in args.contexts:
         ours = []
         for name, pol in policies.items():
             r = dict(impl="kvpolicies", policy=name, context=ctx, **bench_ours(model, tokens, pol, ctx, args.steps, args.chunk))
-            floor = (r["weight_bytes"] + r["kv_read_bytes"]) / bw
-            r |= {"roofline_ms": floor * 1e3, "roofline": floor * r["decode_tok_s"],
-                  "scan_roofline": floor * r["scan_decode_tok_s"], "read_bandwidth_GB_s": bw / 1e9}
-            ours.append(r)
+            span = pol.n_sink + pol.window if name == "sink" else None  # keys a sink query may see
+            r["prefill_gflop_s"] = prefill_flops(model.cfg, ctx, span) / ctx * r["prefill_tok_s"] / 1e9
+            ours.append(_fractions(r, bw, mm))
             rows.append(r)
         if not args.no_transformers:
             t = dict(impl="transformers", policy="full", context=ctx, **bench_transformers(tokens, ctx, args.steps))
             for r in ours:
                 r["vs_transformers"] = r["scan_decode_tok_s"] / t["decode_tok_s"]
+                r["prefill_vs_transformers"] = r["prefill_tok_s"] / t["prefill_tok_s"]
             rows.append(t)
         for r in rows[-len(ours) - (0 if args.no_transformers else 1):]:
             print(json.dumps(r), flush=True)
@@ -199,7 +248,20 @@ def main(argv=None):
         for r in bench_scaling(model, args.steps, args.sink_window):
             print(json.dumps(r), flush=True)
             rows.append(r)
-    if args.out:  # one JSON object per line, as printed
+    # The machine is shared: measure both rates again and divide by the better of the two, so that a
+    # slow moment at the start does not flatter the fractions (the rows written to --out).
+    bw_end, mm_end = read_bandwidth(), matmul_rate()
+    bw_start, mm_start = bw, mm
+    bw, mm = max(bw, bw_end), max(mm, mm_end)
+    rates = {"impl": "rates", "read_bandwidth_GB_s": [bw_start / 1e9, bw_end / 1e9],
+             "matmul_GFLOP_s": [mm_start / 1e9, mm_end / 1e9], "used_read_bandwidth_GB_s": bw / 1e9,
+             "used_matmul_GFLOP_s": mm / 1e9}  # [start, end], and the better one used
+    print(json.dumps(rates), flush=True)
+    rows.insert(0, rates)
+    for r in rows:
+        if r["impl"] == "kvpolicies":
+            _fractions(r, bw, mm)
+    if args.out:  # one JSON object per line, with the fractions over the better rates
         with open(args.out, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
     return rows

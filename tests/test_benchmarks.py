@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 import kvpolicies
-from benchmarks.decode_speed import read_bandwidth, step_read_bytes
+from benchmarks.decode_speed import matmul_rate, prefill_flops, read_bandwidth, step_read_bytes
 from models.config import LlamaConfig
 from models.engine import Engine
 from models.llama import Llama
@@ -43,3 +43,36 @@ def test_gpu_script_dry_run_measures_every_policy():
     assert all(r["context"] == 64 and r["scan_roofline"] > 0 and r["kv_read_bytes"] > 0 for r in measured)
     full, int8 = measured[0], measured[-1]
     assert int8["kv_read_bytes"] < full["kv_read_bytes"]  # the codec's smaller bytes are what a step reads
+
+
+def test_prefill_flops_count_the_weights_the_causal_attention_and_the_last_logits():
+    """prefill_flops in closed form from the model's own weight shapes, and against XLA's count of
+    the compiled one-chunk prefill. That step computes more pairs than the causal T(T+1)/2: `full`
+    hands attention its stored slots (all max_len = T of them, empty, masked) and the T new ones, so
+    every query meets 2T keys; the rest of XLA's count is elementwise work. One layer: XLA counts a
+    loop's body once."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    cfg = dataclasses.replace(CFG, n_layers=1, d_model=96, d_ff=192)
+    model, t = Llama(cfg), 32
+    mats = sum(int(np.prod(v.shape)) for v in model.layers.values() if v.ndim == 3)  # [L, a, b] stacked matrices
+    attn = 4 * cfg.n_heads * cfg.head_dim
+    assert prefill_flops(cfg, t) == 2 * mats * t + attn * t * (t + 1) // 2 + 2 * cfg.d_model * cfg.vocab_size
+    head = 2 * cfg.d_model * cfg.vocab_size
+    pairs = sum(min(i + 1, 5) for i in range(t))  # a policy that keeps 5 slots: each query sees at most 5 keys
+    assert prefill_flops(cfg, t, span=5) == prefill_flops(cfg, t) - attn * (t * (t + 1) // 2 - pairs)
+    assert prefill_flops(cfg, t, span=t) == prefill_flops(cfg, t, span=10 * t) == prefill_flops(cfg, t)
+    assert prefill_flops(dataclasses.replace(cfg, n_layers=3), t) - head == 3 * (prefill_flops(cfg, t) - head)
+    eng = Engine(model, kvpolicies.get("full"), max_len=t)
+    toks = jnp.zeros((1, t), jnp.int32)
+    pos = jnp.arange(t, dtype=jnp.int32)[None]
+    xla = eng._logits_step.lower(eng.params, eng.init_cache(1), toks, pos).compile().cost_analysis()
+    xla = (xla[0] if isinstance(xla, list) else xla)["flops"]
+    computed = prefill_flops(cfg, t) + attn * (t * 2 * t - t * (t + 1) // 2)  # every (query, key) pair of T x 2T
+    assert computed <= xla < 1.06 * computed, (xla, computed)  # T x T pairs would give 1.09
+
+
+def test_matmul_rate_is_a_rate():
+    assert 1e8 < matmul_rate(rows=64, shapes=[(48, 96)], repeats=2) < 1e14
