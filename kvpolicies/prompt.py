@@ -105,9 +105,13 @@ class PromptPhase(Policy):
         w = self.obs_window
         rows, row_pos = state.rows, state.row_pos
         if w:
-            row = jnp.where(pos > pos[:, -1:] - w, pos % w, w)  # [B, T]; w = dropped (not among the newest W)
-            rows = jax.vmap(lambda r, i, x: r.at[:, i].set(x, mode="drop"))(rows, row, seen.scores)  # [B, K, W, S]
-            row_pos = jax.vmap(lambda r, i, x: r.at[i].set(x, mode="drop"))(row_pos, row, pos)  # [B, W]
+            # A chunk's positions are contiguous, so only its last min(T, W) queries can be among the
+            # newest W: scatter those rows, not all T (the scatter of T rows dominated the step)
+            m = min(pos.shape[1], w)
+            last = pos[:, -m:]  # [B, m]
+            row = jnp.where(last > pos[:, -1:] - w, last % w, w)  # w = dropped (not among the newest W)
+            rows = jax.vmap(lambda r, i, x: r.at[:, i].set(x, mode="drop"))(rows, row, seen.scores[:, :, -m:])
+            row_pos = jax.vmap(lambda r, i, x: r.at[i].set(x, mode="drop"))(row_pos, row, last)  # [B, W]
         extra = dict(state.extra)
         if self.columns:
             extra["mass"] = extra["mass"] + seen.scores.sum(axis=2)  # [B, K, S]
