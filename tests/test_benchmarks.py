@@ -76,3 +76,11 @@ def test_prefill_flops_count_the_weights_the_causal_attention_and_the_last_logit
 
 def test_matmul_rate_is_a_rate():
     assert 1e8 < matmul_rate(rows=64, shapes=[(48, 96)], repeats=2) < 1e14
+
+
+def test_prompt_speed_dry_run_times_every_prompt_phase():
+    from benchmarks import prompt_speed
+
+    rows = prompt_speed.main(["--dry-run"])
+    assert [r["policy"] for r in rows] == list(prompt_speed.POLICIES)
+    assert all(r["prompt_tok_s"] > 0 and r["traces"]["logits"] == 1 for r in rows)  # 64 tokens: one bucket, chunks of 16
