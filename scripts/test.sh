@@ -12,8 +12,8 @@ fi
 # The unit tests (not `slow`) are dominated by XLA compiling many small steps (about 70 % of a
 # tests/test_policies.py case is XLA's backend compile). Its CPU backend compiles them faster at
 # -O0 (tests/test_policies.py: 107 s -> 74 s, same results) and faster again with the older loop
-# emitters instead of the fusion emitters and without LLVM's expensive passes (a 2-layer score
-# step: 2.5 s -> 0.9 s of compile; the whole unit stage on the 2 idle cores: 673 s -> 418 s, the
+# emitters instead of the fusion emitters and without LLVM's expensive passes (three score
+# steps of a 2-layer model: 2.5 s -> 0.9 s of compile; the whole unit stage on the 2 idle cores: 673 s -> 418 s, the
 # same tests passing). A compile runs on one core, so two pytest-xdist workers (a test file per
 # worker) use both. The `slow` tests run the real models, where -O0 code runs about 2x slower:
 # they keep the default optimisation, in one process (their steps use every core).
