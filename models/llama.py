@@ -207,8 +207,9 @@ class Llama(nnx.Module):
         return rms_norm(x, self.final_norm[...], cfg.norm_eps), tuple(new_cache)
 
     def logits(self, h: Float[Array, "B T d"]) -> Float[Array, "B T V"]:
-        head = self.embed[...].T if self.lm_head is None else self.lm_head[...]  # [d, V]
-        return jnp.einsum("BTd,dV->BTV", h, head, preferred_element_type=jnp.float32)
+        if self.lm_head is None:  # tied: contract with the embedding's rows as stored (no [d, V] transpose)
+            return jnp.einsum("BTd,Vd->BTV", h, self.embed[...], preferred_element_type=jnp.float32)
+        return jnp.einsum("BTd,dV->BTV", h, self.lm_head[...], preferred_element_type=jnp.float32)
 
     def __call__(self, tokens, pos, cache, policies, tables=None):
         """Logits [B, T, V] of the T new tokens, and the updated cache."""
