@@ -107,7 +107,11 @@ def _attend(policy, state, q, k, v, pos, rope, scale, defer=False):
         return _token_by_token(policy, state, q, k, v, pos, rope, scale)
     n_kv = k.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    view = policy.extend(state, rearrange(k, "B T K D -> B K T D"), rearrange(v, "B T K D -> B K T D"), pos)
+    rotated = policy.rotated_keys  # stored keys are already rotated: rotate only the new ones, once
+    k = rearrange(k, "B T K D -> B K T D")
+    if rotated:
+        k = rope.apply(k, pos[:, None, :])  # [B, K, T, D] at the tokens' positions
+    view = policy.extend(state, k, rearrange(v, "B T K D -> B K T D"), pos)
 
     own = view  # the policy's own view: `compact` folds the step into the state from it
     rp = view.rope
@@ -125,7 +129,7 @@ def _attend(policy, state, q, k, v, pos, rope, scale, defer=False):
     rp = view.rope
     app = view.append  # the new tokens, read after the S stored slots (None: all in view.k)
     s = view.k.shape[2]
-    kr = rope.apply(view.k, rp.k[..., :s])  # [B, K, S, D]
+    kr = view.k if rotated else rope.apply(view.k, rp.k[..., :s])  # [B, K, S, D]
     # The view's S' slots in parts, each read where it lies: the S stored slots, then the T
     # appended ones. Logits, masks and the softmax's exponentials stay per part (one softmax:
     # a shared max and normaliser), so no [.., S'] buffer is ever concatenated.
@@ -133,7 +137,7 @@ def _attend(policy, state, q, k, v, pos, rope, scale, defer=False):
         cuts, keys, vals = [(0, s)], [kr], [view.v]
     else:
         t = app.k.shape[2]
-        cuts, keys, vals = [(0, s), (s, s + t)], [kr, rope.apply(app.k, rp.k[..., s:])], [view.v, app.v]
+        cuts, keys, vals = [(0, s), (s, s + t)], [kr, app.k if rotated else rope.apply(app.k, rp.k[..., s:])], [view.v, app.v]
     # keys of every slot the view holds (stored then new): built only for a policy that reads them
     k_all = kr if app is None else None
     if app is not None and ("k_rot" in policy.observes or type(policy).select is not Policy.select):

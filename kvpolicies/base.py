@@ -6,7 +6,9 @@ Shapes (one legend for the whole library):
     head, D head dim, P RoPE segments (see `RopePositions`).
 
 Every slot records the absolute token position it holds (-1 = empty). Keys are stored
-*before* RoPE, so a policy chooses which positions RoPE sees.
+*before* RoPE, so a policy chooses which positions RoPE sees; a policy whose RoPE positions are
+its slots' token positions, fixed once written, may declare `rotated_keys` instead (stored
+rotated: a decode step then rotates one new key, not every slot's).
 
 A policy author writes three methods (plus `capacity` and, if the state has more than slots,
 `init`); `kvpolicies.attend` runs one step with them and asks the policy nothing else:
@@ -179,6 +181,15 @@ class Policy:
     # length, not max_len (full).
     prefix_slots: ClassVar[bool] = False
     codec: Codec = Identity()
+
+    @property
+    def rotated_keys(self) -> bool:
+        """Keys are stored already rotated (a speed choice, same results): `attend` rotates each new
+        key once, at its token position, before `extend`, and reads stored and appended keys as they
+        are. Only for a policy whose view gives every filled slot RoPE position = its `pos` (text
+        positions, no RoPE segments) and whose stored keys nothing but attention reads (no
+        scoring of stored keys, no codec that quantizes them; see `Full`)."""
+        return False
 
     # -- sizes ---------------------------------------------------------------------------
     def capacity(self, max_len: int) -> int:

@@ -15,6 +15,13 @@ class Full(Policy):
     codec: Codec = Identity()
     prefix_slots = True  # slot i holds token i: a step at positions < n needs only slots [0, n)
 
+    @property
+    def rotated_keys(self):
+        # RoPE sees text positions and only attention reads the keys: store them rotated (a decode
+        # step then reads them as stored instead of rotating all S). A codec keeps them un-rotated,
+        # so that it quantizes the same values whatever the policy around it.
+        return isinstance(self.codec, Identity)
+
     def capacity(self, max_len):
         return max_len
 

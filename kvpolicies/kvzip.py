@@ -147,13 +147,19 @@ class Reconstruct(Policy):
     """A kvzip layer during the reconstruction pass: attention over the dense prompt state and the
     repeat input (not stored), and the scores of the chunk `extra["zip_range"]` = [lo, hi)
     written into `extra["zip"]` [B, K, M] (see the module docstring). With `of=None`, a dense
-    layer of another policy (full, a prompt phase) read without writing or scoring."""
+    layer of another policy (full, a prompt phase) read without writing or scoring; `rotated`:
+    that layer stores its keys rotated (`Policy.rotated_keys`, e.g. full)."""
 
     of: KVzip | None = None
+    rotated: bool = False
 
     @property
     def observes(self):
         return ("logits",) if self.of is not None else ()
+
+    @property
+    def rotated_keys(self):
+        return self.rotated
 
     def capacity(self, max_len):
         return max_len

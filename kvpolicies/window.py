@@ -26,6 +26,10 @@ class Window(Policy):
     def __post_init__(self):
         check_int("window", "window", self.window, 1)
 
+    @property
+    def rotated_keys(self):
+        return isinstance(self.codec, Identity)  # as `full`: text positions, keys read only by attention
+
     def capacity(self, max_len):
         return min(self.window, max_len)
 

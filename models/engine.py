@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -45,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jaxtyping import Array, Float, Int
 from tqdm.auto import tqdm
 
 from kvpolicies.attend import recording
@@ -93,6 +95,16 @@ def _fork(cache: Cache) -> Cache:
     return jax.tree.map(jnp.copy, cache)
 
 
+@functools.partial(jax.jit, static_argnums=3)
+def _rotate_keys(k: Float[Array, "L B K S D"], pos: Int[Array, "L B Kp S"], tables: dict,
+                 local: tuple[bool, ...]) -> Float[Array, "L B K S D"]:
+    """Stored keys of a run of layers rotated at their slots' positions, as `attend` rotates a
+    new key (the same RoPE tables, in k's dtype): layer l by the local or the global RoPE."""
+    if len(set(local)) == 1:
+        return tables["local" if local[0] else "global"].apply(k, pos)
+    return jnp.stack([tables["local" if x else "global"].apply(k[i], pos[i]) for i, x in enumerate(local)])
+
+
 def _prompt_key(p: Policy) -> Policy:
     """What determines a prompt phase's state: a `PromptPhase` stores the same thing whatever
     prompt compressor it serves (`of`), and full's slots are a dense prompt phase's slots."""
@@ -108,7 +120,7 @@ def _recon_policy(p: Policy) -> Policy:
     if isinstance(p, PromptPhase) and p.of is not None and p.of.reconstructs:
         return p.of.reconstruction()
     if isinstance(p, (PromptPhase, Full)):
-        return Reconstruct(codec=p.codec)
+        return Reconstruct(codec=p.codec, rotated=p.rotated_keys)
     return p
 
 
@@ -474,9 +486,13 @@ class Engine:
             raise ValueError(f"compress: the state has {len(cache)} runs of layers, this engine's prompt phase "
                              f"{len(runs)}: it comes from an engine that does not share the prompt (shares_prompt)")
         out = []
-        for (_, _, pol), st in zip(runs, cache):
+        for (a, b, pol), st in zip(runs, cache):
             if isinstance(pol, Full) and isinstance(st, PromptState):
                 st = SlotState(st.k, st.v, st.pos)
+                if pol.rotated_keys:  # a prompt phase stores keys un-rotated; full stores them rotated
+                    tables = self.params[1] or self._model.rope_tables(self.max_len)
+                    local = tuple(bool(x) for x in np.asarray(self.cfg.local_layers)[a:b])
+                    st = SlotState(_rotate_keys(st.k, st.pos, tables, local), st.v, st.pos)
             out.append(st)
         return tuple(out)
 

@@ -35,6 +35,10 @@ class Flat(kvpolicies.Policy):
 
     inner: kvpolicies.Policy = kvpolicies.get("full")
 
+    @property
+    def rotated_keys(self):  # the state is inner's: its keys as inner stores them
+        return self.inner.rotated_keys
+
     def capacity(self, max_len):
         return self.inner.capacity(max_len)
 
