@@ -38,7 +38,7 @@ class Attention(nnx.Module):
 
     def __call__(self, x, pos, cache_state):
         """x [B, T, E] new tokens at absolute positions pos [B, T] -> (y [B, T, E], new cache_state)."""
-        q, k, v = self.qkv(x)  # un-rotated: the policy stores keys before RoPE
+        q, k, v = self.qkv(x)  # un-rotated: kvpolicies applies RoPE, at the positions the policy gives
         out, cache_state = kvpolicies.attend(self.policy, cache_state, q, k, v, pos, self.rope)  # [B, T, N, D]
         return self.o(out.reshape(*x.shape[:2], -1)), cache_state  # [B, T, E]
 

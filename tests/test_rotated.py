@@ -8,14 +8,13 @@ prompt phase's un-rotated state adopted by `full`, kvzip's reconstruction readin
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import kvpolicies
+from benchmarks.attention_ab import unrotated
 from kvpolicies.attend import attend
 from kvpolicies.full import Full
 from kvpolicies.kvzip import KVzip
@@ -25,14 +24,6 @@ from models.engine import Engine, _recon_policy
 from models.llama import Llama
 
 ROPE = Rope(8)
-
-
-def unrotated(pol: kvpolicies.Policy) -> kvpolicies.Policy:
-    """`pol` with `rotated_keys` off: its keys stored before RoPE and rotated at every read."""
-    cls = type(pol)
-    twin = dataclasses.make_dataclass(f"Unrotated{cls.__name__}", [], bases=(cls,), frozen=True,
-                                      namespace={"rotated_keys": property(lambda self: False)})
-    return twin(**{f.name: getattr(pol, f.name) for f in dataclasses.fields(pol)})
 
 
 def _run(pol, n, chunk, seed=0):

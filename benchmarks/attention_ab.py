@@ -1,0 +1,137 @@
+"""Two of attention's speed choices against the path they replaced, in one process, interleaved
+(SmolLM2-135M float32, `full`, an empty cache of N slots: the work does not depend on its content).
+
+    python -m benchmarks.attention_ab --slots 4160 16448
+
+- keys stored rotated (`Policy.rotated_keys`) vs stored un-rotated and rotated at every read: ms
+  per decode step at position N - 40 (host loop of jitted steps);
+- a chunk attended block by block (`kvpolicies.attend.BLOCK` = 512 slots, online softmax) vs in
+  one piece: seconds of one 512-token chunk step ending at N - 64, and XLA's temporaries of the
+  compiled step (`memory_analysis().temp_size_in_bytes`).
+
+Each row: the measure, the slots, the medians of `--rounds` alternated rounds for the new and the
+old path, and their ratio. Wall-clock on a shared machine: read the ratio. `--dry-run`: a tiny
+random model at 96 slots (what the tests run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import kvpolicies
+from models.engine import Engine
+
+attend_mod = importlib.import_module("kvpolicies.attend")  # the module (kvpolicies.attend is the function)
+
+
+def unrotated(pol: kvpolicies.Policy) -> kvpolicies.Policy:
+    """`pol` with `rotated_keys` off: its keys stored before RoPE and rotated at every read."""
+    cls = type(pol)
+    twin = dataclasses.make_dataclass(f"Unrotated{cls.__name__}", [], bases=(cls,), frozen=True,
+                                      namespace={"rotated_keys": property(lambda self: False)})
+    return twin(**{f.name: getattr(pol, f.name) for f in dataclasses.fields(pol)})
+
+
+def _alternate(fns: dict, rounds: int) -> dict[str, float]:
+    """Median seconds of each no-argument callable over `rounds` alternated calls (after one warm call)."""
+    for f in fns.values():
+        f()
+    times = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t0)
+    return {k: float(np.median(v)) for k, v in times.items()}
+
+
+def decode_rotation(model, slots: int, steps: int, rounds: int) -> dict:
+    pos = slots - 40
+    tok = np.zeros((1, 1), np.int32)
+    runs = {}
+    for label, pol in (("rotated", kvpolicies.get("full")), ("unrotated", unrotated(kvpolicies.get("full")))):
+        eng, box = Engine(model, pol, max_len=slots), {}
+        box["cache"] = eng.init_cache(1)
+
+        def run(eng=eng, box=box):
+            for i in range(steps):
+                logits, box["cache"] = eng.step(box["cache"], tok, pos + i)
+            jax.block_until_ready(logits)
+
+        runs[label] = run
+    t = _alternate(runs, rounds)
+    return {"measure": "decode step ms", "slots": slots, "new": t["rotated"] / steps * 1e3,
+            "old": t["unrotated"] / steps * 1e3, "old_over_new": t["unrotated"] / t["rotated"]}
+
+
+def chunk_blocks(model, slots: int, chunk: int, rounds: int) -> list[dict]:
+    start = slots - 64 - chunk
+    ids = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (1, chunk)).astype(np.int32)
+    pos = jnp.broadcast_to(jnp.arange(start, start + chunk, dtype=jnp.int32), (1, chunk))
+    runs, temps = {}, {}
+    for label, block in (("blocked", attend_mod.BLOCK), ("whole", 1 << 40)):
+        old, attend_mod.BLOCK = attend_mod.BLOCK, block  # read when a step is traced (first call below)
+        try:
+            eng, box = Engine(model, kvpolicies.get("full"), max_len=slots), {}
+            box["cache"] = eng.init_cache(1)
+            reach = eng._reach(start + chunk, chunk)
+            temps[label] = eng._logits_step.lower(eng.params, box["cache"], jnp.asarray(ids), pos, reach=reach) \
+                .compile().memory_analysis().temp_size_in_bytes
+
+            def run(eng=eng, box=box):
+                logits, box["cache"] = eng._step(box["cache"], ids, start)
+                jax.block_until_ready(logits)
+
+            run()  # trace with this BLOCK
+        finally:
+            attend_mod.BLOCK = old
+        runs[label] = run
+    t = _alternate(runs, rounds)
+    return [{"measure": f"{chunk}-token chunk s", "slots": slots, "new": t["blocked"], "old": t["whole"],
+             "old_over_new": t["whole"] / t["blocked"]},
+            {"measure": "chunk step XLA temporaries MB", "slots": slots, "new": temps["blocked"] / 1e6,
+             "old": temps["whole"] / 1e6, "old_over_new": temps["whole"] / temps["blocked"]}]
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--slots", type=int, nargs="+", default=[4160, 16448])
+    ap.add_argument("--steps", type=int, default=15, help="decode steps per round")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--dry-run", action="store_true", help="a tiny random model at 96 slots")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        from models.config import LlamaConfig
+        from models.llama import Llama
+
+        model = Llama(LlamaConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                                  d_ff=32))
+        slots, chunk, steps, rounds = [96], 16, 2, 1
+        old, attend_mod.BLOCK = attend_mod.BLOCK, 8
+    else:
+        from models.loading import load_default_model
+
+        model, _ = load_default_model()
+        slots, chunk, steps, rounds = args.slots, 512, args.steps, args.rounds
+        old = attend_mod.BLOCK
+    rows = []
+    try:
+        for n in slots:
+            for row in [decode_rotation(model, n, steps, rounds)] + chunk_blocks(model, n, chunk, rounds):
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    finally:
+        attend_mod.BLOCK = old
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Blocked attention for chunks: a chunk (T > 1) over more than `attend.BLOCK` stored slots folds
+them block by block into an online softmax instead of materialising its [B, K, G, T, S] logits.
+
+References: every registered policy's independent reference (the registry matrix of
+tests/test_policies.py), the same steps in one piece (blocks larger than any view), the masks'
+own count of visible keys, and XLA's memory analysis of the compiled step.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvpolicies
+from helpers import run_policy
+from test_policies import REFERENCES, ROPE, qkv
+
+attend_mod = importlib.import_module("kvpolicies.attend")  # the module (kvpolicies.attend is the function)
+
+
+def fresh_step():
+    """A jitted attention step that traces anew (BLOCK is read when a step is traced)."""
+    return functools.partial(jax.jit, static_argnums=(0, 6))(
+        lambda policy, state, q, k, v, pos, rope: attend_mod.attend(policy, state, q, k, v, pos, rope))
+
+
+@pytest.mark.parametrize("name", sorted(kvpolicies.POLICIES))
+def test_blocks_equal_one_piece_for_every_policy(name, monkeypatch):
+    """Blocks of 4 slots (a remainder block and an appended part in most steps): each registered
+    policy's outputs stay within 1e-6 of the one-piece softmax and 3e-5 of its reference; its
+    states match. Policies whose `compact` reads per-slot probabilities keep the one-piece path."""
+    instances, ref = REFERENCES[name]
+    q, k, v = qkv(24, seed=3)
+    blocked = []
+    real = attend_mod._blocked
+    monkeypatch.setattr(attend_mod, "_blocked", lambda *a: (blocked.append(1), real(*a))[1])
+    for pol in instances:
+        blocked.clear()
+        with monkeypatch.context() as m:
+            m.setattr(attend_mod, "BLOCK", 10**9)
+            whole, st_whole = run_policy(pol, q, k, v, [9, 1], ROPE, step=fresh_step())
+        assert not blocked
+        with monkeypatch.context() as m:
+            m.setattr(attend_mod, "BLOCK", 4)
+            out, st = run_policy(pol, q, k, v, [9, 1], ROPE, step=fresh_step())
+        np.testing.assert_allclose(out, whole, atol=1e-6, rtol=0, err_msg=repr(pol))
+        np.testing.assert_allclose(out, ref(pol, q, k, v, [9, 1]), atol=3e-5, rtol=0, err_msg=repr(pol))
+        for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(st_whole)):
+            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=1e-5, rtol=0)
+        # one piece where compact reads per-slot probabilities, where chunks run as single-token
+        # steps (per_token), and where a policy narrows each query's slots (select: quest)
+        one_piece = {"scores", "logits"} & set(pol.observes) or pol.per_token or \
+            type(pol).select is not kvpolicies.Policy.select
+        assert bool(blocked) == (not one_piece), (repr(pol), len(blocked))
+
+
+def test_blocked_visible_count_and_all_masked_blocks(monkeypatch):
+    """The busiest query's visible keys are counted across blocks; blocks whose slots are all
+    empty or out of the window (leading ones, before any visible slot, included) add nothing."""
+    monkeypatch.setattr(attend_mod, "BLOCK", 4)
+    q, k, v = qkv(30, seed=5)
+    for pol, want in ((kvpolicies.get("full"), 30), (kvpolicies.get("window", window=6), 6)):
+        with kvpolicies.record_visible() as rec:
+            out, _ = run_policy(pol, q, k, v, [10], ROPE, max_len=64, step=fresh_step())  # 64 slots, 30 filled
+        assert rec["max_visible"] == want, (pol, rec)
+        ref = REFERENCES[type(pol).__name__.lower()][1](pol, q, k, v, [10])
+        np.testing.assert_allclose(out, ref, atol=3e-5, rtol=0)
+
+
+def test_blocked_chunk_never_materialises_the_logits():
+    """XLA's temporaries of a 64-token chunk over 8,192 slots: the one-piece step holds at least
+    two [B, K, G, T, S] float32 buffers (34 MB each here), the blocked one under a third of one."""
+    pol = kvpolicies.get("full")
+    b, t, s, n, kv, d = 1, 64, 8192, 16, 2, 32
+    state = jax.eval_shape(lambda: pol.init(b, kv, d, jnp.float32, s))
+    args = [jax.ShapeDtypeStruct((b, t, h, d), jnp.float32) for h in (n, kv, kv)]
+    pos = jax.ShapeDtypeStruct((b, t), jnp.int32)
+    temps = {}
+    for label, block in (("whole", 10**9), ("blocked", 512)):
+        attend_mod.BLOCK = block
+        try:
+            f = jax.jit(lambda st, q, k, v, p: attend_mod.attend(pol, st, q, k, v, p, kvpolicies.Rope(d)))
+            temps[label] = f.lower(state, *args, pos).compile().memory_analysis().temp_size_in_bytes
+        finally:
+            attend_mod.BLOCK = 512
+    logits = b * n * t * s * 4  # one [B, K, G, T, S] float32 buffer
+    assert temps["whole"] >= 2 * logits and temps["blocked"] < logits / 3, (temps, logits)
