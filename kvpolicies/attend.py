@@ -146,16 +146,18 @@ def _attend(policy, state, q, k, v, pos, rope, scale, defer=False):
     lowest = jnp.finfo(jnp.float32).min
     x_t = q.shape[1]
 
-    def masked_logits(kp, kpos, vmask, bias, seg, sel):
+    def masked_logits(kp, kpos, vmask, bias, seg, sel, queries=None):
         """Masked, scaled logits [B, K, G, T, S_part] float32 and the mask, of the slots whose keys
         are kp [B, K, S_part, D], positions kpos [B, Kp, S_part] (and the view's mask, bias, RoPE
-        segments and the policy's selection, cut to these slots)."""
+        segments and the policy's selection, cut to these slots); `queries`: (rotated queries,
+        positions) of some of the step's queries instead of all."""
+        qs, q_pos = (qr, pos) if queries is None else queries
         if x_t == 1:  # decode: keys as the matmul's left operand, so that XLA:CPU reads them as
             # stored instead of first copying them transposed (a 4K SmolLM2 step: 94 -> 80 ms)
             lgs = [jnp.moveaxis(jnp.einsum("BKSD,BKGTD->BKSGT", kp, x, preferred_element_type=jnp.float32), 2, -1)
-                   for x in qr]
+                   for x in qs]
         else:  # a chunk: the other way round (the keys-first form made a 512-token chunk 2.7x slower)
-            lgs = [jnp.einsum("BKGTD,BKSD->BKGTS", x, kp, preferred_element_type=jnp.float32) for x in qr]
+            lgs = [jnp.einsum("BKGTD,BKSD->BKGTS", x, kp, preferred_element_type=jnp.float32) for x in qs]
         lg = lgs[0]
         if seg is not None:
             seg = seg[:, :, None, None, :]  # [B, Kp, 1, 1, S_part]
@@ -164,7 +166,7 @@ def _attend(policy, state, q, k, v, pos, rope, scale, defer=False):
         lg = lg * scale
         if bias is not None:
             lg = lg + bias[:, :, None, None, :].astype(jnp.float32)
-        mask = causal(pos, kpos)  # [B, Kp, T, S_part]
+        mask = causal(q_pos, kpos)  # [B, Kp, T, S_part]
         if vmask is not None:
             mask = mask & vmask
         mask = mask[:, :, None]  # [B, Kp, 1, T, S_part]
@@ -176,23 +178,37 @@ def _attend(policy, state, q, k, v, pos, rope, scale, defer=False):
         cut = lambda a: None if a is None else a[..., lo:hi]  # noqa: E731  (every per-slot field: last axis)
         return masked_logits(kp, view.pos[..., lo:hi], cut(view.mask), cut(view.bias), cut(rp.seg), cut(selected))
 
+    def softmax(lgs):  # one softmax over the parts' logits (a shared max and normaliser): P per part
+        top = functools.reduce(jnp.maximum, [lg.max(axis=-1, keepdims=True) for lg in lgs])  # [B, K, G, T, 1]
+        exps = [jnp.exp(lg - top) for lg in lgs]
+        total = sum(e.sum(axis=-1, keepdims=True) for e in exps)
+        return [e / total for e in exps]  # float32
+
+    cat = lambda xs: xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=-1)  # noqa: E731  (observers only)
     observed = {"scores", "logits"} & set(policy.observes)  # per-slot probabilities a policy reads
-    if x_t > 1 and s > BLOCK and selected is None and not observed:
+    rows = policy.score_rows  # compact reads only the scores of the last `rows` queries
+    if x_t > 1 and s > BLOCK and selected is None and not observed - ({"scores"} if rows else set()):
         out, visible = _blocked(masked_logits, cuts, keys, vals, view, lowest, qr[0].shape)
         out = rearrange(out, "B K G T D -> B T (K G) D")
-        seen = Seen(k_rot=k_all if "k_rot" in policy.observes else None, q=qh if "q" in policy.observes else None,
+        scores = None
+        if "scores" in observed:  # those queries' probabilities in one piece: [B, K, G, m, S'] logits
+            m = min(x_t, rows)
+            sub = ([x[:, :, :, -m:] for x in qr], pos[:, -m:])
+            lg_m = [masked_logits(kp, view.pos[..., lo:hi], None if view.mask is None else view.mask[..., -m:, lo:hi],
+                                  None if view.bias is None else view.bias[..., lo:hi],
+                                  None if rp.seg is None else rp.seg[..., lo:hi], None, sub)[0]
+                    for (lo, hi), kp in zip(cuts, keys)]
+            scores = _sum_groups(cat(softmax(lg_m)))  # [B, K, m, S']
+        seen = Seen(scores=scores, k_rot=k_all if "k_rot" in policy.observes else None,
+                    q=qh if "q" in policy.observes else None,
                     rope=(rope.rope if isinstance(rope, RopeTable) else rope) if "rope" in policy.observes else None)
         if defer and app is not None and app.start is not None:
             return out, Deferred(app.slots, app.start), visible
         return out, policy.compact(own, seen), visible
 
     lgs, masks = zip(*(part(lo, hi, kp) for (lo, hi), kp in zip(cuts, keys)))
-    top = functools.reduce(jnp.maximum, [lg.max(axis=-1, keepdims=True) for lg in lgs])  # [B, K, G, T, 1]
-    exps = [jnp.exp(lg - top) for lg in lgs]
-    total = sum(e.sum(axis=-1, keepdims=True) for e in exps)
-    probs = [e / total for e in exps]  # P(slot) per part, float32
+    probs = softmax(lgs)  # P(slot) per part, float32
     out = sum(jnp.einsum("BKGTS,BKSD->BKGTD", p.astype(vp.dtype), vp) for p, vp in zip(probs, vals))
-    cat = lambda xs: xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=-1)  # noqa: E731  (observers only)
     seen = Seen(
         scores=_sum_groups(cat(probs)) if "scores" in policy.observes else None,  # [B, K, T, S']
         k_rot=k_all if "k_rot" in policy.observes else None,

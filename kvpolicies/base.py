@@ -124,7 +124,8 @@ class View:
 class Seen:
     """What attention observed, for `compact` (a field is None unless the policy `observes` it).
 
-    scores: [B, K, T, S] attention probabilities summed over the G query heads of a kv head.
+    scores: [B, K, T, S] attention probabilities summed over the G query heads of a kv head (the
+            last min(T, n) rows only, for a policy whose `score_rows` is n).
     k_rot:  [B, K, S, D] the view's keys after RoPE.
     q:      [B, K, G, T, D] the step's queries before RoPE (expected attention's statistics).
     rope:   the `Rope` attention applied (static; to rotate to positions the step does not hold).
@@ -181,6 +182,13 @@ class Policy:
     # length, not max_len (full).
     prefix_slots: ClassVar[bool] = False
     codec: Codec = Identity()
+
+    @property
+    def score_rows(self) -> int | None:
+        """`compact` reads `Seen.scores` of only the step's last n queries (n = this, or T if fewer):
+        attention then hands it those rows ([B, K, n, S]) and may attend a chunk in blocks (a
+        prompt phase that keeps the rows of its newest W queries). None: every row."""
+        return None
 
     @property
     def rotated_keys(self) -> bool:

@@ -66,6 +66,10 @@ class PromptPhase(Policy):
         check_int("prompt phase", "query_sink", self.query_sink, -1)
 
     @property
+    def score_rows(self):  # the rows of the newest W queries, unless every query's column sums are kept
+        return None if self.columns or not self.obs_window else self.obs_window
+
+    @property
     def observes(self):
         scores = ("scores",) if self.obs_window or self.columns else ()
         return scores + (("q", "rope") if self.query_sink >= 0 else ())

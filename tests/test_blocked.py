@@ -90,3 +90,33 @@ def test_blocked_chunk_never_materialises_the_logits():
             attend_mod.BLOCK = 512
     logits = b * n * t * s * 4  # one [B, K, G, T, S] float32 buffer
     assert temps["whole"] >= 2 * logits and temps["blocked"] < logits / 3, (temps, logits)
+
+
+@pytest.mark.parametrize("name,kw", [("snapkv", dict(budget=8, obs_window=5, kernel=3, max_new=8)),
+                                     ("pyramidkv", dict(budget=8, obs_window=5, kernel=3, max_new=8)),
+                                     ("observed", dict(budget=8, max_new=8))])
+def test_prompt_phase_keeps_the_newest_rows_in_blocks(name, kw, monkeypatch):
+    """A prompt phase that keeps the attention rows of its newest W queries (`score_rows`) is handed
+    only those rows and attends its chunks in blocks: the prompt state (rows, their positions, the
+    slots) and the compressed state equal the one-piece run's; a phase that sums every query's
+    column (observed) keeps the one-piece path."""
+    from models.config import LlamaConfig
+    from models.engine import Engine
+    from models.llama import Llama
+
+    model = Llama(LlamaConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=32))
+    ids = np.random.default_rng(7).integers(0, 97, (2, 37)).astype(np.int32)
+    pol = kvpolicies.get(name, **kw)
+    assert pol.prompt_policy().score_rows == (None if name == "observed" else 5)
+    blocked = []
+    real = attend_mod._blocked
+    monkeypatch.setattr(attend_mod, "_blocked", lambda *a: (blocked.append(1), real(*a))[1])
+    runs = {}
+    for label, block in (("whole", 10**9), ("blocked", 4)):
+        monkeypatch.setattr(attend_mod, "BLOCK", block)
+        eng = Engine(model, pol, max_len=48)
+        state = eng.prompt(ids, chunk=9)  # chunks of 9: 4 full ones and a ragged last one
+        runs[label] = (state.cache, state.logits, eng.compress(state).cache)
+    assert bool(blocked) == (name != "observed")
+    for a, b in zip(jax.tree.leaves(runs["blocked"]), jax.tree.leaves(runs["whole"])):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=1e-6, rtol=0)
