@@ -7,7 +7,9 @@
   per decode step at position N - 40 (host loop of jitted steps);
 - a chunk attended block by block (`kvpolicies.attend.BLOCK` = 512 slots, online softmax) vs in
   one piece: seconds of one 512-token chunk step ending at N - 64, and XLA's temporaries of the
-  compiled step (`memory_analysis().temp_size_in_bytes`).
+  compiled step (`memory_analysis().temp_size_in_bytes`);
+- with `--prompt`, snapkv's prompt phase (blocks, its newest 32 rows in one piece) vs one piece:
+  seconds of `Engine.prompt` over N - 64 random ids in chunks of 512 (medians of 2 rounds).
 
 Each row: the measure, the slots, the medians of `--rounds` alternated rounds for the new and the
 old path, and their ratio. Wall-clock on a shared machine: read the ratio. `--dry-run`: a tiny
@@ -101,11 +103,34 @@ def chunk_blocks(model, slots: int, chunk: int, rounds: int) -> list[dict]:
              "old": temps["whole"] / 1e6, "old_over_new": temps["whole"] / temps["blocked"]}]
 
 
+def prompt_blocks(model, slots: int, chunk: int, rounds: int) -> dict:
+    """snapkv's prompt phase (blocks, plus its newest rows in one piece) vs one piece: seconds of
+    `Engine.prompt` over slots - 64 random ids in chunks of `chunk`."""
+    ids = np.random.default_rng(1).integers(0, model.cfg.vocab_size, (1, slots - 64)).astype(np.int32)
+    runs = {}
+    for label, block in (("blocked", attend_mod.BLOCK), ("whole", 1 << 40)):
+        old, attend_mod.BLOCK = attend_mod.BLOCK, block
+        try:
+            eng = Engine(model, kvpolicies.get("snapkv", budget=min(1024, slots // 4)), max_len=slots)
+
+            def run(eng=eng):
+                jax.block_until_ready(eng.prompt(ids, chunk=chunk).logits)
+
+            run()  # trace every bucket with this BLOCK
+        finally:
+            attend_mod.BLOCK = old
+        runs[label] = run
+    t = _alternate(runs, rounds)
+    return {"measure": "snapkv prompt s", "slots": slots, "new": t["blocked"], "old": t["whole"],
+            "old_over_new": t["whole"] / t["blocked"]}
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--slots", type=int, nargs="+", default=[4160, 16448])
     ap.add_argument("--steps", type=int, default=15, help="decode steps per round")
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--prompt", action="store_true", help="also snapkv's prompt phase, blocked vs one piece")
     ap.add_argument("--dry-run", action="store_true", help="a tiny random model at 96 slots")
     args = ap.parse_args(argv)
     if args.dry_run:
@@ -125,7 +150,10 @@ def main(argv=None) -> list[dict]:
     rows = []
     try:
         for n in slots:
-            for row in [decode_rotation(model, n, steps, rounds)] + chunk_blocks(model, n, chunk, rounds):
+            rows_n = [decode_rotation(model, n, steps, rounds)] + chunk_blocks(model, n, chunk, rounds)
+            if args.prompt:
+                rows_n.append(prompt_blocks(model, n, chunk, min(rounds, 2)))
+            for row in rows_n:
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     finally:
