@@ -1,13 +1,19 @@
-"""Two of attention's speed choices against the path they replaced, in one process, interleaved
-(SmolLM2-135M float32, `full`, an empty cache of N slots: the work does not depend on its content).
+"""Attention's speed choices against the path they replaced, in one process, interleaved
+(SmolLM2-135M float32, `full`, a cache of N slots).
 
     python -m benchmarks.attention_ab --slots 4160 16448
 
 - keys stored rotated (`Policy.rotated_keys`) vs stored un-rotated and rotated at every read: ms
-  per decode step at position N - 40 (host loop of jitted steps);
+  per decode step at position N - 40 (host loop of jitted steps; an empty cache: a decode step
+  reads every slot of its length bucket whatever it holds);
 - a chunk attended block by block (`kvpolicies.attend.BLOCK` = 512 slots, online softmax) vs in
-  one piece: seconds of one 512-token chunk step ending at N - 64, and XLA's temporaries of the
-  compiled step (`memory_analysis().temp_size_in_bytes`);
+  one piece: seconds of one 512-token chunk step ending at N - 64 over a cache filled with random
+  keys and values at every earlier position, and XLA's temporaries of the compiled step
+  (`memory_analysis().temp_size_in_bytes`);
+- the same chunk with its blocks checked against what the queries see (`attend.SKIP_BLOCKS`:
+  unseen blocks skipped, wholly seen ones unmasked) vs every block masked;
+- with `--prefill`, the same two ways for `Engine.prefill` of N - 64 random ids in chunks of 512
+  (tokens/s, medians of 2 rounds): there the stored part past the filled length is skipped;
 - with `--prompt`, snapkv's prompt phase (blocks, its newest 32 rows in one piece) vs one piece:
   seconds of `Engine.prompt` over N - 64 random ids in chunks of 512 (medians of 2 rounds).
 
@@ -74,16 +80,34 @@ def decode_rotation(model, slots: int, steps: int, rounds: int) -> dict:
             "old": t["unrotated"] / steps * 1e3, "old_over_new": t["unrotated"] / t["rotated"]}
 
 
+def filled(cache, upto: int, seed: int = 0):
+    """`full`'s cache with every slot below `upto` holding its position and random keys/values."""
+    rng = np.random.default_rng(seed)
+
+    def fill(st):
+        k = np.asarray(st.k).copy()
+        k[..., :upto, :] = rng.standard_normal(k[..., :upto, :].shape)
+        v = np.asarray(st.v).copy()
+        v[..., :upto, :] = rng.standard_normal(v[..., :upto, :].shape)
+        pos = np.asarray(st.pos).copy()
+        pos[..., :upto] = np.arange(upto)
+        return dataclasses.replace(st, k=jnp.asarray(k, st.k.dtype), v=jnp.asarray(v, st.v.dtype), pos=jnp.asarray(pos))
+
+    return tuple(fill(st) for st in cache)
+
+
 def chunk_blocks(model, slots: int, chunk: int, rounds: int) -> list[dict]:
     start = slots - 64 - chunk
     ids = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (1, chunk)).astype(np.int32)
     pos = jnp.broadcast_to(jnp.arange(start, start + chunk, dtype=jnp.int32), (1, chunk))
     runs, temps = {}, {}
-    for label, block in (("blocked", attend_mod.BLOCK), ("whole", 1 << 40)):
-        old, attend_mod.BLOCK = attend_mod.BLOCK, block  # read when a step is traced (first call below)
+    for label, block, skip in (("blocked", attend_mod.BLOCK, True), ("whole", 1 << 40, True),
+                               ("every block masked", attend_mod.BLOCK, False)):
+        old = attend_mod.BLOCK, attend_mod.SKIP_BLOCKS  # read when a step is traced (first call below)
+        attend_mod.BLOCK, attend_mod.SKIP_BLOCKS = block, skip
         try:
             eng, box = Engine(model, kvpolicies.get("full"), max_len=slots), {}
-            box["cache"] = eng.init_cache(1)
+            box["cache"] = filled(eng.init_cache(1), start)
             reach = eng._reach(start + chunk, chunk)
             temps[label] = eng._logits_step.lower(eng.params, box["cache"], jnp.asarray(ids), pos, reach=reach) \
                 .compile().memory_analysis().temp_size_in_bytes
@@ -94,13 +118,39 @@ def chunk_blocks(model, slots: int, chunk: int, rounds: int) -> list[dict]:
 
             run()  # trace with this BLOCK
         finally:
-            attend_mod.BLOCK = old
+            attend_mod.BLOCK, attend_mod.SKIP_BLOCKS = old
         runs[label] = run
     t = _alternate(runs, rounds)
+    m = "every block masked"
     return [{"measure": f"{chunk}-token chunk s", "slots": slots, "new": t["blocked"], "old": t["whole"],
              "old_over_new": t["whole"] / t["blocked"]},
             {"measure": "chunk step XLA temporaries MB", "slots": slots, "new": temps["blocked"] / 1e6,
-             "old": temps["whole"] / 1e6, "old_over_new": temps["whole"] / temps["blocked"]}]
+             "old": temps["whole"] / 1e6, "old_over_new": temps["whole"] / temps["blocked"]},
+            {"measure": f"{chunk}-token chunk s, blocks by visibility", "slots": slots, "new": t["blocked"],
+             "old": t[m], "old_over_new": t[m] / t["blocked"]}]
+
+
+def prefill_skip(model, slots: int, chunk: int, rounds: int) -> dict:
+    """`Engine.prefill` of slots - 64 random ids in chunks of `chunk`, blocks checked against what
+    the queries see (unseen ones skipped) vs every block masked: tokens/s."""
+    ids = np.random.default_rng(2).integers(0, model.cfg.vocab_size, (1, slots - 64)).astype(np.int32)
+    runs = {}
+    for label, skip in (("new", True), ("old", False)):
+        old, attend_mod.SKIP_BLOCKS = attend_mod.SKIP_BLOCKS, skip
+        try:
+            eng = Engine(model, kvpolicies.get("full"), max_len=slots)
+
+            def run(eng=eng):
+                jax.block_until_ready(eng.prefill(ids, chunk=chunk)[0])
+
+            run()  # trace every bucket with this setting
+        finally:
+            attend_mod.SKIP_BLOCKS = old
+        runs[label] = run
+    t = _alternate(runs, rounds)
+    n = ids.shape[1]
+    return {"measure": "prefill tok/s, blocks by visibility", "slots": slots, "new": n / t["new"],
+            "old": n / t["old"], "old_over_new": t["old"] / t["new"]}
 
 
 def prompt_blocks(model, slots: int, chunk: int, rounds: int) -> dict:
@@ -131,6 +181,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--steps", type=int, default=15, help="decode steps per round")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--prompt", action="store_true", help="also snapkv's prompt phase, blocked vs one piece")
+    ap.add_argument("--prefill", action="store_true", help="also a prefill, blocks by visibility vs all masked")
     ap.add_argument("--dry-run", action="store_true", help="a tiny random model at 96 slots")
     args = ap.parse_args(argv)
     if args.dry_run:
@@ -153,6 +204,8 @@ def main(argv=None) -> list[dict]:
             rows_n = [decode_rotation(model, n, steps, rounds)] + chunk_blocks(model, n, chunk, rounds)
             if args.prompt:
                 rows_n.append(prompt_blocks(model, n, chunk, min(rounds, 2)))
+            if args.prefill:
+                rows_n.append(prefill_skip(model, n, chunk, min(rounds, 2)))
             for row in rows_n:
                 print(json.dumps(row), flush=True)
                 rows.append(row)

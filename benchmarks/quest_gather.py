@@ -4,8 +4,9 @@ its token budget (top_k x page tokens) and `full` at the long context, timed in 
     python -m benchmarks.quest_gather [--context 16384] [--top-k 64] [--page 16] [--out results/quest_gather.json]
 
 Two levels, each interleaved (every variant once per round, `--rounds` rounds, the median kept):
-  * attention: `kvpolicies.attend` for one layer of SmolLM2's shape (9 query heads, 3 kv heads,
-    head dim 64, float32), its state donated and updated in place; variants `quest` (the gathered
+  * attention: `kvpolicies.attend` in layers of SmolLM2's shape (9 query heads, 3 kv heads,
+    head dim 64, float32), run as a model's layer loop (2 layers in a `lax.scan`, the writes
+    deferred past it, the states donated and updated in place), ms per layer; variants `quest` (the gathered
     decode read), `quest_masked` (the same policy through the masked path every slot: what a
     decode step cost before the gather), `quest_host` (its keys/values in host memory: each step
     moves the selected pages, bytes counted; on the CPU a simulation, see kvpolicies/offload.py),
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvpolicies import Rope, attend, offload
+from kvpolicies.attend import Deferred, write_deferred
 from kvpolicies.base import SlotState
 from kvpolicies.full import Full
 from kvpolicies.memory import bytes_read_per_step
@@ -76,8 +78,15 @@ def _median_ms(times: list[float]) -> float:
     return statistics.median(times) * 1e3
 
 
+# The attention level runs LAYERS identical layers as a model's layer loop does (a lax.scan over the
+# stacked states, `attend(..., defer=True)`, the writes applied after the loop) and reports ms per
+# layer: a single jitted step that reads its state and writes into it makes XLA:CPU copy the whole
+# state first (every appending policy, `full` included), which a model's step does not pay.
+LAYERS = 2
+
+
 def attention_level(context: int, page: int, top_k: int, rounds: int, steps: int, heads=(9, 3), head_dim=64):
-    """ms per attention step of each variant (median over rounds), and the bytes each reads."""
+    """ms per attention layer of each variant (median over rounds), and the bytes each reads."""
     n, kh = heads
     rope = Rope(head_dim).table(context)  # cos/sin tabulated, as an Engine passes them
     budget = top_k * page
@@ -92,19 +101,24 @@ def attention_level(context: int, page: int, top_k: int, rounds: int, steps: int
     rng = np.random.default_rng(1)
     q = jnp.asarray(rng.standard_normal((1, 1, n, head_dim)), jnp.float32)
     kv = jnp.asarray(rng.standard_normal((1, 1, kh, head_dim)), jnp.float32)
-    def one(pol, st, p, rope):
-        return attend(pol, st, q, kv, kv, p, rope)
+    def one(pol, st, p, rope):  # LAYERS layers as a model runs them: a layer scan, the writes deferred past it
+        def layer(acc, st_l):
+            out, writes = attend(pol, st_l, q, kv, kv, p, rope, defer=True)
+            return acc + out, writes
+
+        out, writes = jax.lax.scan(layer, jnp.zeros(q.shape, jnp.float32), st)
+        return out, write_deferred(st, writes, lead=1) if isinstance(writes, Deferred) else writes
 
     step = jax.jit(one, static_argnums=0, donate_argnums=1)
     counted = jax.jit(one, static_argnums=0)  # its own trace, with the host callback of record_moves
     states, moved = {}, {}
     for name, (pol, slots, p, host) in variants.items():
-        st = filled_state(pol, rope.rope, kh, head_dim, slots, p)
+        st = jax.tree.map(lambda x: jnp.stack([x] * LAYERS), filled_state(pol, rope.rope, kh, head_dim, slots, p))
         states[name] = offload.to_host(st) if host else st
         pp = jnp.full((1, 1), p, jnp.int32)
         with offload.record_moves() as rec:  # what one step moves from the host (a step timed below reports nothing)
             jax.block_until_ready(counted(pol, states[name], pp, rope))
-        moved[name] = rec["bytes"]
+        moved[name] = rec["bytes"] // LAYERS
         out, states[name] = step(pol, states[name], pp, rope)  # compile
         jax.block_until_ready(out)
     times = {name: [] for name in variants}
@@ -115,7 +129,7 @@ def attention_level(context: int, page: int, top_k: int, rounds: int, steps: int
             for _ in range(steps):
                 out, states[name] = step(pol, states[name], pp, rope)
             jax.block_until_ready(out)
-            times[name].append((time.perf_counter() - t0) / steps)
+            times[name].append((time.perf_counter() - t0) / steps / LAYERS)
     rows = []
     for name, (pol, slots, p, host) in variants.items():
         rb = bytes_read_per_step(pol, kv_heads=kh, head_dim=head_dim, max_len=slots, context=p, dtype=jnp.float32)

@@ -81,10 +81,11 @@ class Appended(NamedTuple):
 
     k, v:  [B, K, T, D] the new tokens as attention reads them (encoded, then decoded).
     slots: the T new slots, encoded (a state of T slots).
-    start: [B] the slot from which `compact` writes `slots`, contiguously, *and does nothing
-           else*: the new state is `write_at(old state, slots, start)`, so a model may defer
-           that write past its layer loop (`attend(..., defer=True)`); None when `compact`
-           does more than that (a ring chunk folded by `ring_compact`, an eviction).
+    start: [B] the slot from which `compact` writes `slots`, contiguously, and all it does
+           besides is what `Policy.defer` returns (e.g. Quest's page bounds): the new state is
+           `write_deferred(old state, policy.defer(view, seen))`, so a model may defer those
+           writes past its layer loop (`attend(..., defer=True)`); None when `compact` does
+           more than that (a ring chunk folded by `ring_compact`, an eviction).
     """
 
     k: Float[Array, "B K T D"]
@@ -236,6 +237,14 @@ class Policy:
         """The state after the step, back at the fixed capacity."""
         raise NotImplementedError
 
+    def defer(self, view: View, seen: Seen) -> "Deferred | None":
+        """The step's writes, not yet applied, when they are all `compact` would do (the new state
+        is then `write_deferred(state, writes)`), else None. By default the appended new slots at
+        `View.append.start`; a policy that also folds the step into per-index fields of its own
+        (Quest's page bounds) adds those writes (`Deferred.fields`)."""
+        app = view.append
+        return None if app is None or app.start is None else Deferred(app.slots, app.start)
+
     # -- length buckets (`prefix_slots` policies only) -------------------------------------
     def head(self, state: SlotState, n: int, lead: int = 0) -> SlotState:
         """`state` cut to its first n slots (`lead` leading axes, e.g. a model's layers); every
@@ -332,22 +341,52 @@ def concat(a: SlotState, b: SlotState) -> SlotState:
     return _map_fields(cat, a, b)
 
 
+def write_rows(buf: Array, x: Array, start: Int[Array, "B"], lead: int = 0) -> Array:
+    """buf [*lead, B, H, S, ...] with x [*lead, B, H', T, ...] written at index start[b] of axis
+    lead + 2 of row b (in place under donation: one dynamic_update_slice per row, B static)."""
+    x = jnp.broadcast_to(x, x.shape[:lead + 1] + buf.shape[lead + 1:lead + 2] + x.shape[lead + 2:])
+    x = x.astype(buf.dtype)
+    zero = jnp.zeros((), jnp.int32)
+    for b in range(buf.shape[lead]):
+        row = x[(slice(None),) * lead + (slice(b, b + 1),)]
+        idx = (zero,) * lead + (jnp.int32(b), zero, start[b].astype(jnp.int32)) + (zero,) * (buf.ndim - lead - 3)
+        buf = jax.lax.dynamic_update_slice(buf, row, idx)
+    return buf
+
+
 def write_at(state: SlotState, new: SlotState, start: Int[Array, "B"], lead: int = 0) -> SlotState:
     """Write `new`'s slots contiguously at slot `start[b]` (in place under donation). `lead`:
     leading axes both states have before B (a model's stacked layers), written alike."""
+    return _map_fields(lambda name, buf, x: write_rows(buf, x, start, lead), state, new)
 
-    def upd(name, buf, x):  # buf [*lead, B, H, S, ...], x [*lead, B, H', T, ...]
-        x = jnp.broadcast_to(x, x.shape[:lead + 1] + buf.shape[lead + 1:lead + 2] + x.shape[lead + 2:])
-        x = x.astype(buf.dtype)
-        zero = jnp.zeros((), jnp.int32)
-        # one dynamic_update_slice per row (B is static): XLA updates the buffer in place
-        for b in range(buf.shape[lead]):
-            row = x[(slice(None),) * lead + (slice(b, b + 1),)]
-            idx = (zero,) * lead + (jnp.int32(b), zero, start[b].astype(jnp.int32)) + (zero,) * (buf.ndim - lead - 3)
-            buf = jax.lax.dynamic_update_slice(buf, row, idx)
-        return buf
 
-    return _map_fields(upd, state, new)
+class Deferred(NamedTuple):
+    """The writes of an appending step, not yet applied (`Policy.defer`): the new state is
+    `write_deferred(state, writes)`. Leaves may carry leading axes (a model's stacked layers).
+
+    slots:  the T new slots, encoded, written at slot `start` (a state of T slots: `SlotState`'s
+            fields of the state).
+    start:  [*L, B].
+    fields: other fields of the state, each {name: (block [*L, B, H, n, ...], first [*L, B])}:
+            the block is written at index first[b] of the field's axis 2 (Quest: the page bounds
+            of the pages the step's tokens fall in); None: no other field changes.
+    """
+
+    slots: SlotState
+    start: Int[Array, "*L B"]
+    fields: dict | None = None
+
+
+def write_deferred(state: SlotState, writes: Deferred, lead: int = 0) -> SlotState:
+    """Apply `Deferred` writes; `lead` leading axes (e.g. stacked layers) share one `start`
+    (the layers of a run hold one policy and see the same positions)."""
+    row = (0,) * lead
+    names = [f.name for f in dataclasses.fields(writes.slots)]
+    part = write_at(type(writes.slots)(**{n: getattr(state, n) for n in names}), writes.slots, writes.start[row], lead)
+    out = {n: getattr(part, n) for n in names}
+    for name, (block, first) in (writes.fields or {}).items():
+        out[name] = write_rows(getattr(state, name), block, first[row], lead)
+    return dataclasses.replace(state, **out)
 
 
 def append_view(codec: Codec, state: SlotState, new: SlotState, pos: Int[Array, "B T"], dtype: Any, carry: Any,

@@ -10,7 +10,10 @@ Slot j holds token j (as in `full`); page c holds slots [c page, (c+1) page). Pe
 head, the state's `kmin`, `kmax` [B, K, C, D] are the elementwise min/max of its keys *rotated
 at their own positions* (Quest bounds rotated keys; with keys stored before RoPE these are still
 fixed once written), folded in as tokens arrive: `select` folds the step's rotated keys into a
-copy to rank pages, `compact` stores the same fold (from `Seen.k_rot`). For a query q (rotated
+copy to rank pages, `compact` stores the same fold (from `Seen.k_rot`). As in `full`, the view
+reads the stored slots in place and the step's new tokens after them (`View.append`), and
+`defer` returns the step's writes (the new slots, and the bounds of the pages they touch) for a
+model to apply after its layer loop, so a decode step never copies the cache. For a query q (rotated
 at its position) the bound on q . k over page c is
     U_c = sum_d max(q_d min_d, q_d max_d) = relu(q) . max + min(q, 0) . min.
 
@@ -70,7 +73,8 @@ from jaxtyping import Array, Bool, Float
 
 from kvpolicies import offload
 from kvpolicies.attend import Gather
-from kvpolicies.base import Policy, SlotState, check_int, encode_new, tree_nbytes, view_of, write_at
+from kvpolicies.base import (Deferred, Policy, SlotState, append_view, check_int, encode_new, tree_nbytes,
+                             write_deferred)
 from kvpolicies.codecs import Codec, Identity
 from kvpolicies.full import Full
 
@@ -117,35 +121,38 @@ class Quest(Policy):
         return QuestState(st.k, st.v, st.pos, kmin=jnp.full(shape, jnp.inf, dtype), kmax=jnp.full(shape, -jnp.inf, dtype))
 
     def extend(self, state, k, v, pos):
-        slots = SlotState(state.k, state.v, state.pos)
+        # Chunks are contiguous, so the chunk starts at slot pos[:, 0]; as in `full`, attention
+        # reads the stored slots in place and the new tokens after them, and the step's writes
+        # (the new slots, the bounds of their pages) can be deferred (`defer`).
         new = encode_new(self.codec, k, v, pos)
-        like = jax.tree.leaves(state.k)[0]  # a host tier (offload.to_host): the new tokens go there too
-        new = SlotState(offload.to_space(new.k, like), offload.to_space(new.v, like), new.pos)
-        written = write_at(slots, new, pos[:, 0])  # contiguous chunk at slot pos[:, 0]
-        return view_of(self.codec, written, pos, k.dtype, carry=(state, written, pos))
+        view = append_view(self.codec, SlotState(state.k, state.v, state.pos), new, pos, k.dtype, carry=(state, pos),
+                           start=pos[:, 0])
+        like = jax.tree.leaves(state.k)[0]  # a host tier (offload.to_host): the new slots are written there
+        slots = SlotState(offload.to_space(new.k, like), offload.to_space(new.v, like), new.pos)
+        return dataclasses.replace(view, append=view.append._replace(slots=slots))
 
-    def _bounds(self, carry, k_rot: Float[Array, "B K S D"], at: Array) -> tuple[Array, Array]:
-        """The pages' bounds with the step's new rotated keys folded in: they are k_rot's slots
-        at[b], at[b] + 1, ... (view slots pos[:, 0] ..., or their place in a gathered read)."""
-        state, _, q_pos = carry
-        t = q_pos.shape[1]
-        new = jax.vmap(lambda x, i: jax.lax.dynamic_slice_in_dim(x, i, t, axis=1))(k_rot, at)  # [B, K, T, D]
+    def _bounds(self, state: QuestState, new: Float[Array, "B K T D"], q_pos) -> tuple[Array, Array]:
+        """The pages' bounds [B, K, C, D] with the step's new rotated keys folded in."""
         pg = q_pos // self.page  # [B, T]
         kmin = jax.vmap(lambda m, c, x: m.at[:, c].min(x.astype(m.dtype)))(state.kmin, pg, new)  # [B, K, C, D]
         kmax = jax.vmap(lambda m, c, x: m.at[:, c].max(x.astype(m.dtype)))(state.kmax, pg, new)
         return kmin, kmax
 
+    def defer(self, view, seen) -> Deferred:
+        """The new slots, and the bounds of the n pages from `first` that hold the step's tokens
+        (n = the most pages T contiguous tokens can touch; `first` clamped so that they fit)."""
+        state, q_pos = view.carry
+        t, n_pages = q_pos.shape[1], state.kmin.shape[2]
+        n = min(n_pages, (t + self.page - 2) // self.page + 1)
+        first = jnp.minimum(q_pos[:, 0] // self.page, n_pages - n)  # [B]
+        cut = lambda m: jax.vmap(lambda x, f: jax.lax.dynamic_slice_in_dim(x, f, n, axis=1))(m, first)  # noqa: E731
+        pages = QuestState(None, None, None, kmin=cut(state.kmin), kmax=cut(state.kmax))  # [B, K, n, D]
+        kmin, kmax = self._bounds(pages, seen.k_rot[:, :, -t:], q_pos - first[:, None] * self.page)  # the view's last T: new
+        app = view.append
+        return Deferred(app.slots, app.start, fields={"kmin": (kmin, first), "kmax": (kmax, first)})
+
     def compact(self, view, seen):
-        _, written, q_pos = view.carry
-        at = q_pos[:, 0]  # [B] the new tokens' slots
-        if self.gathers and q_pos.shape[1] == 1:  # a gathered decode step: Seen.k_rot holds the M gathered slots
-            n_pages, s = view.carry[0].kmin.shape[2], view.pos.shape[-1]
-            page = at // self.page  # the new token's page: local page j, after the kk chosen pages
-            j = page - self.local_start(at) // self.page
-            first = page * self.page if self.page > s else jnp.minimum(page * self.page, s - self.page)  # attend clamps
-            at = (self.gather_chosen(n_pages) + j) * self.page + at - first
-        kmin, kmax = self._bounds(view.carry, seen.k_rot, at)
-        return QuestState(written.k, written.v, written.pos, kmin=kmin, kmax=kmax)
+        return write_deferred(view.carry[0], self.defer(view, seen))
 
     def local_pages(self) -> int:
         """Pages an always-read region can span (1 for window <= 1)."""
@@ -194,29 +201,30 @@ class Quest(Policy):
     def select(self, view, q_rot, k_rot) -> Bool[Array, "B K|1 1 T S"] | Gather:
         """The slots each query reads: a mask [B, K|1, 1, T, S]; or, asked with k_rot=None (the
         decode step of `attend`, T == 1), the same slots as a `Gather` of `gather_slots` slots."""
-        q_pos = view.carry[2]  # [B, T]
+        state, q_pos = view.carry  # q_pos [B, T]
         if k_rot is None:
             return self._gather(view, q_rot, q_pos)
-        t, s = q_pos.shape[1], view.pos.shape[-1]
+        t = q_pos.shape[1]
         start = self.local_start(q_pos)  # [B, T]
-        slot = jnp.arange(s)  # [S]
-        mask = slot >= start[:, None, :, None]  # [B, 1, T, S] the always-read region
-        if min(self.top_k - 1, view.carry[0].kmin.shape[2]) == 0:
+        token = view.pos[:, :1]  # [B, 1, S'] each view slot's token: stored slot j holds token j, the new ones follow
+        mask = token[:, :, None, :] >= start[:, None, :, None]  # [B, 1, T, S'] the always-read region
+        if min(self.top_k - 1, state.kmin.shape[2]) == 0:
             return mask[:, :, None]
-        kmin, kmax = self._bounds(view.carry, k_rot, q_pos[:, 0])  # the new tokens folded in
+        kmin, kmax = self._bounds(state, k_rot[:, :, -t:], q_pos)  # the new tokens (the view's last T) folded in
         top, ok = self._rank(q_rot, kmin, kmax, start, min(self.top_k - 1, kmin.shape[2]))  # [B, K, T, kk]
         b, k, _, kk = top.shape
         ix = jnp.ix_(jnp.arange(b), jnp.arange(k), jnp.arange(t), jnp.arange(kk))[:3]  # index grids
         sel = jnp.zeros((b, k, t, kmin.shape[2]), bool).at[ix + (top,)].set(ok)  # [B, K, T, C] chosen pages
-        mask = mask | jnp.take(sel, slot // self.page, axis=-1)  # [B, K, T, S]
-        return mask[:, :, None]  # [B, K, 1, T, S]
+        page = jnp.maximum(token, 0) // self.page  # [B, 1, S'] (an empty slot: any page, causality masks it)
+        mask = mask | jnp.take_along_axis(sel, jnp.broadcast_to(page[:, :, None], (b, k, t, page.shape[-1])), axis=-1)
+        return mask[:, :, None]  # [B, K, 1, T, S']
 
     def _gather(self, view, q_rot, q_pos) -> Gather:
         """A decode query's slots as a Gather [B, K, M]: its chosen pages (ranked on the stored
         bounds: the new key's page is never a candidate), then the always-read region's pages."""
         if q_pos.shape[1] != 1:
             raise ValueError(f"quest: a Gather answers one decode query (T == 1), got T={q_pos.shape[1]}")
-        state = view.carry[0]
+        state = view.carry[0]  # ranked on the stored bounds
         n_pages = state.kmin.shape[2]
         start = self.local_start(q_pos)  # [B, 1]
         b, k = q_rot.shape[:2]

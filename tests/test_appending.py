@@ -110,16 +110,43 @@ def test_write_deferred_over_stacked_layers():
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("phase", ["decode", "prompt"])
+def test_quest_defers_its_slots_and_page_bounds(phase):
+    """Quest's step writes its new slots and folds their rotated keys into their pages' bounds:
+    deferred (`Quest.defer`: the slots, plus the bounds of the n pages the step's tokens touch),
+    those writes equal its own `compact`, with the same outputs. Steps of 1 token (a gathered
+    decode read), of 3 inside one page and across two, and at the cache's end (the last pages:
+    `first` clamped so that its n pages fit)."""
+    pol = kvpolicies.get("quest", page=4, top_k=2)
+    pol = pol.prompt_policy() if phase == "prompt" else pol
+    q, k, v = _qkv(32, seed=9)
+    st = pol.init(2, 2, 8, jnp.float32, 32)  # 8 pages
+    for a, b in ((0, 3), (3, 6), (6, 7), (7, 13), (13, 14), (14, 29), (29, 32)):
+        pos = jnp.broadcast_to(jnp.arange(a, b, dtype=jnp.int32), (2, b - a))
+        args = (q[:, a:b], k[:, a:b], v[:, a:b], pos, ROPE)
+        out, new = attend(pol, st, *args)
+        out_d, writes = attend(pol, st, *args, defer=True)
+        assert isinstance(writes, Deferred) and writes.slots.slots == b - a
+        n = (b - a + 2) // 4 + 1  # pages b - a contiguous tokens can touch
+        assert writes.fields["kmin"][0].shape[2] == n and int(writes.fields["kmin"][1][0]) == min(a // 4, 8 - n)
+        np.testing.assert_array_equal(np.asarray(out_d), np.asarray(out))
+        for x, y in zip(jax.tree.leaves(write_deferred(st, writes)), jax.tree.leaves(new)):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        st = new
+    assert int(st.pos.min()) == 0 and np.isfinite(np.asarray(st.kmin)).all()  # every slot and page written
+
+
 def test_model_decode_step_does_not_copy_the_cache():
-    """The decode step of `full` reads its stacked cache in place: XLA's temporary buffers hold
-    less than a third of the cache (the layer scan copied the whole cache through its outputs
-    before appending views: temporaries of at least the cache's size)."""
+    """The decode step of `full`, `sink` and `quest` reads its stacked cache in place: XLA's
+    temporary buffers hold less than a third of the cache (the layer scan copied the whole cache
+    through its outputs before appending views, and quest's before it deferred its page bounds:
+    temporaries of at least the cache's size)."""
     from models.config import LlamaConfig
     from models.engine import Engine
     from models.llama import Llama
 
     model = Llama(LlamaConfig(vocab_size=97, d_model=32, n_layers=8, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=32))
-    for pol in (kvpolicies.get("full"), kvpolicies.get("sink", n_sink=4, window=2044)):
+    for pol in (kvpolicies.get("full"), kvpolicies.get("sink", n_sink=4, window=2044), kvpolicies.get("quest")):
         eng = Engine(model, pol, max_len=2048)
         cache = eng.init_cache(1)
         tok, pos = np.zeros((1, 1), np.int32), np.full((1, 1), 100, np.int32)

@@ -89,9 +89,10 @@ def test_prompt_speed_dry_run_times_every_prompt_phase():
 def test_attention_ab_dry_run_compares_each_choice_with_the_path_it_replaced():
     from benchmarks import attention_ab
 
-    rows = attention_ab.main(["--dry-run", "--prompt"])
+    rows = attention_ab.main(["--dry-run", "--prompt", "--prefill"])
     assert [r["measure"] for r in rows] == ["decode step ms", "16-token chunk s", "chunk step XLA temporaries MB",
-                                            "snapkv prompt s"]
+                                            "16-token chunk s, blocks by visibility", "snapkv prompt s",
+                                            "prefill tok/s, blocks by visibility"]
     assert all(r["new"] > 0 and r["old"] > 0 for r in rows[:2] + rows[3:])
     assert rows[2]["old"] > rows[2]["new"]  # 96 slots in blocks of 8: the blocked step holds less
-    assert attention_ab.attend_mod.BLOCK == 512  # restored after the run
+    assert attention_ab.attend_mod.BLOCK == 512 and attention_ab.attend_mod.SKIP_BLOCKS  # restored after the run

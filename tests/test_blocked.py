@@ -120,3 +120,40 @@ def test_prompt_phase_keeps_the_newest_rows_in_blocks(name, kw, monkeypatch):
     assert bool(blocked) == (name != "observed")
     for a, b in zip(jax.tree.leaves(runs["blocked"]), jax.tree.leaves(runs["whole"])):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=1e-6, rtol=0)
+
+
+def test_blocks_are_skipped_unmasked_or_masked_by_what_the_queries_see(monkeypatch):
+    """A stored block that no query of the chunk sees is not read; one that every query sees whole
+    is attended without a mask; the rest are masked. `full`, 30 tokens in chunks of 10 over 64
+    slots in blocks of 4: the chunk at 10 sees blocks 0-1 whole and block 2 in part (slots 8, 9),
+    the chunk at 20 blocks 0-4 whole; every other stored block is empty and skipped (16 + 13 + 11).
+    The empty slots of those blocks hold NaN keys and values: a block that were read would turn the
+    outputs into NaN (it does with SKIP_BLOCKS off: 0 x NaN), so the outputs matching the
+    reference show they were not read."""
+    monkeypatch.setattr(attend_mod, "BLOCK", 4)
+    pol = kvpolicies.get("full")
+    q, k, v = qkv(30, seed=11)
+    empty = pol.init(q.shape[0], k.shape[2], q.shape[-1], jnp.float32, 64)
+    nan = lambda x: x.at[:, :, 12:].set(jnp.nan)  # noqa: E731  (slots 12+: only in blocks no query sees)
+    poisoned = empty.__class__(k=nan(empty.k), v=nan(empty.v), pos=empty.pos)
+    hits = []
+    real = attend_mod._blocked
+
+    def spy(masked_logits):  # records, when a block's branch runs, how it was attended
+        def logits(*a, mask=None, **kw):
+            kind = "piece" if mask is None else "whole" if mask is True else "masked"
+            jax.debug.callback(lambda: hits.append(kind))
+            return masked_logits(*a, mask=mask, **kw)
+        return logits
+
+    monkeypatch.setattr(attend_mod, "_blocked", lambda ml, *a: real(spy(ml), *a))
+    out, _ = run_policy(pol, q, k, v, [10], ROPE, state=poisoned, step=fresh_step())
+    jax.effects_barrier()
+    assert {h: hits.count(h) for h in set(hits)} == {"whole": 2 + 5, "masked": 1, "piece": 3}, hits
+    ref = REFERENCES["full"][1](pol, q, k, v, [10])
+    np.testing.assert_allclose(out, ref, atol=3e-5, rtol=0)
+    monkeypatch.setattr(attend_mod, "SKIP_BLOCKS", False)  # every block read and masked: 0 x NaN
+    out_all, _ = run_policy(pol, q, k, v, [10], ROPE, state=poisoned, step=fresh_step())
+    assert np.isnan(out_all).all(), "a read empty block should poison the outputs"
+    clean, _ = run_policy(pol, q, k, v, [10], ROPE, max_len=64, step=fresh_step())
+    np.testing.assert_allclose(out, clean, atol=1e-6, rtol=0)

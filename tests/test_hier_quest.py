@@ -260,12 +260,18 @@ def test_quest_reads_fewer_tokens_and_the_count_has_a_closed_form():
 
 @functools.partial(jax.jit, static_argnums=0)
 def _decode_mask(pol, state, q, k, v, p):
-    """The selection mask attention applies for one decode query at position p: [B, K, S]."""
+    """The selection mask attention applies for one decode query at position p, over the view's
+    filled slots up to p: [B, K, S'] (the stored slots, then the appended new token)."""
     pos = jnp.full((B, 1), p, jnp.int32)
     view = pol.extend(state, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), pos)
     qr = ROPE.apply(q.reshape(B, 1, K, N // K, D).transpose(0, 2, 3, 1, 4), pos[:, None, None])  # [B, K, G, 1, D]
-    mask = pol.select(view, qr, ROPE.apply(view.k, view.pos))
-    return jnp.broadcast_to(mask[:, :, 0, 0], (B, K, view.pos.shape[-1])) & (jnp.arange(view.pos.shape[-1]) <= p)
+    s = view.k.shape[2]
+    k_rot = ROPE.apply(view.k, view.pos[..., :s])
+    if view.append is not None:  # the keys attention rotates: stored, then appended
+        k_rot = jnp.concatenate([k_rot, ROPE.apply(view.append.k, view.pos[..., s:])], axis=2)
+    mask = pol.select(view, qr, k_rot)
+    filled = (view.pos >= 0) & (view.pos <= p)  # [B, 1, S']
+    return jnp.broadcast_to(mask[:, :, 0, 0], (B, K, view.pos.shape[-1])) & filled
 
 
 @pytest.mark.parametrize("name", ["q1", "q2", "q3"])
