@@ -187,9 +187,12 @@ class Quest(Policy):
         # first: that pass over all C x D bounds cost as much as the bound itself.
         lo, hi = kmin.astype(jnp.float32), kmax.astype(jnp.float32)
         q = q_rot.astype(jnp.float32)  # [B, K, G, T, D]
-        bound = (jnp.einsum("BKCD,BKGTD->BKTCG", hi, jnp.maximum(q, 0), preferred_element_type=jnp.float32)
-                 + jnp.einsum("BKCD,BKGTD->BKTCG", lo, jnp.minimum(q, 0), preferred_element_type=jnp.float32))
-        score = bound.max(axis=-1)  # [B, K, T, C]
+        # the bounds as the matmuls' left operand, pages first in the output: XLA:CPU then reads
+        # them as stored instead of first copying them transposed (SmolLM2 at 16K, 30 layers of
+        # ranking: 19.5 -> 16 ms per decode step)
+        bound = (jnp.einsum("BKCD,BKGTD->BKCGT", hi, jnp.maximum(q, 0), preferred_element_type=jnp.float32)
+                 + jnp.einsum("BKCD,BKGTD->BKCGT", lo, jnp.minimum(q, 0), preferred_element_type=jnp.float32))
+        score = jnp.moveaxis(bound.max(axis=-2), 2, -1)  # [B, K, T, C]
 
         # Top (top_k - 1) among the complete pages before each query's always-read region.
         cand = jnp.arange(n_pages) < (start // self.page)[:, None, :, None]  # [B, 1, T, C]

@@ -9,7 +9,6 @@ the layer's flattened candidate scores), DuoAttention's masks from the authors' 
 
 from __future__ import annotations
 
-import json
 import math
 
 import jax
@@ -22,7 +21,7 @@ from helpers import run_policy
 from kvpolicies import Rope
 from kvpolicies.adakv import AdaKV, head_of
 from kvpolicies.budgets import sized
-from kvpolicies.duo import Duo, heads_from_scores, load_pattern
+from kvpolicies.duo import Duo, heads_from_scores
 from kvpolicies.memory import bytes_read_per_step, stack_bytes, state_bytes
 from oracle import default_inv_freq, rope_complex
 

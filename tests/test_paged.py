@@ -4,8 +4,6 @@ under random operation sequences (hypothesis), prefix sharing through the engine
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
