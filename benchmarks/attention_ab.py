@@ -14,6 +14,8 @@
   unseen blocks skipped, wholly seen ones unmasked) vs every block masked;
 - with `--prefill`, the same two ways for `Engine.prefill` of N - 64 random ids in chunks of 512
   (tokens/s, medians of 2 rounds): there the stored part past the filled length is skipped;
+- with `--sink TOKENS`, the same two ways for `Engine.score` of TOKENS random ids through `sink`
+  (4 sinks + 4,096, RoPE by cache rank: its blocks without sinks compute one RoPE segment);
 - with `--prompt`, snapkv's prompt phase (blocks, its newest 32 rows in one piece) vs one piece:
   seconds of `Engine.prompt` over N - 64 random ids in chunks of 512 (medians of 2 rounds).
 
@@ -175,13 +177,38 @@ def prompt_blocks(model, slots: int, chunk: int, rounds: int) -> dict:
             "old_over_new": t["whole"] / t["blocked"]}
 
 
+def sink_score(model, tokens: int, chunk: int, rounds: int, window: int = 4096) -> dict:
+    """`Engine.score` of `tokens` random ids through `sink` (4 sinks, RoPE by cache rank: two
+    segments) in chunks of `chunk`, blocks by visibility and segment vs every block masked with
+    every segment: tokens/s (the default command's policy)."""
+    ids = np.random.default_rng(3).integers(0, model.cfg.vocab_size, tokens).astype(np.int32)
+    runs = {}
+    for label, skip in (("new", True), ("old", False)):
+        old, attend_mod.SKIP_BLOCKS = attend_mod.SKIP_BLOCKS, skip
+        try:
+            eng = Engine(model, kvpolicies.get("sink", n_sink=4, window=window), max_len=tokens)
+
+            def run(eng=eng):
+                eng.score(ids, chunk=chunk)
+
+            run()  # trace with this setting
+        finally:
+            attend_mod.SKIP_BLOCKS = old
+        runs[label] = run
+    t = _alternate(runs, rounds)
+    return {"measure": "sink score tok/s, blocks by visibility and segment", "slots": window + 4,
+            "new": tokens / t["new"], "old": tokens / t["old"], "old_over_new": t["old"] / t["new"]}
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--slots", type=int, nargs="+", default=[4160, 16448])
+    ap.add_argument("--slots", type=int, nargs="*", default=[4160, 16448], help="(none: only --sink)")
     ap.add_argument("--steps", type=int, default=15, help="decode steps per round")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--prompt", action="store_true", help="also snapkv's prompt phase, blocked vs one piece")
     ap.add_argument("--prefill", action="store_true", help="also a prefill, blocks by visibility vs all masked")
+    ap.add_argument("--sink", type=int, default=0, metavar="TOKENS",
+                    help="also sink (4 + 4,096, cache mode) scoring TOKENS random ids, blocks by visibility vs not")
     ap.add_argument("--dry-run", action="store_true", help="a tiny random model at 96 slots")
     args = ap.parse_args(argv)
     if args.dry_run:
@@ -200,6 +227,11 @@ def main(argv=None) -> list[dict]:
         old = attend_mod.BLOCK
     rows = []
     try:
+        if args.sink:
+            window = 24 if args.dry_run else 4096
+            row = sink_score(model, args.sink, chunk, min(rounds, 2), window)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
         for n in slots:
             rows_n = [decode_rotation(model, n, steps, rounds)] + chunk_blocks(model, n, chunk, rounds)
             if args.prompt:

@@ -157,3 +157,36 @@ def test_blocks_are_skipped_unmasked_or_masked_by_what_the_queries_see(monkeypat
     assert np.isnan(out_all).all(), "a read empty block should poison the outputs"
     clean, _ = run_policy(pol, q, k, v, [10], ROPE, max_len=64, step=fresh_step())
     np.testing.assert_allclose(out, clean, atol=1e-6, rtol=0)
+
+
+def test_blocks_without_sinks_compute_one_rope_segment(monkeypatch):
+    """`sink` in cache mode pairs its sinks with another query rotation than its window (two RoPE
+    segments): a stored block that holds no sink computes only the window's logits, the block
+    with the sinks both. 40 tokens in chunks of 8 through 2 sinks + a window of 14 (16 slots,
+    blocks of 4): the same outputs as every block with every segment (SKIP_BLOCKS off) and as the
+    reference; the sinks' block ran with its segments, the others without."""
+    monkeypatch.setattr(attend_mod, "BLOCK", 4)
+    pol = kvpolicies.get("sink", n_sink=2, window=14)
+    assert pol.positions == "cache"
+    q, k, v = qkv(40, seed=13)
+    seen = []
+    real = attend_mod._blocked
+
+    def spy(masked_logits):
+        def logits(*a, mask=None, **kw):
+            if mask is not None:  # a stored block (True: unmasked)
+                kind = "segments" if a[4] is not None else "one segment"
+                jax.debug.callback(lambda: seen.append(kind))
+            return masked_logits(*a, mask=mask, **kw)
+        return logits
+
+    monkeypatch.setattr(attend_mod, "_blocked", lambda ml, *a: real(spy(ml), *a))
+    out, st = run_policy(pol, q, k, v, [8], ROPE, max_len=64, step=fresh_step())
+    jax.effects_barrier()
+    assert seen.count("one segment") > seen.count("segments") > 0, seen
+    monkeypatch.setattr(attend_mod, "SKIP_BLOCKS", False)
+    every, st_every = run_policy(pol, q, k, v, [8], ROPE, max_len=64, step=fresh_step())
+    np.testing.assert_allclose(out, every, atol=1e-6, rtol=0)
+    np.testing.assert_allclose(out, REFERENCES["sink"][1](pol, q, k, v, [8]), atol=3e-5, rtol=0)
+    for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(st_every)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
