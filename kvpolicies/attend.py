@@ -75,9 +75,11 @@ def attend(
 
     q, k, v are un-rotated projections of the T new tokens at absolute positions `pos`.
     Inside `record_visible()`, steps traced there also report the most keys any query attended.
-    defer: where the step only writes its new tokens (`View.append` with a `start`), return
-    them as `Deferred` instead of the new state; the caller writes them (`write_deferred`),
-    e.g. a model after its layer loop, so the stored slots are never copied per layer.
+    defer: where the step's writes can wait (`Policy.defer`: the new tokens of a `View.append`
+    with a `start`, plus any per-index fields of the policy's own, e.g. Quest's page bounds),
+    return them as `Deferred` instead of the new state; the caller writes them
+    (`write_deferred`), e.g. a model after its layer loop, so the stored slots are never copied
+    per layer (a single jitted step that writes into the state it reads makes XLA:CPU copy it).
     """
     out, new_state, visible = _attend(policy, state, q, k, v, pos, rope, scale, defer)
     if _RECORDERS:

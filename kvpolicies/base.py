@@ -17,6 +17,8 @@ A policy author writes three methods (plus `capacity` and, if the state has more
     mask  = policy.select(view, q_rot, k_rot)   # query-dependent sparsity only (Quest); pure
     out, seen = attention(q, view, mask)        # causality from view.pos, RoPE from view.rope
     state = policy.compact(view, seen)          # back to the fixed capacity
+    writes = policy.defer(view, seen)           # optional: compact's writes as data (Deferred),
+                                                #   for a model to apply after its layer loop
 
 Prefill is the same step with T > 1. A policy's hyperparameters live on a frozen dataclass
 (hashable, static under jit); its state is a registered dataclass of arrays with a fixed
