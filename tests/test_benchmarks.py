@@ -98,3 +98,14 @@ def test_attention_ab_dry_run_compares_each_choice_with_the_path_it_replaced():
     assert all(r["new"] > 0 and r["old"] > 0 for r in rows[:2] + rows[3:])
     assert rows[2]["old"] > rows[2]["new"]  # 96 slots in blocks of 8: the blocked step holds less
     assert attention_ab.attend_mod.BLOCK == 512 and attention_ab.attend_mod.SKIP_BLOCKS  # restored after the run
+
+
+def test_long_stream_scores_every_chunk_with_one_trace_and_a_constant_state():
+    """benchmarks.long_stream on the tiny model, through Engine.score's NLL step: one trace for
+    every chunk, the state's bytes unchanged, the last position stored, rates for both tenths."""
+    from benchmarks import long_stream
+
+    row = long_stream.stream(4096, 256, kvpolicies.get("sink", n_sink=4, window=252), score=True)
+    assert row["traces"] == {"nll": 1} and row["score"]
+    assert row["state_bytes"] == row["state_bytes_end"] and row["max_position"] == 4095
+    assert row["tok_s_first_10pct"] > 0 and row["tok_s_last_10pct"] > 0
