@@ -5,7 +5,8 @@ wherever JAX has a device): `python -m benchmarks.gpu [--out results/gpu.jsonl]`
    device (`tests/test_policies.py tests/test_codecs.py -m "not slow"`), in a subprocess;
 2. the device's read bandwidth, measured in this process (a jitted sum over 512 MB: HBM on a GPU);
 3. for the default model (SmolLM2-135M) and, when installed, `model=qwen`, in bfloat16: prefill
-   tokens/s and decode tokens/s (fused scan) of `full`, `sink` (4 + 1,020), `quest` (pages of 16,
+   tokens/s and decode tokens/s (`continue_generate` layer by layer, the default, and as the fused
+   scan; `benchmarks.decode_speed.bench_ours`) of `full`, `sink` (4 + 1,020), `quest` (pages of 16,
    top 16) and `full` with the int8 codec at 4K / 16K / 32K tokens, each decode step as a fraction
    of its roofline ((weights + the filled cache) / bandwidth; `benchmarks.decode_speed`).
 
@@ -154,7 +155,8 @@ def main(argv=None) -> list[dict]:
                 r = {"model": name, "policy": pol, "context": ctx, "dtype": "bfloat16"}
                 r |= bench_ours(model, tokens, POLICIES[pol](), ctx, steps, chunk=min(512, ctx))
                 floor = (r["weight_bytes"] + r["kv_read_bytes"]) / bw
-                r |= {"roofline_ms": floor * 1e3, "scan_roofline": floor * r["scan_decode_tok_s"]}
+                r |= {"roofline_ms": floor * 1e3, "scan_roofline": floor * r["scan_decode_tok_s"],
+                      "layers_roofline": floor * r["layers_decode_tok_s"]}
                 print(json.dumps(r), flush=True)
                 rows.append(r)
         if not args.skip_quest and (name == "smollm2" or args.dry_run):

@@ -39,6 +39,7 @@ import collections
 import dataclasses
 import functools
 import math
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,7 +50,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 from tqdm.auto import tqdm
 
-from kvpolicies.attend import recording
+from kvpolicies.attend import Deferred, recording, write_deferred
 from kvpolicies.base import Policy, SlotState
 from kvpolicies.full import Full
 from kvpolicies.kvzip import Reconstruct
@@ -93,6 +94,38 @@ class Prompted:
 def _fork(cache: Cache) -> Cache:
     """A copy of a cache, for a step that donates (and so invalidates) its input buffers."""
     return jax.tree.map(jnp.copy, cache)
+
+
+_LAYER_WEIGHTS: "weakref.WeakKeyDictionary[Llama, tuple[dict, ...]]" = weakref.WeakKeyDictionary()
+
+
+def layer_weights(model: Llama) -> tuple[dict, ...]:
+    """Each layer's weights as separate arrays (a copy of the stacked layer weights, made once
+    per model through host memory, no compilation; shared by the model's engines).
+    Layer-by-layer decoding reads them in place."""
+    if model not in _LAYER_WEIGHTS:
+        stacked = {k: np.asarray(v[...]) for k, v in model.layers.items()}  # each [L, ...]
+        _LAYER_WEIGHTS[model] = tuple({k: jnp.array(a[i]) for k, a in stacked.items()}
+                                      for i in range(model.cfg.n_layers))
+    return _LAYER_WEIGHTS[model]
+
+
+@jax.jit
+def _split_layers(cache: Cache) -> list:
+    """A cache (one stacked state per run, every leaf [n, ...]) -> one state per layer, in
+    layer order (copies)."""
+    out = []
+    for run in cache:
+        leaves, treedef = jax.tree.flatten(run)
+        parts = [jnp.unstack(a) for a in leaves]
+        out += [treedef.unflatten([p[i] for p in parts]) for i in range(len(parts[0]))]
+    return out
+
+
+def _write_layers(states: list, writes: list) -> list:
+    """Each layer's state after its step: its `Deferred` writes applied (in place: `states` is
+    donated), or the new state it returned."""
+    return [write_deferred(st, wr) if isinstance(wr, Deferred) else wr for st, wr in zip(states, writes)]
 
 
 @functools.partial(jax.jit, static_argnums=3)
@@ -196,7 +229,8 @@ class Engine:
     """Runs a `Llama` with a fixed per-layer policy tuple and maximum length."""
 
     def __init__(self, model: Llama, policies: Policy | Sequence[Policy], max_len: int, cache_dtype=None,
-                 repeat: RepeatPrompts | None = None, rope_tables: bool = True, mesh=None):
+                 repeat: RepeatPrompts | None = None, rope_tables: bool = True, mesh=None,
+                 decode_loop: str = "layers"):
         self.cfg = model.cfg
         self.policies = tuple(p for a, b, p in policy_runs(policies, model.cfg.n_layers) for _ in range(b - a))
         # A fresh prompt is held by each policy's prompt phase, then `after_prompt` (once); the
@@ -230,6 +264,15 @@ class Engine:
         self._nll_step = jax.jit(self._nll_impl, static_argnames=("reach",), **donate)
         self._decode_n = jax.jit(self._decode_n_impl, static_argnums=(4, 5), **donate)
         self._recon_step = jax.jit(self._recon_impl)  # the prompt state stays usable: no donation
+        if decode_loop not in ("layers", "scan"):
+            raise ValueError(f"Engine decode_loop={decode_loop!r}: expected 'layers' or 'scan'")
+        self.decode_loop = decode_loop
+        # layer-by-layer generation (`_decode_layers`): each step is one call per layer, then one
+        # call writing every layer's new slots (policy, RoPE kind and bucket static)
+        self._layer_step = jax.jit(self._layer_impl, static_argnames=("policy", "local", "reach"))
+        self._embed_step = jax.jit(self._embed_impl)
+        self._next_step = jax.jit(self._next_impl)
+        self._write_layers = jax.jit(_write_layers, donate_argnums=0)
         self.placement = None  # a models.sharding.Placement once on a mesh (`shard`)
         if mesh is not None:
             self.shard(mesh)
@@ -291,6 +334,54 @@ class Engine:
 
         (cache, _, _), toks = jax.lax.scan(step, (cache, token, pos), None, length=n)
         return toks.T, cache  # [B, n]
+
+    def _embed_impl(self, params, token):
+        """[B, 1, d] embeddings of the tokens [B] (layer-by-layer decoding's first call)."""
+        return self._merge(params)[0].embed_tokens(token[:, None])
+
+    def _layer_impl(self, w, state, x, pos, tables, policy, local, reach):
+        """One layer of a decode step on its own weights and state (`Llama.layer`)."""
+        self.traces["decode_layer"] += 1
+        return self._model.layer(policy, local, w, x, pos[:, None], state, tables, reach)
+
+    def _next_impl(self, params, x, pos):
+        """(greedy next ids [B], positions + 1) from the last layer's output [B, 1, d]."""
+        m, _ = self._merge(params)
+        return jnp.argmax(m.logits(m.final(x))[:, 0], axis=-1).astype(jnp.int32), pos + 1
+
+    def _decode_layers(self, cache: Cache, token, pos, n: int, reach: int | None):
+        """n greedy steps from `token` [B] at positions `pos` [B], one jitted call per layer and
+        step over per-layer weights and states (`decode_loop="layers"`): ([B, n] ids, the
+        per-layer states after them). `cache` stays usable (its layers are copied out once).
+
+        Why: XLA's CPU backend materialises the slice of a stacked weight or cache that a layer
+        scan hands to a matmul, so the scan copies every layer's weights and keys/values at every
+        step; separate per-layer buffers are read in place. The writes are a call of their own:
+        a computation that reads a donated buffer and writes into it makes XLA copy it first."""
+        tables = self.params[1]
+        weights = layer_weights(self._model)
+        states = _split_layers(cache)
+        local = self.cfg.local_layers
+        out = []
+        for _ in range(n):
+            x = self._embed_step(self.params, token)
+            writes = []
+            for i, (w, st, pol) in enumerate(zip(weights, states, self.policies)):
+                x, wr = self._layer_step(w, st, x, pos, tables, policy=pol, local=bool(local[i]), reach=reach)
+                writes.append(wr)
+            token, pos = self._next_step(self.params, x, pos)
+            states = self._write_layers(states, writes)
+            out.append(token)
+        return jnp.stack(out, axis=1), states
+
+    def _generate_rest(self, cache: Cache, first, pos, n: int, end: int, fork: bool = False):
+        """Greedy ids [B, n] after `first` [B] at positions `pos` [B] (every position < `end`):
+        layer by layer (the default) or as one fused `lax.scan` (`decode_loop="scan"`, and any
+        engine on a mesh). fork: `cache` must stay usable (the scan donates it)."""
+        reach = self._reach(end)
+        if self.decode_loop == "layers" and self.placement is None:
+            return self._decode_layers(cache, first, pos, n, reach)[0]
+        return self._decode_n(self.params, _fork(cache) if fork else cache, first, pos, n, reach)[0]
 
     def _recon_impl(self, params, cache, tokens, pos):
         """The cache after one repeat input through the reconstruction policies (kvzip layers'
@@ -531,16 +622,13 @@ class Engine:
         self._check_len(state.length + t + n, f"state of {state.length} + {t} tokens + n={n} new tokens")
         if t:
             state = self._feed(state, tokens, self._chunk(chunk, t), prompt=False)
-            cache = state.cache
-        else:
-            cache = _fork(state.cache)
         if n == 0:
             return np.zeros((tokens.shape[0], 0), np.int32)
         first = jnp.argmax(state.logits, axis=-1).astype(jnp.int32)  # [B]
         if n == 1:
             return np.asarray(first)[:, None]
         pos = jnp.full(first.shape, state.length, jnp.int32)
-        rest, _ = self._decode_n(self.params, cache, first, pos, n - 1, self._reach(state.length + n - 1))
+        rest = self._generate_rest(state.cache, first, pos, n - 1, state.length + n - 1, fork=not t)
         return np.concatenate([np.asarray(first)[:, None], np.asarray(rest)], axis=1)
 
     def generate(self, prompt, n: int, chunk: int | None = None) -> np.ndarray:
@@ -567,7 +655,7 @@ class Engine:
             out = np.asarray(first)[:, None]
         else:
             pos = jnp.full(first.shape, t, jnp.int32)
-            rest, _ = self._decode_n(self.params, cache, first, pos, n - 1, self._reach(t + n - 1))
+            rest = self._generate_rest(cache, first, pos, n - 1, t + n - 1)
             out = np.concatenate([np.asarray(first)[:, None], np.asarray(rest)], axis=1)
         return out[0] if squeeze else out
 
@@ -599,7 +687,7 @@ class Engine:
         if n == 1:
             return np.asarray(first)[:, None]
         pos = jnp.asarray([len(r) for r in rows], jnp.int32)
-        rest, _ = self._decode_n(self.params, cache, first, pos, n - 1, self._reach(max(map(len, rows)) + n - 1))
+        rest = self._generate_rest(cache, first, pos, n - 1, max(map(len, rows)) + n - 1)
         return np.concatenate([np.asarray(first)[:, None], np.asarray(rest)], axis=1)
 
     def _score_ragged(self, streams: Sequence, chunk: int, progress: bool) -> list[np.ndarray]:

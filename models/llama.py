@@ -173,9 +173,7 @@ class Llama(nnx.Module):
         runs = policy_runs(policies, cfg.n_layers)
         if len(cache) != len(runs):
             raise ValueError(f"cache has {len(cache)} runs, policies give {len(runs)}")
-        x = jnp.take(self.embed[...], tokens, axis=0)  # [B, T, d]
-        if cfg.embed_scale != 1.0:
-            x = x * jnp.asarray(cfg.embed_scale, x.dtype)  # Gemma: sqrt(d), in the compute dtype
+        x = self.embed_tokens(tokens)  # [B, T, d]
         weights = {k: v[...] for k, v in self.layers.items()}  # each [L, ...]
         local = np.asarray(cfg.local_layers)  # [L] bool
         new_cache = []
@@ -204,7 +202,31 @@ class Llama(nnx.Module):
             elif cut:
                 out = pol.with_head(state, out, lead=1)
             new_cache.append(out)
-        return rms_norm(x, self.final_norm[...], cfg.norm_eps), tuple(new_cache)
+        return self.final(x), tuple(new_cache)
+
+    def embed_tokens(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T d"]:
+        x = jnp.take(self.embed[...], tokens, axis=0)
+        if self.cfg.embed_scale != 1.0:
+            x = x * jnp.asarray(self.cfg.embed_scale, x.dtype)  # Gemma: sqrt(d), in the compute dtype
+        return x
+
+    def final(self, x: Float[Array, "B T d"]) -> Float[Array, "B T d"]:
+        """The final norm (before `logits`)."""
+        return rms_norm(x, self.final_norm[...], self.cfg.norm_eps)
+
+    def layer(self, policy: Policy, local: bool, w: dict, x: Float[Array, "B T d"], pos: Int[Array, "B T"],
+              state, tables: dict[str, RopeTable] | None = None, reach: int | None = None):
+        """One layer on its own weights `w` and state (each without the L axis; `local`: a local
+        RoPE layer): x after the layer, and the layer's `Deferred` writes or new state (the
+        caller writes them: `models.engine`'s layer-by-layer decoding). `reach` as in `hidden`."""
+        cfg = self.cfg
+        kind = "local" if local else "global"
+        rope = (self.rope_local if local else self.rope) if tables is None else tables[kind]
+        cut = reach is not None and policy.prefix_slots and reach < state.slots
+        x, out = block(cfg, policy, rope, w, x, pos, policy.head(state, reach) if cut else state)
+        if cut and not isinstance(out, Deferred):
+            out = policy.with_head(state, out)
+        return x, out
 
     def logits(self, h: Float[Array, "B T d"]) -> Float[Array, "B T V"]:
         if self.lm_head is None:  # tied: contract with the embedding's rows as stored (no [d, V] transpose)

@@ -22,6 +22,7 @@ import time
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import kvpolicies
@@ -94,12 +95,37 @@ def layout(tree) -> list[dict]:
     return out
 
 
-def run(eng: Engine, stream: np.ndarray, prompt: np.ndarray, n: int) -> dict:
-    """Streaming NLL and cache; prompt logits, the compressed cache and n greedy ids after it."""
+def per_layer(cache) -> list:
+    """A cache's runs split into one state per layer, in layer order."""
+    return [jax.tree.map(lambda a, i=i: a[i], run) for run in cache for i in range(jax.tree.leaves(run)[0].shape[0])]
+
+
+def decode(eng: Engine, state, n: int) -> tuple[np.ndarray, list]:
+    """n greedy ids after a compressed state's first one, and every layer's state after them: layer by
+    layer (`Engine._decode_layers`, a one-device engine's default) or the fused scan (`decode_loop="scan"`,
+    and any engine on a mesh). The state stays usable."""
+    first = jnp.argmax(state.logits, axis=-1).astype(jnp.int32)
+    pos = jnp.full(first.shape, state.length, jnp.int32)
+    reach = eng._reach(state.length + n)
+    if eng.decode_loop == "layers" and eng.placement is None:
+        ids, states = eng._decode_layers(state.cache, first, pos, n, reach)
+        return np.asarray(ids), states
+    ids, cache = eng._decode_n(eng.params, jax.tree.map(jnp.copy, state.cache), first, pos, n, reach)
+    return np.asarray(ids), per_layer(cache)
+
+
+def run(eng: Engine, stream: np.ndarray, prompt: np.ndarray, n: int, states: bool = True) -> dict:
+    """Streaming NLL and cache; prompt logits, the compressed cache and n greedy ids after it
+    (`continue_generate`); with `states`, every layer's state after those n ids (`decode`: layer
+    by layer on one device, the scan on a mesh)."""
     nll, stream_cache = eng.score(stream, chunk=16, return_cache=True)
     state = eng.compress(eng.prompt(prompt))
     ids = eng.continue_generate(state, np.zeros((prompt.shape[0], 0), np.int32), n)
-    return {"nll": nll, "stream_cache": stream_cache, "logits": state.logits, "cache": state.cache, "ids": ids}
+    out = {"nll": nll, "stream_cache": stream_cache, "logits": state.logits, "cache": state.cache, "ids": ids}
+    if states:
+        again, out["decoded"] = decode(eng, state, n - 1)
+        assert np.array_equal(again, ids[:, 1:])
+    return out
 
 
 def compare(model: Llama, policies, mesh, batch: int, seed: int) -> dict:
@@ -116,6 +142,8 @@ def compare(model: Llama, policies, mesh, batch: int, seed: int) -> dict:
         "nll": max_diff(one["nll"], many["nll"]), "logits": max_diff(one["logits"], many["logits"]),
         "stream_cache": [max_diff(a, b) for a, b in zip(one["stream_cache"], many["stream_cache"])],  # per layer
         "cache": [max_diff(a, b) for a, b in zip(one["cache"], many["cache"])],
+        # every layer after the n greedy steps: one device layer by layer, the mesh through the scan
+        "decoded": [max_diff(a, b) for a, b in zip(one["decoded"], many["decoded"], strict=True)],
         "ids_equal": bool(np.array_equal(one["ids"], many["ids"])), "ids": one["ids"].tolist(),
         "nll_mean": float(np.mean(one["nll"])), "nll_spread": float(np.std(one["nll"])),
         "cache_layout": [layout(c) for c in many["cache"]], "stream_layout": [layout(c) for c in many["stream_cache"]],
@@ -154,7 +182,7 @@ def host(pid: int, nproc: int, port: int) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
     jax.distributed.initialize(f"localhost:{port}", num_processes=nproc, process_id=pid)
     model, pols, stream, prompt = host_inputs()
-    out = run(Engine(model, pols, MAX_LEN, mesh=make_mesh(2, 4)), stream, prompt, 8)
+    out = run(Engine(model, pols, MAX_LEN, mesh=make_mesh(2, 4)), stream, prompt, 8, states=False)
     print(json.dumps({"process": jax.process_index(), "processes": jax.process_count(), "devices": len(jax.devices()),
                       "local_devices": len(jax.local_devices()), "nll": np.asarray(out["nll"]).tolist(),
                       "logits": np.asarray(out["logits"]).tolist(), "ids": out["ids"].tolist()}))

@@ -40,7 +40,8 @@ def test_gpu_script_dry_run_measures_every_policy():
     assert rows[0]["platform"] == "cpu" and "tests" not in {k for r in rows for k in r}
     measured = [r for r in rows if "policy" in r]
     assert [r["policy"] for r in measured] == list(gpu.POLICIES)
-    assert all(r["context"] == 64 and r["scan_roofline"] > 0 and r["kv_read_bytes"] > 0 for r in measured)
+    assert all(r["context"] == 64 and r["scan_roofline"] > 0 and r["layers_roofline"] > 0 and r["kv_read_bytes"] > 0
+               for r in measured)
     full, int8 = measured[0], measured[-1]
     assert int8["kv_read_bytes"] < full["kv_read_bytes"]  # the codec's smaller bytes are what a step reads
 

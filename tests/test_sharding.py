@@ -168,11 +168,14 @@ def eight_devices(mode: str) -> dict:
 
 
 def check_equal(r: dict, order: list[str]) -> None:
-    """Streaming NLL, prompt logits and every layer's caches within TOL; the greedy ids identical."""
+    """Streaming NLL, prompt logits and every layer's caches within TOL; the greedy ids identical.
+    The one-device engine generates layer by layer and the mesh's through the fused scan, so the ids
+    and every layer's state after them (`decoded`) also check the two decode loops against each other."""
     assert r["nll"] <= TOL and r["logits"] <= TOL, (r["nll"], r["logits"])
     assert r["ids_equal"]
     for name, stream, compressed in zip(order, r["stream_cache"], r["cache"], strict=True):
         assert stream <= TOL and compressed <= TOL, (name, stream, compressed)  # ints (positions) exactly
+    assert len(r["decoded"]) >= len(order) and max(r["decoded"]) <= TOL, r["decoded"]  # per layer
     assert 4.0 < r["nll_mean"] < 6.0 and r["nll_spread"] > 0.01  # a random model over 128 ids: ~log 128, not constant
 
 
