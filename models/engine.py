@@ -19,6 +19,13 @@ The model is split once into (graphdef, params); every step is a pure jitted fun
 (params, cache, tokens, pos) with the cache donated, so the compiled step is reused for every
 step of the same shape. `traces` counts how often each step kind was traced (compiled).
 
+Generation (`generate`, `continue_generate`) decodes layer by layer by default
+(`decode_loop="layers"`, `_decode_layers`): per step one jitted call per layer over that layer's
+own weight and state arrays (`layer_weights`: one copy of the layer weights per model), then one
+call writing every layer's new slots. On XLA:CPU that reads weights and keys/values in place,
+where the layer scan materialises each layer's slices; `decode_loop="scan"` (and any engine on a
+mesh) runs the fused `lax.scan` instead. `step`, `prefill` and `score` always use the scan.
+
 Length buckets: where a policy stores token i in slot i (`Policy.prefix_slots`: full), a step
 whose positions all lie below n needs only the cache's first n slots. Each step is given the
 smallest bucket of 1024 x 2^k x {1, 1.25, 1.5, 1.75} slots (decode) or 1024 x 2^k x {1, 1.5}
@@ -226,7 +233,8 @@ def _is_ragged(tokens: Any) -> bool:
 
 
 class Engine:
-    """Runs a `Llama` with a fixed per-layer policy tuple and maximum length."""
+    """Runs a `Llama` with a fixed per-layer policy tuple and maximum length (`decode_loop`: how
+    generation runs its decode steps, "layers" or "scan"; the module docstring)."""
 
     def __init__(self, model: Llama, policies: Policy | Sequence[Policy], max_len: int, cache_dtype=None,
                  repeat: RepeatPrompts | None = None, rope_tables: bool = True, mesh=None,
