@@ -118,14 +118,20 @@ def layer_weights(model: Llama) -> tuple[dict, ...]:
 
 
 @jax.jit
+def _take_layer(leaves: list, i) -> list:
+    """Layer i of each stacked leaf (a copy; i traced: one compile per run's leaf shapes)."""
+    return [jax.lax.dynamic_index_in_dim(a, i, keepdims=False) for a in leaves]
+
+
 def _split_layers(cache: Cache) -> list:
     """A cache (one stacked state per run, every leaf [n, ...]) -> one state per layer, in
-    layer order (copies)."""
+    layer order (copies). One call per layer of a program compiled once per run's leaf shapes:
+    a single program of every layer's slices compiled one kernel per slice (0.8-1.2 s at 4K for
+    SmolLM2, against 0.13-0.17 s; each generate call pays 10-16 ms more dispatch)."""
     out = []
     for run in cache:
         leaves, treedef = jax.tree.flatten(run)
-        parts = [jnp.unstack(a) for a in leaves]
-        out += [treedef.unflatten([p[i] for p in parts]) for i in range(len(parts[0]))]
+        out += [treedef.unflatten(_take_layer(leaves, np.int32(i))) for i in range(leaves[0].shape[0])]
     return out
 
 
