@@ -103,7 +103,11 @@ def block(cfg: LlamaConfig, policy: Policy, rope: Rope | RopeTable, w: dict, x, 
     """One decoder layer: attention through `policy`, then the gated MLP (SwiGLU or GeGLU)."""
     B, T, _ = x.shape
     h = rms_norm(x, w["attn_norm"], cfg.norm_eps)
-    q, k, v = h @ w["wq"], h @ w["wk"], h @ w["wv"]  # [B, T, N*D], [B, T, K*D] x2
+    if "wqkv" in w:  # fused (models.engine.layer_weights): one product, split
+        nd, kd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        q, k, v = jnp.split(h @ w["wqkv"], [nd, nd + kd], axis=-1)
+    else:
+        q, k, v = h @ w["wq"], h @ w["wk"], h @ w["wv"]  # [B, T, N*D], [B, T, K*D] x2
     if cfg.qkv_bias:
         q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
     q = q.reshape(B, T, cfg.n_heads, cfg.head_dim)  # [B, T, N, D]
@@ -119,7 +123,8 @@ def block(cfg: LlamaConfig, policy: Policy, rope: Rope | RopeTable, w: dict, x, 
         o = rms_norm(o, w["post_attn_norm"], cfg.norm_eps)
     x = x + o
     h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
-    m = (ACT[cfg.act](h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]  # [B, T, d]
+    g, u = jnp.split(h @ w["w_gu"], 2, axis=-1) if "w_gu" in w else (h @ w["w_gate"], h @ w["w_up"])  # [B, T, F] x2
+    m = (ACT[cfg.act](g) * u) @ w["w_down"]  # [B, T, d]
     if cfg.post_norms:
         m = rms_norm(m, w["post_mlp_norm"], cfg.norm_eps)
     return x + m, state

@@ -76,11 +76,15 @@ def test_local_and_global_layers_and_ragged_rows():
     np.testing.assert_array_equal(got[0], eng.generate(prompt, 12))
     np.testing.assert_array_equal(got[1], eng.generate(rows, 10))
     assert eng.traces["decode_n"] == 2
-    # one copy of the layer weights per model (shared by its engines), as many bytes as the stacked ones
+    # one copy of the layer weights per model (shared by its engines), as many bytes as the stacked ones,
+    # q/k/v and gate/up concatenated
     split, stacked = layer_weights(model), {k: v[...] for k, v in model.layers.items()}
     assert len(split) == 7 and layer_weights(model) is split
     assert tree_nbytes(split) == tree_nbytes(stacked)
-    np.testing.assert_array_equal(np.asarray(split[3]["w_up"]), np.asarray(stacked["w_up"][3]))
+    np.testing.assert_array_equal(np.asarray(split[3]["w_gu"]), np.concatenate([stacked["w_gate"][3], stacked["w_up"][3]], -1))
+    np.testing.assert_array_equal(np.asarray(split[5]["wqkv"]),
+                                  np.concatenate([stacked[k][5] for k in ("wq", "wk", "wv")], -1))
+    assert split[0].keys() == stacked.keys() - {"wq", "wk", "wv", "w_gate", "w_up"} | {"wqkv", "w_gu"}
 
 
 def test_a_full_bucket_reads_its_reach_and_writes_the_whole_cache():
