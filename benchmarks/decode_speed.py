@@ -7,7 +7,8 @@ Reports, per policy and context: prefill tokens/s, decode-step compile time, dec
 and as one fused lax.scan, each with the time of its first, compiling call), plus transformers'
 decode tokens/s with its DynamicCache in float32. A generate call's per-step rate is the
 difference of a `steps`-step and a 1-step call over steps - 1 (best of 2 each): its fixed cost
-per call (one copy of the prompt's cache, the first token) is reported apart (`*_call_fixed_s`). Timings are wall-clock on a shared machine: compare
+per call (one copy of the prompt's cache, the first token) is reported apart (`*_call_fixed_s`),
+and so is its compile: the first call less `steps` steps and the fixed cost (`*_compile_s`). Timings are wall-clock on a shared machine: compare
 the ratios measured in one run, not absolute numbers across runs.
 
 Roofline: the process first measures its read bandwidth (a jitted sum over a 512 MB array, best
@@ -152,6 +153,7 @@ def bench_ours(model, tokens, policy, ctx, steps, chunk):
         if step <= 0:  # noise larger than the steps (a tiny model, a dry run): the long call's mean
             step = best[steps + 1] / steps
         gen[loop], gen[loop + "_call_s"] = 1 / step, max(0.0, best[2] - step)
+        gen[loop + "_compile_s"] = gen[loop + "_first_s"] - steps * step - gen[loop + "_call_s"]
     eng.decode_loop = "layers"
     assert eng.traces["decode"] == 1 and eng.traces["decode_n"] == 2 and eng.traces["decode_layer"] == 1
     return step_read_bytes(model, cache, ctx) | dict(
@@ -165,6 +167,8 @@ def bench_ours(model, tokens, policy, ctx, steps, chunk):
         scan_first_call_s=gen["scan_first_s"],
         layers_call_fixed_s=gen["layers_call_s"],
         scan_call_fixed_s=gen["scan_call_s"],
+        layers_compile_s=gen["layers_compile_s"],
+        scan_compile_s=gen["scan_compile_s"],
         cache_slots=int(cache[0].pos.shape[-1]),
     )
 
