@@ -52,10 +52,14 @@ class Rope:
         medium = (wavelen >= old / hi) & (wavelen <= old / lo)
         return np.where(medium, ramp, scaled).astype(np.float32)
 
+    def cos_sin(self, pos: Int[Array, "*b L"]) -> tuple[Float[Array, "*b L H"], Float[Array, "*b L H"]]:
+        """cos and sin of the angles at positions pos (float32, H = D/2)."""
+        ang = pos.astype(jnp.float32)[..., None] * jnp.asarray(self.inv_freq())  # [*b, L, D/2]
+        return jnp.cos(ang), jnp.sin(ang)
+
     def apply(self, x: Float[Array, "*b L D"], pos: Int[Array, "*b L"]) -> Float[Array, "*b L D"]:
         """Rotate x at positions pos (pos broadcasts against x's leading axes)."""
-        ang = pos.astype(jnp.float32)[..., None] * jnp.asarray(self.inv_freq())  # [*b, L, D/2]
-        return _rotate(x, jnp.cos(ang), jnp.sin(ang))
+        return _rotate(x, *self.cos_sin(pos))
 
     def table(self, n: int) -> "RopeTable":
         """This rotation with cos/sin tabulated (float32, on the host) for positions [0, n)."""
@@ -91,6 +95,9 @@ class RopeTable:
 
         def gathered():
             sin = jnp.take(self.sin, a, axis=0, mode="clip")  # [*b, L, D/2]
-            return _rotate(x, jnp.take(self.cos, a, axis=0, mode="clip"), jnp.where((pos < 0)[..., None], -sin, sin))
+            return jnp.take(self.cos, a, axis=0, mode="clip"), jnp.where((pos < 0)[..., None], -sin, sin)
 
-        return jax.lax.cond(jnp.max(a) < self.cos.shape[0], gathered, lambda: self.rope.apply(x, pos))
+        # the cond picks cos/sin only: with x inside its branches XLA:CPU copied x in and the rotated
+        # x out (30 layers of 4K int8 keys: 26 -> 19 ms in one process, the same numbers)
+        cos, sin = jax.lax.cond(jnp.max(a) < self.cos.shape[0], gathered, lambda: self.rope.cos_sin(pos))
+        return _rotate(x, cos, sin)
