@@ -382,6 +382,8 @@ class Engine:
         step; separate per-layer buffers are read in place. The writes are a call of their own:
         a computation that reads a donated buffer and writes into it makes XLA copy it first."""
         tables = self.params[1]
+        if tables is not None:  # straight-line layer steps: the RoPE cond picks cos/sin (RopeTable)
+            tables = {k: dataclasses.replace(t, cond_angles=True) for k, t in tables.items()}
         weights = layer_weights(self._model)
         states = _split_layers(cache)
         local = self.cfg.local_layers

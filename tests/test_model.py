@@ -3,6 +3,8 @@ compiled steps are reused, generation and scoring agree with step-by-step decodi
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -186,6 +188,10 @@ def test_rope_table_rotates_like_the_trigonometry(rope, dtype):
                                np.asarray(rope.apply(x, inside), np.float32), atol=tol)
     np.testing.assert_array_equal(np.asarray(apply(table, x, past)), np.asarray(jax.jit(rope.apply)(x, past)))
     assert table.inv_freq().tolist() == rope.inv_freq().tolist()
+    # the cond around cos/sin only (layer-by-layer decoding) rotates exactly as the cond around the rotation
+    angles = dataclasses.replace(table, cond_angles=True)
+    for p in (inside, past):
+        np.testing.assert_array_equal(np.asarray(apply(angles, x, p)), np.asarray(apply(table, x, p)))
 
 
 RAGGED = {  # a per-token evictor, a prompt compressor (head-wise), a sparse reader over a dense cache
