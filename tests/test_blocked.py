@@ -72,11 +72,14 @@ def test_blocked_visible_count_and_all_masked_blocks(monkeypatch):
         np.testing.assert_allclose(out, ref, atol=3e-5, rtol=0)
 
 
-def test_blocked_chunk_never_materialises_the_logits():
-    """XLA's temporaries of a 64-token chunk over 8,192 slots: the one-piece step holds at least
-    two [B, K, G, T, S] float32 buffers (34 MB each here), the blocked one under a third of one."""
-    pol = kvpolicies.get("full")
-    b, t, s, n, kv, d = 1, 64, 8192, 16, 2, 32
+@pytest.mark.parametrize("t,s", [(64, 8192), (2048, 64)])
+def test_blocked_chunk_never_materialises_the_logits(t, s):
+    """XLA's temporaries of a chunk of T tokens over S stored slots (64 over 8,192; 2,048 over 64,
+    a window of 64 where the T x T logits of its own tokens dominate): the one-piece step holds at
+    least two [B, K, G, T, S + T] float32 buffers, the blocked one (query tiles of 512 over the
+    stored blocks and the appended tiles) under a third of one."""
+    pol = kvpolicies.get("full") if s > t else kvpolicies.get("window", window=s)
+    b, n, kv, d = 1, 16, 2, 32
     state = jax.eval_shape(lambda: pol.init(b, kv, d, jnp.float32, s))
     args = [jax.ShapeDtypeStruct((b, t, h, d), jnp.float32) for h in (n, kv, kv)]
     pos = jax.ShapeDtypeStruct((b, t), jnp.int32)
@@ -88,7 +91,7 @@ def test_blocked_chunk_never_materialises_the_logits():
             temps[label] = f.lower(state, *args, pos).compile().memory_analysis().temp_size_in_bytes
         finally:
             attend_mod.BLOCK = 512
-    logits = b * n * t * s * 4  # one [B, K, G, T, S] float32 buffer
+    logits = b * n * t * (s + t) * 4  # one [B, K, G, T, S + T] float32 buffer
     assert temps["whole"] >= 2 * logits and temps["blocked"] < logits / 3, (temps, logits)
 
 
@@ -123,12 +126,15 @@ def test_prompt_phase_keeps_the_newest_rows_in_blocks(name, kw, monkeypatch):
 
 
 def test_blocks_are_skipped_unmasked_or_masked_by_what_the_queries_see(monkeypatch):
-    """A stored block that no query of the chunk sees is not read; one that every query sees whole
-    is attended without a mask; the rest are masked. `full`, 30 tokens in chunks of 10 over 64
-    slots in blocks of 4: the chunk at 10 sees blocks 0-1 whole and block 2 in part (slots 8, 9),
-    the chunk at 20 blocks 0-4 whole; every other stored block is empty and skipped (16 + 13 + 11).
-    The empty slots of those blocks hold NaN keys and values: a block that were read would turn the
-    outputs into NaN (it does with SKIP_BLOCKS off: 0 x NaN), so the outputs matching the
+    """A block that no query of the tile sees is not read; one that every query sees whole is
+    attended without a mask; the rest are masked. `full`, 30 tokens in chunks of 10 over 64 stored
+    slots in blocks of 4: each chunk runs as 3 query tiles of 4 (the last padded), and its 10
+    appended slots as 3 tiles too, which query tile i reads whole before its own (j < i), masked at
+    its own (j = i) and not at all after it (its causal future): 3 whole + 3 masked per chunk. Of
+    the stored blocks, each query tile of the chunk at 10 sees blocks 0-1 whole and block 2 in part
+    (slots 8, 9), of the chunk at 20 blocks 0-4 whole; every other stored block is empty and
+    skipped. The empty slots of those blocks hold NaN keys and values: a block that were read would
+    turn the outputs into NaN (it does with SKIP_BLOCKS off: 0 x NaN), so the outputs matching the
     reference show they were not read."""
     monkeypatch.setattr(attend_mod, "BLOCK", 4)
     pol = kvpolicies.get("full")
@@ -149,7 +155,8 @@ def test_blocks_are_skipped_unmasked_or_masked_by_what_the_queries_see(monkeypat
     monkeypatch.setattr(attend_mod, "_blocked", lambda ml, *a: real(spy(ml), *a))
     out, _ = run_policy(pol, q, k, v, [10], ROPE, state=poisoned, step=fresh_step())
     jax.effects_barrier()
-    assert {h: hits.count(h) for h in set(hits)} == {"whole": 2 + 5, "masked": 1, "piece": 3}, hits
+    stored = {"whole": 3 * (2 + 5), "masked": 3 * 1}  # query tiles x blocks
+    assert {h: hits.count(h) for h in set(hits)} == {"whole": stored["whole"] + 3 * 3, "masked": stored["masked"] + 3 * 3}, hits
     ref = REFERENCES["full"][1](pol, q, k, v, [10])
     np.testing.assert_allclose(out, ref, atol=3e-5, rtol=0)
     monkeypatch.setattr(attend_mod, "SKIP_BLOCKS", False)  # every block read and masked: 0 x NaN
