@@ -3,10 +3,13 @@ phase, not compressed yet) on SmolLM2-135M float32 and the default text, in chun
 
     python -m benchmarks.prompt_speed --contexts 4096 8192 --policies full snapkv knorm observed
     python -m benchmarks.prompt_speed --contexts 8192 --policies snapkv --no-buckets
+    python -m benchmarks.prompt_speed --contexts 4096 16384 --policies full --chunk 0
 
 Each row: the policy, the context, the first (cold: compiles) and the second (warm) prompt's
 seconds, warm tokens/s, and the engine's trace counts. `--no-buckets` reads the whole cache at
-every chunk (the path before the length buckets). Wall-clock on a shared machine: compare rows of
+every chunk (the path before the length buckets). `--chunk 0`: the whole prompt as one chunk
+(`chunk=None`). `peak_rss_GB`: the process's peak resident memory so far (run one configuration
+per process to read it as that configuration's). Wall-clock on a shared machine: compare rows of
 one run. `--dry-run`: a tiny random model at 64 tokens (what the tests run).
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import time
 
 import jax
@@ -31,7 +35,7 @@ POLICIES = {
 }
 
 
-def prompt_seconds(eng: Engine, ids: np.ndarray, chunk: int) -> float:
+def prompt_seconds(eng: Engine, ids: np.ndarray, chunk: int | None) -> float:
     t0 = time.perf_counter()
     jax.block_until_ready(eng.prompt(ids, chunk=chunk).logits)
     return time.perf_counter() - t0
@@ -41,7 +45,7 @@ def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096])
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
-    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--chunk", type=int, default=512, help="tokens per chunk; 0: the whole prompt as one chunk")
     ap.add_argument("--no-buckets", action="store_true", help="every chunk reads the whole cache")
     ap.add_argument("--dry-run", action="store_true", help="a tiny random model at 64 tokens")
     args = ap.parse_args(argv)
@@ -51,7 +55,7 @@ def main(argv=None) -> list[dict]:
 
         model = Llama(LlamaConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=32))
         tokens = np.random.default_rng(0).integers(0, 97, 64).astype(np.int32)
-        contexts, chunk = [64], 16
+        contexts, chunk = [64], 16 if args.chunk else 0
     else:
         from evals.data import default_text
         from models.loading import load_default_model
@@ -70,9 +74,10 @@ def main(argv=None) -> list[dict]:
             ids = tokens[None, :ctx]
             for name in args.policies:
                 eng = Engine(model, POLICIES[name](), max_len=ctx + 64)
-                cold, warm = prompt_seconds(eng, ids, chunk), prompt_seconds(eng, ids, chunk)
-                r = {"policy": name, "context": ctx, "chunk": chunk, "buckets": not args.no_buckets,
-                     "cold_s": cold, "warm_s": warm, "prompt_tok_s": ctx / warm, "traces": dict(eng.traces)}
+                cold, warm = prompt_seconds(eng, ids, chunk or None), prompt_seconds(eng, ids, chunk or None)
+                r = {"policy": name, "context": ctx, "chunk": chunk or ctx, "buckets": not args.no_buckets,
+                     "cold_s": cold, "warm_s": warm, "prompt_tok_s": ctx / warm, "traces": dict(eng.traces),
+                     "peak_rss_GB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6}
                 print(json.dumps(r), flush=True)
                 rows.append(r)
     finally:

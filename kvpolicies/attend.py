@@ -255,11 +255,37 @@ def _blocked(masked_logits, visibility, cuts, keys, vals, view, lowest, qr, pos,
     Returns the output [B, K, G, T, D] (in the values' dtype) and the most keys any query attended
     (int32)."""
     t = pos.shape[1]
+    tiled = t > BLOCK
     mask_t = view.mask is not None and view.mask.shape[2] > 1  # the view's mask has a query axis
+    split = lambda x, pattern: None if x is None else rearrange(x, pattern, s=BLOCK)  # noqa: E731
 
-    def tile(qs, q_pos, vmask_q, app_xs=None):
-        """Queries qs (P x [B, K, G, tq, D]) at q_pos [B, tq], the view's mask cut to them; app_xs:
-        the appended part's tiles (a query tile's own mask cut), or None: in one piece."""
+    def as_blocks(kp, vp, lo, hi, fill=0):
+        """Slots [lo, hi) as whole blocks, split once for every query tile (xs of a lax.scan; the
+        view's mask apart, cut per tile): keys, values, positions, bias, RoPE segments. fill:
+        empty slots (position -1) appended to make the last block whole."""
+        grow = lambda x, value=0: None if x is None else jnp.pad(  # noqa: E731  the last axis: + fill
+            x[..., lo:hi], [(0, 0)] * (x.ndim - 1) + [(0, fill)], constant_values=value)
+        kv_pad = [(0, 0), (0, 0), (0, fill), (0, 0)]
+        return (split(jnp.pad(kp, kv_pad), "B K (n s) D -> n B K s D"), split(jnp.pad(vp, kv_pad), "B K (n s) D -> n B K s D"),
+                split(grow(view.pos, -1), "B P (n s) -> n B P s"), split(grow(view.bias), "B P (n s) -> n B P s"),
+                split(grow(view.rope.seg), "B P (n s) -> n B P s"))
+
+    def with_mask(xs, vmask_q, lo, hi, fill=0):  # a scan's xs with the view's mask (cut to a query tile) added
+        vm = None if vmask_q is None else split(
+            jnp.pad(vmask_q[..., lo:hi], [(0, 0)] * 3 + [(0, fill)]), "B P T (n s) -> n B P T s")
+        return xs[:3] + (vm,) + xs[3:]
+
+    (lo, hi), kp, vp = cuts[0], keys[0], vals[0]
+    n, rest = divmod(hi - lo, BLOCK)
+    stored = as_blocks(kp[:, :, :n * BLOCK], vp[:, :, :n * BLOCK], lo, lo + n * BLOCK) if n else None
+    appended = None
+    if tiled and len(cuts) > 1:  # the appended part in tiles, padded with empty slots
+        (a_lo, a_hi), = cuts[1:]
+        a_fill = -(a_hi - a_lo) % BLOCK
+        appended = as_blocks(keys[1], vals[1], a_lo, a_hi, a_fill)
+
+    def tile(qs, q_pos, vmask_q):
+        """Queries qs (P x [B, K, G, tq, D]) at q_pos [B, tq], the view's mask cut to them."""
         queries = (qs, q_pos)
 
         def fold(carry, kp, vp, kpos, vmask, bias, seg, mask=None):  # one block of slots into the running softmax
@@ -299,37 +325,27 @@ def _blocked(masked_logits, visibility, cuts, keys, vals, view, lowest, qr, pos,
             cut = lambda x: None if x is None else x[..., lo:hi]  # noqa: E731
             return kp[:, :, a:b], vp[:, :, a:b], view.pos[..., lo:hi], cut(vmask_q), cut(view.bias), cut(view.rope.seg)
 
-        def blocks(lo, n, kp, vp):  # the slots [lo, lo + n x BLOCK) as n blocks (xs of a lax.scan)
-            per_slot = lambda x: None if x is None else rearrange(  # noqa: E731
-                x[..., lo:lo + n * BLOCK], "B P (n s) -> n B P s", s=BLOCK)
-            return (rearrange(kp[:, :, :n * BLOCK], "B K (n s) D -> n B K s D", s=BLOCK),
-                    rearrange(vp[:, :, :n * BLOCK], "B K (n s) D -> n B K s D", s=BLOCK), per_slot(view.pos),
-                    None if vmask_q is None else rearrange(vmask_q[..., lo:lo + n * BLOCK], "B P T (n s) -> n B P T s", s=BLOCK),
-                    per_slot(view.bias), per_slot(view.rope.seg))
-
-        (lo, hi), kp, vp = cuts[0], keys[0], vals[0]
+        blocks = lambda c, xs: jax.lax.scan(lambda c, x: (block(c, x), None), c, xs)[0]  # noqa: E731
         b_, k_, g_, t_, _ = qs[0].shape
         carry = (jnp.full((b_, k_, g_, t_, 1), lowest), jnp.zeros((b_, k_, g_, t_, 1), jnp.float32),
                  jnp.zeros((b_, k_, g_, t_, vp.shape[-1]), jnp.float32), jnp.zeros(view.pos.shape[:2] + (1, t_), jnp.int32))
-        n, rest = divmod(hi - lo, BLOCK)
         if n:
-            carry, _ = jax.lax.scan(lambda c, x: (block(c, x), None), carry, blocks(lo, n, kp, vp))
+            carry = blocks(carry, with_mask(stored, vmask_q, lo, lo + n * BLOCK))
         if rest:
             carry = fold(carry, *piece(lo + n * BLOCK, hi, kp, vp, n * BLOCK, None))
-        if app_xs is not None:  # the appended slots in tiles
-            carry, _ = jax.lax.scan(lambda c, x: (block(c, x), None), carry, app_xs(vmask_q))
+        if appended is not None:  # the appended slots in tiles
+            carry = blocks(carry, with_mask(appended, vmask_q, a_lo, a_hi, a_fill))
         else:
-            for (lo, hi), kp, vp in zip(cuts[1:], keys[1:], vals[1:]):  # the appended slots
-                carry = fold(carry, *piece(lo, hi, kp, vp))
+            for (c_lo, c_hi), c_kp, c_vp in zip(cuts[1:], keys[1:], vals[1:]):  # the appended slots
+                carry = fold(carry, *piece(c_lo, c_hi, c_kp, c_vp))
         _, total, acc, seen = carry
-        if t > BLOCK:  # in tiles, a query that saw no slot (none in practice: a query sees itself)
-            total = jnp.where(total > 0, total, 1)  # has skipped every block: 0, not 0 / 0
+        if tiled:  # in tiles, a query that saw no slot (none in practice: a query sees itself) has
+            total = jnp.where(total > 0, total, 1)  # skipped every block: 0, not 0 / 0
         return (acc / total).astype(vals[0].dtype), seen.max()
 
-    if t <= BLOCK:
+    if not tiled:
         return tile(qr, pos, view.mask)
-    # Query tiles: pad the queries to whole tiles (copies of the last query, dropped after) and the
-    # appended slots to whole tiles of empty slots (position -1: seen by no query).
+    # Query tiles: pad the queries to whole tiles with copies of the last query (dropped after)
     n_q = -(-t // BLOCK)
     pad = n_q * BLOCK - t
     edge = lambda x, axis: jnp.pad(x, [(0, pad if a == axis else 0) for a in range(x.ndim)], mode="edge")  # noqa: E731
@@ -338,28 +354,10 @@ def _blocked(masked_logits, visibility, cuts, keys, vals, view, lowest, qr, pos,
     qs = [by_tile(edge(x, 3), 3) for x in qr]  # P x [n_q, B, K, G, BLOCK, D]
     q_pos = by_tile(edge(pos, 1), 1)  # [n_q, B, BLOCK]
     vmask = by_tile(edge(view.mask, 2), 2) if mask_t else None  # [n_q, B, Kp, BLOCK, S']
-    app_xs = None
-    if len(cuts) > 1:  # the appended part, padded to whole tiles of empty slots
-        (lo, hi), kp, vp = cuts[1], keys[1], vals[1]
-        n_a = -(-(hi - lo) // BLOCK)
-        fill = n_a * BLOCK - (hi - lo)
-        grow = lambda x, value=0: None if x is None else jnp.pad(  # noqa: E731  the last axis: + fill
-            x[..., lo:hi], [(0, 0)] * (x.ndim - 1) + [(0, fill)], constant_values=value)
-        kp_a = jnp.pad(kp, [(0, 0), (0, 0), (0, fill), (0, 0)])
-        vp_a = jnp.pad(vp, [(0, 0), (0, 0), (0, fill), (0, 0)])
-        pos_a, bias_a, seg_a = grow(view.pos, -1), grow(view.bias), grow(view.rope.seg)
-        split = lambda x, pattern: None if x is None else rearrange(x, pattern, s=BLOCK)  # noqa: E731
-
-        def app_xs(vmask_q):
-            return (split(kp_a, "B K (n s) D -> n B K s D"), split(vp_a, "B K (n s) D -> n B K s D"),
-                    split(pos_a, "B P (n s) -> n B P s"),
-                    None if vmask_q is None else split(jnp.pad(vmask_q[..., lo:hi], [(0, 0)] * 3 + [(0, fill)]),
-                                                       "B P T (n s) -> n B P T s"),
-                    split(bias_a, "B P (n s) -> n B P s"), split(seg_a, "B P (n s) -> n B P s"))
 
     def one(_, x):
         qs_i, pos_i, vmask_i = x
-        return None, tile(list(qs_i), pos_i, vmask_i if mask_t else view.mask, app_xs)
+        return None, tile(list(qs_i), pos_i, vmask_i if mask_t else view.mask)
 
     _, (out, seen) = jax.lax.scan(one, None, (tuple(qs), q_pos, vmask))
     out = rearrange(out, "n B K G s D -> B K G (n s) D")[:, :, :, :t]

@@ -85,6 +85,8 @@ def test_prompt_speed_dry_run_times_every_prompt_phase():
     rows = prompt_speed.main(["--dry-run"])
     assert [r["policy"] for r in rows] == list(prompt_speed.POLICIES)
     assert all(r["prompt_tok_s"] > 0 and r["traces"]["logits"] == 1 for r in rows)  # 64 tokens: one bucket, chunks of 16
+    one, = prompt_speed.main(["--dry-run", "--chunk", "0", "--policies", "full"])  # the whole prompt as one chunk
+    assert one["chunk"] == 64 and one["traces"]["logits"] == 1 and one["peak_rss_GB"] > 0
 
 
 def test_attention_ab_dry_run_compares_each_choice_with_the_path_it_replaced():
