@@ -185,8 +185,15 @@ def _attend(policy, state, q, k, v, pos, rope, scale, defer=False):
     cat = lambda xs: xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=-1)  # noqa: E731  (observers only)
     observed = {"scores", "logits"} & set(policy.observes)  # per-slot probabilities a policy reads
     rows = policy.score_rows  # compact reads only the scores of the last `rows` queries
-    if x_t > 1 and max(s, x_t) > BLOCK and selected is None and not observed - ({"scores"} if rows else set()):
-        out, visible = _blocked(masked_logits, visibility, cuts, keys, vals, view, lowest, qr, pos, scale)
+    # Column sums (observed's prompt phase) take a second pass over the blocks: only for a chunk of
+    # more than BLOCK tokens, whose one-piece logits would grow with T x T (a 4K prompt in one chunk:
+    # 2.98 -> 1.43 GB peak, 134-144 -> 162-204 tok/s); a chunk of at most BLOCK keeps the one
+    # piece, faster for it (a 4K prompt in chunks of 512: 219-241 tok/s, in blocks 197-205)
+    sums_columns = "columns" in policy.observes
+    if (x_t > 1 and max(s, x_t) > BLOCK and selected is None and not observed - ({"scores"} if rows else set())
+            and (x_t > BLOCK or not sums_columns)):
+        out, visible, columns = _blocked(masked_logits, visibility, cuts, keys, vals, view, lowest, qr, pos, scale,
+                                         sums_columns)
         out = rearrange(out, "B K G T D -> B T (K G) D")
         scores = None
         if "scores" in observed:  # those queries' probabilities in one piece: [B, K, G, m, S'] logits
@@ -197,7 +204,7 @@ def _attend(policy, state, q, k, v, pos, rope, scale, defer=False):
                                   None if rp.seg is None else rp.seg[..., lo:hi], None, sub)[0]
                     for (lo, hi), kp in zip(cuts, keys)]
             scores = _sum_groups(cat(softmax(lg_m)))  # [B, K, m, S']
-        seen = Seen(scores=scores, k_rot=k_all if "k_rot" in policy.observes else None,
+        seen = Seen(scores=scores, columns=columns, k_rot=k_all if "k_rot" in policy.observes else None,
                     q=qh if "q" in policy.observes else None,
                     rope=(rope.rope if isinstance(rope, RopeTable) else rope) if "rope" in policy.observes else None)
         writes = policy.defer(own, seen) if defer else None
@@ -206,8 +213,10 @@ def _attend(policy, state, q, k, v, pos, rope, scale, defer=False):
     lgs, masks = zip(*(part(lo, hi, kp) for (lo, hi), kp in zip(cuts, keys)))
     probs = softmax(lgs)  # P(slot) per part, float32
     out = sum(jnp.einsum("BKGTS,BKSD->BKGTD", p.astype(vp.dtype), vp) for p, vp in zip(probs, vals))
+    summed = _sum_groups(cat(probs)) if {"scores", "columns"} & set(policy.observes) else None  # [B, K, T, S']
     seen = Seen(
-        scores=_sum_groups(cat(probs)) if "scores" in policy.observes else None,  # [B, K, T, S']
+        scores=summed if "scores" in policy.observes else None,
+        columns=summed.sum(axis=2) if sums_columns else None,  # [B, K, S']
         k_rot=k_all if "k_rot" in policy.observes else None,
         q=qh if "q" in policy.observes else None,  # [B, K, G, T, D]
         rope=(rope.rope if isinstance(rope, RopeTable) else rope) if "rope" in policy.observes else None,
@@ -245,15 +254,18 @@ BLOCK = 512
 SKIP_BLOCKS = True
 
 
-def _blocked(masked_logits, visibility, cuts, keys, vals, view, lowest, qr, pos, scale):
+def _blocked(masked_logits, visibility, cuts, keys, vals, view, lowest, qr, pos, scale, columns=False):
     """Attention of a chunk over the view's parts (`cuts`, `keys`, `vals`: the stored slots, then
     the appended ones), the stored part in blocks of BLOCK slots (a lax.scan) and its remainder,
     then the appended part, each folded into a running softmax. A chunk of more than BLOCK queries
     attends in query tiles of BLOCK (a lax.scan; queries and appended slots padded to whole tiles),
     each reading its appended part in tiles of BLOCK slots too, skipped, unmasked or masked like
     the stored blocks: no buffer grows with T x T, and a tile's causal future is not computed.
-    Returns the output [B, K, G, T, D] (in the values' dtype) and the most keys any query attended
-    (int32)."""
+    columns: also the attention each slot received, summed over the G query heads and the T
+    queries ([B, K, S'] float32, `Seen.columns`): a second pass over the same blocks, once each
+    query's softmax max and normaliser are final (each block's logits computed again).
+    Returns the output [B, K, G, T, D] (in the values' dtype), the most keys any query attended
+    (int32) and the column sums (None without `columns`)."""
     t = pos.shape[1]
     tiled = t > BLOCK
     mask_t = view.mask is not None and view.mask.shape[2] > 1  # the view's mask has a query axis
@@ -284,8 +296,9 @@ def _blocked(masked_logits, visibility, cuts, keys, vals, view, lowest, qr, pos,
         a_fill = -(a_hi - a_lo) % BLOCK
         appended = as_blocks(keys[1], vals[1], a_lo, a_hi, a_fill)
 
-    def tile(qs, q_pos, vmask_q):
-        """Queries qs (P x [B, K, G, tq, D]) at q_pos [B, tq], the view's mask cut to them."""
+    def tile(qs, q_pos, vmask_q, real=None):
+        """Queries qs (P x [B, K, G, tq, D]) at q_pos [B, tq], the view's mask cut to them; real
+        [tq] bool: the queries that are not a tile's padding (None: all)."""
         queries = (qs, q_pos)
 
         def fold(carry, kp, vp, kpos, vmask, bias, seg, mask=None):  # one block of slots into the running softmax
@@ -307,41 +320,70 @@ def _blocked(masked_logits, visibility, cuts, keys, vals, view, lowest, qr, pos,
             count = kp.shape[2] if every else mask.sum(axis=-1, dtype=jnp.int32)  # visible slots per query
             return new_top, total * decay + e.sum(axis=-1, keepdims=True), acc * decay + pv, seen + count
 
-        def block(carry, x):  # a block: skipped when no query sees a slot of it, unmasked when all see all
-            kp, vp, kpos, vmask, bias, seg = x
+        def switched(x, run, skip):
+            """run(x, mask) for a block of slots x, with mask True when every query sees every slot
+            (no mask applied); skip() when no query sees any (the block is not read)."""
+            kpos, vmask, seg = x[2], x[3], x[5]
             mask = visibility(kpos, vmask, None, q_pos)  # [B, Kp, 1, tq, BLOCK]
             if not SKIP_BLOCKS:
-                return fold(carry, *x, mask=mask)
+                return run(x, mask)
             branch = jnp.where(mask.all(), 1, jnp.where(mask.any(), 2, 0))
-            fns = [lambda c: c, lambda c: fold(c, *x, mask=True), lambda c: fold(c, *x, mask=mask)]
+            fns = [skip, lambda: run(x, True), lambda: run(x, mask)]
             if seg is not None:  # RoPE segments (sink in cache mode): a block whose slots all pair with
                 # segment 0's query rotation needs one logits matmul, not one per segment
                 one = x[:5] + (None,)
-                fns += [lambda c: fold(c, *one, mask=True), lambda c: fold(c, *one, mask=mask)]
+                fns += [lambda: run(one, True), lambda: run(one, mask)]
                 branch = jnp.where((branch > 0) & (seg == 0).all(), branch + 2, branch)
-            return jax.lax.switch(branch, fns, carry)
+            return jax.lax.switch(branch, fns)
+
+        def block(carry, x):  # a block: skipped when no query sees a slot of it, unmasked when all see all
+            return switched(x, lambda x, mask: fold(carry, *x, mask=mask), lambda: carry)
 
         def piece(lo, hi, kp, vp, a=None, b=None):  # the view's per-slot fields of slots [lo, hi), kp/vp cut to [a, b)
             cut = lambda x: None if x is None else x[..., lo:hi]  # noqa: E731
             return kp[:, :, a:b], vp[:, :, a:b], view.pos[..., lo:hi], cut(vmask_q), cut(view.bias), cut(view.rope.seg)
 
-        blocks = lambda c, xs: jax.lax.scan(lambda c, x: (block(c, x), None), c, xs)[0]  # noqa: E731
+        def parts(one, many):
+            """one(x) for the remainder and the untiled appended parts, many(xs) for the scanned
+            blocks, over the view's slots in order: the list of their results."""
+            got = [many(with_mask(stored, vmask_q, lo, lo + n * BLOCK))] if n else []
+            if rest:
+                got.append(one(piece(lo + n * BLOCK, hi, kp, vp, n * BLOCK, None)))
+            if appended is not None:  # the appended slots in tiles
+                got.append(many(with_mask(appended, vmask_q, a_lo, a_hi, a_fill)))
+            else:
+                got += [one(piece(c_lo, c_hi, c_kp, c_vp)) for (c_lo, c_hi), c_kp, c_vp in zip(cuts[1:], keys[1:], vals[1:])]
+            return got
+
         b_, k_, g_, t_, _ = qs[0].shape
         carry = (jnp.full((b_, k_, g_, t_, 1), lowest), jnp.zeros((b_, k_, g_, t_, 1), jnp.float32),
                  jnp.zeros((b_, k_, g_, t_, vp.shape[-1]), jnp.float32), jnp.zeros(view.pos.shape[:2] + (1, t_), jnp.int32))
-        if n:
-            carry = blocks(carry, with_mask(stored, vmask_q, lo, lo + n * BLOCK))
-        if rest:
-            carry = fold(carry, *piece(lo + n * BLOCK, hi, kp, vp, n * BLOCK, None))
-        if appended is not None:  # the appended slots in tiles
-            carry = blocks(carry, with_mask(appended, vmask_q, a_lo, a_hi, a_fill))
-        else:
-            for (c_lo, c_hi), c_kp, c_vp in zip(cuts[1:], keys[1:], vals[1:]):  # the appended slots
-                carry = fold(carry, *piece(c_lo, c_hi, c_kp, c_vp))
-        _, total, acc, seen = carry
+        for f in parts(lambda x: lambda c: fold(c, *x), lambda xs: lambda c: jax.lax.scan(
+                lambda c, x: (block(c, x), None), c, xs)[0]):
+            carry = f(carry)
+        top, total, acc, seen = carry
         if tiled:  # in tiles, a query that saw no slot (none in practice: a query sees itself) has
             total = jnp.where(total > 0, total, 1)  # skipped every block: 0, not 0 / 0
-        return (acc / total).astype(vals[0].dtype), seen.max()
+        out = (acc / total).astype(vals[0].dtype)
+        if not columns:
+            return out, seen.max(), None
+        weight = 1 / total if real is None else jnp.where(real[:, None], 1 / total, 0)  # [B, K, G, tq, 1]
+
+        def column(x, mask=None):  # [B, K, s]: a block's probabilities (final max and normaliser), summed
+            lg, _ = masked_logits(x[0], x[2], x[3], x[4], x[5], None, queries, mask=mask)
+            if mask is True and x[4] is None:  # unscaled logits (as in fold)
+                lg = lg * scale
+            return _sum_groups(jnp.exp(lg - top) * weight).sum(axis=2)
+
+        def column_blocks(xs):  # the scanned blocks' column sums, in slot order: [B, K, n x BLOCK]
+            zero = jnp.zeros((b_, k_, BLOCK), jnp.float32)
+            got = jax.lax.scan(lambda c, x: (c, switched(x, lambda x, mask: column(x, mask), lambda: zero)), None, xs)[1]
+            return rearrange(got, "n B K s -> B K (n s)")
+
+        cols = jnp.concatenate(parts(column, column_blocks), axis=-1)
+        if appended is not None:
+            cols = cols[..., :cols.shape[-1] - a_fill]  # the appended tiles' empty fill
+        return out, seen.max(), cols
 
     if not tiled:
         return tile(qr, pos, view.mask)
@@ -354,14 +396,17 @@ def _blocked(masked_logits, visibility, cuts, keys, vals, view, lowest, qr, pos,
     qs = [by_tile(edge(x, 3), 3) for x in qr]  # P x [n_q, B, K, G, BLOCK, D]
     q_pos = by_tile(edge(pos, 1), 1)  # [n_q, B, BLOCK]
     vmask = by_tile(edge(view.mask, 2), 2) if mask_t else None  # [n_q, B, Kp, BLOCK, S']
+    real = (jnp.arange(n_q * BLOCK) < t).reshape(n_q, BLOCK)  # [n_q, BLOCK]: not padding
 
-    def one(_, x):
-        qs_i, pos_i, vmask_i = x
-        return None, tile(list(qs_i), pos_i, vmask_i if mask_t else view.mask)
+    def one(cols, x):
+        qs_i, pos_i, vmask_i, real_i = x
+        out, seen, c = tile(list(qs_i), pos_i, vmask_i if mask_t else view.mask, real_i)
+        return (cols if c is None else cols + c), (out, seen)
 
-    _, (out, seen) = jax.lax.scan(one, None, (tuple(qs), q_pos, vmask))
+    cols = jnp.zeros((pos.shape[0], keys[0].shape[1], cuts[-1][1] - cuts[0][0]), jnp.float32) if columns else None
+    cols, (out, seen) = jax.lax.scan(one, cols, (tuple(qs), q_pos, vmask, real))
     out = rearrange(out, "n B K G s D -> B K G (n s) D")[:, :, :, :t]
-    return out, seen.max()
+    return out, seen.max(), cols
 
 
 def _sum_groups(p: Float[Array, "B K G T S"]) -> Float[Array, "B K T S"]:

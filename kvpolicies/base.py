@@ -134,6 +134,9 @@ class Seen:
     rope:   the `Rope` attention applied (static; to rotate to positions the step does not hold).
     logits: [B, K, G, T, S] float32 scaled logits, masked slots at float32's lowest value
             (a softmax over another set of slots: kvzip's reconstruction scores).
+    columns: [B, K, S] float32 attention probabilities summed over the G query heads and all T
+            queries: the attention each slot received from the step (observed attention's
+            column sums; a chunk attended in blocks computes them block by block too).
     """
 
     scores: Float[Array, "B K T S"] | None = None
@@ -141,6 +144,7 @@ class Seen:
     q: Float[Array, "B K G T D"] | None = None
     rope: Any = dataclasses.field(default=None, metadata=dict(static=True))
     logits: Float[Array, "B K G T S"] | None = None
+    columns: Float[Array, "B K S"] | None = None
 
 
 def tree_nbytes(tree) -> int:
@@ -160,7 +164,7 @@ class Policy:
     Subclasses are frozen dataclasses with a `codec` field; class attributes declare the rest.
     """
 
-    # Which `Seen` fields `compact` needs ("scores", "k_rot", "q", "rope", "logits"); attention
+    # Which `Seen` fields `compact` needs ("scores", "k_rot", "q", "rope", "logits", "columns"); attention
     # computes only those.
     observes: ClassVar[tuple[str, ...]] = ()
     # A decode-time evictor: attention runs a chunk as T single-token steps (a scan inside the

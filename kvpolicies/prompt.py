@@ -66,13 +66,13 @@ class PromptPhase(Policy):
         check_int("prompt phase", "query_sink", self.query_sink, -1)
 
     @property
-    def score_rows(self):  # the rows of the newest W queries, unless every query's column sums are kept
-        return None if self.columns or not self.obs_window else self.obs_window
+    def score_rows(self):  # the rows of the newest W queries
+        return self.obs_window or None
 
     @property
     def observes(self):
-        scores = ("scores",) if self.obs_window or self.columns else ()
-        return scores + (("q", "rope") if self.query_sink >= 0 else ())
+        return (("scores",) if self.obs_window else ()) + (("columns",) if self.columns else ()) + (
+            ("q", "rope") if self.query_sink >= 0 else ())
 
     def capacity(self, max_len):
         return max_len
@@ -118,7 +118,7 @@ class PromptPhase(Policy):
             row_pos = jax.vmap(lambda r, i, x: r.at[i].set(x, mode="drop"))(row_pos, row, last)  # [B, W]
         extra = dict(state.extra)
         if self.columns:
-            extra["mass"] = extra["mass"] + seen.scores.sum(axis=2)  # [B, K, S]
+            extra["mass"] = extra["mass"] + seen.columns  # [B, K, S]
         if self.query_sink >= 0:
             extra.update(query_sums(seen.q, pos, self.query_sink, extra))
             extra["inv_freq"] = jnp.asarray(seen.rope.inv_freq())  # [D/2]

@@ -72,13 +72,16 @@ def test_blocked_visible_count_and_all_masked_blocks(monkeypatch):
         np.testing.assert_allclose(out, ref, atol=3e-5, rtol=0)
 
 
-@pytest.mark.parametrize("t,s", [(64, 8192), (2048, 64)])
-def test_blocked_chunk_never_materialises_the_logits(t, s):
+@pytest.mark.parametrize("t,s,name", [(64, 8192, "full"), (2048, 64, "window"), (2048, 2048, "observed")])
+def test_blocked_chunk_never_materialises_the_logits(t, s, name):
     """XLA's temporaries of a chunk of T tokens over S stored slots (64 over 8,192; 2,048 over 64,
-    a window of 64 where the T x T logits of its own tokens dominate): the one-piece step holds at
-    least two [B, K, G, T, S + T] float32 buffers, the blocked one (query tiles of 512 over the
-    stored blocks and the appended tiles) under a third of one."""
-    pol = kvpolicies.get("full") if s > t else kvpolicies.get("window", window=s)
+    a window of 64 where the T x T logits of its own tokens dominate; observed's prompt phase, a
+    2,048-token prompt in one chunk, whose column sums take a second pass over the blocks): the
+    one-piece step holds at least two [B, K, G, T, S'] float32 buffers (S' the slots it attends:
+    S + T appended, or the prompt phase's S holding the chunk), the blocked one (query tiles of
+    512 over the stored blocks and the appended tiles) under a third of one."""
+    pol = {"full": kvpolicies.get("full"), "window": kvpolicies.get("window", window=s),
+           "observed": kvpolicies.get("observed").prompt_policy()}[name]
     b, n, kv, d = 1, 16, 2, 32
     state = jax.eval_shape(lambda: pol.init(b, kv, d, jnp.float32, s))
     args = [jax.ShapeDtypeStruct((b, t, h, d), jnp.float32) for h in (n, kv, kv)]
@@ -91,7 +94,7 @@ def test_blocked_chunk_never_materialises_the_logits(t, s):
             temps[label] = f.lower(state, *args, pos).compile().memory_analysis().temp_size_in_bytes
         finally:
             attend_mod.BLOCK = 512
-    logits = b * n * t * (s + t) * 4  # one [B, K, G, T, S + T] float32 buffer
+    logits = b * n * t * (s if name == "observed" else s + t) * 4  # one [B, K, G, T, S'] float32 buffer
     assert temps["whole"] >= 2 * logits and temps["blocked"] < logits / 3, (temps, logits)
 
 
@@ -101,8 +104,8 @@ def test_blocked_chunk_never_materialises_the_logits(t, s):
 def test_prompt_phase_keeps_the_newest_rows_in_blocks(name, kw, monkeypatch):
     """A prompt phase that keeps the attention rows of its newest W queries (`score_rows`) is handed
     only those rows and attends its chunks in blocks: the prompt state (rows, their positions, the
-    slots) and the compressed state equal the one-piece run's; a phase that sums every query's
-    column (observed) keeps the one-piece path."""
+    slots; observed's column sums, from a second pass over the blocks) and the compressed state
+    equal the one-piece run's."""
     from models.config import LlamaConfig
     from models.engine import Engine
     from models.llama import Llama
@@ -110,7 +113,7 @@ def test_prompt_phase_keeps_the_newest_rows_in_blocks(name, kw, monkeypatch):
     model = Llama(LlamaConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=32))
     ids = np.random.default_rng(7).integers(0, 97, (2, 37)).astype(np.int32)
     pol = kvpolicies.get(name, **kw)
-    assert pol.prompt_policy().score_rows == (None if name == "observed" else 5)
+    assert pol.prompt_policy().score_rows == (None if name == "observed" else 5)  # observed: no rows, columns
     blocked = []
     real = attend_mod._blocked
     monkeypatch.setattr(attend_mod, "_blocked", lambda *a: (blocked.append(1), real(*a))[1])
@@ -120,7 +123,7 @@ def test_prompt_phase_keeps_the_newest_rows_in_blocks(name, kw, monkeypatch):
         eng = Engine(model, pol, max_len=48)
         state = eng.prompt(ids, chunk=9)  # chunks of 9: 4 full ones and a ragged last one
         runs[label] = (state.cache, state.logits, eng.compress(state).cache)
-    assert bool(blocked) == (name != "observed")
+    assert blocked
     for a, b in zip(jax.tree.leaves(runs["blocked"]), jax.tree.leaves(runs["whole"])):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=1e-6, rtol=0)
 
