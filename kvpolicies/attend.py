@@ -241,13 +241,16 @@ def _attend(policy, state, q, k, v, pos, rope, scale, defer=False):
 # logits of ~600 MB per SmolLM2 layer and ran at 203 tok/s, against 317 in tiles (chunks of 512:
 # 333-376, the same machine).
 BLOCK = 512
-# Each stored block is first checked against the chunk's visibility (its [B, Kp, T, BLOCK] mask):
-# a block no query sees (empty slots: a prompt's stored part past its filled length, the chunk's
+# Each stored block is first checked against the chunk's visibility (for all blocks at once,
+# before any is read; with causality alone, from the queries' first and last positions): a block
+# no query sees (empty slots: a prompt's stored part past its filled length, the chunk's
 # own not-yet-written slots) is skipped without reading it, so a chunk's attention work follows
 # the filled length, not the length bucket; a block every query sees whole is attended without a
 # mask (and with its scale fused into the exponential); the rest are masked. The result is the
 # same (a skipped block adds exactly 0; an unmasked one the same numbers). A 4K prompt's prefill
-# in chunks of 512: 1.07-1.19x faster. With RoPE segments (sink in cache mode: its sinks pair with
+# in chunks of 512: 1.07-1.19x faster. Deciding inside a scan over every block (its mask, then a
+# cond) made a skipped block cost time too; deciding first and looping over the blocks to read:
+# an 8K prompt, alternated, one chunk 192-202 -> 217-250 tok/s, chunks of 512 203-223 -> 228-250. With RoPE segments (sink in cache mode: its sinks pair with
 # another query rotation than its window), a block holding no sink computes one segment's logits
 # instead of every segment's and a select between them. SKIP_BLOCKS = False masks every block
 # and computes every segment (the A/B of benchmarks.attention_ab).
@@ -256,8 +259,10 @@ SKIP_BLOCKS = True
 
 def _blocked(masked_logits, visibility, cuts, keys, vals, view, lowest, qr, pos, scale, columns=False):
     """Attention of a chunk over the view's parts (`cuts`, `keys`, `vals`: the stored slots, then
-    the appended ones), the stored part in blocks of BLOCK slots (a lax.scan) and its remainder,
-    then the appended part, each folded into a running softmax. A chunk of more than BLOCK queries
+    the appended ones), the stored part in blocks of BLOCK slots and its remainder, then the
+    appended part, each folded into a running softmax. How each block is read (skipped, whole,
+    masked) is decided for all blocks at once, before any is read; a loop then reads only the
+    blocks some query sees, in slot order (a skipped block costs nothing). A chunk of more than BLOCK queries
     attends in query tiles of BLOCK (a lax.scan; queries and appended slots padded to whole tiles),
     each reading its appended part in tiles of BLOCK slots too, skipped, unmasked or masked like
     the stored blocks: no buffer grows with T x T, and a tile's causal future is not computed.
@@ -320,24 +325,49 @@ def _blocked(masked_logits, visibility, cuts, keys, vals, view, lowest, qr, pos,
             count = kp.shape[2] if every else mask.sum(axis=-1, dtype=jnp.int32)  # visible slots per query
             return new_top, total * decay + e.sum(axis=-1, keepdims=True), acc * decay + pv, seen + count
 
-        def switched(x, run, skip):
-            """run(x, mask) for a block of slots x, with mask True when every query sees every slot
-            (no mask applied); skip() when no query sees any (the block is not read)."""
-            kpos, vmask, seg = x[2], x[3], x[5]
-            mask = visibility(kpos, vmask, None, q_pos)  # [B, Kp, 1, tq, BLOCK]
-            if not SKIP_BLOCKS:
-                return run(x, mask)
-            branch = jnp.where(mask.all(), 1, jnp.where(mask.any(), 2, 0))
-            fns = [skip, lambda: run(x, True), lambda: run(x, mask)]
-            if seg is not None:  # RoPE segments (sink in cache mode): a block whose slots all pair with
-                # segment 0's query rotation needs one logits matmul, not one per segment
-                one = x[:5] + (None,)
-                fns += [lambda: run(one, True), lambda: run(one, mask)]
-                branch = jnp.where((branch > 0) & (seg == 0).all(), branch + 2, branch)
-            return jax.lax.switch(branch, fns)
+        def branches(xs):
+            """How each of the n blocks xs is read, from all their visibility masks at once: [n] int32,
+            0 skipped (no query sees a slot of it), 1 whole (every query sees every slot: no mask
+            applied), 2 masked; with RoPE segments (sink in cache mode), + 2 for a block whose slots
+            all pair with segment 0's query rotation (one logits matmul, not one per segment)."""
+            kpos, vmask, seg = xs[2], xs[3], xs[5]
+            n = kpos.shape[0]
+            if vmask is None:  # causal only: from the queries' extremes, per batch row (the same answer)
+                filled = kpos >= 0  # [n, B, Kp, BLOCK]
+                q_max, q_min = (f(q_pos, axis=1)[None, :, None, None] for f in (jnp.max, jnp.min))  # [1, B, 1, 1]
+                some = (filled & (kpos <= q_max)).reshape(n, -1).any(axis=1)
+                every = (filled & (kpos <= q_min)).reshape(n, -1).all(axis=1)
+            else:
+                mask = jax.vmap(lambda p, vm: visibility(p, vm, None, q_pos))(kpos, vmask).reshape(n, -1)
+                some, every = mask.any(axis=1), mask.all(axis=1)
+            branch = jnp.where(every, 1, jnp.where(some, 2, 0))
+            if seg is not None:
+                branch = jnp.where((branch > 0) & (seg == 0).reshape(seg.shape[0], -1).all(axis=1), branch + 2, branch)
+            return branch
 
-        def block(carry, x):  # a block: skipped when no query sees a slot of it, unmasked when all see all
-            return switched(x, lambda x, mask: fold(carry, *x, mask=mask), lambda: carry)
+        def reads(x, run):  # run(x, mask) for branches 1, 2 (3, 4) of a block x, as thunks
+            mask = lambda: visibility(x[2], x[3], None, q_pos)  # noqa: E731  [B, Kp, 1, tq, BLOCK]
+            fns = [lambda: run(x, True), lambda: run(x, mask())]
+            if x[5] is not None:
+                one = x[:5] + (None,)
+                fns += [lambda: run(one, True), lambda: run(one, mask())]
+            return fns
+
+        def blocks(carry, xs):
+            """The n blocks xs folded into the running softmax: only those some query sees, in slot
+            order (a loop over their count: a skipped block costs nothing), each read whole or masked."""
+            if not SKIP_BLOCKS:  # every block masked
+                return jax.lax.scan(lambda c, x: (fold(c, *x, mask=visibility(x[2], x[3], None, q_pos)), None),
+                                    carry, xs)[0]
+            branch = branches(xs)
+            order = jnp.argsort(branch == 0, stable=True)  # the blocks to read first, in slot order
+
+            def body(i, c):
+                j = order[i]
+                x = jax.tree.map(lambda a: a[j], xs)
+                return jax.lax.switch(branch[j] - 1, reads(x, lambda x, mask: fold(c, *x, mask=mask)))
+
+            return jax.lax.fori_loop(0, (branch > 0).sum(), body, carry)
 
         def piece(lo, hi, kp, vp, a=None, b=None):  # the view's per-slot fields of slots [lo, hi), kp/vp cut to [a, b)
             cut = lambda x: None if x is None else x[..., lo:hi]  # noqa: E731
@@ -358,8 +388,7 @@ def _blocked(masked_logits, visibility, cuts, keys, vals, view, lowest, qr, pos,
         b_, k_, g_, t_, _ = qs[0].shape
         carry = (jnp.full((b_, k_, g_, t_, 1), lowest), jnp.zeros((b_, k_, g_, t_, 1), jnp.float32),
                  jnp.zeros((b_, k_, g_, t_, vp.shape[-1]), jnp.float32), jnp.zeros(view.pos.shape[:2] + (1, t_), jnp.int32))
-        for f in parts(lambda x: lambda c: fold(c, *x), lambda xs: lambda c: jax.lax.scan(
-                lambda c, x: (block(c, x), None), c, xs)[0]):
+        for f in parts(lambda x: lambda c: fold(c, *x), lambda xs: lambda c: blocks(c, xs)):
             carry = f(carry)
         top, total, acc, seen = carry
         if tiled:  # in tiles, a query that saw no slot (none in practice: a query sees itself) has
@@ -376,8 +405,12 @@ def _blocked(masked_logits, visibility, cuts, keys, vals, view, lowest, qr, pos,
             return _sum_groups(jnp.exp(lg - top) * weight).sum(axis=2)
 
         def column_blocks(xs):  # the scanned blocks' column sums, in slot order: [B, K, n x BLOCK]
-            zero = jnp.zeros((b_, k_, BLOCK), jnp.float32)
-            got = jax.lax.scan(lambda c, x: (c, switched(x, lambda x, mask: column(x, mask), lambda: zero)), None, xs)[1]
+            if SKIP_BLOCKS:
+                zero = jnp.zeros((b_, k_, BLOCK), jnp.float32)
+                got = jax.lax.scan(lambda c, xb: (c, jax.lax.switch(xb[1], [lambda: zero] + reads(xb[0], column))),
+                                   None, (xs, branches(xs)))[1]
+            else:
+                got = jax.lax.scan(lambda c, x: (c, column(x, visibility(x[2], x[3], None, q_pos))), None, xs)[1]
             return rearrange(got, "n B K s -> B K (n s)")
 
         cols = jnp.concatenate(parts(column, column_blocks), axis=-1)
