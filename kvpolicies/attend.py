@@ -262,7 +262,9 @@ def _blocked(masked_logits, visibility, cuts, keys, vals, view, lowest, qr, pos,
     the appended ones), the stored part in blocks of BLOCK slots and its remainder, then the
     appended part, each folded into a running softmax. How each block is read (skipped, whole,
     masked) is decided for all blocks at once, before any is read; a loop then reads only the
-    blocks some query sees, in slot order (a skipped block costs nothing). A chunk of more than BLOCK queries
+    blocks some query sees, in slot order (a skipped block costs nothing). That loop's trip count
+    is traced (a while loop), so reverse-mode autodiff does not pass through a blocked chunk
+    (nothing here differentiates one: the recall model trains on ~100-token sequences). A chunk of more than BLOCK queries
     attends in query tiles of BLOCK (a lax.scan; queries and appended slots padded to whole tiles),
     each reading its appended part in tiles of BLOCK slots too, skipped, unmasked or masked like
     the stored blocks: no buffer grows with T x T, and a tile's causal future is not computed.
