@@ -29,7 +29,20 @@ transformers' single forward of the same tokens). Both rates are measured at the
 at the end of the run; the rows written to `--out` divide by the better of the two (the rows
 printed during the run use the start's).
 
-Scaling rows (`impl: scaling`): the ratio of two host-loop step times, `sink` after 64K tokens
+Ceilings of the targets, from the same run: each of our rows also reports `roofline_needed`,
+the fraction of its roofline a decode 3x transformers' tokens/s would reach (above 1.0 no
+implementation reaches it on this machine), and `matmul_needed`, the fraction of the matmul rate a
+prefill 2x transformers' would need (its FLOP count as ours; above 1.0 it is faster than the
+measured matmul rate). transformers' row reports the same matmul shapes' rate through PyTorch
+(`torch_matmul_GFLOP_s`, measured right after it) and its prefill's fraction of it
+(`prefill_of_torch_matmul`).
+
+A codec row (`impl: codec`, with both `full` and int8): int8's layer-by-layer step over `full`'s
+at the largest context, the two alternated over 6 rounds (medians; the per-policy rows above are
+measured one policy after the other, so the machine's drift enters their ratio).
+
+Scaling rows (`impl: scaling`): the ratio of two host-loop step times (the best of 5 rounds, the
+two engines alternated), `sink` after 64K tokens
 over after 1K (flat = 1.0) and `full` at a 1K context with a 16K over a 1K `max_len`.
 """
 
@@ -66,10 +79,13 @@ def read_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
     return nbytes / best
 
 
+MATMUL_SHAPES = [(576, 576), (576, 192), (576, 1536), (1536, 576)]  # SmolLM2's projections and MLP
+
+
 def matmul_rate(rows: int = 512, shapes=None, repeats: int = 5) -> float:
     """FLOP/s of jitted float32 matmuls [rows, a] @ [a, b] over `shapes` (default: SmolLM2's
     projection and MLP shapes), the best of `repeats` runs of all of them, measured here."""
-    shapes = shapes or [(576, 576), (576, 192), (576, 1536), (1536, 576)]
+    shapes = shapes or MATMUL_SHAPES
     key = jax.random.PRNGKey(0)
     xs = [(jax.random.normal(key, (rows, a), jnp.float32), jax.random.normal(key, (a, b), jnp.float32))
           for a, b in shapes]
@@ -80,6 +96,24 @@ def matmul_rate(rows: int = 512, shapes=None, repeats: int = 5) -> float:
         t0 = time.perf_counter()
         _block(f(xs))
         best = min(best, time.perf_counter() - t0)
+    return sum(2 * rows * a * b for a, b in shapes) / best
+
+
+def torch_matmul_rate(rows: int = 512, shapes=None, repeats: int = 5) -> float:
+    """FLOP/s of the same float32 matmuls as `matmul_rate`, through PyTorch (what transformers'
+    prefill runs on), measured here: the rate a PyTorch prefill can at best reach on this machine."""
+    import torch
+
+    shapes = shapes or MATMUL_SHAPES
+    gen = torch.Generator().manual_seed(0)
+    xs = [(torch.randn(rows, a, generator=gen), torch.randn(a, b, generator=gen)) for a, b in shapes]
+    best = float("inf")
+    with torch.no_grad():
+        [x @ w for x, w in xs]
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            [x @ w for x, w in xs]
+            best = min(best, time.perf_counter() - t0)
     return sum(2 * rows * a * b for a, b in shapes) / best
 
 
@@ -173,20 +207,26 @@ def bench_ours(model, tokens, policy, ctx, steps, chunk):
     )
 
 
-def step_ms(model, policy, max_len: int, pos: int, steps: int) -> float:
-    """ms per host-loop decode step at positions pos, pos+1, ... of an engine of `max_len` (the
-    cache's content does not change these policies' work: `full` reads the length bucket of its
-    positions, `sink` its ring, filled or not)."""
-    eng = Engine(model, policy, max_len=max_len)
+def step_ms(model, configs, steps: int, rounds: int = 5) -> list[float]:
+    """ms per host-loop decode step of each engine (policy, max_len, pos) of `configs`, at positions
+    pos, pos+1, ...: the best of `rounds` runs of `steps` steps, the engines alternated round by
+    round, so that the machine's drift weighs on each alike (the cache's content does not change
+    these policies' work: `full` reads the length bucket of its positions, `sink` its ring, filled
+    or not)."""
     tok = np.zeros((1, 1), np.int32)
-    logits, cache = _block(eng.step(eng.init_cache(1), tok, pos))  # compile
-    best = float("inf")
-    for r in range(3):  # the best of 3 runs of `steps` steps
-        t0 = time.perf_counter()
-        for i in range(steps):
-            logits, cache = eng.step(cache, tok, pos + 1 + r * steps + i)
-        _block(logits)
-        best = min(best, (time.perf_counter() - t0) / steps * 1e3)
+    runs = []
+    for policy, max_len, pos in configs:
+        eng = Engine(model, policy, max_len=max_len)
+        runs.append([eng, pos, _block(eng.step(eng.init_cache(1), tok, pos))[1]])  # compiled
+    best = [float("inf")] * len(runs)
+    for r in range(rounds):
+        for i, (eng, pos, cache) in enumerate(runs):
+            t0 = time.perf_counter()
+            for j in range(steps):
+                logits, cache = eng.step(cache, tok, pos + 1 + r * steps + j)
+            _block(logits)
+            best[i] = min(best[i], (time.perf_counter() - t0) / steps * 1e3)
+            runs[i][2] = cache
     return best
 
 
@@ -196,12 +236,36 @@ def bench_scaling(model, steps: int, sink_window: int) -> list[dict]:
     reads only the filled slots; with length buckets it reads 1,280 of the 16,384)."""
     sink = kvpolicies.get("sink", n_sink=4, window=sink_window)
     full = kvpolicies.get("full")
-    room = 4 * steps  # positions the timed steps take
-    near, far = (step_ms(model, sink, p + room, p, steps) for p in (1024, 65536))
-    small, big = (step_ms(model, full, n, 1000, steps) for n in (1000 + room, 16384))
+    room = 6 * steps  # positions the timed steps take
+    near, far = step_ms(model, [(sink, p + room, p) for p in (1024, 65536)], steps)
+    small, big = step_ms(model, [(full, n, 1000) for n in (1000 + room, 16384)], steps)
     return [dict(impl="scaling", check="sink step after 64K / after 1K", ms=[near, far], ratio=far / near),
             dict(impl="scaling", check="full step at 1K context: max_len 16K / max_len 1K", ms=[small, big],
                  ratio=big / small)]
+
+
+def bench_codec(model, tokens, ctx: int, steps: int, chunk: int, rounds: int = 6) -> dict:
+    """int8's layer-by-layer decode step over `full`'s at context `ctx`, the two engines alternated
+    round by round (each round: a `steps`-step and a 1-step `continue_generate`, their difference
+    over steps - 1), so that the machine's drift weighs on both alike: the medians' ratio."""
+    runs = {}
+    for name, pol in (("full", kvpolicies.get("full")), ("int8", kvpolicies.get("full", codec="int8"))):
+        eng = Engine(model, pol, max_len=ctx + steps + 1)
+        state = eng.compress(eng.prompt(tokens[None, :ctx], chunk=chunk))
+        eng.continue_generate(state, [], steps + 1)  # compiled
+        eng.continue_generate(state, [], 2)
+        runs[name] = (eng, state, [])
+    for _ in range(rounds):
+        for eng, state, ms in runs.values():
+            t0 = time.perf_counter()
+            eng.continue_generate(state, [], steps + 1)
+            t1 = time.perf_counter()
+            eng.continue_generate(state, [], 2)
+            step = ((t1 - t0) - (time.perf_counter() - t1)) / max(1, steps - 1)
+            ms.append(1e3 * (step if step > 0 else (t1 - t0) / steps))  # (noise over the steps: the long call's mean)
+    full, int8 = (float(np.median(runs[k][2])) for k in ("full", "int8"))
+    return dict(impl="codec", check="int8 step / full step, layer by layer, alternated", context=ctx,
+                ms=[full, int8], ratio=int8 / full)
 
 
 def bench_transformers(tokens, ctx, steps):
@@ -230,12 +294,22 @@ def bench_transformers(tokens, ctx, steps):
 
 def _fractions(r: dict, bw: float, mm: float) -> dict:
     """A row's roofline fractions (read bandwidth `bw`, bytes/s) and prefill's fraction of the
-    matmul rate `mm` (FLOP/s), in place."""
+    matmul rate `mm` (FLOP/s), in place; with transformers' rates of the same run in the row, the
+    ceilings of the targets: the fraction of the roofline a decode `DECODE_X` x transformers' would
+    need (`roofline_needed`: above 1 it is beyond the bandwidth bound), and the fraction of the
+    matmul rate a prefill `PREFILL_X` x transformers' would need (`matmul_needed`)."""
     floor = (r["weight_bytes"] + r["kv_read_bytes"]) / bw
     r |= {"roofline_ms": floor * 1e3, "roofline": floor * r["decode_tok_s"], "scan_roofline": floor * r["scan_decode_tok_s"],
           "layers_roofline": floor * r["layers_decode_tok_s"],
           "read_bandwidth_GB_s": bw / 1e9, "prefill_of_matmul": r["prefill_gflop_s"] / (mm / 1e9), "matmul_GFLOP_s": mm / 1e9}
+    if "transformers_decode_tok_s" in r:
+        r["roofline_needed"] = DECODE_X * r["transformers_decode_tok_s"] * floor
+        per_token = r["prefill_gflop_s"] / r["prefill_tok_s"]  # GFLOP a prefill token needs
+        r["matmul_needed"] = PREFILL_X * r["transformers_prefill_tok_s"] * per_token / (mm / 1e9)
     return r
+
+
+DECODE_X, PREFILL_X = 3, 2  # issue 12's targets: decode 3x, prefill 2x transformers'
 
 
 def main(argv=None):
@@ -270,13 +344,22 @@ def main(argv=None):
             rows.append(r)
         if not args.no_transformers:
             t = dict(impl="transformers", policy="full", context=ctx, **bench_transformers(tokens, ctx, args.steps))
+            t["torch_matmul_GFLOP_s"] = torch_matmul_rate() / 1e9  # the same shapes through PyTorch, now
+            t["prefill_gflop_s"] = prefill_flops(model.cfg, ctx) / ctx * t["prefill_tok_s"] / 1e9
+            t["prefill_of_torch_matmul"] = t["prefill_gflop_s"] / t["torch_matmul_GFLOP_s"]
             for r in ours:
+                r["transformers_decode_tok_s"], r["transformers_prefill_tok_s"] = t["decode_tok_s"], t["prefill_tok_s"]
+                _fractions(r, bw, mm)
                 r["vs_transformers"] = r["layers_decode_tok_s"] / t["decode_tok_s"]  # generate's default loop
                 r["scan_vs_transformers"] = r["scan_decode_tok_s"] / t["decode_tok_s"]
                 r["prefill_vs_transformers"] = r["prefill_tok_s"] / t["prefill_tok_s"]
             rows.append(t)
         for r in rows[-len(ours) - (0 if args.no_transformers else 1):]:
             print(json.dumps(r), flush=True)
+    if "full" in policies and "int8" in policies:
+        r = bench_codec(model, tokens, max(args.contexts), args.steps, args.chunk)
+        print(json.dumps(r), flush=True)
+        rows.append(r)
     if not args.no_scaling:
         for r in bench_scaling(model, args.steps, args.sink_window):
             print(json.dumps(r), flush=True)

@@ -112,3 +112,38 @@ def test_long_stream_scores_every_chunk_with_one_trace_and_a_constant_state():
     assert row["traces"] == {"nll": 1} and row["score"]
     assert row["state_bytes"] == row["state_bytes_end"] and row["max_position"] == 4095
     assert row["tok_s_first_10pct"] > 0 and row["tok_s_last_10pct"] > 0
+
+
+def test_target_ceilings_in_closed_form():
+    """The fraction of the roofline a decode DECODE_X x transformers' needs, and of the matmul rate
+    a prefill PREFILL_X x transformers' needs, from the same run's rates."""
+    from benchmarks.decode_speed import DECODE_X, PREFILL_X, _fractions
+
+    row = dict(weight_bytes=500, kv_read_bytes=100, decode_tok_s=0.5, scan_decode_tok_s=0.4, layers_decode_tok_s=0.6,
+               prefill_tok_s=10.0, prefill_gflop_s=30.0, transformers_decode_tok_s=0.2, transformers_prefill_tok_s=8.0)
+    alone = {k: v for k, v in row.items() if "transformers" not in k}  # a run without transformers
+    r = _fractions(row, bw=1200.0, mm=120e9)  # floor 0.5 s; 3 GFLOP per prefill token
+    assert np.isclose(r["roofline_ms"], 500) and np.isclose(r["layers_roofline"], 0.3)
+    assert np.isclose(r["roofline_needed"], DECODE_X * 0.2 * 0.5)
+    assert np.isclose(r["matmul_needed"], PREFILL_X * 8.0 * 3.0 / 120)
+    assert "roofline_needed" not in _fractions(alone, 1200.0, 120e9)
+
+
+def test_torch_matmul_rate_is_a_rate():
+    from benchmarks.decode_speed import torch_matmul_rate
+
+    assert 1e8 < torch_matmul_rate(rows=64, shapes=[(48, 96)], repeats=2) < 1e14
+
+
+def test_alternated_step_ratios_run_on_a_tiny_model():
+    """The codec row (int8 over full, layer by layer) and the host-loop step times behind the
+    scaling rows, on a tiny random model: positive times, their ratio."""
+    from benchmarks.decode_speed import bench_codec, step_ms
+
+    model = Llama(CFG)
+    tokens = np.arange(40, dtype=np.int32) % 97
+    row = bench_codec(model, tokens, ctx=32, steps=3, chunk=16, rounds=2)
+    assert row["context"] == 32 and min(row["ms"]) > 0 and np.isclose(row["ratio"], row["ms"][1] / row["ms"][0])
+    times = step_ms(model, [(kvpolicies.get("full"), 48, 8), (kvpolicies.get("sink", n_sink=2, window=8), 48, 8)],
+                    steps=3, rounds=2)
+    assert len(times) == 2 and min(times) > 0
