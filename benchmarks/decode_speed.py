@@ -41,6 +41,9 @@ A codec row (`impl: codec`, with both `full` and int8): int8's layer-by-layer st
 at the largest context, the two alternated over 6 rounds (medians; the per-policy rows above are
 measured one policy after the other, so the machine's drift enters their ratio).
 
+At its end the run prints README's speed table from its rows (`markdown_table`; the rows of a
+saved run: `markdown_table([json.loads(line) for line in open(path)])`).
+
 Scaling rows (`impl: scaling`): the ratio of two host-loop step times (the best of 5 rounds, the
 two engines alternated), `sink` after 64K tokens
 over after 1K (flat = 1.0) and `full` at a 1K context with a 16K over a 1K `max_len`.
@@ -312,6 +315,64 @@ def _fractions(r: dict, bw: float, mm: float) -> dict:
 DECODE_X, PREFILL_X = 3, 2  # issue 12's targets: decode 3x, prefill 2x transformers'
 
 
+def markdown_table(rows: list[dict], sink_window: int = 1020) -> str:
+    """README's speed table from a run's rows (`--out` or `main`'s return): per policy, decode
+    tokens/s (host loop / layers / scan) and roofline fractions per context, the transformers
+    ratios and ceilings at the largest context, cache bytes, prefill rates and compile times."""
+    ours = {(r["policy"], r["context"]): r for r in rows if r["impl"] == "kvpolicies"}
+    theirs = {r["context"]: r for r in rows if r["impl"] == "transformers"}
+    names = [p for p in ("full", "sink", "int8") if any(k[0] == p for k in ours)]
+    ctxs = sorted({k[1] for k in ours})
+    top, kb = ctxs[-1], lambda c: f"{c // 1024}K"  # noqa: E731
+    label = {"full": "kvpolicies full", "sink": f"kvpolicies sink (4+{sink_window})", "int8": "kvpolicies full int8"}
+    pct = lambda x: f"{100 * x:.0f} %"  # noqa: E731
+
+    def line(measure, cell, tf=""):
+        return f"| {measure} | " + " | ".join(cell(p) for p in names) + (f" | {tf} |" if tf else " | |")
+
+    out = ["| measure | " + " | ".join(label[p] for p in names) + " | transformers full |",
+           "|---|" + "---:|" * (len(names) + 1)]
+    for c in ctxs:
+        r = lambda p: ours[p, c]  # noqa: E731
+        what = " (host loop / layers / scan)" if c == ctxs[0] else ""
+        out.append(line(f"decode tok/s, {kb(c)} context{what}",
+                        lambda p: f"{r(p)['decode_tok_s']:.2f} / **{r(p)['layers_decode_tok_s']:.2f}** / {r(p)['scan_decode_tok_s']:.2f}",
+                        f"{theirs[c]['decode_tok_s']:.2f}" if c in theirs else ""))
+        if c == top:
+            bold = lambda p, x: f"**{x}**" if p == "full" else x  # noqa: E731
+            out.append(line(f"of the roofline, {kb(c)} (layers / scan)",
+                            lambda p: f"{bold(p, pct(r(p)['layers_roofline']))} / {pct(r(p)['scan_roofline'])}"))
+            if c in theirs:
+                out.append(line(f"ours / transformers at {kb(c)} (layers / scan)",
+                                lambda p: f"{bold(p, format(r(p)['vs_transformers'], '.2f') + '×')} / {r(p)['scan_vs_transformers']:.2f}×", "1"))
+                out.append(line(f"{DECODE_X}× transformers at {kb(c)} would be, of the roofline",
+                                lambda p: pct(r(p)["roofline_needed"])))
+            out.append(line(f"cache bytes a {kb(c)} step reads", lambda p: f"{r(p)['kv_read_bytes'] / 1e6:.0f} MB"))
+        else:
+            out.append(line(f"of the roofline, {kb(c)} (layers)", lambda p: pct(r(p)["layers_roofline"])))
+    for i, c in enumerate(ctxs):
+        what = " (chunks of 512)" if i == 0 else ""
+        out.append(line(f"prefill tok/s, {kb(c)}{what}", lambda p: f"{ours[p, c]['prefill_tok_s']:.0f}",
+                        f"{theirs[c]['prefill_tok_s']:.0f}" if c in theirs else ""))
+    both = " / ".join(kb(c) for c in ctxs)
+    if all(c in theirs for c in ctxs):
+        out.append(line(f"prefill ours / transformers, {both}",
+                        lambda p: " / ".join(f"{ours[p, c]['prefill_vs_transformers']:.2f}×" for c in ctxs), "1"))
+    for c in ctxs:
+        tf = theirs.get(c)
+        out.append(line(f"prefill GFLOP/s needed, {kb(c)} (of the matmul rate)",
+                        lambda p: f"{ours[p, c]['prefill_gflop_s']:.0f} ({pct(ours[p, c]['prefill_of_matmul'])})",
+                        f"{tf['prefill_gflop_s']:.0f} ({pct(tf['prefill_of_torch_matmul'])} of PyTorch's)" if tf else ""))
+    if all(c in theirs for c in ctxs):
+        out.append(line(f"{PREFILL_X}× transformers' prefill would need, {both}, of the matmul rate",
+                        lambda p: " / ".join(pct(ours[p, c]["matmul_needed"]) for c in ctxs)))
+    out.append(line(f"decode compile: host step, {both} (s)",
+                    lambda p: " / ".join(f"{ours[p, c]['decode_compile_s']:.2f}" for c in ctxs)))
+    out.append(line(f"first generate call's compile, {both}, layers (s)",
+                    lambda p: " / ".join(f"{ours[p, c]['layers_compile_s']:.2f}" for c in ctxs)))
+    return "\n".join(out)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
@@ -380,6 +441,7 @@ def main(argv=None):
     if args.out:  # one JSON object per line, with the fractions over the better rates
         with open(args.out, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
+    print(markdown_table(rows, args.sink_window), flush=True)  # README's table, from the rows
     return rows
 
 

@@ -147,3 +147,18 @@ def test_alternated_step_ratios_run_on_a_tiny_model():
     times = step_ms(model, [(kvpolicies.get("full"), 48, 8), (kvpolicies.get("sink", n_sink=2, window=8), 48, 8)],
                     steps=3, rounds=2)
     assert len(times) == 2 and min(times) > 0
+
+
+def test_readme_speed_table_is_the_saved_run_s_table():
+    """README's speed table is `markdown_table` of the run it cites (docs/decode_speed_run_2026-12-02i.jsonl)."""
+    import json
+    from pathlib import Path
+
+    from benchmarks.decode_speed import markdown_table
+
+    root = Path(__file__).resolve().parents[1]
+    run = root / "docs" / "decode_speed_run_2026-12-02i.jsonl"
+    assert run.name in (root / "README.md").read_text()
+    table = markdown_table([json.loads(line) for line in run.read_text().splitlines()])
+    assert table in (root / "README.md").read_text()
+    assert table.count("\n") == 16 and "| 3× transformers at 4K would be, of the roofline | 80 % |" in table
