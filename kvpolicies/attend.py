@@ -252,8 +252,9 @@ BLOCK = 512
 # cond) made a skipped block cost time too; deciding first and looping over the blocks to read:
 # an 8K prompt, alternated, one chunk 192-202 -> 217-250 tok/s, chunks of 512 203-223 -> 228-250. With RoPE segments (sink in cache mode: its sinks pair with
 # another query rotation than its window), a block holding no sink computes one segment's logits
-# instead of every segment's and a select between them. SKIP_BLOCKS = False masks every block
-# and computes every segment (the A/B of benchmarks.attention_ab).
+# instead of every segment's and a select between them, and so does a piece outside the blocks
+# (the stored remainder, a chunk's own tokens) whose slots all pair with segment 0. SKIP_BLOCKS =
+# False masks every block and computes every segment (the A/B of benchmarks.attention_ab).
 SKIP_BLOCKS = True
 
 
@@ -390,7 +391,15 @@ def _blocked(masked_logits, visibility, cuts, keys, vals, view, lowest, qr, pos,
         b_, k_, g_, t_, _ = qs[0].shape
         carry = (jnp.full((b_, k_, g_, t_, 1), lowest), jnp.zeros((b_, k_, g_, t_, 1), jnp.float32),
                  jnp.zeros((b_, k_, g_, t_, vp.shape[-1]), jnp.float32), jnp.zeros(view.pos.shape[:2] + (1, t_), jnp.int32))
-        for f in parts(lambda x: lambda c: fold(c, *x), lambda xs: lambda c: blocks(c, xs)):
+        def fold_piece(c, x):
+            """A piece outside the blocks (the stored remainder, the chunk's own slots) into the
+            running softmax; with RoPE segments, one logits matmul when all its slots pair with
+            segment 0's query rotation (a chunk's own tokens, once past the sinks)."""
+            if x[5] is None or not SKIP_BLOCKS:
+                return fold(c, *x)
+            return jax.lax.cond((x[5] == 0).all(), lambda: fold(c, *x[:5], None), lambda: fold(c, *x))
+
+        for f in parts(lambda x: lambda c: fold_piece(c, x), lambda xs: lambda c: blocks(c, xs)):
             carry = f(carry)
         top, total, acc, seen = carry
         if tiled:  # in tiles, a query that saw no slot (none in practice: a query sees itself) has

@@ -49,8 +49,13 @@ class Sink(Policy):
         return min(self.n_sink + self.window, max_len)
 
     def _slot(self, pos, capacity):
-        ring = capacity - self.n_sink
-        return jnp.where(pos < self.n_sink, pos, self.n_sink + (pos - self.n_sink) % max(ring, 1))
+        # The ring first, then the sinks (slots ring .. ring + n_sink - 1): every block of a chunk's
+        # blocked attention (`attend.BLOCK` slots from slot 0) then holds window keys only, read with
+        # one query rotation instead of a logits matmul per RoPE segment and a select. Token p of
+        # the window is in ring slot p mod ring (the live window is `ring` consecutive tokens, so
+        # they never share a slot), so chunks at multiples of a block start at a block's edge.
+        ring = max(capacity - self.n_sink, 0)
+        return jnp.where(pos < self.n_sink, ring + pos, pos % max(ring, 1))
 
     def extend(self, state, k, v, pos):
         view = ring_extend(self.codec, state, k, v, pos, self._slot(pos, state.slots))

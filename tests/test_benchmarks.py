@@ -27,8 +27,31 @@ def test_step_reads_the_weights_and_the_filled_slots():
     assert step_read_bytes(model, sink.init_cache(1), ctx=31)["kv_read_bytes"] == 16 * per_slot  # all its slots
 
 
-def test_read_bandwidth_is_a_rate():
-    assert 1e8 < read_bandwidth(16 << 20, repeats=2) < 1e13
+class _Clock:
+    """A fake `time` for the benchmark's timers: each timed run lasts the next of `spans` seconds
+    (perf_counter is read at a run's start and end), so a rate is its exact work / the best span."""
+
+    def __init__(self, spans):
+        self.ticks, t = [], 0.0
+        for dt in spans:
+            self.ticks += [t, t + dt]
+            t += dt + 1.0
+
+    def perf_counter(self):
+        return self.ticks.pop(0)
+
+
+def _timed(monkeypatch, spans):
+    from benchmarks import decode_speed
+
+    clock = _Clock(spans)
+    monkeypatch.setattr(decode_speed, "time", clock)
+    return clock
+
+
+def test_read_bandwidth_is_bytes_over_the_best_run(monkeypatch):
+    clock = _timed(monkeypatch, [0.5, 0.25])
+    assert read_bandwidth(16 << 20, repeats=2) == (16 << 20) / 0.25 and not clock.ticks
 
 
 def test_gpu_script_dry_run_measures_every_policy():
@@ -75,8 +98,10 @@ def test_prefill_flops_count_the_weights_the_causal_attention_and_the_last_logit
     assert computed <= xla < 1.06 * computed, (xla, computed)  # T x T pairs would give 1.09
 
 
-def test_matmul_rate_is_a_rate():
-    assert 1e8 < matmul_rate(rows=64, shapes=[(48, 96)], repeats=2) < 1e14
+def test_matmul_rate_counts_the_matmuls_flops_over_the_best_run(monkeypatch):
+    clock = _timed(monkeypatch, [0.5, 0.125, 0.25])
+    flops = 2 * 64 * (48 * 96 + 96 * 32)  # [64, a] @ [a, b], a multiply-add = 2 FLOPs
+    assert matmul_rate(rows=64, shapes=[(48, 96), (96, 32)], repeats=3) == flops / 0.125 and not clock.ticks
 
 
 def test_prompt_speed_dry_run_times_every_prompt_phase():
@@ -129,10 +154,12 @@ def test_target_ceilings_in_closed_form():
     assert "roofline_needed" not in _fractions(alone, 1200.0, 120e9)
 
 
-def test_torch_matmul_rate_is_a_rate():
+def test_torch_matmul_rate_counts_the_same_flops(monkeypatch):
     from benchmarks.decode_speed import torch_matmul_rate
 
-    assert 1e8 < torch_matmul_rate(rows=64, shapes=[(48, 96)], repeats=2) < 1e14
+    clock = _timed(monkeypatch, [0.25, 0.5])
+    flops = 2 * 64 * (48 * 96 + 96 * 32)
+    assert torch_matmul_rate(rows=64, shapes=[(48, 96), (96, 32)], repeats=2) == flops / 0.25 and not clock.ticks
 
 
 def test_alternated_step_ratios_run_on_a_tiny_model():

@@ -200,3 +200,38 @@ def test_blocks_without_sinks_compute_one_rope_segment(monkeypatch):
     np.testing.assert_allclose(out, REFERENCES["sink"][1](pol, q, k, v, [8]), atol=3e-5, rtol=0)
     for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(st_every)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_chunks_own_tokens_past_the_sinks_compute_one_rope_segment(monkeypatch):
+    """`sink` in cache mode, chunks of 3 tokens (not tiled: at most BLOCK) over 2 sinks + a window
+    of 13 (15 slots: 3 blocks of 4, then a remainder of 3). The sinks are stored last (slots 13,
+    14), so the remainder holds them and the blocks hold window keys only. Outside the blocks, the
+    remainder (sinks or empty slots) runs with both segments at every chunk; a chunk's own tokens
+    run with one segment once past the sinks (chunks 1-12; chunk 0 holds them; the last token
+    alone is a decode step, not blocked). The same outputs as one piece and as the reference."""
+    monkeypatch.setattr(attend_mod, "BLOCK", 4)
+    pol = kvpolicies.get("sink", n_sink=2, window=13)
+    q, k, v = qkv(40, seed=17)
+    seen = []
+    real = attend_mod._blocked
+
+    def spy(masked_logits):
+        def logits(*a, mask=None, **kw):
+            if mask is None:  # a piece outside the blocks
+                kind = "segments" if a[4] is not None else "one segment"
+                jax.debug.callback(lambda: seen.append(kind))
+            return masked_logits(*a, mask=mask, **kw)
+        return logits
+
+    monkeypatch.setattr(attend_mod, "_blocked", lambda ml, *a: real(spy(ml), *a))
+    out, st = run_policy(pol, q, k, v, [3], ROPE, max_len=64, step=fresh_step())
+    jax.effects_barrier()
+    assert {h: seen.count(h) for h in set(seen)} == {"segments": 13 + 1, "one segment": 12}, seen
+    assert np.asarray(st.pos)[0, 0, 13:].tolist() == [0, 1]  # the sinks, in the last slots
+    with monkeypatch.context() as m:
+        m.setattr(attend_mod, "BLOCK", 10**9)
+        whole, st_whole = run_policy(pol, q, k, v, [3], ROPE, max_len=64, step=fresh_step())
+    np.testing.assert_allclose(out, whole, atol=1e-6, rtol=0)
+    np.testing.assert_allclose(out, REFERENCES["sink"][1](pol, q, k, v, [3]), atol=3e-5, rtol=0)
+    for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(st_whole)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
