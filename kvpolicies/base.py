@@ -201,9 +201,10 @@ class Policy:
     def rotated_keys(self) -> bool:
         """Keys are stored already rotated (a speed choice, same results): `attend` rotates each new
         key once, at its token position, before `extend`, and reads stored and appended keys as they
-        are. Only for a policy whose view gives every filled slot RoPE position = its `pos` (text
-        positions, no RoPE segments) and whose stored keys nothing but attention reads (no
-        scoring of stored keys, no codec that quantizes them; see `Full`)."""
+        are. Only for a policy whose view gives every filled slot RoPE key position = its `pos`
+        (text positions; RoPE segments may still rotate the queries differently, as `sink`'s cache
+        mode does) and whose stored keys nothing but attention reads (no scoring of stored keys,
+        no codec that quantizes them; see `Full`)."""
         return False
 
     # -- sizes ---------------------------------------------------------------------------

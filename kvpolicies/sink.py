@@ -45,6 +45,13 @@ class Sink(Policy):
         """n tokens in all: the sinks and a window of n - n_sink (at least 1)."""
         return cls(window=max(n - kw.get("n_sink", cls.n_sink), 1), **kw)
 
+    @property
+    def rotated_keys(self):
+        # Keys are rotated at their text positions in both modes (cache mode's second RoPE segment
+        # rotates the queries that pair with the sinks, not the keys), and only attention reads
+        # them: stored rotated, as `full` and `window` (a codec keeps them un-rotated).
+        return isinstance(self.codec, Identity)
+
     def capacity(self, max_len):
         return min(self.n_sink + self.window, max_len)
 

@@ -1,4 +1,4 @@
-"""Keys stored rotated (`Policy.rotated_keys`: full and window with the identity codec): attention
+"""Keys stored rotated (`Policy.rotated_keys`: full, window and sink with the identity codec): attention
 reads them as stored, and equals the un-rotated path that rotates every stored key in every step.
 
 References: the same policy with `rotated_keys` turned off (keys stored before RoPE, the path every
@@ -41,21 +41,26 @@ def _run(pol, n, chunk, seed=0):
 
 def test_which_policies_store_rotated_keys():
     assert kvpolicies.get("full").rotated_keys and kvpolicies.get("window", window=8).rotated_keys
+    assert kvpolicies.get("sink").rotated_keys and kvpolicies.get("sink", positions="original").rotated_keys
     # a codec quantizes un-rotated keys, as before; policies that score or move keys keep them un-rotated
     assert not kvpolicies.get("full", codec="int8").rotated_keys
     assert not kvpolicies.get("window", window=8, codec="int4").rotated_keys
-    for name in ("sink", "snapkv", "h2o", "quest", "knorm", "kivi"):
+    assert not kvpolicies.get("sink", codec="int8").rotated_keys
+    assert not kvpolicies.get("duo").rotated_keys  # its streaming heads are a sink's, stored un-rotated
+    for name in ("snapkv", "h2o", "quest", "knorm", "kivi"):
         pol = kvpolicies.get(name)
         assert not pol.rotated_keys and not pol.prompt_policy().rotated_keys, name
     # kvzip's reconstruction reads a full layer's keys as that layer stores them
     assert _recon_policy(Full()).rotated_keys and not _recon_policy(Full(codec=kvpolicies.get_codec("int8"))).rotated_keys
 
 
-@pytest.mark.parametrize("name,kw", [("full", {}), ("window", {"window": 5})])
+@pytest.mark.parametrize("name,kw", [("full", {}), ("window", {"window": 5}), ("sink", {"n_sink": 2, "window": 4}),
+                                     ("sink", {"n_sink": 2, "window": 4, "positions": "original"})])
 @pytest.mark.parametrize("chunk", [1, 3, 7])
 def test_rotated_keys_equal_the_unrotated_path(name, kw, chunk):
     """Outputs within 1e-6 of the un-rotated twin; the stored keys are the twin's rotated at their
-    slots' positions (a ring wraps at window=5 over 13 tokens)."""
+    slots' positions (a ring wraps at window=5 over 13 tokens; sink's, past 2 sinks + 4, also
+    with its sinks paired with a second query rotation in cache mode)."""
     pol = kvpolicies.get(name, **kw)
     assert pol.rotated_keys
     out, st = _run(pol, 13, chunk)
