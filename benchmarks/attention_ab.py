@@ -15,7 +15,10 @@
 - with `--prefill`, the same two ways for `Engine.prefill` of N - 64 random ids in chunks of 512
   (tokens/s, medians of 2 rounds): there the stored part past the filled length is skipped;
 - with `--sink TOKENS`, the same two ways for `Engine.score` of TOKENS random ids through `sink`
-  (4 sinks + 4,096, RoPE by cache rank: its blocks without sinks compute one RoPE segment);
+  (4 sinks + 4,096, RoPE by cache rank: its blocks without sinks compute one RoPE segment), and
+  sink's slot layout (the ring first, the sinks last: no block holds a sink) against its layout
+  before (the sinks first: the first block of every chunk holds them, and computes both
+  segments' logits); and a `sink` 4 + 1,020 decode step, keys stored rotated vs un-rotated;
 - with `--prompt`, snapkv's prompt phase (blocks, its newest 32 rows in one piece) vs one piece:
   seconds of `Engine.prompt` over N - 64 random ids in chunks of 512 (medians of 2 rounds).
 
@@ -50,6 +53,20 @@ def unrotated(pol: kvpolicies.Policy) -> kvpolicies.Policy:
     return twin(**{f.name: getattr(pol, f.name) for f in dataclasses.fields(pol)})
 
 
+def sinks_first(pol: kvpolicies.Policy) -> kvpolicies.Policy:
+    """`pol` (a `sink`) with its slot layout before the ring-first one: the sinks in slots
+    0 .. n_sink - 1, window token p in slot n_sink + (p - n_sink) mod ring."""
+
+    def _slot(self, pos, capacity):
+        ring = capacity - self.n_sink
+        return jnp.where(pos < self.n_sink, pos, self.n_sink + (pos - self.n_sink) % max(ring, 1))
+
+    cls = type(pol)
+    twin = dataclasses.make_dataclass(f"SinksFirst{cls.__name__}", [], bases=(cls,), frozen=True,
+                                      namespace={"_slot": _slot})
+    return twin(**{f.name: getattr(pol, f.name) for f in dataclasses.fields(pol)})
+
+
 def _alternate(fns: dict, rounds: int) -> dict[str, float]:
     """Median seconds of each no-argument callable over `rounds` alternated calls (after one warm call)."""
     for f in fns.values():
@@ -63,11 +80,15 @@ def _alternate(fns: dict, rounds: int) -> dict[str, float]:
     return {k: float(np.median(v)) for k, v in times.items()}
 
 
-def decode_rotation(model, slots: int, steps: int, rounds: int) -> dict:
+def decode_rotation(model, slots: int, steps: int, rounds: int, pol: kvpolicies.Policy | None = None,
+                    what: str = "") -> dict:
+    """ms per decode step at position slots - 40 of `pol` (default `full`), keys stored rotated vs
+    un-rotated; `what`: appended to the measure's name."""
     pos = slots - 40
     tok = np.zeros((1, 1), np.int32)
+    pol = pol or kvpolicies.get("full")
     runs = {}
-    for label, pol in (("rotated", kvpolicies.get("full")), ("unrotated", unrotated(kvpolicies.get("full")))):
+    for label, pol in (("rotated", pol), ("unrotated", unrotated(pol))):
         eng, box = Engine(model, pol, max_len=slots), {}
         box["cache"] = eng.init_cache(1)
 
@@ -78,7 +99,7 @@ def decode_rotation(model, slots: int, steps: int, rounds: int) -> dict:
 
         runs[label] = run
     t = _alternate(runs, rounds)
-    return {"measure": "decode step ms", "slots": slots, "new": t["rotated"] / steps * 1e3,
+    return {"measure": f"decode step ms{what}", "slots": slots, "new": t["rotated"] / steps * 1e3,
             "old": t["unrotated"] / steps * 1e3, "old_over_new": t["unrotated"] / t["rotated"]}
 
 
@@ -177,16 +198,18 @@ def prompt_blocks(model, slots: int, chunk: int, rounds: int) -> dict:
             "old_over_new": t["whole"] / t["blocked"]}
 
 
-def sink_score(model, tokens: int, chunk: int, rounds: int, window: int = 4096) -> dict:
+def sink_score(model, tokens: int, chunk: int, rounds: int, window: int = 4096) -> list[dict]:
     """`Engine.score` of `tokens` random ids through `sink` (4 sinks, RoPE by cache rank: two
-    segments) in chunks of `chunk`, blocks by visibility and segment vs every block masked with
-    every segment: tokens/s (the default command's policy)."""
+    segments) in chunks of `chunk`, tokens/s (the default command's policy), three ways
+    alternated: blocks by visibility and segment (the new path), every block masked with every
+    segment, and the sinks stored first (`sinks_first`)."""
     ids = np.random.default_rng(3).integers(0, model.cfg.vocab_size, tokens).astype(np.int32)
+    pol = kvpolicies.get("sink", n_sink=4, window=window)
     runs = {}
-    for label, skip in (("new", True), ("old", False)):
+    for label, skip, p in (("new", True, pol), ("old", False, pol), ("sinks first", True, sinks_first(pol))):
         old, attend_mod.SKIP_BLOCKS = attend_mod.SKIP_BLOCKS, skip
         try:
-            eng = Engine(model, kvpolicies.get("sink", n_sink=4, window=window), max_len=tokens)
+            eng = Engine(model, p, max_len=tokens)
 
             def run(eng=eng):
                 eng.score(ids, chunk=chunk)
@@ -196,8 +219,11 @@ def sink_score(model, tokens: int, chunk: int, rounds: int, window: int = 4096) 
             attend_mod.SKIP_BLOCKS = old
         runs[label] = run
     t = _alternate(runs, rounds)
-    return {"measure": "sink score tok/s, blocks by visibility and segment", "slots": window + 4,
-            "new": tokens / t["new"], "old": tokens / t["old"], "old_over_new": t["old"] / t["new"]}
+    first = "sinks first"
+    return [{"measure": "sink score tok/s, blocks by visibility and segment", "slots": window + 4,
+             "new": tokens / t["new"], "old": tokens / t["old"], "old_over_new": t["old"] / t["new"]},
+            {"measure": "sink score tok/s, ring first vs sinks first", "slots": window + 4,
+             "new": tokens / t["new"], "old": tokens / t[first], "old_over_new": t[first] / t["new"]}]
 
 
 def main(argv=None) -> list[dict]:
@@ -229,9 +255,15 @@ def main(argv=None) -> list[dict]:
     try:
         if args.sink:
             window = 24 if args.dry_run else 4096
-            row = sink_score(model, args.sink, chunk, min(rounds, 2), window)
-            print(json.dumps(row), flush=True)
-            rows.append(row)
+            sink_rows = sink_score(model, args.sink, chunk, min(rounds, 2), window)
+            sink_slots = 64 if args.dry_run else 1024
+            decode = decode_rotation(model, 4 * sink_slots, steps, rounds,  # max_len: 4 x its slots
+                                     kvpolicies.get("sink", n_sink=4, window=sink_slots - 4),
+                                     f", sink 4+{sink_slots - 4} at position {4 * sink_slots - 40}")
+            sink_rows.append(decode | {"slots": sink_slots})
+            for row in sink_rows:
+                print(json.dumps(row), flush=True)
+                rows.append(row)
         for n in slots:
             rows_n = [decode_rotation(model, n, steps, rounds)] + chunk_blocks(model, n, chunk, rounds)
             if args.prompt:

@@ -118,8 +118,11 @@ def test_attention_ab_dry_run_compares_each_choice_with_the_path_it_replaced():
     from benchmarks import attention_ab
 
     rows = attention_ab.main(["--dry-run", "--prompt", "--prefill", "--sink", "64"])
-    assert rows[0]["measure"] == "sink score tok/s, blocks by visibility and segment" and rows[0]["new"] > 0
-    rows = rows[1:]
+    assert [r["measure"] for r in rows[:3]] == ["sink score tok/s, blocks by visibility and segment",
+                                                "sink score tok/s, ring first vs sinks first",
+                                                "decode step ms, sink 4+60 at position 216"]
+    assert rows[0]["new"] == rows[1]["new"] > 0 and rows[2]["slots"] == 64 and rows[2]["old"] > 0
+    rows = rows[3:]
     assert [r["measure"] for r in rows] == ["decode step ms", "16-token chunk s", "chunk step XLA temporaries MB",
                                             "16-token chunk s, blocks by visibility", "snapkv prompt s",
                                             "prefill tok/s, blocks by visibility"]

@@ -235,3 +235,18 @@ def test_a_chunks_own_tokens_past_the_sinks_compute_one_rope_segment(monkeypatch
     np.testing.assert_allclose(out, REFERENCES["sink"][1](pol, q, k, v, [3]), atol=3e-5, rtol=0)
     for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(st_whole)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_sinks_first_layout_twin_gives_the_same_outputs(monkeypatch):
+    """benchmarks.attention_ab's `sinks_first` (the layout before: sinks in the first slots) is the
+    same policy in another slot order: outputs within 1e-6 and the same tokens stored, in blocks."""
+    from benchmarks.attention_ab import sinks_first
+
+    monkeypatch.setattr(attend_mod, "BLOCK", 4)
+    pol = kvpolicies.get("sink", n_sink=2, window=13)
+    q, k, v = qkv(40, seed=19)
+    out, st = run_policy(pol, q, k, v, [3, 8, 1], ROPE, max_len=64, step=fresh_step())
+    twin, st_twin = run_policy(sinks_first(pol), q, k, v, [3, 8, 1], ROPE, max_len=64, step=fresh_step())
+    np.testing.assert_allclose(out, twin, atol=1e-6, rtol=0)
+    assert np.asarray(st.pos)[0, 0, 13:].tolist() == [0, 1] and np.asarray(st_twin.pos)[0, 0, :2].tolist() == [0, 1]
+    assert sorted(np.asarray(st.pos)[0, 0].tolist()) == sorted(np.asarray(st_twin.pos)[0, 0].tolist())
