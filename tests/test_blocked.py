@@ -169,6 +169,31 @@ def test_blocks_are_skipped_unmasked_or_masked_by_what_the_queries_see(monkeypat
     np.testing.assert_allclose(out, clean, atol=1e-6, rtol=0)
 
 
+def _spy_segments(monkeypatch, seen: list, pieces: bool):
+    """Record, each time a stored block (pieces False: masked_logits called with a mask) or a piece
+    outside the blocks (pieces True: without one) runs, whether it computed its RoPE segments."""
+    real = attend_mod._blocked
+
+    def spy(masked_logits):
+        def logits(*a, mask=None, **kw):
+            if (mask is None) == pieces:
+                kind = "segments" if a[4] is not None else "one segment"
+                jax.debug.callback(lambda: seen.append(kind))
+            return masked_logits(*a, mask=mask, **kw)
+        return logits
+
+    monkeypatch.setattr(attend_mod, "_blocked", lambda ml, *a: real(spy(ml), *a))
+
+
+def _same_sink_run(run, other, pol, q, k, v, chunks):
+    """A sink run (outputs, state) equals another way of running it: outputs within 1e-6, the
+    reference within 3e-5, the same state."""
+    np.testing.assert_allclose(run[0], other[0], atol=1e-6, rtol=0)
+    np.testing.assert_allclose(run[0], REFERENCES["sink"][1](pol, q, k, v, chunks), atol=3e-5, rtol=0)
+    for a, b in zip(jax.tree.leaves(run[1]), jax.tree.leaves(other[1])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_blocks_without_sinks_compute_one_rope_segment(monkeypatch):
     """`sink` in cache mode pairs its sinks with another query rotation than its window (two RoPE
     segments): a stored block that holds no sink computes only the window's logits, the block
@@ -180,26 +205,12 @@ def test_blocks_without_sinks_compute_one_rope_segment(monkeypatch):
     assert pol.positions == "cache"
     q, k, v = qkv(40, seed=13)
     seen = []
-    real = attend_mod._blocked
-
-    def spy(masked_logits):
-        def logits(*a, mask=None, **kw):
-            if mask is not None:  # a stored block (True: unmasked)
-                kind = "segments" if a[4] is not None else "one segment"
-                jax.debug.callback(lambda: seen.append(kind))
-            return masked_logits(*a, mask=mask, **kw)
-        return logits
-
-    monkeypatch.setattr(attend_mod, "_blocked", lambda ml, *a: real(spy(ml), *a))
+    _spy_segments(monkeypatch, seen, pieces=False)
     out, st = run_policy(pol, q, k, v, [8], ROPE, max_len=64, step=fresh_step())
     jax.effects_barrier()
     assert seen.count("one segment") > seen.count("segments") > 0, seen
     monkeypatch.setattr(attend_mod, "SKIP_BLOCKS", False)
-    every, st_every = run_policy(pol, q, k, v, [8], ROPE, max_len=64, step=fresh_step())
-    np.testing.assert_allclose(out, every, atol=1e-6, rtol=0)
-    np.testing.assert_allclose(out, REFERENCES["sink"][1](pol, q, k, v, [8]), atol=3e-5, rtol=0)
-    for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(st_every)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    _same_sink_run((out, st), run_policy(pol, q, k, v, [8], ROPE, max_len=64, step=fresh_step()), pol, q, k, v, [8])
 
 
 def test_a_chunks_own_tokens_past_the_sinks_compute_one_rope_segment(monkeypatch):
@@ -213,28 +224,15 @@ def test_a_chunks_own_tokens_past_the_sinks_compute_one_rope_segment(monkeypatch
     pol = kvpolicies.get("sink", n_sink=2, window=13)
     q, k, v = qkv(40, seed=17)
     seen = []
-    real = attend_mod._blocked
-
-    def spy(masked_logits):
-        def logits(*a, mask=None, **kw):
-            if mask is None:  # a piece outside the blocks
-                kind = "segments" if a[4] is not None else "one segment"
-                jax.debug.callback(lambda: seen.append(kind))
-            return masked_logits(*a, mask=mask, **kw)
-        return logits
-
-    monkeypatch.setattr(attend_mod, "_blocked", lambda ml, *a: real(spy(ml), *a))
+    _spy_segments(monkeypatch, seen, pieces=True)
     out, st = run_policy(pol, q, k, v, [3], ROPE, max_len=64, step=fresh_step())
     jax.effects_barrier()
     assert {h: seen.count(h) for h in set(seen)} == {"segments": 13 + 1, "one segment": 12}, seen
     assert np.asarray(st.pos)[0, 0, 13:].tolist() == [0, 1]  # the sinks, in the last slots
     with monkeypatch.context() as m:
         m.setattr(attend_mod, "BLOCK", 10**9)
-        whole, st_whole = run_policy(pol, q, k, v, [3], ROPE, max_len=64, step=fresh_step())
-    np.testing.assert_allclose(out, whole, atol=1e-6, rtol=0)
-    np.testing.assert_allclose(out, REFERENCES["sink"][1](pol, q, k, v, [3]), atol=3e-5, rtol=0)
-    for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(st_whole)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        whole = run_policy(pol, q, k, v, [3], ROPE, max_len=64, step=fresh_step())
+    _same_sink_run((out, st), whole, pol, q, k, v, [3])
 
 
 def test_sinks_first_layout_twin_gives_the_same_outputs(monkeypatch):
