@@ -128,6 +128,12 @@ class Duo(Policy):
             if x is not None and (isinstance(x, bool) or not isinstance(x, (int, float))):
                 raise ValueError(f"duo.{name}={x!r}: must be a number")
 
+    @property
+    def rotated_keys(self):
+        # Both groups see text positions (`full`; `sink` with positions="original") and only
+        # attention reads the keys: stored rotated, as `full` and `sink` (a codec keeps them un-rotated).
+        return isinstance(self.codec, Identity)
+
     # -- the per-layer stack ---------------------------------------------------------------------
     def layer_heads(self, n_layers: int) -> np.ndarray:
         """[L, K] 0/1 retrieval heads of every layer (from `pattern`, or `heads` in every layer)."""

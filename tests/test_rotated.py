@@ -46,7 +46,7 @@ def test_which_policies_store_rotated_keys():
     assert not kvpolicies.get("full", codec="int8").rotated_keys
     assert not kvpolicies.get("window", window=8, codec="int4").rotated_keys
     assert not kvpolicies.get("sink", codec="int8").rotated_keys
-    assert not kvpolicies.get("duo").rotated_keys  # its streaming heads are a sink's, stored un-rotated
+    assert kvpolicies.get("duo").rotated_keys and not kvpolicies.get("duo", codec="int8").rotated_keys
     for name in ("snapkv", "h2o", "quest", "knorm", "kivi"):
         pol = kvpolicies.get(name)
         assert not pol.rotated_keys and not pol.prompt_policy().rotated_keys, name
@@ -73,6 +73,25 @@ def test_rotated_keys_equal_the_unrotated_path(name, kw, chunk):
     np.testing.assert_allclose(np.asarray(st.k)[np.broadcast_to(filled[..., None], want.shape)],
                                want[np.broadcast_to(filled[..., None], want.shape)], atol=1e-6, rtol=0)
     assert not np.allclose(np.asarray(st.k), np.asarray(ref.k))  # they are stored differently
+
+
+def test_duo_stores_both_head_groups_rotated():
+    """duo (kv head 0 retrieval, 1 streaming: 2 sinks + 4) against its un-rotated twin: outputs
+    within 1e-6, each group's stored keys the twin's rotated at their positions (13 tokens, the
+    streaming ring wrapped)."""
+    pol = kvpolicies.get("duo", heads=(1, 0), sink=2, recent=4)
+    assert pol.rotated_keys
+    for chunk in (1, 5):
+        out, st = _run(pol, 13, chunk)
+        ref_out, ref = _run(unrotated(pol), 13, chunk)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), atol=1e-6, rtol=0)
+        for k, k_ref, p in ((st.k[0], ref.k[0], ref.pos), (st.k[1], ref.k[1], ref.stream_pos)):
+            assert np.array_equal(np.asarray(st.pos), np.asarray(ref.pos))
+            assert np.array_equal(np.asarray(st.stream_pos), np.asarray(ref.stream_pos))
+            filled = np.broadcast_to((np.asarray(p) >= 0)[..., None], k.shape)
+            want = np.asarray(ROPE.apply(k_ref, p))
+            np.testing.assert_allclose(np.asarray(k)[filled], want[filled], atol=1e-6, rtol=0)
+            assert filled.any() and not np.allclose(np.asarray(k)[filled], np.asarray(k_ref)[filled])
 
 
 CFG = LlamaConfig(vocab_size=97, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=32,
