@@ -18,7 +18,9 @@
   (4 sinks + 4,096, RoPE by cache rank: its blocks without sinks compute one RoPE segment), and
   sink's slot layout (the ring first, the sinks last: no block holds a sink) against its layout
   before (the sinks first: the first block of every chunk holds them, and computes both
-  segments' logits); and a `sink` 4 + 1,020 decode step, keys stored rotated vs un-rotated;
+  segments' logits); a steady-state sink chunk (512 tokens at a full window, timed alone, 2 x
+  `--rounds` rounds) with its blocks' softmax over flat rows (`attend.FLAT_ROWS`) vs over
+  [B, K, G, T, S]; and a `sink` 4 + 1,020 decode step, keys stored rotated vs un-rotated;
 - with `--prompt`, snapkv's prompt phase (blocks, its newest 32 rows in one piece) vs one piece:
   seconds of `Engine.prompt` over N - 64 random ids in chunks of 512 (medians of 2 rounds).
 
@@ -226,6 +228,41 @@ def sink_score(model, tokens: int, chunk: int, rounds: int, window: int = 4096) 
              "new": tokens / t["new"], "old": tokens / t[first], "old_over_new": t[first] / t["new"]}]
 
 
+def softmax_rows(model, window: int, chunk: int, rounds: int) -> dict:
+    """Seconds of one steady-state `sink` chunk (4 sinks + `window`, the default command's policy):
+    `chunk` random ids at position window + chunk, after a prefill of that many, its blocks' softmax
+    over [(B K G tq), s] rows (`attend.FLAT_ROWS`) vs over [B, K, G, tq, s]. Each round times the
+    step alone, on a fresh copy of the same cache; `max_logit_diff`: the two steps' logits."""
+    start = window + chunk
+    ids = np.random.default_rng(4).integers(0, model.cfg.vocab_size, (1, start + chunk)).astype(np.int32)
+    pol = kvpolicies.get("sink", n_sink=4, window=window)
+    runs, logits = {}, {}
+    for label, flat in (("new", True), ("old", False)):
+        old, attend_mod.FLAT_ROWS = attend_mod.FLAT_ROWS, flat
+        try:
+            eng = Engine(model, pol, max_len=start + chunk)
+            _, cache = eng.prefill(ids[:, :start], chunk=chunk, cache=eng.init_cache(1))
+            logits[label], _ = eng.step(jax.tree.map(jnp.copy, cache), ids[:, start:], start)  # traced here
+        finally:
+            attend_mod.FLAT_ROWS = old
+
+        def run(eng=eng, cache=cache):
+            fresh = jax.block_until_ready(jax.tree.map(jnp.copy, cache))  # copied outside the timed step
+            t0 = time.perf_counter()
+            jax.block_until_ready(eng.step(fresh, ids[:, start:], start)[0])
+            return time.perf_counter() - t0
+
+        runs[label] = run
+    times = {k: [] for k in runs}
+    for _ in range(rounds):
+        for k, f in runs.items():
+            times[k].append(f())
+    t = {k: float(np.median(v)) for k, v in times.items()}
+    return {"measure": "sink chunk s at a full window, softmax over flat rows vs [B, K, G, T, S]",
+            "slots": window + 4, "new": t["new"], "old": t["old"], "old_over_new": t["old"] / t["new"],
+            "max_logit_diff": float(jnp.abs(logits["new"] - logits["old"]).max())}
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--slots", type=int, nargs="*", default=[4160, 16448], help="(none: only --sink)")
@@ -256,6 +293,7 @@ def main(argv=None) -> list[dict]:
         if args.sink:
             window = 24 if args.dry_run else 4096
             sink_rows = sink_score(model, args.sink, chunk, min(rounds, 2), window)
+            sink_rows.append(softmax_rows(model, window, chunk, 2 * rounds))
             sink_slots = 64 if args.dry_run else 1024
             decode = decode_rotation(model, 4 * sink_slots, steps, rounds,  # max_len: 4 x its slots
                                      kvpolicies.get("sink", n_sink=4, window=sink_slots - 4),

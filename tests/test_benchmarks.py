@@ -118,17 +118,20 @@ def test_attention_ab_dry_run_compares_each_choice_with_the_path_it_replaced():
     from benchmarks import attention_ab
 
     rows = attention_ab.main(["--dry-run", "--prompt", "--prefill", "--sink", "64"])
-    assert [r["measure"] for r in rows[:3]] == ["sink score tok/s, blocks by visibility and segment",
+    assert [r["measure"] for r in rows[:4]] == ["sink score tok/s, blocks by visibility and segment",
                                                 "sink score tok/s, ring first vs sinks first",
+                                                "sink chunk s at a full window, softmax over flat rows vs [B, K, G, T, S]",
                                                 "decode step ms, sink 4+60 at position 216"]
-    assert rows[0]["new"] == rows[1]["new"] > 0 and rows[2]["slots"] == 64 and rows[2]["old"] > 0
-    rows = rows[3:]
+    assert rows[0]["new"] == rows[1]["new"] > 0 and rows[3]["slots"] == 64 and rows[3]["old"] > 0
+    assert rows[2]["new"] > 0 and rows[2]["old"] > 0 and rows[2]["max_logit_diff"] == 0.0  # the same numbers
+    rows = rows[4:]
     assert [r["measure"] for r in rows] == ["decode step ms", "16-token chunk s", "chunk step XLA temporaries MB",
                                             "16-token chunk s, blocks by visibility", "snapkv prompt s",
                                             "prefill tok/s, blocks by visibility"]
     assert all(r["new"] > 0 and r["old"] > 0 for r in rows[:2] + rows[3:])
     assert rows[2]["old"] > rows[2]["new"]  # 96 slots in blocks of 8: the blocked step holds less
     assert attention_ab.attend_mod.BLOCK == 512 and attention_ab.attend_mod.SKIP_BLOCKS  # restored after the run
+    assert attention_ab.attend_mod.FLAT_ROWS
 
 
 def test_long_stream_scores_every_chunk_with_one_trace_and_a_constant_state():
