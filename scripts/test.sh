@@ -15,16 +15,19 @@ fi
 # emitters instead of the fusion emitters and without LLVM's expensive passes (three score
 # steps of a 2-layer model: 2.5 s -> 0.9 s of compile; the whole unit stage on the 2 idle cores: 673 s -> 418 s, the
 # same tests passing). A compile runs on one core, so two pytest-xdist workers (a test file per
-# worker) use both. The `slow` tests run the real models, where -O0 code runs about 2x slower:
-# they keep the default optimisation, in one process (their steps use every core).
+# worker, the longest files first: tests/conftest.py LONGEST_FIRST) use both. The `slow` tests run
+# the real models, where -O0 code runs about 2x slower: they keep the default optimisation, in two
+# workers too (their model steps use both cores, but much of their time is single-threaded:
+# compiles, transformers' model builds, GGUF parsing; 406 s in one process, 323 s in two, back to back).
 UNIT_FLAGS="--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false --xla_llvm_disable_expensive_passes=true"
 # XLA aborts on a flag it does not know: should a future jaxlib drop one of these, keep -O0 only
 if ! XLA_FLAGS="${XLA_FLAGS:-} $UNIT_FLAGS" .venv/bin/python -c "import jax; jax.jit(lambda x: x + 1)(1)" >/dev/null 2>&1; then
   echo "[test] this jaxlib refuses '$UNIT_FLAGS': the unit tests run at -O0 only"
   UNIT_FLAGS="--xla_backend_optimization_level=0"
 fi
+XDIST=(-n "${KVP_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder)
 rc=0
 XLA_FLAGS="${XLA_FLAGS:-} $UNIT_FLAGS" \
-  "${PYTEST[@]}" -m "not slow" -n "${KVP_TEST_WORKERS:-2}" --dist loadfile --durations=10 || rc=$?
-"${PYTEST[@]}" -m slow --durations=20 || rc=$?
+  "${PYTEST[@]}" -m "not slow" "${XDIST[@]}" --durations=10 || rc=$?
+"${PYTEST[@]}" -m slow "${XDIST[@]}" --durations=20 || rc=$?
 exit "$rc"

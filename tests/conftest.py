@@ -6,6 +6,24 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+# The test files that take longest, longest first: a file's tests summed, in either stage of
+# scripts/test.sh (unit stage on the loaded 2-core machine, 2026-12-02: test_sharding 116 s,
+# test_policies 115, test_blocked 84, test_train 68, test_model 61, test_benchmarks 61,
+# test_rotated 59, test_paged 58, test_buckets 48, test_appending 47; slow stage: test_long_models
+# 196, test_codecs 86, test_hier_quest 60, test_scored 58, test_parity 57). They run before every
+# other file, so that the two pytest-xdist workers (`--dist loadfile --no-loadscope-reorder`: a
+# file per worker, taken in this order) finish together. By default xdist hands out the files with
+# the most tests first, which left files with few but slow tests (the 8-device sharding checks,
+# the recall model's training) to the end of the unit stage.
+LONGEST_FIRST = ("test_long_models.py", "test_sharding.py", "test_policies.py", "test_codecs.py", "test_blocked.py",
+                 "test_train.py", "test_model.py", "test_benchmarks.py", "test_hier_quest.py", "test_rotated.py",
+                 "test_scored.py", "test_paged.py", "test_parity.py", "test_buckets.py", "test_appending.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's tests keep their order
+
 
 @pytest.fixture(scope="session")
 def hf_smollm2():
