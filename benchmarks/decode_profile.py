@@ -8,6 +8,11 @@ then the XLA operations of the tabulated step that took the most time, from a `j
 trace (its Perfetto JSON), per step. The cache content does not change the work of these
 policies (every slot is read, masked or not; at position N - 40 no length bucket is smaller than
 the cache), so the cache is left empty and the step runs at position N - 40. Wall-clock on a shared machine: read the ratios within one run.
+
+    python -m benchmarks.decode_profile --sink-chunk 4096 --steps 3
+
+instead profiles the default command's steady state: one 512-token chunk of `sink` (4 + 4,096)
+at a full window, its costliest ops with their shapes (`sink_chunk`).
 """
 
 from __future__ import annotations
@@ -17,10 +22,12 @@ import collections
 import glob
 import gzip
 import json
+import re
 import tempfile
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import kvpolicies
@@ -41,22 +48,66 @@ def step_ms(eng: Engine, pos: int, steps: int) -> tuple[float, object]:
 
 
 def top_ops(eng: Engine, cache, pos: int, steps: int, n: int) -> list[tuple[str, float, int]]:
-    """(XLA op, ms per step, calls per step) of the `n` costliest ops in a profiler trace."""
+    """(XLA op, ms per step, calls per step) of the `n` costliest ops in a profiler trace of
+    `steps` decode steps from position `pos`."""
     tok = np.zeros((1, 1), np.int32)
+    box = {"cache": cache, "pos": pos}
+
+    def step():
+        logits, box["cache"] = eng.step(box["cache"], tok, box["pos"])
+        box["pos"] += 1
+        return logits
+
+    return profiled(step, steps, n)
+
+
+def profiled(run, steps: int, n: int) -> list[tuple[str, float, int]]:
+    """(XLA op, ms per call of `run`, calls per call of `run`) of the `n` costliest ops in a
+    `jax.profiler` trace of `steps` calls of `run` (each returns an array to wait for). Ops that
+    run at the same time (XLA:CPU runs independent ones side by side) each count their own time."""
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
-            for i in range(steps):
-                logits, cache = eng.step(cache, tok, pos + i)
-            jax.block_until_ready(logits)
+            for _ in range(steps):
+                jax.block_until_ready(run())
         trace = json.load(gzip.open(glob.glob(f"{d}/**/*.trace.json.gz", recursive=True)[-1]))
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     dur, calls = collections.Counter(), collections.Counter()
     for e in events:
         name = e.get("name", "")
-        if e.get("ph") == "X" and not name.startswith(("$", "ThunkExecutor", "PjitFunction", "CommonPjRt")):
+        if e.get("ph") == "X" and not name.startswith(("$", "ThunkExecutor", "PjitFunction", "CommonPjRt",
+                                                        "SlinkyThreadPool")):
             dur[name] += e.get("dur", 0)
             calls[name] += 1
     return [(name, us / steps / 1e3, calls[name] // steps) for name, us in dur.most_common(n)]
+
+
+def sink_chunk(model, window: int, chunk: int, steps: int, n: int) -> dict:
+    """The default command's steady state: one `chunk`-token step of `sink` (4 + `window`) at
+    position window + chunk, after a prefill of that many random ids; seconds per step (the
+    median of `steps`, each on a fresh copy of the cache) and its costliest ops, with each
+    op's shape from the compiled HLO (e.g. a block's logits f32[3,1536,512])."""
+    start = window + chunk
+    ids = np.random.default_rng(4).integers(0, model.cfg.vocab_size, (1, start + chunk)).astype(np.int32)
+    eng = Engine(model, kvpolicies.get("sink", n_sink=4, window=window), max_len=start + chunk)
+    _, cache = eng.prefill(ids[:, :start], chunk=chunk, cache=eng.init_cache(1))
+
+    def run():
+        fresh = jax.block_until_ready(jax.tree.map(jnp.copy, cache))
+        return eng.step(fresh, ids[:, start:], start)[0]
+
+    jax.block_until_ready(run())  # compile
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run())
+        times.append(time.perf_counter() - t0)
+    pos = jnp.broadcast_to(jnp.arange(start, start + chunk, dtype=jnp.int32), (1, chunk))
+    hlo = eng._logits_step.lower(eng.params, cache, jnp.asarray(ids[:, start:]), pos, prompt=False,
+                                 reach=eng._reach(start + chunk, chunk, False)).compile().as_text()
+    shapes = dict(re.findall(r"^\s*%?([\w.-]+) = (\S+) fusion\(", hlo, flags=re.M))
+    ops = [{"op": o, "shape": shapes.get(o, ""), "ms": ms, "calls": c} for o, ms, c in profiled(run, steps, n)]
+    return {"policy": f"sink 4+{window}", "chunk": chunk, "position": start, "step_s": float(np.median(times)),
+            "ops": ops}
 
 
 def main(argv=None):
@@ -65,8 +116,14 @@ def main(argv=None):
     ap.add_argument("--policy", default="full", choices=["full", "sink", "int8"])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--sink-chunk", type=int, default=0, metavar="WINDOW",
+                    help="instead: a steady-state 512-token chunk of sink 4 + WINDOW (the default command: 4096)")
     args = ap.parse_args(argv)
     model, _ = load_default_model()
+    if args.sink_chunk:
+        row = sink_chunk(model, args.sink_chunk, 512, args.steps, args.top)
+        print(json.dumps(row), flush=True)
+        return [row]
     pol = {"full": kvpolicies.get("full"), "sink": kvpolicies.get("sink", n_sink=4, window=1020),
            "int8": kvpolicies.get("full", codec="int8")}[args.policy]
     rows = []

@@ -134,6 +134,24 @@ def test_attention_ab_dry_run_compares_each_choice_with_the_path_it_replaced():
     assert attention_ab.attend_mod.FLAT_ROWS
 
 
+def test_sink_chunk_profile_names_the_blocks_ops_with_their_shapes(monkeypatch):
+    """benchmarks.decode_profile --sink-chunk on the tiny model (blocks of 8 slots): a steady-state
+    chunk's costliest ops from the profiler, each with its compiled shape; a block's logits
+    [K, G x tile, BLOCK] and its exponentials over [(K G tile), BLOCK] rows are among them (a chunk
+    of 16 tokens attends in query tiles of BLOCK = 8)."""
+    import importlib
+
+    from benchmarks import decode_profile
+
+    monkeypatch.setattr(importlib.import_module("kvpolicies.attend"), "BLOCK", 8)
+    row = decode_profile.sink_chunk(Llama(CFG), 24, 16, 2, 200)
+    assert row["position"] == 40 and row["step_s"] > 0 and row["ops"]
+    assert all(op["ms"] >= 0 and op["calls"] >= 1 for op in row["ops"])
+    shapes = {op["shape"].split("{")[0] for op in row["ops"]}
+    assert "f32[2,24,8]" in shapes  # a block's logits: K = 2 kv heads, G x 8 = 3 x 8 queries, 8 slots
+    assert "f32[48,8]" in shapes  # its softmax over rows: (K G tile) = 48 rows of 8 slots
+
+
 def test_long_stream_scores_every_chunk_with_one_trace_and_a_constant_state():
     """benchmarks.long_stream on the tiny model, through Engine.score's NLL step: one trace for
     every chunk, the state's bytes unchanged, the last position stored, rates for both tenths."""
