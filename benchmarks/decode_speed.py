@@ -37,9 +37,11 @@ measured matmul rate). transformers' row reports the same matmul shapes' rate th
 (`torch_matmul_GFLOP_s`, measured right after it) and its prefill's fraction of it
 (`prefill_of_torch_matmul`).
 
-A codec row (`impl: codec`, with both `full` and int8): int8's layer-by-layer step over `full`'s
-at the largest context, the two alternated over 6 rounds (medians; the per-policy rows above are
-measured one policy after the other, so the machine's drift enters their ratio).
+A codec row (`impl: codec`, with both `full` and int8): the layer-by-layer steps of `full` with
+int8 and int4, each with keys encoded before RoPE (the default) and after RoPE (`_after_rope`:
+keys stored rotated), over `full`'s at the largest context, the five engines alternated over 6
+rounds (`--rounds`; medians; the per-policy rows above are measured one policy after the other, so
+the machine's drift enters their ratio). `--codec-only` runs only this row.
 
 At its end the run prints README's speed table from its rows (`markdown_table`; the rows of a
 saved run: `markdown_table([json.loads(line) for line in open(path)])`).
@@ -247,13 +249,18 @@ def bench_scaling(model, steps: int, sink_window: int) -> list[dict]:
                  ratio=big / small)]
 
 
-def bench_codec(model, tokens, ctx: int, steps: int, chunk: int, rounds: int = 6) -> dict:
-    """int8's layer-by-layer decode step over `full`'s at context `ctx`, the two engines alternated
-    round by round (each round: a `steps`-step and a 1-step `continue_generate`, their difference
-    over steps - 1), so that the machine's drift weighs on both alike: the medians' ratio."""
+CODEC_AB = ("int8", "int8_after_rope", "int4", "int4_after_rope")  # the codec row's codecs, each against `full`
+
+
+def bench_codec(model, tokens, ctx: int, steps: int, chunk: int, rounds: int = 6, codecs=CODEC_AB) -> dict:
+    """Each codec's layer-by-layer decode step (`full` with that codec) over `full`'s at context
+    `ctx`, the engines alternated round by round (each round: a `steps`-step and a 1-step
+    `continue_generate`, their difference over steps - 1), so that the machine's drift weighs on
+    all alike: the medians' ratios (`ratio`: the first codec's, int8 before RoPE; `ratios`: each),
+    and the bytes of keys/values/positions each step reads."""
     runs = {}
-    for name, pol in (("full", kvpolicies.get("full")), ("int8", kvpolicies.get("full", codec="int8"))):
-        eng = Engine(model, pol, max_len=ctx + steps + 1)
+    for name in ("none", *codecs):
+        eng = Engine(model, kvpolicies.get("full", codec=name), max_len=ctx + steps + 1)
         state = eng.compress(eng.prompt(tokens[None, :ctx], chunk=chunk))
         eng.continue_generate(state, [], steps + 1)  # compiled
         eng.continue_generate(state, [], 2)
@@ -266,9 +273,11 @@ def bench_codec(model, tokens, ctx: int, steps: int, chunk: int, rounds: int = 6
             eng.continue_generate(state, [], 2)
             step = ((t1 - t0) - (time.perf_counter() - t1)) / max(1, steps - 1)
             ms.append(1e3 * (step if step > 0 else (t1 - t0) / steps))  # (noise over the steps: the long call's mean)
-    full, int8 = (float(np.median(runs[k][2])) for k in ("full", "int8"))
-    return dict(impl="codec", check="int8 step / full step, layer by layer, alternated", context=ctx,
-                ms=[full, int8], ratio=int8 / full)
+    med = {name: float(np.median(ms)) for name, (_, _, ms) in runs.items()}
+    read = {name: step_read_bytes(model, state.cache, ctx)["kv_read_bytes"] for name, (_, state, _) in runs.items()}
+    return dict(impl="codec", check=f"{' and '.join(codecs)} step / full step, layer by layer, alternated",
+                context=ctx, codecs=["none", *codecs], ms=list(med.values()), ratio=med[codecs[0]] / med["none"],
+                ratios={c: med[c] / med["none"] for c in codecs}, kv_read_bytes=list(read.values()))
 
 
 def bench_transformers(tokens, ctx, steps):
@@ -383,12 +392,22 @@ def main(argv=None):
     ap.add_argument("--policies", nargs="+", default=["full", "sink", "int8"], choices=["full", "sink", "int8"])
     ap.add_argument("--out", default=None, help="write the rows here, one JSON object per line")
     ap.add_argument("--no-scaling", action="store_true", help="skip the step-cost-vs-position/max_len rows")
+    ap.add_argument("--codec-only", action="store_true",
+                    help="only the codec row (full, int8 and int4 before/after RoPE, alternated) at the largest context")
+    ap.add_argument("--rounds", type=int, default=6, help="alternated rounds of the codec row")
     args = ap.parse_args(argv)
 
     from evals.data import default_text
 
     model, tok = load_default_model()
     tokens = np.asarray(tok.encode(default_text()[:200_000]), np.int32)
+    if args.codec_only:
+        rows = [bench_codec(model, tokens, max(args.contexts), args.steps, args.chunk, args.rounds)]
+        print(json.dumps(rows[0]), flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(json.dumps(rows[0]) + "\n")
+        return rows
     policies = {"full": kvpolicies.get("full"), "sink": kvpolicies.get("sink", n_sink=4, window=args.sink_window),
                 "int8": kvpolicies.get("full", codec="int8")}
     policies = {k: policies[k] for k in args.policies}
@@ -418,7 +437,7 @@ def main(argv=None):
         for r in rows[-len(ours) - (0 if args.no_transformers else 1):]:
             print(json.dumps(r), flush=True)
     if "full" in policies and "int8" in policies:
-        r = bench_codec(model, tokens, max(args.contexts), args.steps, args.chunk)
+        r = bench_codec(model, tokens, max(args.contexts), args.steps, args.chunk, args.rounds)
         print(json.dumps(r), flush=True)
         rows.append(r)
     if not args.no_scaling:

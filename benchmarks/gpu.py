@@ -7,7 +7,8 @@ wherever JAX has a device): `python -m benchmarks.gpu [--out results/gpu.jsonl]`
 3. for the default model (SmolLM2-135M) and, when installed, `model=qwen`, in bfloat16: prefill
    tokens/s and decode tokens/s (`continue_generate` layer by layer, the default, and as the fused
    scan; `benchmarks.decode_speed.bench_ours`) of `full`, `sink` (4 + 1,020), `quest` (pages of 16,
-   top 16) and `full` with the int8 codec at 4K / 16K / 32K tokens, each decode step as a fraction
+   top 16) and `full` with the int8 codec (keys encoded before RoPE, and after: `int8_after_rope`)
+   at 4K / 16K / 32K tokens, each decode step as a fraction
    of its roofline ((weights + the filled cache) / bandwidth; `benchmarks.decode_speed`).
 
 4. Quest's gathered decode read and its host tier (`kvpolicies.offload`), rows with
@@ -44,6 +45,7 @@ POLICIES = {
     "sink": lambda: kvpolicies.get("sink", n_sink=4, window=1020),
     "quest": lambda: kvpolicies.get("quest", page=16, top_k=16),
     "int8": lambda: kvpolicies.get("full", codec="int8"),
+    "int8_after_rope": lambda: kvpolicies.get("full", codec="int8_after_rope"),
 }
 TEST_SUBSET = ["tests/test_policies.py", "tests/test_codecs.py", "-m", "not slow", "-q", "-p", "no:cacheprovider"]
 

@@ -1,6 +1,7 @@
 """Perplexity of every policy family on SmolLM2-135M, next to the bytes each stores and reads.
 
     python -m benchmarks.policy_zoo --tokens 1024 --out docs/policy_zoo.md
+    python -m benchmarks.policy_zoo --only full      # full under every codec (the codec rows)
 
 Streams the first `tokens` tokens of Pride and Prejudice through each policy (float32 cache for
 the baseline; the chunk only batches the work: every policy's result is chunk-invariant) and reports
@@ -28,6 +29,9 @@ ROWS = [
     ("full", dict(codec="int8")),
     ("full", dict(codec="int4")),
     ("full", dict(codec="fp8")),
+    ("full", dict(codec="int8_after_rope")),
+    ("full", dict(codec="int4_after_rope")),
+    ("full", dict(codec="fp8_after_rope")),
     ("kivi", dict(bits=4)),
     ("kivi", dict(bits=2)),
     ("window", dict(window=256)),
@@ -56,6 +60,8 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--out", default=None, help="write the Markdown table here")
+    ap.add_argument("--only", nargs="+", default=None, metavar="POLICY",
+                    help="only the rows of these policies, after full's first row (the baseline of Δ)")
     args = ap.parse_args(argv)
     model, tok = load_default_model()
     ids = np.asarray(tok.encode(default_text()[:50_000])[: args.tokens])
@@ -64,14 +70,16 @@ def main(argv=None):
     lines = ["| policy | perplexity | Δ vs full | stored MB (kv + meta) | read/step MB | s |",
              "|---|---:|---:|---:|---:|---:|"]
     base = None
-    for name, kw in rows():
-        try:
-            pol = kvpolicies.get(name, **kw)
-        except ValueError as e:  # a policy whose fields changed: say so, keep going
-            print(f"skip {label(name, kw)}: {e}")
+    for i, (name, kw) in enumerate(rows()):
+        if args.only is not None and name not in args.only and i > 0:  # row 0 (full): the baseline of Δ
             continue
         t0 = time.perf_counter()
-        ppl = perplexity(Engine(model, pol, max_len=args.tokens).score(ids, chunk=args.chunk))
+        try:
+            pol = kvpolicies.get(name, **kw)
+            ppl = perplexity(Engine(model, pol, max_len=args.tokens).score(ids, chunk=args.chunk))
+        except ValueError as e:  # a policy whose fields changed, or whose defaults do not run alone
+            print(f"skip {label(name, kw)}: {e}")  # (duo needs its head pattern): say so, keep going
+            continue
         dt = time.perf_counter() - t0
         base = ppl if base is None else base
         sb = state_bytes(pol, max_len=args.tokens, **dims)

@@ -55,6 +55,7 @@ from typing import Any
 import numpy as np
 
 from kvpolicies.base import Policy
+from kvpolicies.codecs import Codec
 
 REPO = Path(__file__).resolve().parent.parent
 ARRAY_DIR = "arrays"
@@ -433,5 +434,5 @@ def policy_record(policy: Policy) -> dict[str, Any]:
     out: dict[str, Any] = {"name": name}
     for f in dataclasses.fields(policy):
         v = getattr(policy, f.name)
-        out[f.name] = dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+        out[f.name] = v.record() if isinstance(v, Codec) else dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
     return out

@@ -45,10 +45,15 @@ def _data_name(row: dict[str, Any]) -> str:
     return str(data.get("name", ""))
 
 
+def _codec_label(codec: dict[str, Any]) -> str:
+    """A codec record's registry name: its format, `_after_rope` when it encodes after RoPE."""
+    return str(codec.get("name", "none")) + ("_after_rope" if codec.get("after_rope") else "")
+
+
 def _ids(row: dict[str, Any]) -> dict[str, Any]:
     return {"model": row.get("model", {}).get("name", ""), "data": _data_name(row),
             "policy": row.get("policy", {}).get("name", ""), "params": row.get("params", ""),
-            "codec": row.get("policy", {}).get("codec", {}).get("name", "none")}
+            "codec": _codec_label(row.get("policy", {}).get("codec", {}))}
 
 
 def task_label(row: dict[str, Any]) -> str:

@@ -11,7 +11,7 @@ import dataclasses
 import importlib
 
 from kvpolicies.attend import attend, record_visible
-from kvpolicies.base import EMPTY, Policy, RopePositions, Seen, SlotState, View
+from kvpolicies.base import EMPTY, Policy, RopePositions, Seen, SlotState, View, check_codec
 from kvpolicies.codecs import CODECS, Codec, Identity, get_codec
 from kvpolicies.rope import Rope
 
@@ -63,7 +63,9 @@ def check_fields(name: str, kwargs: dict) -> type[Policy]:
 
 def get(name: str, codec: str | Codec = "none", **kwargs) -> Policy:
     """A policy by registry name; unknown names or fields raise ValueError listing the choices."""
-    return check_fields(name, kwargs)(codec=get_codec(codec), **kwargs)
+    policy = check_fields(name, kwargs)(codec=get_codec(codec), **kwargs)
+    check_codec(policy)
+    return policy
 
 
 __all__ = ["ALIASES", "CODECS", "EMPTY", "POLICIES", "Codec", "Identity", "Policy", "Rope", "RopePositions", "Seen",

@@ -36,7 +36,7 @@ from einops import rearrange
 from jaxtyping import Array, Bool, Float, Int
 
 from kvpolicies import offload
-from kvpolicies.base import Deferred, Policy, Seen, SlotState, View, take_slots, write_deferred  # noqa: F401  (re-exported)
+from kvpolicies.base import Deferred, Policy, Seen, SlotState, View, check_codec, take_slots, write_deferred  # noqa: F401  (re-exported)
 from kvpolicies.rope import Rope, RopeTable
 
 
@@ -91,6 +91,7 @@ def _attend(policy, state, q, k, v, pos, rope, scale, defer=False):
     """`attend`, plus the most keys any query of the step attended (int32 scalar)."""
     if policy.per_token and q.shape[1] > 1:
         return _token_by_token(policy, state, q, k, v, pos, rope, scale)
+    check_codec(policy)  # at trace time, before any compute
     n_kv = k.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     rotated = policy.rotated_keys  # stored keys are already rotated: rotate only the new ones, once

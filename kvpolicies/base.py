@@ -8,7 +8,8 @@ Shapes (one legend for the whole library):
 Every slot records the absolute token position it holds (-1 = empty). Keys are stored
 *before* RoPE, so a policy chooses which positions RoPE sees; a policy whose RoPE positions are
 its slots' token positions, fixed once written, may declare `rotated_keys` instead (stored
-rotated: a decode step then rotates one new key, not every slot's).
+rotated: a decode step then rotates one new key, not every slot's); with a codec, only if the
+codec encodes keys after RoPE (`Codec.after_rope`, `keys_rotated`).
 
 A policy author writes three methods (plus `capacity` and, if the state has more than slots,
 `init`); `kvpolicies.attend` runs one step with them and asks the policy nothing else:
@@ -147,6 +148,23 @@ class Seen:
     columns: Float[Array, "B K S"] | None = None
 
 
+def keys_rotated(codec: Codec) -> bool:
+    """`rotated_keys` of a policy that keeps its keys at their text positions and reads them only
+    in attention: always without a codec (same numbers), and with a codec that encodes them after
+    RoPE (`Codec.after_rope`; a codec before RoPE quantizes the un-rotated keys)."""
+    return isinstance(codec, Identity) or codec.after_rope
+
+
+def check_codec(policy: "Policy") -> None:
+    """ValueError if the policy's codec encodes keys after RoPE but the policy stores them
+    un-rotated (it re-indexes positions, scores or re-reads its stored keys)."""
+    codec = getattr(policy, "codec", None)
+    if codec is not None and codec.after_rope and not isinstance(codec, Identity) and not policy.rotated_keys:
+        raise ValueError(f"{type(policy).__name__.lower()}.codec={codec.name} with after_rope=True: this policy "
+                         "stores its keys un-rotated (it re-indexes their positions or reads them outside "
+                         "attention); after_rope needs full, window, sink or duo")
+
+
 def tree_nbytes(tree) -> int:
     """Bytes of all array leaves of a concrete or abstract (`jax.eval_shape`) pytree."""
     return int(sum(np.prod(x.shape, dtype=np.int64) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
@@ -203,8 +221,9 @@ class Policy:
         key once, at its token position, before `extend`, and reads stored and appended keys as they
         are. Only for a policy whose view gives every filled slot RoPE key position = its `pos`
         (text positions; RoPE segments may still rotate the queries differently, as `sink`'s cache
-        mode does) and whose stored keys nothing but attention reads (no scoring of stored keys,
-        no codec that quantizes them; see `Full`)."""
+        mode does) and whose stored keys nothing but attention reads (no scoring of stored keys),
+        and, with a codec, only if it encodes keys after RoPE (`keys_rotated(codec)`, as `Full`).
+        A policy that does not declare it rejects a codec with `after_rope` (`check_codec`)."""
         return False
 
     # -- sizes ---------------------------------------------------------------------------

@@ -17,7 +17,10 @@ registry name -> class: none `Identity`, int8 and fp8 `Absmax`, int4 `Int4`):
            decode x' = H (code s).
     fp8    per token and kv head: s = absmax_D / 448, codes x / s cast to float8_e4m3fn.
 int8 and fp8 are one codec, `Absmax`, whose `name` picks the code format (dtype and qmax).
-Keys are encoded *before* RoPE by every codec (this library caches un-rotated keys).
+Keys are encoded *before* RoPE by every codec (this library caches un-rotated keys), unless
+`after_rope=True` (registry names `int8_after_rope`, `int4_after_rope`, `fp8_after_rope`): then a
+policy that keeps its keys at their text positions (full, window, sink, duo) encodes them rotated,
+as deployed caches do, and a decode step reads them without rotating them.
 
 What these are not:
     int4 is not QuaRot's KV cache (Ashkboos et al. 2024). QuaRot rotates each head's keys by a
@@ -67,9 +70,29 @@ from kvpolicies.checks import SCALE_DTYPES, check_choice, check_int, check_scale
 
 @dataclasses.dataclass(frozen=True)
 class Codec:
-    """Protocol: `init` allocates, `encode` packs new tokens, `decode` unpacks inside attention."""
+    """Protocol: `init` allocates, `encode` packs new tokens, `decode` unpacks inside attention.
+
+    after_rope: encode keys after RoPE, rotated at their token positions, as deployed caches do
+    (vLLM's fp8 cache, QuaRot's KV cache, KIVI's code), instead of before (the default). Only
+    for a policy whose keys keep their text positions once written and are read only by
+    attention (`Policy.rotated_keys`: full, window, sink, duo); a decode step then reads the
+    decoded keys as they are instead of rotating every slot. Values are the same either way.
+    """
 
     name: str = "codec"
+    after_rope: bool = dataclasses.field(default=False, kw_only=True)
+
+    def __post_init__(self):
+        if not isinstance(self.after_rope, bool):
+            raise ValueError(f"{self.name}.after_rope={self.after_rope!r}: must be True or False")
+
+    def record(self) -> dict[str, Any]:
+        """The codec as plain data (results records): its fields, `after_rope` only when set (so
+        that runs recorded before the field keep their keys)."""
+        out = dataclasses.asdict(self)
+        if not self.after_rope:
+            del out["after_rope"]
+        return out
 
     def init(self, shape: tuple[int, int, int, int], dtype: Any) -> Any:
         raise NotImplementedError
@@ -171,6 +194,7 @@ class Absmax(Codec):
     FORMATS: ClassVar[dict[str, tuple[Any, float]]] = {"int8": (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, 448.0)}
 
     def __post_init__(self):
+        super().__post_init__()
         check_choice("absmax", "name", self.name, tuple(self.FORMATS))
         check_scale_dtype(self.name, self.scale_dtype)
 
@@ -211,6 +235,7 @@ class Int4(Codec):
     scale_dtype: str = "float32"
 
     def __post_init__(self):
+        super().__post_init__()
         check_int("int4", "group", self.group, 2)
         check_choice("int4", "rotation", self.rotation, ("hadamard", "none"))
         if self.group % 2:
@@ -249,10 +274,12 @@ class Int4(Codec):
 
 # Registry name -> the codec with its default fields; get_codec(name, **fields) replaces fields.
 CODECS: dict[str, Codec] = {"none": Identity(), "int8": Absmax("int8"), "int4": Int4(), "fp8": Absmax("fp8")}
+CODECS |= {f"{n}_after_rope": dataclasses.replace(c, after_rope=True) for n, c in list(CODECS.items()) if n != "none"}
 
 
 def get_codec(name: str | Codec, **kwargs) -> Codec:
-    """A codec by registry name (`none`, `int8`, `int4`, `fp8`), e.g. get_codec("int4", group=64)."""
+    """A codec by registry name (`none`, `int8`, `int4`, `fp8`, and `<name>_after_rope`), e.g.
+    get_codec("int4", group=64)."""
     if isinstance(name, Codec):
         if kwargs:
             raise ValueError(f"codec {name!r} is already built; got extra fields {sorted(kwargs)}")

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
 
-from kvpolicies.base import Policy, RopePositions, SlotState, View, check_int, empty_slots, flat, tree_nbytes
+from kvpolicies.base import Policy, RopePositions, SlotState, View, check_int, empty_slots, flat, keys_rotated, tree_nbytes
 from kvpolicies.codecs import Codec, Identity
 from kvpolicies.full import Full
 from kvpolicies.sink import Sink
@@ -131,8 +131,8 @@ class Duo(Policy):
     @property
     def rotated_keys(self):
         # Both groups see text positions (`full`; `sink` with positions="original") and only
-        # attention reads the keys: stored rotated, as `full` and `sink` (a codec keeps them un-rotated).
-        return isinstance(self.codec, Identity)
+        # attention reads the keys: stored rotated, as `full` and `sink` (a codec: only after RoPE).
+        return keys_rotated(self.codec)
 
     # -- the per-layer stack ---------------------------------------------------------------------
     def layer_heads(self, n_layers: int) -> np.ndarray:

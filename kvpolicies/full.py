@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvpolicies.base import Policy, append_view, encode_new, write_at
+from kvpolicies.base import Policy, append_view, encode_new, keys_rotated, write_at
 from kvpolicies.codecs import Codec, Identity
 
 
@@ -18,9 +18,9 @@ class Full(Policy):
     @property
     def rotated_keys(self):
         # RoPE sees text positions and only attention reads the keys: store them rotated (a decode
-        # step then reads them as stored instead of rotating all S). A codec keeps them un-rotated,
-        # so that it quantizes the same values whatever the policy around it.
-        return isinstance(self.codec, Identity)
+        # step then reads them as stored instead of rotating all S). A codec keeps them un-rotated
+        # (it quantizes the same values whatever the policy around it) unless it encodes after RoPE.
+        return keys_rotated(self.codec)
 
     def capacity(self, max_len):
         return max_len

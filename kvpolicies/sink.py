@@ -8,7 +8,7 @@ from typing import Literal
 
 import jax.numpy as jnp
 
-from kvpolicies.base import Policy, RopePositions, check_choice, check_int, ring_compact, ring_extend
+from kvpolicies.base import Policy, RopePositions, check_choice, check_int, keys_rotated, ring_compact, ring_extend
 from kvpolicies.codecs import Codec, Identity
 
 
@@ -49,8 +49,8 @@ class Sink(Policy):
     def rotated_keys(self):
         # Keys are rotated at their text positions in both modes (cache mode's second RoPE segment
         # rotates the queries that pair with the sinks, not the keys), and only attention reads
-        # them: stored rotated, as `full` and `window` (a codec keeps them un-rotated).
-        return isinstance(self.codec, Identity)
+        # them: stored rotated, as `full` and `window` (a codec: only after RoPE).
+        return keys_rotated(self.codec)
 
     def capacity(self, max_len):
         return min(self.n_sink + self.window, max_len)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvpolicies.base import Policy, check_int, ring_compact, ring_extend
+from kvpolicies.base import Policy, check_int, keys_rotated, ring_compact, ring_extend
 from kvpolicies.codecs import Codec, Identity
 
 
@@ -28,7 +28,7 @@ class Window(Policy):
 
     @property
     def rotated_keys(self):
-        return isinstance(self.codec, Identity)  # as `full`: text positions, keys read only by attention
+        return keys_rotated(self.codec)  # as `full`: text positions, keys read only by attention
 
     def capacity(self, max_len):
         return min(self.window, max_len)

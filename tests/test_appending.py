@@ -23,6 +23,8 @@ ROPE = Rope(8)
 APPENDING = {
     "full": kvpolicies.get("full"),
     "full-int8": kvpolicies.get("full", codec="int8"),
+    "full-int8-after-rope": kvpolicies.get("full", codec="int8_after_rope"),
+    "sink-fp8-after-rope": kvpolicies.get("sink", n_sink=2, window=5, codec="fp8_after_rope"),
     "window": kvpolicies.get("window", window=5),
     "sink": kvpolicies.get("sink", n_sink=2, window=5),
     "sink-original": kvpolicies.get("sink", n_sink=2, window=5, positions="original"),

@@ -65,8 +65,9 @@ def test_gpu_script_dry_run_measures_every_policy():
     assert [r["policy"] for r in measured] == list(gpu.POLICIES)
     assert all(r["context"] == 64 and r["scan_roofline"] > 0 and r["layers_roofline"] > 0 and r["kv_read_bytes"] > 0
                for r in measured)
-    full, int8 = measured[0], measured[-1]
-    assert int8["kv_read_bytes"] < full["kv_read_bytes"]  # the codec's smaller bytes are what a step reads
+    by = {r["policy"]: r for r in measured}
+    for name in ("int8", "int8_after_rope"):  # the codec's smaller bytes are what a step reads
+        assert by[name]["kv_read_bytes"] < by["full"]["kv_read_bytes"]
 
 
 def test_prefill_flops_count_the_weights_the_causal_attention_and_the_last_logits():
@@ -187,14 +188,18 @@ def test_torch_matmul_rate_counts_the_same_flops(monkeypatch):
 
 
 def test_alternated_step_ratios_run_on_a_tiny_model():
-    """The codec row (int8 over full, layer by layer) and the host-loop step times behind the
+    """The codec row (int8 before and after RoPE over full, layer by layer) and the host-loop step times behind the
     scaling rows, on a tiny random model: positive times, their ratio."""
     from benchmarks.decode_speed import bench_codec, step_ms
 
     model = Llama(CFG)
     tokens = np.arange(40, dtype=np.int32) % 97
-    row = bench_codec(model, tokens, ctx=32, steps=3, chunk=16, rounds=2)
+    row = bench_codec(model, tokens, ctx=32, steps=3, chunk=16, rounds=2, codecs=("int8", "int8_after_rope"))
     assert row["context"] == 32 and min(row["ms"]) > 0 and np.isclose(row["ratio"], row["ms"][1] / row["ms"][0])
+    assert row["codecs"] == ["none", "int8", "int8_after_rope"] and len(row["ms"]) == 3
+    assert row["ratios"] == {"int8": row["ratio"], "int8_after_rope": row["ms"][2] / row["ms"][0]}
+    full, int8, rot = row["kv_read_bytes"]  # the same codes and scales, stored rotated or not
+    assert int8 == rot < full / 2
     times = step_ms(model, [(kvpolicies.get("full"), 48, 8), (kvpolicies.get("sink", n_sink=2, window=8), 48, 8)],
                     steps=3, rounds=2)
     assert len(times) == 2 and min(times) > 0

@@ -155,7 +155,10 @@ def test_budget_conflicts_and_unsized_policies():
     (["policy=sink", "policy.windw=3"], ["policy.windw: unknown key; policy 'sink' has keys: codec, n_sink, name, "
                                          "positions, window"]),
     (["policy=sink", "policy.window=0"], ["sink.window=0: must be an int >= 1"]),
-    (["codec=int3"], ["codec='int3': must be one of ['fp8', 'int4', 'int8', 'none']"]),
+    (["codec=int3"], ["codec='int3': must be one of ['fp8', 'fp8_after_rope', 'int4', 'int4_after_rope', 'int8', "
+                      "'int8_after_rope', 'none']"]),
+    (["policy=h2o", "codec=int8_after_rope"], ["policy: h2o.codec=int8 with after_rope=True: this policy stores its "
+                                               "keys un-rotated", "after_rope needs full, window, sink or duo"]),
     (["model=gguf"], ["model.path is required: pass model.path=..."]),
     (["chunk=0"], ["chunk=0: must be >= 1"]),
     (["task.segment=abc"], ["task.segment='abc': must be an int >= 1"]),
@@ -271,6 +274,22 @@ def test_sweep_runs_each_distinct_config_once(tmp_path, text_file):
         ("full", None), ("window", 16), ("window", 32)]
     assert [r["memory"]["closed_form_bytes"] for r in lines] == [2 * 2 * 2 * 8 * s * 4 for s in (64, 16, 32)]
     assert evrun.main(["-m", "policy=full,window", "window=16,32"] + args) and len(R.read(res)) == 3
+
+
+def test_codec_after_rope_is_its_own_run_key_and_table_label(tmp_path, text_file):
+    """codec=int8 and codec=int8_after_rope: two keys (the record has after_rope only when set, so
+    rows recorded before the field keep theirs), the same stored bytes, each labelled by its name."""
+    res = tmp_path / "res.jsonl"
+    args = base_args(text_file, res, tmp_path) + ["tokens=64", "chunk=32", "policy=full"]
+    rows = evrun.main(["-m", "codec=int8,int8_after_rope"] + args)
+    assert len(rows) == 2 and len(R.read(res)) == 2
+    plain, after = R.read(res)
+    assert plain["policy"]["codec"] == {"name": "int8", "scale_dtype": "float32"}
+    assert after["policy"]["codec"] == {"name": "int8", "scale_dtype": "float32", "after_rope": True}
+    assert plain["key"] != after["key"] and plain["memory"]["state_bytes"] == after["memory"]["state_bytes"]
+    assert plain["metrics"]["ppl"] != after["metrics"]["ppl"]
+    md = table.markdown(R.latest(R.read(res)))
+    assert "| int8 |" in md and "| int8_after_rope |" in md
 
 
 def test_retrieval_task_row_has_grid_and_memory_of_its_longest_engine(tmp_path, text_file):

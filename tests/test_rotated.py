@@ -1,5 +1,6 @@
-"""Keys stored rotated (`Policy.rotated_keys`: full, window and sink with the identity codec): attention
-reads them as stored, and equals the un-rotated path that rotates every stored key in every step.
+"""Keys stored rotated (`Policy.rotated_keys`: full, window, sink and duo with the identity codec, or
+with a codec that encodes after RoPE): attention reads them as stored, and equals the un-rotated path
+that rotates every stored key in every step.
 
 References: the same policy with `rotated_keys` turned off (keys stored before RoPE, the path every
 other policy takes), RoPE applied to that policy's stored keys, and the engine's own prefill (a
@@ -52,6 +53,11 @@ def test_which_policies_store_rotated_keys():
         assert not pol.rotated_keys and not pol.prompt_policy().rotated_keys, name
     # kvzip's reconstruction reads a full layer's keys as that layer stores them
     assert _recon_policy(Full()).rotated_keys and not _recon_policy(Full(codec=kvpolicies.get_codec("int8"))).rotated_keys
+    # a codec that encodes after RoPE: stored rotated where positions are text positions
+    for name, kw in (("full", {}), ("window", {"window": 8}), ("sink", {}), ("sink", {"positions": "original"}),
+                     ("duo", {})):
+        assert kvpolicies.get(name, codec="int8_after_rope", **kw).rotated_keys, name
+    assert _recon_policy(Full(codec=kvpolicies.get_codec("int4_after_rope"))).rotated_keys
 
 
 @pytest.mark.parametrize("name,kw", [("full", {}), ("window", {"window": 5}), ("sink", {"n_sink": 2, "window": 4}),
@@ -137,3 +143,35 @@ def test_kvzip_reconstruction_reads_a_rotated_full_layer(tiny_qwen):
         scores.append(np.asarray(eng._reconstruct(state.cache, state.tokens)[1].extra["zip"]))
     np.testing.assert_allclose(scores[0], scores[1], atol=1e-6, rtol=0)
     assert scores[0][:, :, :, :30].max() > 0
+
+
+def test_after_rope_int8_full_in_the_engine(mixed):
+    """`full` with int8 after RoPE on a model with local and global layers (two RoPE bases): layer
+    0's stored codes are the int8 codes of the keys `full` stores rotated (float32), chunked prefill
+    equals token by token, and generation from its own prompt state is the same layer by layer and
+    as the fused scan."""
+    from test_codecs import np_int8
+
+    ids = np.random.default_rng(4).integers(0, CFG.vocab_size, (2, 21)).astype(np.int32)
+    eng = Engine(mixed, kvpolicies.get("full", codec="int8_after_rope"), 40)
+    ref = Engine(mixed, kvpolicies.get("full"), 40)
+    logits, st = eng.prefill(ids, chunk=8)
+    _, st_ref = ref.prefill(ids, chunk=8)
+    k_ref = np.asarray(st_ref[0].k[0])[:, :, :21]  # layer 0: [B, K, 21, D], rotated keys in float32
+    codes, scale = np.asarray(st[0].k.codes[0])[:, :, :21], np.asarray(st[0].k.scale[0])[:, :, :21]
+    want_codes, want_scale, _ = np_int8(k_ref)
+    np.testing.assert_allclose(scale, want_scale, rtol=1e-6)
+    assert np.abs(codes.astype(int) - want_codes).max() <= 1 and (codes == want_codes).mean() > 0.99
+    assert not np.allclose(scale, np_int8(np.asarray(Engine(mixed, unrotated(Full()), 40).prefill(ids, chunk=8)[1][0]
+                                                     .k[0])[:, :, :21])[1])  # not the un-rotated keys' scales
+    one = [eng.prefill(ids[:, :1], chunk=1)]
+    for t in range(1, 21):
+        one.append(eng.step(one[-1][1], ids[:, t:t + 1], t))
+    np.testing.assert_allclose(np.asarray(one[-1][0]), np.asarray(logits), atol=1e-4, rtol=0)
+    state = eng.compress(eng.prompt(ids, chunk=8))
+    got = {}
+    for loop in ("layers", "scan"):
+        eng.decode_loop = loop
+        got[loop] = eng.continue_generate(state, [[5], [6]], 6)
+    np.testing.assert_array_equal(got["layers"], got["scan"])
+
