@@ -159,7 +159,7 @@ def check_codec(policy: "Policy") -> None:
     """ValueError if the policy's codec encodes keys after RoPE but the policy stores them
     un-rotated (it re-indexes positions, scores or re-reads its stored keys)."""
     codec = getattr(policy, "codec", None)
-    if codec is not None and codec.after_rope and not isinstance(codec, Identity) and not policy.rotated_keys:
+    if codec is not None and codec.after_rope and not policy.rotated_keys:
         raise ValueError(f"{type(policy).__name__.lower()}.codec={codec.name} with after_rope=True: this policy "
                          "stores its keys un-rotated (it re-indexes their positions or reads them outside "
                          "attention); after_rope needs full, window, sink or duo")

@@ -110,6 +110,12 @@ class Identity(Codec):
 
     name: str = "none"
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.after_rope:  # nothing is quantized: where keys are stored rotated is the policy's choice
+            raise ValueError("none.after_rope=True: the identity codec quantizes nothing (a policy that can "
+                             "stores its keys rotated without a codec: Policy.rotated_keys)")
+
     def init(self, shape, dtype):
         return jnp.zeros(shape, dtype)  # [B, K, S, D]
 

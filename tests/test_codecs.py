@@ -562,6 +562,7 @@ def test_kivi_2bit_is_a_quarter_of_bf16_at_long_context():
         (lambda: Absmax("int4"), "absmax.name='int4': must be one of"),
         (lambda: Absmax("int8", after_rope=1), "int8.after_rope=1: must be True or False"),
         (lambda: get_codec("int4_after_rope", after_rope="yes"), "int4.after_rope='yes'"),
+        (lambda: get_codec("none", after_rope=True), "none.after_rope=True: the identity codec quantizes nothing"),
         (lambda: get_codec("int3"), "codec='int3': must be one of"),
         (lambda: get_codec("int8", group=4), "has no field"),
         (lambda: Int4(group=64).init((1, 1, 4, 32), jnp.float32), "int4.group=64: must divide head_dim=32"),
