@@ -330,10 +330,11 @@ def markdown_table(rows: list[dict], sink_window: int = 1020) -> str:
     ratios and ceilings at the largest context, cache bytes, prefill rates and compile times."""
     ours = {(r["policy"], r["context"]): r for r in rows if r["impl"] == "kvpolicies"}
     theirs = {r["context"]: r for r in rows if r["impl"] == "transformers"}
-    names = [p for p in ("full", "sink", "int8") if any(k[0] == p for k in ours)]
+    names = [p for p in ("full", "sink", "int8", "int8_after_rope") if any(k[0] == p for k in ours)]
     ctxs = sorted({k[1] for k in ours})
     top, kb = ctxs[-1], lambda c: f"{c // 1024}K"  # noqa: E731
-    label = {"full": "kvpolicies full", "sink": f"kvpolicies sink (4+{sink_window})", "int8": "kvpolicies full int8"}
+    label = {"full": "kvpolicies full", "sink": f"kvpolicies sink (4+{sink_window})", "int8": "kvpolicies full int8",
+             "int8_after_rope": "kvpolicies full int8 after RoPE"}
     pct = lambda x: f"{100 * x:.0f} %"  # noqa: E731
 
     def line(measure, cell, tf=""):
@@ -389,7 +390,8 @@ def main(argv=None):
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--sink-window", type=int, default=1020)
     ap.add_argument("--no-transformers", action="store_true")
-    ap.add_argument("--policies", nargs="+", default=["full", "sink", "int8"], choices=["full", "sink", "int8"])
+    ap.add_argument("--policies", nargs="+", default=["full", "sink", "int8", "int8_after_rope"],
+                    choices=["full", "sink", "int8", "int8_after_rope"])
     ap.add_argument("--out", default=None, help="write the rows here, one JSON object per line")
     ap.add_argument("--no-scaling", action="store_true", help="skip the step-cost-vs-position/max_len rows")
     ap.add_argument("--codec-only", action="store_true",
@@ -409,7 +411,8 @@ def main(argv=None):
                 f.write(json.dumps(rows[0]) + "\n")
         return rows
     policies = {"full": kvpolicies.get("full"), "sink": kvpolicies.get("sink", n_sink=4, window=args.sink_window),
-                "int8": kvpolicies.get("full", codec="int8")}
+                "int8": kvpolicies.get("full", codec="int8"),
+                "int8_after_rope": kvpolicies.get("full", codec="int8_after_rope")}
     policies = {k: policies[k] for k in args.policies}
     bw, mm = read_bandwidth(), matmul_rate()
     print(json.dumps({"read_bandwidth_GB_s": bw / 1e9, "matmul_GFLOP_s": mm / 1e9, "when": "start"}), flush=True)
