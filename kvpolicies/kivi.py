@@ -32,9 +32,9 @@ chunk size never changes a result. Deviation: the reference's prefill attends ov
 prompt in full precision before quantizing it; here prompt tokens are quantized as they stream
 in (the final state is the same, the prompt's own outputs see the quantized past).
 
-Two more deliberate differences from the reference code: keys are quantized before RoPE (this
-library caches un-rotated keys; KVQuant, Hooper et al. 2024, finds pre-RoPE per-channel key
-quantization more accurate), and storage is a fixed-capacity buffer (codes for all S slots,
+Two more deliberate differences from the reference code: keys are quantized before RoPE (kivi
+caches un-rotated keys, unlike the codecs' `after_rope` variants; KVQuant, Hooper et al. 2024,
+finds pre-RoPE per-channel key quantization more accurate), and storage is a fixed-capacity buffer (codes for all S slots,
 plus two Rr-slot full-precision rings), so one compiled step serves every step.
 
 Bytes per layer and sequence (sb = itemsize(scale_dtype), cb = itemsize(cache dtype)):
