@@ -104,6 +104,12 @@ def _attend(policy, state, q, k, v, pos, rope, scale, defer=False):
     rp = view.rope
     qh = rearrange(q, "B T (K G) D -> B K G T D", K=n_kv)
     qr = [rope.apply(qh, rp.q[:, None, None, :, p]) for p in range(rp.q.shape[-1])]  # P x [B, K, G, T, D]
+    basis = view.basis  # values (and keys stored after RoPE) decoded in a codec's basis: `View.basis`
+    if basis is not None and basis.after_rope:  # the keys are: rotate the queries into it instead
+        if not rotated or "k_rot" in policy.observes or type(policy).select is not Policy.select:
+            raise TypeError(f"{type(policy).__name__}: keys decoded in a codec's basis are read by attention only "
+                            "(a policy with rotated_keys that neither observes k_rot nor selects)")
+        qr = [basis.to_basis(x) for x in qr]
     gathered = q.shape[1] == 1 and policy.gathers
     if gathered:  # a sparse decode read: only the gathered slots are moved, rotated and attended
         gather = policy.select(view, qr[0], None)
@@ -195,7 +201,7 @@ def _attend(policy, state, q, k, v, pos, rope, scale, defer=False):
             and (x_t > BLOCK or not sums_columns)):
         out, visible, columns = _blocked(masked_logits, visibility, cuts, keys, vals, view, lowest, qr, pos, scale,
                                          sums_columns)
-        out = rearrange(out, "B K G T D -> B T (K G) D")
+        out = rearrange(_out_of(basis, out), "B K G T D -> B T (K G) D")
         scores = None
         if "scores" in observed:  # those queries' probabilities in one piece: [B, K, G, m, S'] logits
             m = min(x_t, rows)
@@ -224,7 +230,7 @@ def _attend(policy, state, q, k, v, pos, rope, scale, defer=False):
         logits=cat(lgs) if "logits" in policy.observes else None,  # [B, K, G, T, S']
     )
     visible = sum(m.sum(axis=-1, dtype=jnp.int32) for m in masks).max()  # keys the busiest query attended
-    out = rearrange(out, "B K G T D -> B T (K G) D")
+    out = rearrange(_out_of(basis, out), "B K G T D -> B T (K G) D")
     writes = policy.defer(own, seen) if defer else None  # all compact would write, not yet written
     if writes is not None:
         return out, writes, visible
@@ -468,6 +474,11 @@ def _blocked(masked_logits, visibility, cuts, keys, vals, view, lowest, qr, pos,
     return out, seen.max(), cols
 
 
+def _out_of(basis, out: Float[Array, "B K G T D"]) -> Float[Array, "B K G T D"]:
+    """An attention output over values decoded in `basis` (`View.basis`) rotated out of it, in float32."""
+    return out if basis is None else basis.from_basis(out.astype(jnp.float32)).astype(out.dtype)
+
+
 def _sum_groups(p: Float[Array, "B K G T S"]) -> Float[Array, "B K T S"]:
     """p summed over its G query heads, as G - 1 elementwise adds: XLA:CPU compiles the same sum
     written as a reduction over the middle axis into a kernel that took ~140 ms per SmolLM2 layer
@@ -503,7 +514,7 @@ def _gathered_view(view: View, g: Gather) -> View:
     mask = None if view.mask is None else per_slot(view.mask[:, :, 0])[:, :, None]  # [B, K, 1, M(+T)]
     bias = None if view.bias is None else per_slot(view.bias)  # [B, K, M(+T)]
     return View(k=k_, v=v_, pos=per_slot(view.pos, -1), rope=rope, mask=mask, bias=bias, carry=view.carry,
-                append=view.append)
+                append=view.append, basis=view.basis)
 
 
 def _slotwise(g: Gather, s: int) -> Gather:

@@ -111,6 +111,10 @@ class View:
     append: the step's new tokens, read after the S stored slots (None: k, v hold every slot).
             With it, pos / rope / mask / bias cover S' = S + T slots: the stored ones, then the
             new ones (`append_view` builds such a view).
+    basis:  the codec whose orthonormal basis v (and k too, when the codec encodes after RoPE)
+            is decoded in (`Codec.decode(..., in_basis=True)`): attention then rotates the
+            queries (for keys) and its outputs (for values) instead of every slot. None: k and v
+            are decoded in full (`view_of` and `append_view` set it for a codec with a `basis`).
     """
 
     k: Float[Array, "B K S D"]
@@ -121,6 +125,7 @@ class View:
     bias: Float[Array, "B Kp S"] | None = None
     carry: Any = None
     append: Appended | None = None
+    basis: Codec | None = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 @jax.tree_util.register_dataclass
@@ -328,7 +333,17 @@ def encode_new(codec: Codec, k: Array, v: Array, pos: Int[Array, "B T"]) -> Slot
 def view_of(codec: Codec, slots: SlotState, pos: Int[Array, "B T"], dtype: Any, carry: Any, **kw) -> View:
     """A view of `slots` decoded to `dtype`; RoPE at text positions unless `rope` is given."""
     kw.setdefault("rope", RopePositions(q=pos[..., None], k=slots.pos))
-    return View(k=codec.decode(slots.k, dtype), v=codec.decode(slots.v, dtype), pos=slots.pos, carry=carry, **kw)
+    k, v = _decoded(codec, slots, dtype)
+    return View(k=k, v=v, pos=slots.pos, carry=carry, basis=codec if codec.basis else None, **kw)
+
+
+def _decoded(codec: Codec, slots: SlotState, dtype: Any) -> tuple[Array, Array]:
+    """Keys and values decoded for attention (`View.basis`): values in the codec's basis where it
+    has one, keys too when it encodes after RoPE (keys before RoPE must be rotated by RoPE first).
+    A codec without a basis is called as `decode(enc, dtype)`, as codecs written before it were."""
+    if not codec.basis:
+        return codec.decode(slots.k, dtype), codec.decode(slots.v, dtype)
+    return codec.decode(slots.k, dtype, in_basis=codec.after_rope), codec.decode(slots.v, dtype, in_basis=True)
 
 
 def _map_fields(fn, *states: SlotState) -> SlotState:
@@ -429,9 +444,9 @@ def append_view(codec: Codec, state: SlotState, new: SlotState, pos: Int[Array, 
     npos = jnp.broadcast_to(new.pos, new.pos.shape[:1] + spos.shape[1:2] + new.pos.shape[2:])  # [B, Kp, T]
     allpos = jnp.concatenate([spos, npos.astype(spos.dtype)], axis=-1)  # [B, Kp, S + T]
     kw.setdefault("rope", RopePositions(q=pos[..., None], k=allpos))
-    app = Appended(codec.decode(new.k, dtype), codec.decode(new.v, dtype), new, start)
-    return View(k=codec.decode(state.k, dtype), v=codec.decode(state.v, dtype), pos=allpos, carry=carry,
-                append=app, **kw)
+    app = Appended(*_decoded(codec, new, dtype), new, start)
+    k, v = _decoded(codec, state, dtype)
+    return View(k=k, v=v, pos=allpos, carry=carry, append=app, basis=codec if codec.basis else None, **kw)
 
 
 def scatter(state: SlotState, new: SlotState, slots: Int[Array, "B T"]) -> SlotState:

@@ -22,6 +22,15 @@ Keys are encoded *before* RoPE by every codec (this library caches un-rotated ke
 policy that keeps its keys at their text positions (full, window, sink, duo) encodes them rotated,
 as deployed caches do, and a decode step reads them without rotating them.
 
+Reading in the codec's basis (`Codec.basis`, `View.basis`): int4 decodes a group to H y (y =
+code x scale), and attention is linear in the values and in the keys' dot products, so it reads
+the values as y and rotates each output by H once (sum_s p_s H y_s = H sum_s p_s y_s); keys
+encoded after RoPE likewise, with each query rotated into the basis (q . H y = (H q) . y). Keys
+encoded before RoPE must be decoded in full (RoPE, applied after decoding, does not commute with
+H). The same numbers up to float32 rounding; H then multiplies one query and one output per
+step instead of every slot read (a 4K int4 decode step after RoPE: 4.6x -> 1.2x `full`'s;
+before RoPE, with H as a matmul too, 4.8x -> 1.5x; README, Speed).
+
 What these are not:
     int4 is not QuaRot's KV cache (Ashkboos et al. 2024). QuaRot rotates each head's keys by a
          full-head Hadamard *after* RoPE (and values through the fused W_v / W_o rotation),
@@ -51,7 +60,9 @@ symmetric 20.81 (+14%; keys alone +12.8%, values alone +1.5%), asymmetric min/ma
 (+6.6%, and twice the metadata), Hadamard over the whole head then groups 18.93 (+4.0%),
 Hadamard within each group (this codec) 18.94 (+4.0%; 18.71 when H is applied as a float32
 matmul instead of butterflies: at 4 bits, last-ulp differences flip codes and the flips
-compound over 30 layers, so these numbers carry about +-1% of rounding noise). After rotation
+compound over 30 layers, so these numbers carry about +-1% of rounding noise; measured when H
+was applied as butterflies: since 2026-12-02 it is a matmul and the codec row reads 18.61,
++2.2%, in README's Quality table). After rotation
 a group is close to symmetric, so a zero point buys little. (`kivi`, kvpolicies/kivi.py,
 handles key outliers the other way: per-channel scales.)
 """
@@ -62,7 +73,9 @@ import dataclasses
 import math
 from typing import Any, ClassVar, Literal, NamedTuple
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, UInt8
 
 from kvpolicies.checks import SCALE_DTYPES, check_choice, check_int, check_scale_dtype  # noqa: F401 (re-exported)
@@ -100,8 +113,26 @@ class Codec:
     def encode(self, x: Float[Array, "B K T D"]) -> Any:
         raise NotImplementedError
 
-    def decode(self, enc: Any, dtype: Any) -> Float[Array, "B K S D"]:
+    def decode(self, enc: Any, dtype: Any, in_basis: bool = False) -> Float[Array, "B K S D"]:
+        """The stored slots as values of `dtype`; in_basis=True (only where `basis`): R x' instead
+        of x', the decoded slots still in the codec's orthonormal basis (its last rotation skipped)."""
         raise NotImplementedError
+
+    # A codec whose decode ends with an orthonormal rotation (x' = R^T y', y' the dequantized codes)
+    # may leave it to attention: q . x' = (R q) . y' and sum_s p_s x'_s = R^T (sum_s p_s y'_s), so
+    # rotating one query and one output per step replaces rotating every slot read (`View.basis`).
+    @property
+    def basis(self) -> bool:
+        """Whether `decode(..., in_basis=True)` skips a rotation R (`to_basis`, `from_basis`)."""
+        return False
+
+    def to_basis(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
+        """R x over the head dim (e.g. a query, to be dotted with keys decoded in the basis)."""
+        return x
+
+    def from_basis(self, y: Float[Array, "... D"]) -> Float[Array, "... D"]:
+        """R^T y over the head dim (e.g. an attention output over values decoded in the basis)."""
+        return y
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +153,7 @@ class Identity(Codec):
     def encode(self, x):
         return x
 
-    def decode(self, enc, dtype):
+    def decode(self, enc, dtype, in_basis=False):
         return enc.astype(dtype)
 
 
@@ -164,17 +195,23 @@ def unpack_bits(packed: UInt8[Array, "... Dp"], bits: int) -> UInt8[Array, "... 
     return c.reshape(packed.shape[:-1] + (packed.shape[-1] * per,))  # [..., D]
 
 
+def hadamard_matrix(n: int) -> np.ndarray:
+    """The orthonormal Sylvester Walsh-Hadamard matrix [n, n] (n a power of two), float32:
+    H_1 = [1], H_2m = [[H_m, H_m], [H_m, -H_m]], scaled by 1 / sqrt(n). Symmetric, its own inverse."""
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return (h / math.sqrt(n)).astype(np.float32)
+
+
 def hadamard(x: Float[Array, "... N"]) -> Float[Array, "... N"]:
-    """x @ H for the orthonormal Sylvester Walsh-Hadamard matrix H (N a power of two), as
-    log2(N) butterflies (N log N work). H is symmetric and its own inverse."""
-    *lead, n = x.shape
-    h = 1
-    while h < n:  # static: log2(N) stages
-        y = x.reshape(*lead, n // (2 * h), 2, h)  # [..., N/2h, 2, h]
-        a, b = y[..., 0, :], y[..., 1, :]
-        x = jnp.stack([a + b, a - b], axis=-2).reshape(*lead, n)  # [..., N]
-        h *= 2
-    return x * (1.0 / math.sqrt(n))
+    """x @ H for the orthonormal Sylvester Walsh-Hadamard matrix H (N a power of two), as one
+    float32 matmul (exact products at any precision setting: `highest`, so no TF32 on a GPU).
+    log2(N) butterfly stages do N log N work instead of N^2, but XLA:CPU writes each stage out:
+    an int4 decode over 4,096 slots x 30 layers of SmolLM2 ran its five stages in ~3.7 ms per
+    layer's keys or values, the matmul 3.6x faster (README, Speed)."""
+    h = jnp.asarray(hadamard_matrix(x.shape[-1]))  # float32: computed in float32 whatever x's dtype
+    return jnp.einsum("...i,ij->...j", x.astype(jnp.float32), h, precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
 
 
 def _symmetric_scale(absmax: Array, qmax: float, dtype: Any) -> tuple[Array, Array]:
@@ -218,7 +255,7 @@ class Absmax(Codec):
             y = jnp.round(y)  # a float code rounds in the cast below
         return Quantized(jnp.clip(y, -qmax, qmax).astype(code), s)  # [B, K, T, D]
 
-    def decode(self, enc: Quantized, dtype) -> Float[Array, "B K S D"]:
+    def decode(self, enc: Quantized, dtype, in_basis=False) -> Float[Array, "B K S D"]:
         return (enc.codes.astype(jnp.float32) * enc.scale.astype(jnp.float32)).astype(dtype)
 
 
@@ -271,11 +308,26 @@ class Int4(Codec):
         q = jnp.clip(jnp.round(xg / div[..., None]), -7, 7) + 8  # [B, K, T, Gd, group] in [1, 15]
         return Quantized(pack_bits(q.reshape(*lead, d), 4), s)  # [B, K, T, D/2], [B, K, T, Gd]
 
-    def decode(self, enc: Quantized, dtype) -> Float[Array, "B K S D"]:
+    def decode(self, enc: Quantized, dtype, in_basis=False) -> Float[Array, "B K S D"]:
         q = unpack_bits(enc.codes, 4).astype(jnp.float32) - 8  # [B, K, S, D]
         *lead, d = q.shape
-        qg = q.reshape(*lead, d // self.group, self.group)  # [B, K, S, Gd, group]
-        return self._rotate(qg * enc.scale.astype(jnp.float32)[..., None]).reshape(*lead, d).astype(dtype)
+        yg = q.reshape(*lead, d // self.group, self.group) * enc.scale.astype(jnp.float32)[..., None]  # [B, K, S, Gd, group]
+        return (yg if in_basis else self._rotate(yg)).reshape(*lead, d).astype(dtype)
+
+    @property
+    def basis(self):
+        return self.rotation == "hadamard"
+
+    def _grouped(self, x: Float[Array, "... D"]) -> Float[Array, "... D"]:
+        *lead, d = x.shape
+        self._check(d)
+        return self._rotate(x.reshape(*lead, d // self.group, self.group)).reshape(*lead, d)
+
+    def to_basis(self, x):  # H per group: H = H^T, so to_basis and from_basis are the same map
+        return self._grouped(x)
+
+    def from_basis(self, y):
+        return self._grouped(y)
 
 
 # Registry name -> the codec with its default fields; get_codec(name, **fields) replaces fields.

@@ -214,7 +214,8 @@ class Duo(Policy):
         vmask = cat([jnp.broadcast_to(pad(m, False, axis=3), (b, n, t, width))
                      for m, n in zip(masks, heads_of)])  # [B, K, T, Sv]
         carry = (views[0].carry if ret else None, views[-1].carry if st else None, state)
-        return View(k=vk, v=vv, pos=vpos, rope=RopePositions(q=pos[..., None], k=vpos), mask=vmask, carry=carry)
+        return View(k=vk, v=vv, pos=vpos, rope=RopePositions(q=pos[..., None], k=vpos), mask=vmask, carry=carry,
+                    basis=views[0].basis)  # both groups decode with the one codec
 
     def compact(self, view, seen):
         c_ret, c_st, old = view.carry  # a group without heads keeps its empty arrays

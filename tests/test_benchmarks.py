@@ -219,3 +219,21 @@ def test_readme_speed_table_is_the_saved_run_s_table():
     assert table in (root / "README.md").read_text()
     assert table.count("\n") == 16 and "| 3× transformers at 4K would be, of the roofline | 107 % |" in table
     assert "| kvpolicies full int8 after RoPE |" in table.splitlines()[0]
+
+
+def test_readme_int4_basis_codec_ranges_are_the_saved_runs():
+    """README's codec table after the basis reads gives, per codec, the range of the three saved
+    alternated runs (docs/decode_speed_codec_2026-12-02b.jsonl) and the first run's ms."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    rows = [json.loads(line) for line in (root / "docs" / "decode_speed_codec_2026-12-02b.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all(r["impl"] == "codec" and r["context"] == 4096 for r in rows)
+    names = ("int8", "int8_after_rope", "int4", "int4_after_rope")
+    ranges = [f"{min(r['ratios'][n] for r in rows):.2f}–{max(r['ratios'][n] for r in rows):.2f}×" for n in names]
+    cells = " | ".join(f"{x:.1f}" for x in rows[0]["ms"])
+    readme = (root / "README.md").read_text()
+    assert f"| ms (first run) | {cells} |" in readme
+    assert f"| over `full`'s, three runs | 1 | {ranges[0]} | {ranges[1]} | {ranges[2]} | **{ranges[3]}** |" in readme
+    assert max(r["ratios"]["int4_after_rope"] for r in rows) <= 1.3  # the target, in every run
