@@ -228,6 +228,8 @@ class Policy:
         (text positions; RoPE segments may still rotate the queries differently, as `sink`'s cache
         mode does) and whose stored keys nothing but attention reads (no scoring of stored keys),
         and, with a codec, only if it encodes keys after RoPE (`keys_rotated(codec)`, as `Full`).
+        A quantizing policy may declare it to quantize rotated keys (`kivi`'s `after_rope`, its
+        reference's order): then it is a choice of what is quantized, not only of speed.
         A policy that does not declare it rejects a codec with `after_rope` (`check_codec`)."""
         return False
 

@@ -32,10 +32,13 @@ chunk size never changes a result. Deviation: the reference's prefill attends ov
 prompt in full precision before quantizing it; here prompt tokens are quantized as they stream
 in (the final state is the same, the prompt's own outputs see the quantized past).
 
-Two more deliberate differences from the reference code: keys are quantized before RoPE (kivi
-caches un-rotated keys, unlike the codecs' `after_rope` variants; KVQuant, Hooper et al. 2024,
-finds pre-RoPE per-channel key quantization more accurate), and storage is a fixed-capacity buffer (codes for all S slots,
-plus two Rr-slot full-precision rings), so one compiled step serves every step.
+Keys are quantized after RoPE, rotated at their token positions, as the reference code does
+(its attention quantizes the key states after `apply_rotary_pos_emb`; `after_rope=True`, the
+default). `after_rope=False` is our named extension: keys quantized before RoPE and cached
+un-rotated (KVQuant, Hooper et al. 2024, finds pre-RoPE per-channel key quantization more
+accurate; it was this library's kivi before 2026-12-02). One more deliberate difference: storage
+is a fixed-capacity buffer (codes for all S slots, plus two Rr-slot full-precision rings), so one
+compiled step serves every step.
 
 Bytes per layer and sequence (sb = itemsize(scale_dtype), cb = itemsize(cache dtype)):
     K * [ 2 S Dp                  codes of keys and values (key codes padded to Sg G slots)
@@ -98,8 +101,11 @@ class Kivi(Policy):
     group: int = 32
     residual: int = 128
     scale_dtype: str = "float32"
+    after_rope: bool = True  # the reference's order; False: keys quantized before RoPE (module doc)
 
     def __post_init__(self):
+        if not isinstance(self.after_rope, bool):
+            raise ValueError(f"kivi.after_rope={self.after_rope!r}: must be True or False")
         check_choice("kivi", "bits", self.bits, (2, 4))
         check_int("kivi", "group", self.group, 1)
         check_int("kivi", "residual", self.residual, 1)
@@ -108,6 +114,13 @@ class Kivi(Policy):
         check_scale_dtype("kivi", self.scale_dtype)
         if not isinstance(self.codec, Identity):
             raise ValueError(f"kivi.codec={self.codec!r}: kivi does its own quantization (use codec='none')")
+
+    @property
+    def rotated_keys(self):
+        # after RoPE: attention rotates each new key at its position before `extend`, so the
+        # residual and the per-channel codes hold rotated keys, and the view's keys are read as
+        # they are (text positions, never shifted; only attention reads them)
+        return self.after_rope
 
     def capacity(self, max_len):
         return max_len

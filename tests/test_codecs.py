@@ -423,12 +423,22 @@ def np_kivi_cache(k, v, n, bits, g, r):
     return kq, vq
 
 
-def np_kivi_attention(q, k, v, chunks, bits, g, r):
+def np_rotated(k):
+    """Keys [B, T, K, D] rotated at positions 0..T-1 (float64 RoPE, then float32)."""
+    pos = np.broadcast_to(np.arange(k.shape[1]), k.shape[:2])[:, :, None]  # [B, T, 1]
+    return rope_complex(k.astype(np.float64), pos, default_inv_freq(k.shape[-1], THETA)).astype(np.float32)
+
+
+def np_kivi_attention(q, k, v, chunks, bits, g, r, after_rope=True):
     """Outputs [B, T, N, D]: each query of a step sees the cache as stored before the step
-    plus the step's tokens in full precision."""
+    plus the step's tokens in full precision. after_rope: the keys are rotated at their
+    positions before they are stored and quantized (the reference's order); else stored
+    un-rotated and rotated when attended."""
     b, t, n, d = q.shape
     gq = n // k.shape[2]
     inv = default_inv_freq(d, THETA)
+    if after_rope:
+        k = np_rotated(k)
     out = np.zeros((b, t, n, d))
     start, i = 0, 0
     while start < t:
@@ -439,7 +449,8 @@ def np_kivi_attention(q, k, v, chunks, bits, g, r):
         for p in range(start, end):
             for h in range(n):
                 qr = rope_complex(q[:, p, h].astype(np.float64), np.full(b, p), inv)
-                kr = rope_complex(kk[:, :p + 1, h // gq], np.broadcast_to(np.arange(p + 1), (b, p + 1)), inv)
+                kr = kk[:, :p + 1, h // gq] if after_rope else \
+                    rope_complex(kk[:, :p + 1, h // gq], np.broadcast_to(np.arange(p + 1), (b, p + 1)), inv)
                 lg = np.einsum("bd,bjd->bj", qr, kr) * d**-0.5
                 w = np.exp(lg - lg.max(-1, keepdims=True))
                 out[:, p, h] = np.einsum("bj,bjd->bd", w / w.sum(-1, keepdims=True), vv[:, :p + 1, h // gq])
@@ -464,6 +475,7 @@ KIVI_CASES = {
     "r16g8": (Kivi(bits=2, group=8, residual=16), 40, 64),
     "short-cap": (Kivi(bits=2, group=4, residual=16), 10, 10),  # capacity < R, not a multiple of G
     "cap-not-mult": (Kivi(bits=2, group=4, residual=8), 30, 30),  # 30 slots, 8 key groups
+    "pre-rope": (Kivi(bits=2, group=4, residual=8, after_rope=False), 40, 64),  # keys quantized un-rotated
 }
 # [12, 8] on 40 tokens with R = 8: chunks longer than R, equal to R, flushing 1 and 2 key blocks
 # in one step, block boundaries inside chunks. [10]: with R = 8 the 4th step flushes 2 blocks;
@@ -472,7 +484,7 @@ SCHEDULES = {"one-by-one": [1], "chunks": [12, 8], "prefill": [64], "tens": [10]
 
 
 KIVI_MATRIX = [("2bit", "one-by-one"), ("2bit", "chunks"), ("2bit", "prefill"), ("4bit", "tens"),
-               ("r16g8", "tens"), ("short-cap", "one-by-one"), ("cap-not-mult", "tens")]
+               ("r16g8", "tens"), ("short-cap", "one-by-one"), ("cap-not-mult", "tens"), ("pre-rope", "chunks")]
 
 
 @pytest.mark.parametrize("case,sched", KIVI_MATRIX, ids=[f"{c}-{s}" for c, s in KIVI_MATRIX])
@@ -482,10 +494,10 @@ def test_kivi_matches_numpy_kivi(case, sched):
     chunks = SCHEDULES[sched]
     out, state = run_policy(pol, q, k, v, chunks, ROPE, max_len=max_len)
     # every token is a decode step whatever the chunk (per_token): the reference's decode rule
-    np.testing.assert_allclose(out, np_kivi_attention(q, k, v, [1], pol.bits, pol.group, pol.residual),
+    np.testing.assert_allclose(out, np_kivi_attention(q, k, v, [1], pol.bits, pol.group, pol.residual, pol.after_rope),
                                atol=3e-5, rtol=0)
-    kd, vd = kivi_decoded(pol, state, t)
-    kr, vr = np_kivi_cache(k, v, t, pol.bits, pol.group, pol.residual)
+    kd, vd = kivi_decoded(pol, state, t)  # the stored keys: rotated (the default) or not
+    kr, vr = np_kivi_cache(np_rotated(k) if pol.after_rope else k, v, t, pol.bits, pol.group, pol.residual)
     np.testing.assert_allclose(kd, kr, atol=1e-5, rtol=0)
     np.testing.assert_allclose(vd, vr, atol=1e-5, rtol=0)
     assert np.asarray(state.pos)[0, 0].tolist() == list(range(t)) + [-1] * (max_len - t)
@@ -508,8 +520,9 @@ def test_kivi_chunked_state_equals_token_by_token(case, others):
 
 def test_kivi_residual_rule_counts():
     """After n tokens: R floor(n/R) keys and max(n - R, 0) values quantized (exact match of the
-    residual slots with the raw inputs, and the others differ)."""
-    pol, t, _ = KIVI_CASES["2bit"]
+    residual slots with the raw inputs, and the others differ; keys before RoPE, so that the
+    stored keys are the inputs themselves)."""
+    pol, t, _ = KIVI_CASES["pre-rope"]
     q, k, v = qkv(t, seed=7)
     for n in (7, 8, 9, 15, 16, 17, 23):
         _, st = run_policy(pol, q[:, :n], k[:, :n], v[:, :n], [1], ROPE, max_len=64)
@@ -521,7 +534,7 @@ def test_kivi_residual_rule_counts():
 
 
 def test_kivi_bf16_scales_keep_the_half_step_bound():
-    pol = Kivi(bits=2, group=4, residual=8, scale_dtype="bfloat16")
+    pol = Kivi(bits=2, group=4, residual=8, scale_dtype="bfloat16", after_rope=False)  # stored keys = inputs
     q, k, v = qkv(40, seed=8)
     _, st = run_policy(pol, q, k, v, [10], ROPE, max_len=40)
     kd, vd = kivi_decoded(pol, st, 40)

@@ -70,7 +70,7 @@ def _quest_ref(pol, q, k, v, chunks):
 def _kivi_ref(pol, q, k, v, chunks):
     from test_codecs import np_kivi_attention
 
-    return np_kivi_attention(q, k, v, [1], pol.bits, pol.group, pol.residual)  # token by token, any chunk
+    return np_kivi_attention(q, k, v, [1], pol.bits, pol.group, pol.residual, pol.after_rope)  # token by token, any chunk
 
 
 def _paged_ref(pol, q, k, v, chunks):  # paged storage: the dense oracle of full / window / sink

@@ -48,9 +48,11 @@ def test_which_policies_store_rotated_keys():
     assert not kvpolicies.get("window", window=8, codec="int4").rotated_keys
     assert not kvpolicies.get("sink", codec="int8").rotated_keys
     assert kvpolicies.get("duo").rotated_keys and not kvpolicies.get("duo", codec="int8").rotated_keys
-    for name in ("snapkv", "h2o", "quest", "knorm", "kivi"):
+    for name in ("snapkv", "h2o", "quest", "knorm"):
         pol = kvpolicies.get(name)
         assert not pol.rotated_keys and not pol.prompt_policy().rotated_keys, name
+    # kivi quantizes its keys after RoPE, as its reference does (after_rope=False: before, un-rotated)
+    assert kvpolicies.get("kivi").rotated_keys and not kvpolicies.get("kivi", after_rope=False).rotated_keys
     # kvzip's reconstruction reads a full layer's keys as that layer stores them
     assert _recon_policy(Full()).rotated_keys and not _recon_policy(Full(codec=kvpolicies.get_codec("int8"))).rotated_keys
     # a codec that encodes after RoPE: stored rotated where positions are text positions
