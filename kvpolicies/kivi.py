@@ -33,8 +33,8 @@ prompt in full precision before quantizing it; here prompt tokens are quantized 
 in (the final state is the same, the prompt's own outputs see the quantized past).
 
 Keys are quantized after RoPE, rotated at their token positions, as the reference code does
-(its attention quantizes the key states after `apply_rotary_pos_emb`; `after_rope=True`, the
-default). `after_rope=False` is our named extension: keys quantized before RoPE and cached
+(`LlamaAttention_KIVI` in the authors' models/llama_kivi.py quantizes the key states after
+`apply_rotary_pos_emb`; `after_rope=True`, the default). `after_rope=False` is our named extension: keys quantized before RoPE and cached
 un-rotated (KVQuant, Hooper et al. 2024, finds pre-RoPE per-channel key quantization more
 accurate; it was this library's kivi before 2026-12-02). One more deliberate difference: storage
 is a fixed-capacity buffer (codes for all S slots, plus two Rr-slot full-precision rings), so one
