@@ -53,6 +53,8 @@ def test_which_policies_store_rotated_keys():
         assert not pol.rotated_keys and not pol.prompt_policy().rotated_keys, name
     # kivi quantizes its keys after RoPE, as its reference does (after_rope=False: before, un-rotated)
     assert kvpolicies.get("kivi").rotated_keys and not kvpolicies.get("kivi", after_rope=False).rotated_keys
+    with pytest.raises(ValueError, match="kivi.after_rope='no': must be True or False"):
+        kvpolicies.get("kivi", after_rope="no")
     # kvzip's reconstruction reads a full layer's keys as that layer stores them
     assert _recon_policy(Full()).rotated_keys and not _recon_policy(Full(codec=kvpolicies.get_codec("int8"))).rotated_keys
     # a codec that encodes after RoPE: stored rotated where positions are text positions
