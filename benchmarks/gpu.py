@@ -20,9 +20,17 @@ wherever JAX has a device): `python -m benchmarks.gpu [--out results/gpu.jsonl]`
    row with "error" (the rest of the script still runs): the host tier's gather runs on host-memory
    operands, which only the CPU backend has been seen to compile.
 
-`--dry-run` does the same on a tiny random model at 64 tokens and skips the test subset: it is
-what the CPU test suite runs (`tests/test_benchmarks.py`). Budget: about 8 minutes on an H200
-(sections 1-3), about 1 more for section 4. No result of it is in README until a GPU has run it.
+5. cuDNN's fused attention for prefill and the Pallas GPU decode kernel against our attention
+   (`benchmarks.attention_kernels`, rows with "section": "kernels"): SmolLM2's and Qwen's head
+   shapes in bfloat16 at the same contexts, ms and the ratio to ours, and the largest difference
+   of their outputs from ours. Neither kernel is wired into the library: this measures whether
+   either beats XLA on the device.
+
+`--dry-run` does the same on a tiny random model at 64 tokens (section 5: float32 at 256 tokens,
+Pallas through its interpreter) and skips the test subset: it is what the CPU test suite runs
+(`tests/test_benchmarks.py`). `--out` gets each row as it is measured (a run cut short keeps what
+it measured). Budget: about 8 minutes on an H200 (sections 1-3), about 1 more for section 4 and
+1 for section 5. No result of it is in README until a GPU has run it.
 """
 
 from __future__ import annotations
@@ -135,20 +143,30 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--dry-run", action="store_true", help="a tiny model at 64 tokens, no test subset (CPU)")
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--skip-quest", action="store_true", help="no section 4 (quest gather, host tier)")
-    ap.add_argument("--out", default=None, help="write the rows here, one JSON object per line")
+    ap.add_argument("--skip-kernels", action="store_true", help="no section 5 (cuDNN and Pallas attention)")
+    ap.add_argument("--out", default=None, help="write the rows here, one JSON object per line, as measured")
     args = ap.parse_args(argv)
     contexts, steps = ([64], 2) if args.dry_run else (args.contexts, args.steps)
+    rows = []
+    if args.out:
+        open(args.out, "w").close()
+
+    def emit(r: dict) -> None:
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(r) + "\n")
+
     dev = jax.devices()[0]
-    rows = [{"device": str(dev), "platform": dev.platform, "kind": getattr(dev, "device_kind", ""),
-             "date": time.strftime("%Y-%m-%d")}]
+    emit({"device": str(dev), "platform": dev.platform, "kind": getattr(dev, "device_kind", ""),
+          "date": time.strftime("%Y-%m-%d")})
     if not (args.dry_run or args.skip_tests):
         t0 = time.perf_counter()
         rc = subprocess.call([sys.executable, "-m", "pytest", *TEST_SUBSET])
-        rows.append({"tests": " ".join(TEST_SUBSET), "returncode": rc, "seconds": time.perf_counter() - t0})
+        emit({"tests": " ".join(TEST_SUBSET), "returncode": rc, "seconds": time.perf_counter() - t0})
     bw = read_bandwidth((64 << 20) if args.dry_run else (512 << 20))
-    rows.append({"read_bandwidth_GB_s": bw / 1e9})
-    for r in rows:
-        print(json.dumps(r), flush=True)
+    emit({"read_bandwidth_GB_s": bw / 1e9})
     for name, model, tokens in models(args.dry_run):
         for ctx in contexts:
             if ctx + steps + 1 > len(tokens):
@@ -159,16 +177,18 @@ def main(argv=None) -> list[dict]:
                 floor = (r["weight_bytes"] + r["kv_read_bytes"]) / bw
                 r |= {"roofline_ms": floor * 1e3, "scan_roofline": floor * r["scan_decode_tok_s"],
                       "layers_roofline": floor * r["layers_decode_tok_s"]}
-                print(json.dumps(r), flush=True)
-                rows.append(r)
+                emit(r)
         if not args.skip_quest and (name == "smollm2" or args.dry_run):
             host_contexts = contexts if args.dry_run else [c for c in contexts if c >= 16384]
             for r in quest_sections(model, tokens, host_contexts, steps, args.dry_run):
-                print(json.dumps(r), flush=True)
-                rows.append(r)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+                emit(r)
+    if not args.skip_kernels:
+        from benchmarks import attention_kernels
+
+        if args.dry_run:
+            attention_kernels.run([256], jnp.float32, rounds=1, steps=1, emit=emit)
+        else:
+            attention_kernels.run(contexts, jnp.bfloat16, emit=emit)
     return rows
 
 

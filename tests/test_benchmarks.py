@@ -4,6 +4,8 @@ positions, in closed form."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
 import kvpolicies
@@ -54,13 +56,24 @@ def test_read_bandwidth_is_bytes_over_the_best_run(monkeypatch):
     assert read_bandwidth(16 << 20, repeats=2) == (16 << 20) / 0.25 and not clock.ticks
 
 
-def test_gpu_script_dry_run_measures_every_policy():
+def test_gpu_script_dry_run_measures_every_policy(tmp_path):
     """benchmarks.gpu --dry-run (what the CPU can check of the H200 script): every policy decodes
-    on the tiny bfloat16 model and gets its roofline fraction; no test subprocess is started."""
+    on the tiny bfloat16 model and gets its roofline fraction; no test subprocess is started;
+    cuDNN's and Pallas' attention compute ours (section 5); --out holds every row."""
     from benchmarks import gpu
 
-    rows = gpu.main(["--dry-run"])
+    rows = gpu.main(["--dry-run", "--out", str(tmp_path / "gpu.jsonl")])
+    assert [json.loads(x) for x in (tmp_path / "gpu.jsonl").read_text().splitlines()] == json.loads(json.dumps(rows))
     assert rows[0]["platform"] == "cpu" and "tests" not in {k for r in rows for k in r}
+    kernels = [r for r in rows if r.get("section") == "kernels"]
+    assert {(r["shape"], r["phase"], r["impl"]) for r in kernels} == {
+        (s, p, i) for s in ("smollm2", "qwen") for p in ("prefill", "decode")
+        for i in ("ours", "sdpa_xla", "sdpa_cudnn") + (("pallas",) if p == "decode" else ())}
+    for r in kernels:
+        if r["impl"] == "sdpa_cudnn":  # no GPU here: an error row, and the run went on
+            assert "cuDNN" in r["error"] and "ms" not in r
+        else:
+            assert r["context"] == 256 and r["ms"] > 0 and r["max_abs_diff"] <= 1e-5, r
     measured = [r for r in rows if "policy" in r]
     assert [r["policy"] for r in measured] == list(gpu.POLICIES)
     assert all(r["context"] == 64 and r["scan_roofline"] > 0 and r["layers_roofline"] > 0 and r["kv_read_bytes"] > 0
@@ -68,6 +81,20 @@ def test_gpu_script_dry_run_measures_every_policy():
     by = {r["policy"]: r for r in measured}
     for name in ("int8", "int8_after_rope"):  # the codec's smaller bytes are what a step reads
         assert by[name]["kv_read_bytes"] < by["full"]["kv_read_bytes"]
+
+
+def test_attention_kernels_report_a_kernel_that_computes_something_else(monkeypatch):
+    """The kernels' max_abs_diff can fail: without RoPE on their side, XLA's dot_product_attention
+    and the Pallas kernel no longer compute ours."""
+    import jax.numpy as jnp
+
+    from benchmarks import attention_kernels as ak
+
+    monkeypatch.setattr(ak, "_rotate", lambda table, x, pos: x)
+    rows = ak.measure("decode", "qwen", 256, jnp.float32, 1, 1, 8e9, interpret=True)
+    by = {r["impl"]: r for r in rows}
+    assert by["ours"]["max_abs_diff"] == 0.0
+    assert by["sdpa_xla"]["max_abs_diff"] > 0.05 and by["pallas"]["max_abs_diff"] > 0.05
 
 
 def test_prefill_flops_count_the_weights_the_causal_attention_and_the_last_logits():
@@ -237,3 +264,25 @@ def test_readme_int4_basis_codec_ranges_are_the_saved_runs():
     assert f"| ms (first run) | {cells} |" in readme
     assert f"| over `full`'s, three runs | 1 | {ranges[0]} | {ranges[1]} | {ranges[2]} | **{ranges[3]}** |" in readme
     assert max(r["ratios"]["int4_after_rope"] for r in rows) <= 1.3  # the target, in every run
+
+
+def test_readme_attention_kernels_cpu_table_is_the_saved_run():
+    """README's CPU table of XLA's dot_product_attention against ours is the saved run
+    (docs/attention_kernels_cpu_2026-12-02.jsonl), and its outputs agreed with ours."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    rows = [json.loads(x) for x in (root / "docs" / "attention_kernels_cpu_2026-12-02.jsonl").read_text().splitlines()]
+    by = {(r["phase"], r["context"], r["impl"]): r for r in rows}
+    readme = (root / "README.md").read_text()
+    for phase in ("prefill", "decode"):
+        ms = " | ".join(f"{by[(phase, c, 'ours')]['ms']:.{1 if phase == 'prefill' else 2}f}" for c in (1024, 4096))
+        assert f"| {phase}: `attend`, ms | {ms} |" in readme
+        ratio = " | ".join(f"{by[(phase, c, 'sdpa_xla')]['vs_ours']:.2f}×" for c in (1024, 4096))
+        assert f"| {phase}: XLA `dot_product_attention` / ours | {ratio} |" in readme
+    diffs = " | ".join(f"≤ {max(r['max_abs_diff'] for k, r in by.items() if k[1] == c and 'max_abs_diff' in r):.1e}"
+                       for c in (1024, 4096))
+    assert f"| outputs, max \\|diff\\| from ours | {diffs} |" in readme
+    pallas = [by[("decode", c, "pallas")]["vs_ours"] for c in (1024, 4096)]
+    assert f"interpreter times ({min(pallas):.1f}–{max(pallas):.1f}× ours)" in readme
+    assert all("cuDNN" in r["error"] for r in rows if r["impl"] == "sdpa_cudnn")
