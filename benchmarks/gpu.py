@@ -30,7 +30,10 @@ wherever JAX has a device): `python -m benchmarks.gpu [--out results/gpu.jsonl]`
 Pallas through its interpreter) and skips the test subset: it is what the CPU test suite runs
 (`tests/test_benchmarks.py`). `--out` gets each row as it is measured (a run cut short keeps what
 it measured). Budget: about 8 minutes on an H200 (sections 1-3), about 1 more for section 4 and
-1 for section 5. No result of it is in README until a GPU has run it.
+1 for section 5, estimated, never run. `--budget-s` (default 480) bounds the whole run: the test
+subset gets at most a third of it (then it is stopped, its row saying so), and each later
+measurement starts only while time is left (a skipped one is a row with "skipped": "budget").
+No result of it is in README until a GPU has run it.
 """
 
 from __future__ import annotations
@@ -145,9 +148,12 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--skip-quest", action="store_true", help="no section 4 (quest gather, host tier)")
     ap.add_argument("--skip-kernels", action="store_true", help="no section 5 (cuDNN and Pallas attention)")
     ap.add_argument("--out", default=None, help="write the rows here, one JSON object per line, as measured")
+    ap.add_argument("--budget-s", type=float, default=480.0,
+                    help="start no measurement after this many seconds (the test subset: a third of it)")
     args = ap.parse_args(argv)
     contexts, steps = ([64], 2) if args.dry_run else (args.contexts, args.steps)
     rows = []
+    start = time.perf_counter()
     if args.out:
         open(args.out, "w").close()
 
@@ -158,12 +164,22 @@ def main(argv=None) -> list[dict]:
             with open(args.out, "a") as f:
                 f.write(json.dumps(r) + "\n")
 
+    def time_left(what: dict) -> bool:
+        """Whether the budget allows starting `what`; if not, a row says it was skipped."""
+        if time.perf_counter() - start < args.budget_s:
+            return True
+        emit(what | {"skipped": "budget", "budget_s": args.budget_s})
+        return False
+
     dev = jax.devices()[0]
     emit({"device": str(dev), "platform": dev.platform, "kind": getattr(dev, "device_kind", ""),
           "date": time.strftime("%Y-%m-%d")})
     if not (args.dry_run or args.skip_tests):
         t0 = time.perf_counter()
-        rc = subprocess.call([sys.executable, "-m", "pytest", *TEST_SUBSET])
+        try:
+            rc = subprocess.call([sys.executable, "-m", "pytest", *TEST_SUBSET], timeout=args.budget_s / 3)
+        except subprocess.TimeoutExpired:
+            rc = "stopped at a third of --budget-s"
         emit({"tests": " ".join(TEST_SUBSET), "returncode": rc, "seconds": time.perf_counter() - t0})
     bw = read_bandwidth((64 << 20) if args.dry_run else (512 << 20))
     emit({"read_bandwidth_GB_s": bw / 1e9})
@@ -173,16 +189,18 @@ def main(argv=None) -> list[dict]:
                 continue
             for pol in args.policies:
                 r = {"model": name, "policy": pol, "context": ctx, "dtype": "bfloat16"}
+                if not time_left(r):
+                    continue
                 r |= bench_ours(model, tokens, POLICIES[pol](), ctx, steps, chunk=min(512, ctx))
                 floor = (r["weight_bytes"] + r["kv_read_bytes"]) / bw
                 r |= {"roofline_ms": floor * 1e3, "scan_roofline": floor * r["scan_decode_tok_s"],
                       "layers_roofline": floor * r["layers_decode_tok_s"]}
                 emit(r)
-        if not args.skip_quest and (name == "smollm2" or args.dry_run):
+        if not args.skip_quest and (name == "smollm2" or args.dry_run) and time_left({"section": "quest_gather"}):
             host_contexts = contexts if args.dry_run else [c for c in contexts if c >= 16384]
             for r in quest_sections(model, tokens, host_contexts, steps, args.dry_run):
                 emit(r)
-    if not args.skip_kernels:
+    if not args.skip_kernels and time_left({"section": "kernels"}):
         from benchmarks import attention_kernels
 
         if args.dry_run:

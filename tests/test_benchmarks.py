@@ -83,6 +83,16 @@ def test_gpu_script_dry_run_measures_every_policy(tmp_path):
         assert by[name]["kv_read_bytes"] < by["full"]["kv_read_bytes"]
 
 
+def test_gpu_script_starts_nothing_past_its_budget():
+    """--budget-s 0: every measurement is a row saying it was skipped, none is run."""
+    from benchmarks import gpu
+
+    rows = gpu.main(["--dry-run", "--budget-s", "0"])
+    skipped = [r for r in rows if r.get("skipped") == "budget"]
+    assert [r.get("policy", r.get("section")) for r in skipped] == [*gpu.POLICIES, "quest_gather", "kernels"]
+    assert not any("ms" in r or "scan_roofline" in r for r in rows)
+
+
 def test_attention_kernels_report_a_kernel_that_computes_something_else(monkeypatch):
     """The kernels' max_abs_diff can fail: without RoPE on their side, XLA's dot_product_attention
     and the Pallas kernel no longer compute ours."""
