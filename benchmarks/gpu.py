@@ -4,7 +4,10 @@ wherever JAX has a device): `python -m benchmarks.gpu [--out results/gpu.jsonl]`
 1. the test subset that runs every registered policy and every codec through the model on the
    device (`tests/test_policies.py tests/test_codecs.py -m "not slow"`), in a subprocess;
 2. the device's read bandwidth, measured in this process (a jitted sum over 512 MB: HBM on a GPU);
-3. for the default model (SmolLM2-135M) and, when installed, `model=qwen`, in bfloat16: prefill
+3. for the default model (SmolLM2-135M) and `model=qwen`, in bfloat16 (where a model or its
+   text is not installed, e.g. on a device that cannot install packages, or with
+   `--random-weights`: its shapes with random weights and random ids, `"weights": "random"`;
+   speed depends on the shapes only): prefill
    tokens/s and decode tokens/s (`continue_generate` layer by layer, the default, and as the fused
    scan; `benchmarks.decode_speed.bench_ours`) of `full`, `sink` (4 + 1,020), `quest` (pages of 16,
    top 16) and `full` with the int8 codec (keys encoded before RoPE, and after: `int8_after_rope`)
@@ -61,29 +64,63 @@ POLICIES = {
 TEST_SUBSET = ["tests/test_policies.py", "tests/test_codecs.py", "-m", "not slow", "-q", "-p", "no:cacheprovider"]
 
 
-def models(dry_run: bool):
-    """(name, model, token ids) to measure."""
+# The two models' shapes, as our loader reads them from their GGUF files (tests check them against
+# the files): on a device without the model packages (the H200 machines here install nothing and
+# carry at most 64 MiB), the same shapes with random weights. A step's time depends on the shapes,
+# not on the weights' values: every step has static shapes and no data-dependent work.
+SHAPE_TWINS = {
+    "smollm2": dict(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, d_ff=1536,
+                    rope_theta=100000.0, norm_eps=1e-5, tie_embeddings=True, qkv_bias=False, max_position=8192),
+    "qwen": dict(vocab_size=151936, d_model=896, n_layers=24, n_heads=14, n_kv_heads=2, head_dim=64, d_ff=4864,
+                 rope_theta=1000000.0, norm_eps=1e-6, tie_embeddings=False, qkv_bias=True, max_position=32768),
+}
+
+
+def shape_twin(name: str, seed: int = 0):
+    """(model, token ids): `name`'s shapes in bfloat16 with random weights, and 40,000 random ids."""
+    from models.config import LlamaConfig
+    from models.llama import Llama
+
+    cfg = LlamaConfig(**SHAPE_TWINS[name], name=f"{name} shapes, random weights")
+    ids = np.random.default_rng(seed).integers(0, cfg.vocab_size, 40_000).astype(np.int32)
+    return Llama(cfg, dtype=jnp.bfloat16), ids
+
+
+def _real(name: str):
+    """(model, token ids) of the installed model and text, in bfloat16."""
+    from evals import zoo
+    from evals.data import load_text
+
+    if name == "smollm2":
+        from models.loading import load_default_model
+
+        model, tok = load_default_model("bfloat16")
+        return model, np.asarray(tok.encode(load_text("austen")[:400_000]), np.int32)
+    conf = {"name": name, "dtype": "bfloat16"}
+    zoo.describe(conf)
+    model, tok = zoo.load_model(conf)
+    return model, np.asarray(tok.encode(load_text("pg")[:400_000]), np.int32)
+
+
+def models(dry_run: bool, random_weights: bool = False, emit=print):
+    """(name, model, token ids, weights) to measure: the installed models and texts, or where they
+    are not installed (or `random_weights`), their shape twins (a row says why)."""
     if dry_run:
         from models.config import LlamaConfig
         from models.llama import Llama
 
         cfg = LlamaConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=128)
-        yield "tiny", Llama(cfg, dtype=jnp.bfloat16), np.random.default_rng(0).integers(0, 256, 4096).astype(np.int32)
+        ids = np.random.default_rng(0).integers(0, 256, 4096).astype(np.int32)
+        yield "tiny", Llama(cfg, dtype=jnp.bfloat16), ids, "random"
         return
-    from evals import zoo
-    from evals.data import load_text
-    from models.loading import load_default_model
-
-    model, tok = load_default_model("bfloat16")
-    yield "smollm2", model, np.asarray(tok.encode(load_text("austen")[:400_000]), np.int32)
-    try:
-        conf = {"name": "qwen", "dtype": "bfloat16"}
-        zoo.describe(conf)
-    except Exception as e:  # not installed: say so, measure the rest
-        print(json.dumps({"skipped": "qwen", "why": str(e)[:200]}), flush=True)
-        return
-    qwen, qtok = zoo.load_model(conf)
-    yield "qwen", qwen, np.asarray(qtok.encode(load_text("pg")[:400_000]), np.int32)
+    for name in SHAPE_TWINS:
+        if not random_weights:
+            try:
+                yield (name, *_real(name), "gguf")
+                continue
+            except Exception as e:  # noqa: BLE001 (not installed here: its shapes instead)
+                emit({"model": name, "weights": "random", "why": f"{type(e).__name__}: {str(e)[:200]}"})
+        yield (name, *shape_twin(name), "random")
 
 
 def quest_sections(model, tokens, contexts, steps: int, dry_run: bool) -> list[dict]:
@@ -148,6 +185,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--skip-quest", action="store_true", help="no section 4 (quest gather, host tier)")
     ap.add_argument("--skip-kernels", action="store_true", help="no section 5 (cuDNN and Pallas attention)")
     ap.add_argument("--out", default=None, help="write the rows here, one JSON object per line, as measured")
+    ap.add_argument("--random-weights", action="store_true",
+                    help="the models' shapes with random weights, installed or not (speed only)")
     ap.add_argument("--budget-s", type=float, default=480.0,
                     help="start no measurement after this many seconds (the test subset: a third of it)")
     args = ap.parse_args(argv)
@@ -183,12 +222,12 @@ def main(argv=None) -> list[dict]:
         emit({"tests": " ".join(TEST_SUBSET), "returncode": rc, "seconds": time.perf_counter() - t0})
     bw = read_bandwidth((64 << 20) if args.dry_run else (512 << 20))
     emit({"read_bandwidth_GB_s": bw / 1e9})
-    for name, model, tokens in models(args.dry_run):
+    for name, model, tokens, weights in models(args.dry_run, args.random_weights, emit):
         for ctx in contexts:
             if ctx + steps + 1 > len(tokens):
                 continue
             for pol in args.policies:
-                r = {"model": name, "policy": pol, "context": ctx, "dtype": "bfloat16"}
+                r = {"model": name, "weights": weights, "policy": pol, "context": ctx, "dtype": "bfloat16"}
                 if not time_left(r):
                     continue
                 r |= bench_ours(model, tokens, POLICIES[pol](), ctx, steps, chunk=min(512, ctx))

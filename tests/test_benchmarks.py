@@ -83,6 +83,65 @@ def test_gpu_script_dry_run_measures_every_policy(tmp_path):
         assert by[name]["kv_read_bytes"] < by["full"]["kv_read_bytes"]
 
 
+def twin_fields(cfg) -> dict:
+    """The fields of a LlamaConfig that benchmarks.gpu's shape twins copy."""
+    from benchmarks.gpu import SHAPE_TWINS
+
+    return {k: getattr(cfg, k) for k in SHAPE_TWINS["smollm2"]}
+
+
+def test_gpu_shape_twin_of_smollm2_has_the_installed_models_shapes():
+    """The random-weight SmolLM2 of benchmarks.gpu (a device without the packages) has the config our
+    loader reads from the GGUF file, and every weight its shape (Qwen's: tests/test_long_models.py)."""
+    import jax
+    from flax import nnx
+
+    from benchmarks.gpu import SHAPE_TWINS, shape_twin
+    from models.loading import load_default_model
+
+    real, _ = load_default_model()
+    assert twin_fields(real.cfg) == SHAPE_TWINS["smollm2"]
+    twin, ids = shape_twin("smollm2")
+    shapes = lambda m: [x.shape for x in jax.tree.leaves(nnx.state(m))]  # noqa: E731
+    assert shapes(twin) == shapes(real) and ids.max() < real.cfg.vocab_size and len(ids) == 40_000
+
+
+def test_gpu_models_fall_back_to_their_shapes_where_not_installed(monkeypatch):
+    """A device without the packages (here: evals.data's rdata missing) measures each model's shape
+    twin, and a row says why."""
+    from benchmarks import gpu
+
+    def missing(name):
+        raise ModuleNotFoundError("No module named 'rdata'")
+
+    monkeypatch.setattr(gpu, "_real", missing)
+    monkeypatch.setattr(gpu, "shape_twin", lambda name: (f"twin of {name}", np.arange(3)))
+    rows = []
+    got = [(n, m, w) for n, m, _, w in gpu.models(False, emit=rows.append)]
+    assert got == [("smollm2", "twin of smollm2", "random"), ("qwen", "twin of qwen", "random")]
+    assert [(r["model"], r["weights"]) for r in rows] == [("smollm2", "random"), ("qwen", "random")]
+    assert all("rdata" in r["why"] for r in rows)
+
+
+def test_gpu_check_script_runs_benchmarks_gpu_from_a_bare_python(tmp_path):
+    """scripts/gpu_check.sh (for a device that installs nothing): the checkout on PYTHONPATH, rows in
+    OUT/gpu.jsonl, the log beside; here with this venv's python, a dry run of one policy."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PY=sys.executable, PYTHONPATH="")
+    proc = subprocess.run(["bash", str(root / "scripts" / "gpu_check.sh"), str(tmp_path), "--dry-run", "--policies",
+                           "full", "--skip-quest", "--skip-kernels"], cwd="/", env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(x) for x in (tmp_path / "gpu.jsonl").read_text().splitlines()]
+    assert rows[0]["platform"] == "cpu" and [r["policy"] for r in rows if "policy" in r] == ["full"]
+    assert "jax" in (tmp_path / "gpu.log").read_text().splitlines()[0]
+
+
 def test_gpu_script_starts_nothing_past_its_budget():
     """--budget-s 0: every measurement is a row saying it was skipped, none is run."""
     from benchmarks import gpu

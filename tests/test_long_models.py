@@ -352,6 +352,9 @@ def test_qwen_matches_transformers(qwen):
     assert (cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rope_theta, cfg.qkv_bias) == (
         24, 14, 2, 64, 1e6, True)
     assert cfg.max_position == 32768 and not cfg.tie_embeddings
+    from benchmarks.gpu import SHAPE_TWINS  # benchmarks.gpu's random-weight twin, for a device without the file
+
+    assert {k: getattr(cfg, k) for k in SHAPE_TWINS["qwen"]} == SHAPE_TWINS["qwen"]
     got, want = qwen["got128"], qwen["want128"]
     assert np.abs(got - want).max() <= 1e-3
     assert abs(qwen["ppl"] - qwen["ppl_ref"]) / qwen["ppl_ref"] < 0.005
