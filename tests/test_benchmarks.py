@@ -142,6 +142,18 @@ def test_gpu_check_script_runs_benchmarks_gpu_from_a_bare_python(tmp_path):
     assert "jax" in (tmp_path / "gpu.log").read_text().splitlines()[0]
 
 
+def test_gpu_test_subset_runs_in_workers_and_is_stopped_at_its_time(monkeypatch):
+    """Section 1 of benchmarks.gpu: the subset in pytest's xdist workers (here one quick test), its
+    return code; past its time it is stopped and the row says so."""
+    from benchmarks import gpu
+
+    monkeypatch.setattr(gpu, "TEST_SUBSET", ["tests/test_benchmarks.py", "-k", "read_bandwidth_is_bytes", "-q",
+                                             "-p", "no:cacheprovider"])
+    row = gpu.test_subset(300)
+    assert row["returncode"] == 0 and " -n " in row["tests"]
+    assert gpu.test_subset(0.5)["returncode"] == "stopped after 0 s"
+
+
 def test_gpu_script_starts_nothing_past_its_budget():
     """--budget-s 0: every measurement is a row saying it was skipped, none is run."""
     from benchmarks import gpu
