@@ -181,9 +181,11 @@ def quest_sections(model, tokens, contexts, steps: int, dry_run: bool) -> list[d
 def test_subset(timeout_s: float) -> dict:
     """Section 1: TEST_SUBSET in a pytest subprocess, stopped after timeout_s. Compiling its many
     small steps is CPU work: xdist workers over up to 8 host cores, each allocating GPU memory as it
-    goes (this process already holds JAX's preallocation)."""
+    goes (this process already holds JAX's preallocation). Their matmuls are float32: the tests
+    compare float32 results with float64 numpy oracles, and JAX's default on an H100/H200 rounds
+    float32 matmul inputs to TF32 (evals.run.MATMUL_PRECISION)."""
     workers = ["-n", str(min(8, os.cpu_count() or 1))] if importlib.util.find_spec("xdist") else []
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", JAX_DEFAULT_MATMUL_PRECISION="highest")
     t0 = time.perf_counter()
     try:
         rc = subprocess.call([sys.executable, "-m", "pytest", *TEST_SUBSET, *workers], env=env, timeout=timeout_s)

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jax
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
@@ -123,6 +124,13 @@ def _trained_length_note(conf: dict[str, Any], mc) -> str | None:
             f"model={conf['model']['name']} ({mc.max_position} tokens)")
 
 
+# Every eval computes its 32-bit matmuls in float32 on every backend. JAX's default lets a GPU
+# round their inputs to TF32 (H100/H200) and a TPU to bfloat16 passes, which would make a float32
+# run's numbers depend on the device; bfloat16 inputs are not affected, and on the CPU float32 is
+# what XLA computes anyway (bit-identical results, same speed: measured on the default model).
+MATMUL_PRECISION = "highest"
+
+
 def run_config(conf: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     """Run one validated plain config; returns (row, ran). A config already in the results file
     is not run again unless conf["force"]: its stored row is returned with ran=False.
@@ -139,7 +147,8 @@ def run_config(conf: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         if done and not conf["force"]:
             say(f"[evals.run] skip {key}: already in {results} (force=true redoes it)")
             return done[-1], False
-        return _run(conf, policy, key, sizing), True
+        with jax.default_matmul_precision(MATMUL_PRECISION):
+            return _run(conf, policy, key, sizing), True
 
 
 def _run(conf: dict[str, Any], policy: kvpolicies.Policy, key: str, sizing: dict[str, Any] | None = None

@@ -149,7 +149,11 @@ def test_gpu_test_subset_runs_in_workers_and_is_stopped_at_its_time(monkeypatch)
 
     monkeypatch.setattr(gpu, "TEST_SUBSET", ["tests/test_benchmarks.py", "-k", "read_bandwidth_is_bytes", "-q",
                                              "-p", "no:cacheprovider"])
+    calls, real = [], gpu.subprocess.call
+    monkeypatch.setattr(gpu.subprocess, "call", lambda cmd, env, timeout: (calls.append(env), real(cmd, env=env,
+                                                                                                   timeout=timeout))[1])
     row = gpu.test_subset(300)
+    assert calls[0]["JAX_DEFAULT_MATMUL_PRECISION"] == "highest" and calls[0]["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
     assert row["returncode"] == 0 and " -n " in row["tests"]
     assert gpu.test_subset(0.5)["returncode"] == "stopped after 0 s"
 

@@ -36,6 +36,21 @@ def sink_run(tmp_path_factory, text_file):
     return d / "res.jsonl", rows, args
 
 
+def test_evals_compute_float32_matmuls_at_full_precision(tmp_path, text_file, monkeypatch):
+    """A run's matmuls of 32-bit inputs are float32 on every backend (JAX's default rounds them to
+    TF32 on recent GPUs, bfloat16 on TPUs): _run is traced under jax_default_matmul_precision
+    'highest', and the setting is restored after it."""
+    import jax
+
+    seen = []
+    real = evrun._run
+    monkeypatch.setattr(evrun, "_run", lambda *a, **k: (seen.append(jax.config.jax_default_matmul_precision),
+                                                         real(*a, **k))[1])
+    before = jax.config.jax_default_matmul_precision
+    evrun.main(base_args(text_file, tmp_path / "res.jsonl", tmp_path) + ["policy=window", "window=32"])
+    assert seen == ["highest"] and jax.config.jax_default_matmul_precision == before
+
+
 # -- composition and errors -------------------------------------------------------------------------
 
 
