@@ -105,6 +105,18 @@ def test_score_is_chunk_invariant_and_matches_forward(model, tokens):
         np.testing.assert_allclose(eng.score(tokens, chunk=chunk), want, atol=2e-5)
 
 
+def test_full_matmul_precision_changes_nothing_on_the_cpu(model, tokens):
+    """evals.run's jax_default_matmul_precision 'highest' (float32 on GPUs and TPUs too) leaves the
+    CPU's float32 scores bit for bit as they are."""
+    import jax
+
+    pol = kvpolicies.get("sink", n_sink=2, window=6)
+    plain = np.asarray(Engine(model, pol, max_len=T).score(tokens, chunk=8))
+    with jax.default_matmul_precision("highest"):
+        highest = np.asarray(Engine(model, pol, max_len=T).score(tokens, chunk=8))
+    np.testing.assert_array_equal(highest, plain)
+
+
 @pytest.mark.parametrize("name", ["full", "h2o", "quest"])
 def test_score_pads_a_ragged_last_chunk_and_compiles_once(model, tokens, name):
     """A stream of 2.5 chunks compiles one step (its last chunk padded at the end), with the NLL
