@@ -13,7 +13,9 @@ wherever JAX has a device): `python -m benchmarks.gpu [--out results/gpu.jsonl]`
    scan; `benchmarks.decode_speed.bench_ours`) of `full`, `sink` (4 + 1,020), `quest` (pages of 16,
    top 16) and `full` with the int8 codec (keys encoded before RoPE, and after: `int8_after_rope`)
    at 4K / 16K / 32K tokens, each decode step as a fraction
-   of its roofline ((weights + the filled cache) / bandwidth; `benchmarks.decode_speed`).
+   of its roofline ((weights + the filled cache) / bandwidth; `benchmarks.decode_speed`), and
+   where README's CPU run has the same SmolLM2 row (4K: full, sink, int8, int8 after RoPE), its
+   float32 tokens/s and the GPU's ratio to them (`vs_cpu_prefill`, `vs_cpu_layers_decode`).
 
 4. Quest's gathered decode read and its host tier (`kvpolicies.offload`), rows with
    "section": "quest_gather" / "host_tier": `benchmarks.quest_gather`'s attention-level step at
@@ -46,6 +48,7 @@ import argparse
 import importlib.util
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import time
@@ -77,6 +80,23 @@ SHAPE_TWINS = {
     "qwen": dict(vocab_size=151936, d_model=896, n_layers=24, n_heads=14, n_kv_heads=2, head_dim=64, d_ff=4864,
                  rope_theta=1000000.0, norm_eps=1e-6, tie_embeddings=False, qkv_bias=True, max_position=32768),
 }
+
+
+# README's CPU speed table (run k: SmolLM2 float32 on the 2-core machine), for the GPU rows to be read against
+CPU_RUN = pathlib.Path(__file__).resolve().parents[1] / "docs" / "decode_speed_run_2026-12-02k.jsonl"
+
+
+def cpu_reference(model: str, policy: str, context: int) -> dict:
+    """The CPU run's prefill and layer-by-layer decode tokens/s of the same model, policy and
+    context ({} where it has none: other models, quest, 16K and 32K)."""
+    if model != "smollm2" or not CPU_RUN.is_file():
+        return {}
+    for line in CPU_RUN.read_text().splitlines():
+        r = json.loads(line)
+        if (r.get("impl"), r.get("policy"), r.get("context")) == ("kvpolicies", policy, context):
+            return {"cpu_run": CPU_RUN.name, "cpu_dtype": "float32", "cpu_prefill_tok_s": r["prefill_tok_s"],
+                    "cpu_layers_decode_tok_s": r["layers_decode_tok_s"]}
+    return {}
 
 
 def shape_twin(name: str, seed: int = 0):
@@ -248,6 +268,10 @@ def main(argv=None) -> list[dict]:
                 floor = (r["weight_bytes"] + r["kv_read_bytes"]) / bw
                 r |= {"roofline_ms": floor * 1e3, "scan_roofline": floor * r["scan_decode_tok_s"],
                       "layers_roofline": floor * r["layers_decode_tok_s"]}
+                cpu = cpu_reference(name, pol, ctx)
+                if cpu:
+                    r |= cpu | {"vs_cpu_prefill": r["prefill_tok_s"] / cpu["cpu_prefill_tok_s"],
+                                "vs_cpu_layers_decode": r["layers_decode_tok_s"] / cpu["cpu_layers_decode_tok_s"]}
                 emit(r)
         if not args.skip_quest and (name == "smollm2" or args.dry_run) and time_left({"section": "quest_gather"}):
             host_contexts = contexts if args.dry_run else [c for c in contexts if c >= 16384]

@@ -158,6 +158,19 @@ def test_gpu_test_subset_runs_in_workers_and_is_stopped_at_its_time(monkeypatch)
     assert gpu.test_subset(0.5)["returncode"] == "stopped after 0 s"
 
 
+def test_gpu_rows_name_the_cpu_runs_numbers_of_the_same_row():
+    """benchmarks.gpu reads README's CPU run (k) for the GPU rows to be compared with: SmolLM2 full
+    at 4K is (k)'s row; rows the CPU run lacks get nothing."""
+    from benchmarks import gpu
+
+    ref = gpu.cpu_reference("smollm2", "full", 4096)
+    row = [json.loads(x) for x in gpu.CPU_RUN.read_text().splitlines()][6]
+    assert (row["policy"], row["context"]) == ("full", 4096)
+    assert ref["cpu_layers_decode_tok_s"] == row["layers_decode_tok_s"] and ref["cpu_prefill_tok_s"] == row["prefill_tok_s"]
+    assert gpu.cpu_reference("smollm2", "quest", 4096) == {} == gpu.cpu_reference("qwen", "full", 4096)
+    assert gpu.cpu_reference("smollm2", "full", 16384) == {}
+
+
 def test_gpu_script_starts_nothing_past_its_budget():
     """--budget-s 0: every measurement is a row saying it was skipped, none is run."""
     from benchmarks import gpu
