@@ -177,7 +177,7 @@ def test_gpu_script_starts_nothing_past_its_budget():
 
     rows = gpu.main(["--dry-run", "--budget-s", "0"])
     skipped = [r for r in rows if r.get("skipped") == "budget"]
-    assert [r.get("policy", r.get("section")) for r in skipped] == [*gpu.POLICIES, "quest_gather", "kernels"]
+    assert [r.get("policy", r.get("section")) for r in skipped] == [*gpu.POLICIES, "kernels", "quest_gather"]
     assert not any("ms" in r or "scan_roofline" in r for r in rows)
 
 
