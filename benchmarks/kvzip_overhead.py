@@ -54,10 +54,11 @@ def main(argv=None):
     res = {}
     for run in ("cold", "warm"):
         state, t_prefill = _timed(lambda: eng.prompt(ids, chunk=args.chunk))
-        before = eng.reconstruct_tokens
+        before, pads = eng.reconstruct_tokens, eng.reconstruct_pad_tokens
         _, t_compress = _timed(lambda: eng.compress(state))
         res[run] = dict(prefill_s=round(t_prefill, 2), compress_s=round(t_compress, 2),
-                        prefill_tokens=int(ids.size), reconstruct_tokens=eng.reconstruct_tokens - before)
+                        prefill_tokens=int(ids.size), reconstruct_tokens=eng.reconstruct_tokens - before,
+                        reconstruct_pad_tokens=eng.reconstruct_pad_tokens - pads)
     w = res["warm"]
     res["overhead"] = round(w["compress_s"] / w["prefill_s"], 2)
     res.update(model=args.model, tokens=args.tokens, policy=repr(pol))

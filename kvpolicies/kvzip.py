@@ -145,8 +145,9 @@ class KVzip(Policy):
 @dataclasses.dataclass(frozen=True)
 class Reconstruct(Policy):
     """A kvzip layer during the reconstruction pass: attention over the dense prompt state and the
-    repeat input (not stored), and the scores of the chunk `extra["zip_range"]` = [lo, hi)
-    written into `extra["zip"]` [B, K, M] (see the module docstring). With `of=None`, a dense
+    repeat input (not stored), and the scores of the chunk `extra["zip_range"]` = [lo, hi, end)
+    written into `extra["zip"]` [B, K, M] (see the module docstring); repeat queries at positions
+    >= end are pads (`Engine` buckets the input's length) and score nothing. With `of=None`, a dense
     layer of another policy (full, a prompt phase) read without writing or scoring; `rotated`:
     that layer stores its keys rotated (`Policy.rotated_keys`, e.g. full)."""
 
@@ -173,11 +174,13 @@ class Reconstruct(Policy):
         if self.of is None:
             return state
         m = state.slots
-        lo, hi = (state.extra["zip_range"][:, i, None, None] for i in (0, 1))  # [B, 1, 1]
+        lo, hi, end = (state.extra["zip_range"][:, i, None, None] for i in (0, 1, 2))  # [B, 1, 1]
         p = view.pos  # [B, 1, M + T]
         repeat = jnp.arange(p.shape[-1]) >= m  # the repeat input's own slots
         scored = ((p >= 0) & (p < self.of.n_sink)) | ((p >= lo) & (p < hi)) | repeat  # [B, 1, M + T]
         lg = jnp.where(scored[:, :, None, None, :], seen.logits, LOWEST)  # [B, K, G, T, M + T]
-        score = jax.nn.softmax(lg, axis=-1)[..., :m].max(axis=(2, 3))  # [B, K, M]: max over G and queries
+        probs = jax.nn.softmax(lg, axis=-1)[..., :m]  # [B, K, G, T, M]
+        real = (p[..., m:] < end)[:, :, None, :, None]  # [B, 1, 1, T, 1]: not a pad of the repeat input
+        score = jnp.where(real, probs, 0.0).max(axis=(2, 3))  # [B, K, M]: max over G and real queries
         chunk = (state.pos >= lo) & (state.pos < hi)  # [B, 1, M]
         return dataclasses.replace(state, extra={**state.extra, "zip": jnp.where(chunk, score, state.extra["zip"])})

@@ -69,6 +69,7 @@ from models.reconstruct import RepeatPrompts, repeat_inputs
 
 MAX_LEN = 2**31 - 2**16  # positions are int32 (and kvzip feeds up to ~2K repeat tokens past a context)
 REACH_MIN = 1024  # the smallest length bucket (slots)
+RECON_BUCKET = 128  # kvzip's repeat inputs are padded to a multiple of this (one reconstruction trace per bucket)
 
 
 def reach_of(end: int, max_len: int, fine: bool = True) -> int | None:
@@ -261,6 +262,7 @@ class Engine:
         self._zippers = tuple(dict.fromkeys(p for p in self.policies if p.reconstructs))
         self.recon_policies = tuple(_recon_policy(p) for p in self.prompt_policies)
         self.reconstruct_tokens = 0  # repeat-input tokens fed by reconstruction passes
+        self.reconstruct_pad_tokens = 0  # and the pads that bucket their lengths (RECON_BUCKET)
         self.prompts_compressed = 0  # how many times after_prompt ran (once per fresh prompt)
         self.prefills = 0  # fresh prompts prefilled (prefill, generate, prompt)
         self.prefills_shared = 0  # prompt states another engine prefilled for this one (evals.prefills)
@@ -438,19 +440,25 @@ class Engine:
         scored = [isinstance(p, Reconstruct) and p.of is not None for _, _, p in runs]
         b, t = tokens.shape
 
-        def with_range(st, lo, hi):
+        def with_range(st, lo, hi, end):
             n = st.pos.shape[0]  # layers in the run
             zip0 = st.extra.get("zip", jnp.zeros(st.pos.shape[:2] + (jax.tree.leaves(st.k)[0].shape[2], st.slots),
                                                   jnp.float32))  # [L, B, K, M]
-            rng = jnp.broadcast_to(jnp.asarray([lo, hi], jnp.int32), (n, b, 2))
+            rng = jnp.broadcast_to(jnp.asarray([lo, hi, end], jnp.int32), (n, b, 3))
             return dataclasses.replace(st, extra={**st.extra, "zip": zip0, "zip_range": rng})
 
         for lo, hi, ids in repeat_inputs(tokens, self.repeat, chunk, tail):
-            cache = tuple(with_range(st, lo, hi) if z else st for st, z in zip(cache, scored))
-            pos = jnp.broadcast_to(jnp.arange(t, t + ids.shape[1], dtype=jnp.int32), ids.shape)
-            new = self._recon_step(self.params, cache, jnp.asarray(ids), pos)
+            # pads at the end, to a multiple of RECON_BUCKET (at most max_len tokens, as a layer of
+            # another policy may write the input into its slots): one trace per bucket, not per
+            # prompt length; no real repeat query sees them (causal), their own queries score nothing
+            r = ids.shape[1]
+            padded = np.pad(ids, ((0, 0), (0, min(-r % RECON_BUCKET, max(self.max_len - r, 0)))))
+            cache = tuple(with_range(st, lo, hi, t + r) if z else st for st, z in zip(cache, scored))
+            pos = jnp.broadcast_to(jnp.arange(t, t + padded.shape[1], dtype=jnp.int32), padded.shape)
+            new = self._recon_step(self.params, cache, jnp.asarray(padded), pos)
             cache = tuple(n if z else st for st, n, z in zip(cache, new, scored))
             self.reconstruct_tokens += ids.size
+            self.reconstruct_pad_tokens += padded.size - ids.size
         return cache
 
     def _after_prompt_impl(self, cache):

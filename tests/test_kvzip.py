@@ -176,6 +176,44 @@ def test_prompt_protocol_matches_transformers(tiny_qwen):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
 
 
+def test_repeat_inputs_are_padded_to_a_bucket_and_their_pads_score_nothing(tiny_qwen, monkeypatch):
+    """The reconstruction pads each repeat input at its end to a multiple of RECON_BUCKET (at most
+    to max_len): prompts
+    of 30 and 27 tokens (repeat inputs of 17, 19, 13 and 17, 19, 10 tokens) compile one
+    reconstruction step, not three; the scores equal those of unpadded inputs (rounding only: the
+    shapes differ) and the authors' rule above; pads are counted apart from the real tokens."""
+    import models.engine as E
+    from models.engine import Engine
+
+    _, ours = tiny_qwen
+    pol = KVzip(budget=9, max_new=4, n_sink=2, repeat_chunk=12, repeat_tail=3)
+    rng = np.random.default_rng(3)
+    ctxs = [rng.integers(12, 64, (B, n)).astype(np.int32) for n in (30, 27)]
+
+    def scores(bucket):
+        monkeypatch.setattr(E, "RECON_BUCKET", bucket)
+        eng = Engine(ours, pol, max_len=40, repeat=REPEAT)
+        out = []
+        for ctx in ctxs:
+            state = eng.prompt(ctx, chunk=7)
+            out.append(np.asarray(eng._reconstruct(state.cache, state.tokens)[0].extra["zip"]))
+        return out, eng
+
+    padded, eng = scores(16)
+    assert eng.traces["reconstruct"] == 2  # inputs of 10-19 tokens: buckets 16 and 32
+    assert eng.reconstruct_tokens == B * (17 + 19 + 13 + 17 + 19 + 10)
+    assert eng.reconstruct_pad_tokens == B * ((32 - 17) + (32 - 19) + (16 - 13) + (32 - 17) + (32 - 19) + (16 - 10))
+    plain, eng1 = scores(1)
+    assert eng1.traces["reconstruct"] == 4 and eng1.reconstruct_pad_tokens == 0  # 17, 19, 13, 10
+    for a, b in zip(padded, plain):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+    # never past max_len (40 here): a layer of another policy may write the input into its slots
+    capped, eng2 = scores(128)
+    assert eng2.traces["reconstruct"] == 1 and eng2.reconstruct_pad_tokens == B * (6 * 40 - 95)
+    for a, b in zip(capped, plain):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+
+
 def test_generate_equals_prompt_compress_continue(tiny_qwen):
     """`generate` (query-aware: the whole prompt reconstructed) is prompt + compress +
     continue_generate of the same ids; the prefill chunk changes nothing."""
