@@ -37,7 +37,7 @@ wherever JAX has a device): `python -m benchmarks.gpu [--out results/gpu.jsonl]`
 `--dry-run` does the same on a tiny random model at 64 tokens (section 5: float32 at 256 tokens,
 Pallas through its interpreter) and skips the test subset: it is what the CPU test suite runs
 (`tests/test_benchmarks.py`). `--out` gets each row as it is measured (a run cut short keeps what
-it measured). Budget: about 8 minutes on an H200 (sections 1-3), about 1 more for section 4 and
+it measured); a measurement that raises is a row with "error", and the run goes on. Budget: about 8 minutes on an H200 (sections 1-3), about 1 more for section 4 and
 1 for section 5, estimated, never run. `--budget-s` (default 480) bounds the whole run: the test
 subset gets at most a third of it (then it is stopped, its row saying so), and each later
 measurement starts only while time is left (a skipped one is a row with "skipped": "budget").
@@ -266,7 +266,11 @@ def main(argv=None) -> list[dict]:
                 r = {"model": name, "weights": weights, "policy": pol, "context": ctx, "dtype": "bfloat16"}
                 if not time_left(r):
                     continue
-                r |= bench_ours(model, tokens, POLICIES[pol](), ctx, steps, chunk=min(512, ctx))
+                try:
+                    r |= bench_ours(model, tokens, POLICIES[pol](), ctx, steps, chunk=min(512, ctx))
+                except Exception as e:  # noqa: BLE001 (an error row; the other rows still run)
+                    emit(r | {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"})
+                    continue
                 floor = (r["weight_bytes"] + r["kv_read_bytes"]) / bw
                 r |= {"roofline_ms": floor * 1e3, "scan_roofline": floor * r["scan_decode_tok_s"],
                       "layers_roofline": floor * r["layers_decode_tok_s"]}

@@ -171,6 +171,25 @@ def test_gpu_rows_name_the_cpu_runs_numbers_of_the_same_row():
     assert gpu.cpu_reference("smollm2", "full", 16384) == {}
 
 
+def test_gpu_script_reports_a_failed_measurement_and_goes_on(monkeypatch):
+    """A measurement that raises (say, an API of another JAX version) is a row with its error; the
+    other policies are still measured."""
+    from benchmarks import gpu
+
+    real = gpu.bench_ours
+
+    def flaky(model, tokens, pol, *a, **k):
+        if pol == gpu.POLICIES["sink"]():
+            raise AttributeError("module 'jax' has no attribute 'something'")
+        return real(model, tokens, pol, *a, **k)
+
+    monkeypatch.setattr(gpu, "bench_ours", flaky)
+    rows = gpu.main(["--dry-run", "--skip-quest", "--skip-kernels", "--policies", "full", "sink", "int8"])
+    by = {r["policy"]: r for r in rows if "policy" in r}
+    assert "AttributeError" in by["sink"]["error"] and "scan_roofline" not in by["sink"]
+    assert by["full"]["scan_roofline"] > 0 and by["int8"]["scan_roofline"] > 0
+
+
 def test_gpu_script_starts_nothing_past_its_budget():
     """--budget-s 0: every measurement is a row saying it was skipped, none is run."""
     from benchmarks import gpu
