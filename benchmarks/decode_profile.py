@@ -13,12 +13,22 @@ the cache), so the cache is left empty and the step runs at position N - 40. Wal
 
 instead profiles the default command's steady state: one 512-token chunk of `sink` (4 + 4,096)
 at a full window, its costliest ops with their shapes (`sink_chunk`).
+
+    python -m benchmarks.decode_profile --layers 4096 --policy full
+
+instead profiles the layer-by-layer generation that README's speed table reports (`layer_steps`):
+`continue_generate` after a C-token prompt, ms per decode step (median over rounds of the
+difference of a long and a 2-token call), the step's fraction of its roofline with the read
+bandwidth measured in this process, and its costliest ops per step with their compiled shapes.
+Run it under `taskset -c 0` to see which ops use the second core: an op that takes as long on
+one core ran on one thread.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import glob
 import gzip
 import json
@@ -110,6 +120,54 @@ def sink_chunk(model, window: int, chunk: int, steps: int, n: int) -> dict:
             "ops": ops}
 
 
+def _shapes(hlo: str) -> dict[str, str]:
+    """op name -> its result shape, for the fusions and dots of compiled HLO text."""
+    return dict(re.findall(r"^\s*%?([\w.-]+) = (\S+) (?:fusion|dot)\(", hlo, flags=re.M))
+
+
+def layer_steps(model, policy, context: int, steps: int, n: int, rounds: int = 5) -> dict:
+    """Layer-by-layer decode steps (`Engine.continue_generate`, the default loop) after a prompt
+    of `context` random ids: ms per step, its roofline fraction, and the `n` costliest ops of a
+    profiled `steps`-step call, each per step with its shape (a layer's ops from the layer step's
+    HLO, the others from the step that picks the next token: the output head)."""
+    from benchmarks.decode_speed import read_bandwidth, step_read_bytes
+    from models.engine import _split_layers, layer_weights
+
+    ids = np.random.default_rng(5).integers(0, model.cfg.vocab_size, (1, context)).astype(np.int32)
+    eng = Engine(model, policy, max_len=context + steps + 2)
+    state = eng.compress(eng.prompt(ids, chunk=min(512, context)))
+    eng.continue_generate(state, [], steps + 1)  # compiles (the first token is the prompt's; then `steps` steps)
+    eng.continue_generate(state, [], 2)
+    ms = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        eng.continue_generate(state, [], steps + 1)
+        t1 = time.perf_counter()
+        eng.continue_generate(state, [], 2)
+        ms.append(((t1 - t0) - (time.perf_counter() - t1)) / max(1, steps - 1) * 1e3)
+    step = float(np.median(ms))
+    bw = read_bandwidth()
+    read = step_read_bytes(model, state.cache, context)
+    # the compiled layer step and next-token step, for the ops' shapes
+    tables = {k: dataclasses.replace(t, cond_angles=True) for k, t in eng.params[1].items()}
+    x = jnp.zeros((1, 1, model.cfg.d_model), model.dtype)
+    pos = jnp.full((1,), context, jnp.int32)
+    layer_hlo = eng._layer_step.lower(layer_weights(model)[0], _split_layers(state.cache)[0], x, pos, tables,
+                                      policy=eng.policies[0], local=bool(model.cfg.local_layers[0]),
+                                      reach=eng._reach(context + steps + 1)).compile().as_text()
+    head_hlo = eng._next_step.lower(eng.params, x, pos).compile().as_text()
+    layer_shapes, head_shapes = _shapes(layer_hlo), _shapes(head_hlo)
+    L = model.cfg.n_layers
+    ops = []
+    for o, t, c in profiled(lambda: eng.continue_generate(state, [], steps + 1), 3, n):
+        per_layer = c % L == 0 and c >= L * steps
+        shape = (layer_shapes if per_layer else head_shapes).get(o, "")
+        ops.append({"op": o, "shape": shape, "ms": t / steps, "calls": c / steps})
+    return {"policy": repr(policy), "context": context,
+            "step_ms": step, "step_ms_rounds": ms, "read_bandwidth_GB_s": bw / 1e9,
+            "roofline": (read["weight_bytes"] + read["kv_read_bytes"]) / bw * 1e3 / step, **read, "ops": ops}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--slots", type=int, nargs="+", default=[4160, 16448])
@@ -118,14 +176,22 @@ def main(argv=None):
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--sink-chunk", type=int, default=0, metavar="WINDOW",
                     help="instead: a steady-state 512-token chunk of sink 4 + WINDOW (the default command: 4096)")
+    ap.add_argument("--layers", type=int, nargs="+", default=[], metavar="CONTEXT",
+                    help="instead: layer-by-layer generation after prompts of these lengths (README's decode rows)")
+    ap.add_argument("--out", default=None, help="append the rows here, one JSON object per line")
     args = ap.parse_args(argv)
     model, _ = load_default_model()
-    if args.sink_chunk:
-        row = sink_chunk(model, args.sink_chunk, 512, args.steps, args.top)
-        print(json.dumps(row), flush=True)
-        return [row]
     pol = {"full": kvpolicies.get("full"), "sink": kvpolicies.get("sink", n_sink=4, window=1020),
            "int8": kvpolicies.get("full", codec="int8")}[args.policy]
+    if args.sink_chunk or args.layers:
+        rows = ([sink_chunk(model, args.sink_chunk, 512, args.steps, args.top)] if args.sink_chunk else
+                [layer_steps(model, pol, c, args.steps, args.top) for c in args.layers])
+        for row in rows:
+            print(json.dumps(row), flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+        return rows
     rows = []
     for n in args.slots:
         pos = n - 40

@@ -403,3 +403,21 @@ def test_readme_attention_kernels_cpu_table_is_the_saved_run():
     pallas = [by[("decode", c, "pallas")]["vs_ours"] for c in (1024, 4096)]
     assert f"interpreter times ({min(pallas):.1f}–{max(pallas):.1f}× ours)" in readme
     assert all("cuDNN" in r["error"] for r in rows if r["impl"] == "sdpa_cudnn")
+
+
+def test_layer_steps_profile_names_each_layers_ops_with_their_shapes():
+    """benchmarks.decode_profile --layers on the tiny model: layer-by-layer generation after a
+    40-token prompt, its step time and roofline fraction, and its ops per step with their compiled
+    shapes: the logits over the 40 + 6 slots [K, S, G], the values' product [K, G, D], the fused
+    gate/up projection [1, 2F], each once per layer; the output head once per step."""
+    from benchmarks import decode_profile
+
+    row = decode_profile.layer_steps(Llama(CFG), kvpolicies.get("full"), 40, 4, 200, rounds=2)
+    assert row["context"] == 40 and row["step_ms"] > 0 and len(row["step_ms_rounds"]) == 2
+    want = (row["weight_bytes"] + row["kv_read_bytes"]) / (row["read_bandwidth_GB_s"] * 1e9) * 1e3 / row["step_ms"]
+    assert abs(row["roofline"] - want) < 1e-9 and row["weight_bytes"] > 0 and row["kv_read_bytes"] > 0
+    calls = {op["shape"].split("{")[0]: op["calls"] for op in row["ops"]}
+    assert calls["f32[2,46,3]"] == CFG.n_layers  # logits: K = 2 kv heads, 46 slots, G = 3 queries per head
+    assert calls["f32[2,3,8]"] == CFG.n_layers  # probabilities x values: [K, G, D]
+    assert calls[f"f32[1,{2 * CFG.d_ff}]"] == CFG.n_layers  # h @ [w_gate | w_up]
+    assert calls[f"f32[1,{CFG.vocab_size}]"] == 1  # the output head, once per step
