@@ -125,11 +125,12 @@ def _shapes(hlo: str) -> dict[str, str]:
     return dict(re.findall(r"^\s*%?([\w.-]+) = (\S+) (?:fusion|dot)\(", hlo, flags=re.M))
 
 
-def layer_steps(model, policy, context: int, steps: int, n: int, rounds: int = 5) -> dict:
+def layer_steps(model, policy, context: int, steps: int, n: int, rounds: int = 5, clock=time.perf_counter) -> dict:
     """Layer-by-layer decode steps (`Engine.continue_generate`, the default loop) after a prompt
     of `context` random ids: ms per step, its roofline fraction, and the `n` costliest ops of a
     profiled `steps`-step call, each per step with its shape (a layer's ops from the layer step's
-    HLO, the others from the step that picks the next token: the output head)."""
+    HLO, the others from the step that picks the next token: the output head). A step's time is
+    a `steps + 1`-token call minus a 2-token call, read from `clock` (tests pass a fake one)."""
     from benchmarks.decode_speed import read_bandwidth, step_read_bytes
     from models.engine import _split_layers, layer_weights
 
@@ -140,11 +141,12 @@ def layer_steps(model, policy, context: int, steps: int, n: int, rounds: int = 5
     eng.continue_generate(state, [], 2)
     ms = []
     for _ in range(rounds):
-        t0 = time.perf_counter()
+        t0 = clock()
         eng.continue_generate(state, [], steps + 1)
-        t1 = time.perf_counter()
+        t1 = clock()
         eng.continue_generate(state, [], 2)
-        ms.append(((t1 - t0) - (time.perf_counter() - t1)) / max(1, steps - 1) * 1e3)
+        step = ((t1 - t0) - (clock() - t1)) / max(1, steps - 1)
+        ms.append(1e3 * (step if step > 0 else (t1 - t0) / (steps + 1)))  # noise over the steps: the long call's mean
     step = float(np.median(ms))
     bw = read_bandwidth()
     read = step_read_bytes(model, state.cache, context)

@@ -409,11 +409,15 @@ def test_layer_steps_profile_names_each_layers_ops_with_their_shapes():
     """benchmarks.decode_profile --layers on the tiny model: layer-by-layer generation after a
     40-token prompt, its step time and roofline fraction, and its ops per step with their compiled
     shapes: the logits over the 40 + 6 slots [K, S, G], the values' product [K, G, D], the fused
-    gate/up projection [1, 2F], each once per layer; the output head once per step."""
+    gate/up projection [1, 2F], each once per layer; the output head once per step. The step time
+    is read from a fake clock (a 5-token call of 50/80 ms minus a 2-token call of 20 ms, over the 3
+    steps between them): the arithmetic is checked, never the machine's speed."""
     from benchmarks import decode_profile
 
-    row = decode_profile.layer_steps(Llama(CFG), kvpolicies.get("full"), 40, 4, 200, rounds=2)
-    assert row["context"] == 40 and row["step_ms"] > 0 and len(row["step_ms_rounds"]) == 2
+    ticks = iter([0.0, 0.050, 0.070, 1.0, 1.080, 1.100])  # per round: start, after the long call, after the short
+    row = decode_profile.layer_steps(Llama(CFG), kvpolicies.get("full"), 40, 4, 200, rounds=2, clock=lambda: next(ticks))
+    assert row["context"] == 40 and len(row["step_ms_rounds"]) == 2
+    assert np.allclose(row["step_ms_rounds"], [10.0, 20.0]) and abs(row["step_ms"] - 15.0) < 1e-9
     want = (row["weight_bytes"] + row["kv_read_bytes"]) / (row["read_bandwidth_GB_s"] * 1e9) * 1e3 / row["step_ms"]
     assert abs(row["roofline"] - want) < 1e-9 and row["weight_bytes"] > 0 and row["kv_read_bytes"] > 0
     calls = {op["shape"].split("{")[0]: op["calls"] for op in row["ops"]}
