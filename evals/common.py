@@ -1,13 +1,16 @@
-"""What every eval task receives and returns (the contract between evals.run and the tasks)."""
+"""What every eval task receives and returns (the contract between evals.run and the tasks), and what the
+retrieval tasks share: Wilson intervals, a prompt split into context and question, greedy answers."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from evals import prefills
 from kvpolicies.base import Policy
 from models.engine import Engine
 from models.llama import Llama
@@ -47,3 +50,53 @@ class TaskResult:
     arrays: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     grid: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     curves: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+
+
+# -- shared by the tasks: intervals, prompts split into context and question, greedy answers ---------
+def wilson(successes: float, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
+    """Wilson's score interval for a binomial proportion (95 % by default). A fractional count
+    (the sum of partial scores of string_match_all) is taken as is: approximate for those."""
+    if n <= 0:
+        return float("nan"), float("nan")
+    p = successes / n
+    d = 1 + z * z / n
+    center = (p + z * z / (2 * n)) / d
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    # the interval holds p (exactly at p = 0 or 1, where the rounding of center -/+ half may not)
+    return min(p, max(0.0, center - half)), max(p, min(1.0, center + half))
+
+
+def accuracy_record(scores: Sequence[float]) -> dict[str, float]:
+    """{"accuracy", "ci_low", "ci_high", "trials"} of per-trial scores in [0, 1]."""
+    s = np.asarray(scores, float)
+    lo, hi = wilson(float(s.sum()), len(s))
+    return {"accuracy": float(s.mean()) if len(s) else float("nan"), "ci_low": lo, "ci_high": hi, "trials": len(s)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One prompt: ids [T], the references, the index where the question starts (the context is
+    tokens[:split]), and each needle's start and actual depth (empty for the list tasks)."""
+
+    tokens: np.ndarray
+    refs: tuple[str, ...]
+    split: int
+    needle_starts: tuple[int, ...] = ()
+    depths: tuple[float, ...] = ()
+
+
+def answer(engine, group: Sequence[Sample], n: int, protocol: str, chunk: int) -> list[list[int]]:
+    """Greedy answers to prompts of equal length. The prompt phase gets the whole prompt
+    (query-aware: what `Engine.generate` does) or the context only (query-agnostic: the question
+    follows the compression); rows with equal split run together. The prefill goes through
+    `evals.prefills.prompted`: inside `sharing()`, one prefill serves every engine that can
+    compress it."""
+    out: dict[int, list[int]] = {}
+    cut = [len(s.tokens) if protocol == "query_aware" else s.split for s in group]
+    for sp in sorted(set(cut)):
+        idx = [i for i, c in enumerate(cut) if c == sp]
+        toks = np.stack([group[i].tokens for i in idx])
+        state = engine.compress(prefills.prompted(engine, toks[:, :sp], chunk))
+        ids = engine.continue_generate(state, toks[:, sp:], n, chunk=chunk)
+        out.update({i: list(map(int, r)) for i, r in zip(idx, ids)})
+    return [out[i] for i in range(len(group))]

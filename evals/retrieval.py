@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from evals.common import TaskContext, TaskResult
+from evals.common import Sample, TaskContext, TaskResult, answer, wilson
 
 SNAP = 48  # a needle moves at most this many tokens from the asked depth to reach a sentence end
 
@@ -320,8 +320,6 @@ def _need_text_model(ctx: TaskContext, name: str, text: bool):
 def _metrics(grid: list[dict], lengths: list[int], key: str = "length") -> dict[str, float]:
     """Accuracy overall and per length, each with its Wilson 95 % interval (ci_low / ci_high);
     cells count equally (they have equal trials)."""
-    from evals.ruler import wilson
-
     def rec(cells: list[dict]) -> tuple[float, float, float]:
         k = sum(g["accuracy"] * g["trials"] for g in cells)
         n = sum(g["trials"] for g in cells)
@@ -403,13 +401,9 @@ def _score(ctx: TaskContext, cells: list[tuple[dict, list[Prompt]]], n_gen: int,
     engine for all), each scored by `score(text, answer)`. grid: each cell's record with its
     accuracy and trials; arrays: `correct` [cells, trials] and the decoded `outputs`, both reshaped
     to `shape` if given, with the task's own `arrays` between them; metrics: by length."""
-    from evals.ruler import wilson
-
     max_len = max(len(p.tokens) for _, ps in cells for p in ps) + n_gen
     engine = ctx.engine(max_len)
     grid, correct, outputs = [], [], []
-    from evals.ruler import Sample, answer
-
     for rec, prompts in tqdm(cells, desc=desc, disable=not ctx.progress, leave=False):
         rec = rec | {"protocol": protocol}
         if protocol == "query_aware":
@@ -482,8 +476,6 @@ def recall(ctx: TaskContext) -> TaskResult:
     token per key-value pair) -> the value paired with q. curves["by_pair@N"][i] is the accuracy
     when pair i is asked (0 = the first pair, N - i tokens before the query; NaN if never asked)."""
     from evals.recall_model import RecallTask
-    from evals.ruler import wilson
-
     cfg = check(ctx.task, "recall")
     layout = {k: cfg[k] for k in ("n_keys", "n_values") if k in cfg}
     task = RecallTask(n_pairs=1, n_queries=1, **layout)

@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import re
 import string
 import uuid
@@ -70,7 +69,7 @@ from tqdm.auto import tqdm
 
 from evals import prefills
 from evals import retrieval as R
-from evals.common import TaskContext, TaskResult
+from evals.common import Sample, TaskContext, TaskResult, accuracy_record, answer, wilson  # noqa: F401  (re-exported)
 
 PROTOCOLS = ("query_aware", "query_agnostic")
 DEPTH_GRID = np.linspace(0.0, 1.0, 40)  # RULER's 40 depths (0..100 %)
@@ -135,39 +134,7 @@ def string_match_part(pred: str, refs: Sequence[str]) -> float:
     return float(max(r.lower() in low for r in refs))
 
 
-def wilson(successes: float, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
-    """Wilson's score interval for a binomial proportion (95 % by default). A fractional count
-    (the sum of partial scores of string_match_all) is taken as is: approximate for those."""
-    if n <= 0:
-        return float("nan"), float("nan")
-    p = successes / n
-    d = 1 + z * z / n
-    center = (p + z * z / (2 * n)) / d
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    # the interval holds p (exactly at p = 0 or 1, where the rounding of center -/+ half may not)
-    return min(p, max(0.0, center - half)), max(p, min(1.0, center + half))
-
-
-def accuracy_record(scores: Sequence[float]) -> dict[str, float]:
-    """{"accuracy", "ci_low", "ci_high", "trials"} of per-trial scores in [0, 1]."""
-    s = np.asarray(scores, float)
-    lo, hi = wilson(float(s.sum()), len(s))
-    return {"accuracy": float(s.mean()) if len(s) else float("nan"), "ci_low": lo, "ci_high": hi, "trials": len(s)}
-
-
 # -- samples ----------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Sample:
-    """One prompt: ids [T], the references, the index where the question starts (the context is
-    tokens[:split]), and each needle's start and actual depth (empty for the list tasks)."""
-
-    tokens: np.ndarray
-    refs: tuple[str, ...]
-    split: int
-    needle_starts: tuple[int, ...] = ()
-    depths: tuple[float, ...] = ()
-
-
 def _prompt_sample(p: R.Prompt, refs: Sequence[str]) -> Sample:
     return Sample(p.tokens, tuple(refs), p.haystack[1], p.needle_starts, p.depths)
 
@@ -530,23 +497,6 @@ def check_prompts(task: dict, tok: Any, seed: int) -> None:
 # -- running --------------------------------------------------------------------------------------
 def _text(tok: Any, ids: Sequence[int]) -> str:
     return R._decode(tok, list(map(int, ids)))
-
-
-def answer(engine, group: Sequence[Sample], n: int, protocol: str, chunk: int) -> list[list[int]]:
-    """Greedy answers to prompts of equal length. The prompt phase gets the whole prompt
-    (query-aware: what `Engine.generate` does) or the context only (query-agnostic: the question
-    follows the compression); rows with equal split run together. The prefill goes through
-    `evals.prefills.prompted`: inside `sharing()`, one prefill serves every engine that can
-    compress it."""
-    out: dict[int, list[int]] = {}
-    cut = [len(s.tokens) if protocol == "query_aware" else s.split for s in group]
-    for sp in sorted(set(cut)):
-        idx = [i for i, c in enumerate(cut) if c == sp]
-        toks = np.stack([group[i].tokens for i in idx])
-        state = engine.compress(prefills.prompted(engine, toks[:, :sp], chunk))
-        ids = engine.continue_generate(state, toks[:, sp:], n, chunk=chunk)
-        out.update({i: list(map(int, r)) for i, r in zip(idx, ids)})
-    return [out[i] for i in range(len(group))]
 
 
 def _metrics(grid: list[dict], lengths: list[int]) -> dict[str, float]:

@@ -114,7 +114,7 @@ def _accuracy(row: dict[str, Any]) -> tuple[float, int]:
 def average(tables: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """One record per (policy, budget) present in every task: the per-task accuracies, their mean
     and the pooled Wilson interval. `tables`: task -> records {policy, budget, score, trials}."""
-    from evals.ruler import wilson
+    from evals.common import wilson
 
     keys = None
     for recs in tables.values():
