@@ -54,6 +54,9 @@ NOT_CHECKED = {
     "python -m evals.run ... mesh=[2,4]": "a fragment (any run + mesh=); a 2 x 4 mesh needs 8 devices: "
                                           "tests/test_sharding.py runs meshes on 8 CPU devices",
     "bash scripts/test.sh ARGS": "ARGS stands for pytest's arguments",
+    "python -m evals.run policy=valuenorm budget=0.25": "docs/guide/writing-a-policy.md: valuenorm is registered "
+                                                         "by the reader in its step 1 (its class is run by a test)",
+    "python -m evals.compare task=perplexity tokens=4096 policies=[sink,h2o,valuenorm]": "the same (step 1 first)",
     "bash scripts/gpu_check.sh OUT": "OUT stands for a folder; tests/test_benchmarks.py dry-runs benchmarks.gpu",
 }
 
@@ -271,3 +274,34 @@ def test_python_blocks_parse_and_their_imports_resolve():
     from kvpolicies import budgets, memory
 
     assert "sink" in kvpolicies.POLICIES and callable(budgets.sized) and callable(memory.state_bytes)
+
+
+def test_writing_a_policy_scorer_runs_and_keeps_the_largest_value_norms():
+    """docs/guide/writing-a-policy.md's scorer, run through `kvpolicies.attend` on one chunk (a scan
+    of one-token steps): the kept tokens are each KV head's `budget` largest value norms (numpy)."""
+    import types
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import kvpolicies
+
+    page = (ROOT / "docs" / "guide" / "writing-a-policy.md").read_text()
+    block = re.findall(r"^```python\n(.*?)^```", page, flags=re.S | re.M)[0]
+    mod = types.ModuleType("docs_valuenorm")
+    sys.modules[mod.__name__] = mod  # dataclasses look their module up
+    exec(compile(block, "writing-a-policy.md", "exec"), mod.__dict__)
+    B, T, N, K, D, budget = 1, 24, 4, 2, 8, 6
+    pol = mod.ValueNorm(budget=budget)
+    q, k, v = (jax.random.normal(key, (B, T, h, D)) for key, h in zip(jax.random.split(jax.random.PRNGKey(0), 3),
+                                                                        (N, K, K)))
+    pos = jnp.arange(T, dtype=jnp.int32)[None]  # [B, T]
+    state = pol.init(B, K, D, jnp.float32, 64)
+    out, state = kvpolicies.attend(pol, state, q, k, v, pos, kvpolicies.Rope(D))
+    kept = np.sort(np.asarray(state.pos)[0], axis=-1)  # [K, budget]
+    norms = np.linalg.norm(np.asarray(v, np.float64)[0], axis=-1)  # [T, K]
+    want = np.sort(np.argsort(-norms, axis=0)[:budget].T, axis=-1)  # [K, budget]
+    assert out.shape == (B, T, N, D) and kept.shape == (K, budget)
+    np.testing.assert_array_equal(kept, want)
+    assert not np.array_equal(kept[0], np.arange(T - budget, T))  # not merely the newest tokens
