@@ -84,8 +84,8 @@ SHAPE_TWINS = {
 }
 
 
-# README's CPU speed table (run k: SmolLM2 float32 on the 2-core machine), for the GPU rows to be read against
-CPU_RUN = pathlib.Path(__file__).resolve().parents[1] / "docs" / "decode_speed_run_2026-12-02k.jsonl"
+# The CPU speed table of docs/results/speed.md (run k: SmolLM2 float32 on the 2-core machine), for the GPU rows to be read against
+CPU_RUN = pathlib.Path(__file__).resolve().parents[1] / "docs" / "results" / "runs" / "decode_speed_run_2026-12-02k.jsonl"
 
 
 def cpu_reference(model: str, policy: str, context: int) -> dict:

@@ -1,6 +1,6 @@
 """Perplexity of every policy family on SmolLM2-135M, next to the bytes each stores and reads.
 
-    python -m benchmarks.policy_zoo --tokens 1024 --out docs/policy_zoo.md
+    python -m benchmarks.policy_zoo --tokens 1024 --out docs/results/policy_zoo.md
     python -m benchmarks.policy_zoo --only full      # full under every codec (the codec rows)
 
 Streams the first `tokens` tokens of Pride and Prejudice through each policy (float32 cache for

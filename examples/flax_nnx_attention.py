@@ -27,7 +27,7 @@ class Attention(nnx.Module):
         self.v = nnx.Linear(dim, n_kv_heads * self.head_dim, use_bias=False, rngs=rngs)
         self.o = nnx.Linear(n_heads * self.head_dim, dim, use_bias=False, rngs=rngs)
         self.theta, self.policy = theta, policy  # the policy is a frozen dataclass: static under jit
-        self.rope = kvpolicies.Rope(self.head_dim, theta)  # rotate-half layout, like `rope` below
+        self.rope = kvpolicies.Rope(self.head_dim, theta)  # rotate-half layout (Llama/HF), like this file's reference `rope` below
 
     def qkv(self, x):
         B, T, _ = x.shape

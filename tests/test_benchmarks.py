@@ -159,7 +159,7 @@ def test_gpu_test_subset_runs_in_workers_and_is_stopped_at_its_time(monkeypatch)
 
 
 def test_gpu_rows_name_the_cpu_runs_numbers_of_the_same_row():
-    """benchmarks.gpu reads README's CPU run (k) for the GPU rows to be compared with: SmolLM2 full
+    """benchmarks.gpu reads the CPU run (k) of docs/results/speed.md for the GPU rows to be compared with: SmolLM2 full
     at 4K is (k)'s row; rows the CPU run lacks get nothing."""
     from benchmarks import gpu
 
@@ -349,49 +349,50 @@ def test_alternated_step_ratios_run_on_a_tiny_model():
     assert len(times) == 2 and min(times) > 0
 
 
-def test_readme_speed_table_is_the_saved_run_s_table():
-    """README's speed table is `markdown_table` of the run it cites (docs/decode_speed_run_2026-12-02k.jsonl)."""
+def test_speed_table_is_the_saved_run_s_table():
+    """The speed table (docs/results/speed.md) is `markdown_table` of the run it cites (docs/results/runs/decode_speed_run_2026-12-02k.jsonl)."""
     import json
     from pathlib import Path
 
     from benchmarks.decode_speed import markdown_table
 
     root = Path(__file__).resolve().parents[1]
-    run = root / "docs" / "decode_speed_run_2026-12-02k.jsonl"
-    assert run.name in (root / "README.md").read_text()
+    run = root / "docs" / "results" / "runs" / "decode_speed_run_2026-12-02k.jsonl"
+    page = (root / "docs" / "results" / "speed.md").read_text()
+    assert run.name in page
     table = markdown_table([json.loads(line) for line in run.read_text().splitlines()])
-    assert table in (root / "README.md").read_text()
+    assert table in page
     assert table.count("\n") == 16 and "| 3× transformers at 4K would be, of the roofline | 102 % |" in table
     assert "| kvpolicies full int8 after RoPE |" in table.splitlines()[0]
 
 
-def test_readme_int4_basis_codec_ranges_are_the_saved_runs():
-    """README's codec table after the basis reads gives, per codec, the range of the three saved
-    alternated runs (docs/decode_speed_codec_2026-12-02b.jsonl) and the first run's ms."""
+def test_int4_basis_codec_ranges_are_the_saved_runs():
+    """The codec table after the basis reads (docs/results/speed.md) gives, per codec, the range of the three saved
+    alternated runs (docs/results/runs/decode_speed_codec_2026-12-02b.jsonl) and the first run's ms."""
     import json
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    rows = [json.loads(line) for line in (root / "docs" / "decode_speed_codec_2026-12-02b.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (root / "docs" / "results" / "runs" / "decode_speed_codec_2026-12-02b.jsonl").read_text().splitlines()]
     assert len(rows) == 3 and all(r["impl"] == "codec" and r["context"] == 4096 for r in rows)
     names = ("int8", "int8_after_rope", "int4", "int4_after_rope")
     ranges = [f"{min(r['ratios'][n] for r in rows):.2f}–{max(r['ratios'][n] for r in rows):.2f}×" for n in names]
     cells = " | ".join(f"{x:.1f}" for x in rows[0]["ms"])
-    readme = (root / "README.md").read_text()
+    readme = (root / "docs" / "results" / "speed.md").read_text()
     assert f"| ms (first run) | {cells} |" in readme
     assert f"| over `full`'s, three runs | 1 | {ranges[0]} | {ranges[1]} | {ranges[2]} | **{ranges[3]}** |" in readme
     assert max(r["ratios"]["int4_after_rope"] for r in rows) <= 1.3  # the target, in every run
 
 
-def test_readme_attention_kernels_cpu_table_is_the_saved_run():
-    """README's CPU table of XLA's dot_product_attention against ours is the saved run
-    (docs/attention_kernels_cpu_2026-12-02.jsonl), and its outputs agreed with ours."""
+def test_attention_kernels_cpu_table_is_the_saved_run():
+    """The CPU table (docs/results/speed.md) of XLA's dot_product_attention against ours is the saved run
+    (docs/results/runs/attention_kernels_cpu_2026-12-02.jsonl), and its outputs agreed with ours."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    rows = [json.loads(x) for x in (root / "docs" / "attention_kernels_cpu_2026-12-02.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (root / "docs" / "results" / "runs" / "attention_kernels_cpu_2026-12-02.jsonl").read_text().splitlines()]
     by = {(r["phase"], r["context"], r["impl"]): r for r in rows}
-    readme = (root / "README.md").read_text()
+    readme = (root / "docs" / "results" / "speed.md").read_text()
     for phase in ("prefill", "decode"):
         ms = " | ".join(f"{by[(phase, c, 'ours')]['ms']:.{1 if phase == 'prefill' else 2}f}" for c in (1024, 4096))
         assert f"| {phase}: `attend`, ms | {ms} |" in readme

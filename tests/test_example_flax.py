@@ -40,11 +40,15 @@ def load_example():
 ex = load_example()
 
 
-def readme_blocks() -> list[str]:
-    """The ```python blocks of README's section "Using a policy in your own Flax model"."""
-    text = (ROOT / "README.md").read_text()
-    start = text.index("### Using a policy in your own Flax model")
-    end = min(i for i in (text.find("\n## ", start), text.find("\n### ", start + 1), len(text)) if i >= 0)
+DOCS = ["README.md", "docs/guide/your-model.md"]  # both show the NNX lines and the linen snippet
+
+
+def readme_blocks(doc: str = "README.md") -> list[str]:
+    """The ```python blocks of the section "Using a policy in your own Flax model" of `doc`."""
+    text = (ROOT / doc).read_text()
+    start = re.search(r"^#+ Using a policy in your own Flax model", text, flags=re.M).end()
+    end = min(i for i in (text.find("\n# ", start), text.find("\n## ", start), text.find("\n### ", start),
+                          len(text)) if i >= 0)
     return re.findall(r"```python\n(.*?)```", text[start:end], flags=re.S)
 
 
@@ -178,8 +182,9 @@ def test_example_main_runs(capsys):
 
 # ---- README: the NNX lines shown are the example's; the linen snippet works ----------------------
 
-def test_readme_nnx_lines_are_the_example():
-    nnx_block = readme_blocks()[0]
+@pytest.mark.parametrize("doc", DOCS)
+def test_readme_nnx_lines_are_the_example(doc):
+    nnx_block = readme_blocks(doc)[0]
     source = (ROOT / "examples" / "flax_nnx_attention.py").read_text()
     lines = [ln.strip() for ln in nnx_block.splitlines() if ln.strip() and not ln.strip().startswith("...")]
     assert "kvpolicies.attend(" in nnx_block
@@ -187,8 +192,9 @@ def test_readme_nnx_lines_are_the_example():
     assert not missing, f"README lines not in the example: {missing}"
 
 
-def test_readme_linen_snippet_equals_numpy_oracle():
-    blocks = readme_blocks()
+@pytest.mark.parametrize("doc", DOCS)
+def test_readme_linen_snippet_equals_numpy_oracle(doc):
+    blocks = readme_blocks(doc)
     assert len(blocks) == 2, "expected the NNX block and the linen block"
     mod = types.ModuleType("readme_linen")
     sys.modules[mod.__name__] = mod  # linen modules are dataclasses: their module must be importable
