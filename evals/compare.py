@@ -213,6 +213,7 @@ class Plan:
     stem: str
     progress: bool
     share_bytes: int = 0  # memory for shared prompt states (evals.prefills)
+    notes: list[str] = dataclasses.field(default_factory=list)  # what the sizing changed, said before the run
 
 
 def model_dims(mconf: dict[str, Any]):
@@ -287,7 +288,7 @@ def plan(argv: Sequence[str]) -> Plan:
     """Parse, size and validate every job (configs composed, policies built and compared with the
     sized ones, the text's token count checked with the tokenizer); no weights load."""
     from evals import zoo
-    from evals.config import build_policy, check_text
+    from evals.config import build_policy, check_text, size_policy, task_extent
     from evals.run import run_key
     from kvpolicies import budgets as B
 
@@ -295,6 +296,9 @@ def plan(argv: Sequence[str]) -> Plan:
     base = _compose(args.passthrough + ["policy=full"])
     mc = model_dims(base["model"])
     max_len, dtype = run_length(base), zoo.dtype(base["model"])
+    extent = task_extent(base)
+    gen = extent[2] if extent is not None else 0
+    notes: list[str] = []
     codec = base["codec"]
     dims = dict(max_len=max_len, kv_heads=mc.n_kv_heads, head_dim=mc.head_dim, dtype=dtype)
     full_layer = B.target_bytes(1.0, **dims)
@@ -310,13 +314,14 @@ def plan(argv: Sequence[str]) -> Plan:
     for name in args.policies:
         for b in budgets:
             try:
-                pol = B.sized(name, b, codec=codec, **dims, **args.fields.get(name, {}))
+                pol, shrunk = size_policy(name, b, gen=gen, codec=codec, fixed=args.fields.get(name, {}), **dims)
             except ValueError as e:
                 where = " ".join(f"{name}.{k}={v}" for k, v in args.fields.get(name, {}).items())
-                hint = ("; raise the budget, or hold the policy's fixed part smaller (e.g. snapkv.max_new=64 "
-                        "snapkv.obs_window=16, sink.n_sink=1, h2o.recent=8)" if "too small" in str(e) else "")
                 raise ConfigError(f"policies: {name} at budget {b}{' with ' + where if where else ''} "
-                                  f"(max_len={max_len}): {e}{hint}") from None
+                                  f"(max_len={max_len}): {e}") from None
+            for field, (was, now) in (shrunk or {}).items():
+                notes.append(f"{name} at budget {b}: {field} lowered from {was} to {now} to fit (the run generates "
+                             f"{gen} tokens after its prompt; set {name}.{field}=... to hold it)")
             overrides = args.passthrough + policy_overrides(name, pol)
             conf = _compose(overrides)
             built = build_policy(conf["policy"])
@@ -335,7 +340,7 @@ def plan(argv: Sequence[str]) -> Plan:
                                  + ([codec] if codec != "none" else []))
     return Plan(jobs, args.policies, budgets, base["task"]["name"], base["model"]["name"], _data_name(base),
                 max_len, mc.n_layers, mc.n_kv_heads, mc.head_dim, dtype.name, codec, results, out, stem,
-                bool(base["progress"]), int(args.share_gb * (1 << 30)))
+                bool(base["progress"]), int(args.share_gb * (1 << 30)), notes)
 
 
 # -- the cells: numbers read back from the results file ----------------------------------------------
@@ -587,6 +592,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             raise SystemExit(2) from None
         print(f"[evals.compare] {len(p.jobs)} jobs: full + {', '.join(p.policies)} x budgets "
               f"{', '.join(map(str, p.budgets))}; {title(p)}; results {p.results}")
+        for note in p.notes:
+            print(f"[evals.compare] note: {note}")
         recs = run(p)
         paths = write(p, recs)
     print(markdown(recs, title(p)))

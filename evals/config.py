@@ -148,9 +148,46 @@ def compose(overrides: list[str] = ()) -> DictConfig:
     register_configs()
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         try:
-            return hydra_compose(config_name="config", overrides=list(overrides))
+            cfg = hydra_compose(config_name="config", overrides=list(overrides))
         except Exception as e:  # Hydra / OmegaConf errors: explain them in our words
             raise ConfigError(explain(e, list(overrides))) from None
+    _COMPOSED.append((cfg, list(overrides)))  # what was given, for `validate` (explicit fields)
+    del _COMPOSED[:-64]
+    return cfg
+
+
+# The last configs `compose` returned, with their overrides: `validate` reads which policy fields the
+# command line set (an explicit value equal to the default is still explicit).
+_COMPOSED: list[tuple[DictConfig, list[str]]] = []
+
+
+def _given_overrides(cfg: Any) -> list[str] | None:
+    """The overrides that composed `cfg`: from `compose`, or Hydra's job overrides inside a Hydra job;
+    None when unknown (a plain dict)."""
+    for c, over in reversed(_COMPOSED):
+        if c is cfg:
+            return over
+    if isinstance(cfg, DictConfig):
+        try:
+            from hydra.core.hydra_config import HydraConfig
+
+            return list(HydraConfig.get().overrides.task)
+        except (ValueError, AttributeError):  # not inside a Hydra job
+            return None
+    return None
+
+
+def explicit_fields(name: str, overrides: list[str]) -> list[str]:
+    """The fields of policy `name` set by `overrides`: `policy.<field>=...`, or a run-level key that
+    the field follows (`window=...` for sink's and window's `window`), whatever the value."""
+    cls = kvpolicies.POLICIES[kvpolicies.ALIASES.get(name, name)]
+    out = []
+    for o in overrides:
+        key = o.lstrip("+~").split("=", 1)[0]
+        if key.startswith("policy."):
+            out.append(key[len("policy."):])
+        out += [f for f, k in cls.run_keys.items() if k == key]
+    return sorted(set(out) - {"name", "codec"})
 
 
 def _typename(t: Any) -> str:
@@ -237,30 +274,91 @@ def resolve_policy(conf: dict[str, Any]) -> tuple[kvpolicies.Policy, dict[str, A
     if extent is None or mc is None:
         raise ConfigError(f"budget={b}: task={conf['task']['name']} with model={conf['model']['name']} declares no "
                           "length or dimensions to size a cache for")
-    # Fields set on the command line: those that differ from the option as derived with the defaults.
-    defaults = {f.name: f.default for f in dataclasses.fields(RunConfig)}
-    derived = policy_config(name)
-    explicit = {}
-    for field, value in conf["policy"].items():
-        if field in ("name", "codec"):
-            continue
-        d = derived.get(field)
-        if isinstance(d, str) and d.startswith("${"):
-            d = defaults.get(d[2:-1])
-        if value != d:
-            explicit[field] = value
+    # Fields set on the command line: those the overrides name (`validate` records them), else
+    # those that differ from the option as derived with the defaults.
+    if "_explicit" in conf:
+        explicit = {f: conf["policy"][f] for f in conf["_explicit"] if f in conf["policy"]}
+    else:
+        defaults = {f.name: f.default for f in dataclasses.fields(RunConfig)}
+        derived = policy_config(name)
+        explicit = {}
+        for field, value in conf["policy"].items():
+            if field in ("name", "codec"):
+                continue
+            d = derived.get(field)
+            if isinstance(d, str) and d.startswith("${"):
+                d = defaults.get(d[2:-1])
+            if value != d:
+                explicit[field] = value
     if cls.budget_field in explicit:
-        raise ConfigError(f"budget={b} and {name}.{cls.budget_field}={explicit[cls.budget_field]} both size the "
+        via = f" (set by {cls.run_keys[cls.budget_field]}=)" if cls.budget_field in cls.run_keys else ""
+        raise ConfigError(f"budget={b} and {name}.{cls.budget_field}={explicit[cls.budget_field]}{via} both size the "
                           "cache: give one of them")
     kw = dict(max_len=extent[1] + extent[2], kv_heads=mc.n_kv_heads, head_dim=mc.head_dim, dtype=zoo.dtype(conf["model"]))
     try:
-        sized = budgets.sized(name, b, codec=conf["policy"].get("codec", "none"), **kw, **explicit)
+        sized, shrunk = size_policy(name, b, gen=extent[2], codec=conf["policy"].get("codec", "none"), fixed=explicit,
+                                    prefix="policy.", **kw)
     except ValueError as e:
         raise ConfigError(f"budget={b}: {e}") from None
     target = budgets.target_bytes(b, **{k: kw[k] for k in ("max_len", "kv_heads", "head_dim", "dtype")})
     stored = state_bytes(sized, **kw).total
     return sized, {"budget": b, "sized": True, "target_bytes": target, "stored_bytes": stored,
-                   "slots": sized.capacity(kw["max_len"])}
+                   "slots": sized.capacity(kw["max_len"]), **({"shrunk": shrunk} if shrunk else {})}
+
+
+SHRINKABLE = ("max_new",)  # fields the sizing may lower to fit a budget, down to the run's generation length
+
+
+def size_policy(name: str, budget: int | float, *, gen: int, fixed: dict[str, Any], codec: Any = "none",
+                prefix: str = "", max_len: int, kv_heads: int, head_dim: int, dtype
+                ) -> tuple[kvpolicies.Policy, dict[str, list[int]] | None]:
+    """`kvpolicies.budgets.sized`, and when the budget is too small for the policy's fixed part: a
+    field of SHRINKABLE not in `fixed` (snapkv's `max_new` decode slots) halved until the policy fits,
+    never below `gen` (the tokens the run generates after its prompt) nor 1. Returns (policy,
+    {field: [from, to]} or None). Still too small: ValueError naming a field value that would fit
+    (`snapkv.max_new=16`, or `policy.max_new=16` with `prefix` "policy." for evals.run) or says to
+    raise the budget."""
+    from kvpolicies import budgets
+
+    dims = dict(max_len=max_len, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, codec=codec)
+    try:
+        return budgets.sized(name, budget, **dims, **fixed), None
+    except ValueError as e:
+        if "too small" not in str(e):
+            raise
+        error = str(e)
+    cls = kvpolicies.POLICIES[name]
+    defaults = {f.name: f.default for f in dataclasses.fields(cls) if isinstance(f.default, int)
+                and not isinstance(f.default, bool)}
+
+    def fits(**extra) -> kvpolicies.Policy | None:
+        try:
+            return budgets.sized(name, budget, **dims, **fixed, **extra)
+        except ValueError:
+            return None
+
+    for field in SHRINKABLE:
+        if field in defaults and field not in fixed:
+            v = defaults[field] // 2
+            while v >= max(gen, 1):
+                pol = fits(**{field: v})
+                if pol is not None:
+                    return pol, {field: [defaults[field], v]}
+                v //= 2
+    # no automatic way out: name a field value that fits, else the budget it needs
+    for field, default in defaults.items():
+        if field == cls.budget_field:
+            continue
+        v = fixed.get(field, default) // 2
+        while v >= (max(gen, 1) if field in SHRINKABLE else 1):
+            try:
+                budgets.sized(name, budget, **dims, **{**fixed, field: v})
+            except ValueError:
+                v //= 2
+                continue
+            hint = f"{prefix}{field}={v}" if prefix else f"{name}.{field}={v}"
+            raise ValueError(f"{error}; it fits with {hint} (or a larger budget)")
+    raise ValueError(f"{error}; raise the budget (no smaller setting of {name}'s fixed fields fits it)")
 
 
 def load_task(name: str):
@@ -282,8 +380,9 @@ def validate(cfg: DictConfig | dict[str, Any]) -> dict[str, Any]:
     from evals.zoo import MODELS
 
     conf = to_plain(cfg) if isinstance(cfg, DictConfig) else dict(cfg)
+    overrides = _given_overrides(cfg)
     known = {f.name for f in dataclasses.fields(RunConfig)}
-    unknown = sorted(set(conf) - known)
+    unknown = sorted(k for k in set(conf) - known if not k.startswith("_"))
     if unknown:  # `+foo=1` adds a key Hydra's schema does not stop
         raise ConfigError(f"{unknown[0]}: unknown key; the config has keys: {', '.join(sorted(known))}")
     if isinstance(conf["task"].get("tasks"), list):
@@ -319,6 +418,8 @@ def validate(cfg: DictConfig | dict[str, Any]) -> dict[str, Any]:
     if conf["codec"] not in kvpolicies.CODECS:
         raise ConfigError(f"codec={conf['codec']!r}: must be one of {sorted(kvpolicies.CODECS)}")
     check_mesh(conf.get("mesh"))
+    if overrides is not None and conf["policy"].get("name") in kvpolicies.POLICIES:
+        conf["_explicit"] = explicit_fields(conf["policy"]["name"], overrides)
     policy, _ = resolve_policy(conf)
     check_inputs(conf, policy)
     return conf

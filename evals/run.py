@@ -158,6 +158,12 @@ def _run(conf: dict[str, Any], policy: kvpolicies.Policy, key: str, sizing: dict
     record = R.policy_record(policy)
     task_name = conf["task"]["name"]
     say(job_header(conf, record, key))
+    if sizing and not sizing["sized"]:
+        say(f"[evals.run] note: budget={sizing['budget']} is not used: {sizing['why']}; the row records "
+            "budget.sized=false")
+    for field, (was, now) in ((sizing or {}).get("shrunk") or {}).items():
+        say(f"[evals.run] note: {record['name']}.{field} lowered from {was} to {now} so that budget="
+            f"{sizing['budget']} fits (the row records budget.shrunk)")
     timings: dict[str, float] = {}
     name = conf["model"]["name"]
     loading = not zoo.is_loaded(conf["model"])
@@ -210,7 +216,7 @@ def _run(conf: dict[str, Any], policy: kvpolicies.Policy, key: str, sizing: dict
         "params": policy_params(record),
         "model": {"name": conf["model"]["name"], "arch": mc.name, "layers": mc.n_layers, "kv_heads": mc.n_kv_heads,
                   "head_dim": mc.head_dim, "max_position": mc.max_position, "dtype": dtype(conf["model"]).name},
-        "config": {k: v for k, v in conf.items() if k not in NOT_IN_ROW},
+        "config": {k: v for k, v in conf.items() if k not in NOT_IN_ROW and not k.startswith("_")},
         **R.environment(),
         "metrics": res.metrics,
         "memory": memory,
