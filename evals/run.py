@@ -92,7 +92,26 @@ def run_key(conf: dict[str, Any], policy: kvpolicies.Policy) -> str:
     if keyed["task"].get("protocol") == "query_aware" and keyed["task"]["name"] in ("passkey", "niah", "multikey"):
         del keyed["task"]["protocol"]  # the default: rows from before protocols existed keep their keys
     keyed["policy"] = R.policy_record(policy)  # as built: defaults included, interpolations resolved
+    # a user's own text or checkpoint: its contents are part of the key (size, mtime, head/tail hash),
+    # so a rewritten file is run again, not skipped as "already in"; built-in data and models keep their keys
+    for group in ("data", "model"):
+        path = conf[group].get("path")
+        if isinstance(path, str) and Path(path).exists():
+            keyed[group] = {**keyed[group], "digest": R.file_digest(path)}
     return R.config_key(keyed)
+
+
+SCORES = ("ppl", "nll", "accuracy")  # a run without a number for one of these it reports failed
+
+
+def failure(metrics: dict[str, Any]) -> str | None:
+    """Why a run's metrics mean it failed (a NaN or infinite metric, or a score reported as None:
+    a NaN weight, an overflowing cache), or None."""
+    import math
+
+    bad = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
+    bad += [k for k in SCORES if k in metrics and metrics[k] is None]
+    return f"metric(s) {', '.join(bad)} not finite" if bad else None
 
 
 def _short(v: Any) -> str:
@@ -143,7 +162,8 @@ def run_config(conf: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     results = conf["results"]
     wait = lambda: say(f"[evals.run] waiting: another process is running key {key} on {results}")  # noqa: E731
     with R.key_lock(results, key, on_wait=wait):
-        done = [r for r in R.read(results) if r.get("key") == key] if Path(results).is_file() else []
+        done = [r for r in R.read(results) if r.get("key") == key and not r.get("failed")] \
+            if Path(results).is_file() else []
         if done and not conf["force"]:
             say(f"[evals.run] skip {key}: already in {results} (force=true redoes it)")
             return done[-1], False
@@ -208,6 +228,9 @@ def _run(conf: dict[str, Any], policy: kvpolicies.Policy, key: str, sizing: dict
     if max_len:
         memory = R.memory(stack, kv_heads=mc.n_kv_heads, head_dim=mc.head_dim, max_len=max_len, dtype=model.dtype)
     arrays = {name: R.save_array(results, key, name, a) for name, a in res.arrays.items()}
+    failed = failure(res.metrics)
+    if failed:
+        say(f"[evals.run] error: run {key} failed: {failed}; recorded with `failed` (a re-run redoes it)")
     row = {
         "key": key,
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -228,6 +251,7 @@ def _run(conf: dict[str, Any], policy: kvpolicies.Policy, key: str, sizing: dict
         "grid": res.grid,
         "curves": res.curves,
         "arrays": arrays,
+        **({"failed": failed} if failed else {}),
     }
     R.append(results, row)
     return R._clean(row)
