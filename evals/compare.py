@@ -417,7 +417,7 @@ def grid(recs: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]], st
     caption = (f"{full['metric']} ({better} is better) by policy and budget; a budget is the stored cache bytes "
                f"(a float: that fraction of the full cache's, CR = compression ratio = 1 - it; an int: that many "
                f"full-precision tokens), sinks, windows, scales and positions included; in brackets the stored "
-               f"bytes measured, all layers"
+               f"KV cache measured, all layers, in MB (10^6 bytes)"
                + ("; an accuracy's Wilson 95 % interval in square brackets" if full.get("ci_low") is not None else ""))
     return header, body, caption
 
@@ -430,16 +430,13 @@ def markdown(recs: Sequence[dict[str, Any]], title: str = "") -> str:
     return "\n".join(lines + ["", caption])
 
 
-def latex(recs: Sequence[dict[str, Any]], title: str = "") -> str:
-    """A booktabs tabular (\\usepackage{booktabs}); the full reference above a midrule."""
-    from evals.table import tex_escape
+def latex(recs: Sequence[dict[str, Any]], title: str = "", label: str = "tab:compare") -> str:
+    """A complete booktabs `table` (`evals.table.tex_table`: caption = title + what the cells are,
+    `label`; needs `\\usepackage{booktabs,graphicx}`); the full reference above a midrule."""
+    from evals.table import tex_table
 
     header, body, caption = grid(recs)
-    lines = [f"% {title}" if title else "%", f"% {caption}", f"\\begin{{tabular}}{{l{'r' * (len(header) - 1)}}}",
-             "\\toprule", " & ".join(tex_escape(h) for h in header) + " \\\\", "\\midrule",
-             " & ".join(tex_escape(c) for c in body[0]) + " \\\\", "\\midrule"]
-    lines += [" & ".join(tex_escape(c) for c in cells_) + " \\\\" for cells_ in body[1:]]
-    return "\n".join(lines + ["\\bottomrule", "\\end{tabular}"]) + "\n"
+    return tex_table(header, body, (f"{title}. " if title else "") + caption, label, rule_after=0) + "\n"
 
 
 CSV_COLUMNS = ("policy", "budget", "compression", "params", "metric", "score", "ci_low", "ci_high", "state_bytes",
@@ -522,7 +519,7 @@ def write(p: Plan, recs: Sequence[dict[str, Any]]) -> list[Path]:
     """The table (.md, .tex, .csv) and the plot (.png, .pdf) under p.out."""
     p.out.mkdir(parents=True, exist_ok=True)
     paths = []
-    for ext, text in ((".md", markdown(recs, title(p)) + "\n"), (".tex", latex(recs, title(p))),
+    for ext, text in ((".md", markdown(recs, title(p)) + "\n"), (".tex", latex(recs, title(p), f"tab:{p.stem}")),
                       (".csv", csv_text(recs))):
         path = p.out / f"{p.stem}{ext}"
         path.write_text(text, encoding="utf-8")

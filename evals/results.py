@@ -260,7 +260,7 @@ def _parse(p: Path, number: int, line: bytes, last: bool) -> dict[str, Any] | No
 
 
 def read(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[dict[str, Any]]:
-    """All rows of one or more results files, in file order (each row gets `_file`, its path).
+    """All rows of one or more results files, in file order (each row gets `_file`, its path, and `_line`).
 
     A bad line (undecodable bytes, invalid JSON, JSON that is not an object) is skipped with a
     warning naming the file and line; a missing file raises FileNotFoundError. Reads hold the
@@ -279,7 +279,7 @@ def read(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[dict[st
                 continue
             row = _parse(p, number, line, last=number == len(lines))
             if row is not None:
-                row["_file"] = str(p)
+                row["_file"], row["_line"] = str(p), number
                 rows.append(row)
     return rows
 

@@ -409,14 +409,15 @@ def test_markdown_latex_csv_tables():
     rows = fake_rows()
     md = table.markdown(rows)
     assert "**perplexity**" in md and "**passkey**" in md
-    assert "| model | data | policy | params | codec | ppl | tokens | cache MB | closed-form MB |" in md
-    assert "| smollm2 | austen | sink | n_sink=4 window=1024 | none | 14.50 | 12288 | 18.97 | 18.92 |" in md
-    assert "| smollm2 | austen | full |  | none | 12.35 | 12288 | 226.5 | 226.5 |" in md
-    assert "| model | data | policy | params | codec | accuracy | cache MB |" in md  # no closed form there
+    assert ("| model | data | policy | params | codec | budget | KV / full | perplexity | tokens | KV cache (MB, 10^6 B) "
+            "| closed form (MB, 10^6 B) |") in md
+    assert "| smollm2 | austen | sink | n_sink=4 window=1024 | none | - | - | 14.50 | 12288 | 18.97 | 18.92 |" in md
+    assert "| smollm2 | austen | full |  | none | - | - | 12.35 | 12288 | 226.5 | 226.5 |" in md
+    assert "| model | data | policy | params | codec | budget | KV / full | accuracy | KV cache (MB, 10^6 B) |" in md
     tex = table.latex(rows)
-    assert tex.count("\\toprule") == 2 and tex.count("\\bottomrule") == 2
-    assert "\\begin{tabular}{lllllrrrr}" in tex
-    assert "smollm2 & austen & sink & n\\_sink=4 window=1024 & none & 14.50 & 12288 & 18.97 & 18.92 \\\\" in tex
+    assert tex.count("\\toprule") == 2 and tex.count("\\bottomrule") == 2 and tex.count("\\begin{table}") == 2
+    assert "\\begin{tabular}{lllllrrrrrr}" in tex and "\\label{tab:perplexity}" in tex
+    assert "smollm2 & austen & sink & n\\_sink=4 window=1024 & none & - & - & 14.50 & 12288 & 18.97 & 18.92 \\\\" in tex
     parsed = list(csv.DictReader(io.StringIO(table.csv_text(rows))))
     assert [r["key"] for r in parsed] == ["a", "b", "c", "d", "e"]
     assert float(parsed[0]["ppl"]) == 12.3456 and int(parsed[1]["state_bytes"]) == 18_972_000
@@ -428,8 +429,8 @@ def test_table_cli_writes_files(sink_run, tmp_path, capsys):
     table.main([str(res), "--out", str(tmp_path / "t")])
     out = capsys.readouterr().out
     ppl = R.read(res)[-1]["metrics"]["ppl"]
-    assert f"| tiny_random | tiny.txt | sink | n_sink=4 window=64 positions=cache | none | {table.fmt(ppl)} |" in out
-    assert (tmp_path / "t.tex").read_text().startswith("% task: perplexity\n\\begin{tabular}")
+    assert f"| tiny_random | tiny.txt | sink | n_sink=4 window=64 positions=cache | none | - | 0.425 | {table.fmt(ppl)} |" in out
+    assert (tmp_path / "t.tex").read_text().startswith("% task: perplexity\n\\begin{table}[t]")
     (csv_row,) = list(csv.DictReader(io.StringIO((tmp_path / "t.csv").read_text())))
     assert float(csv_row["ppl"]) == pytest.approx(ppl) and int(csv_row["closed_form_bytes"]) == 2 * 2 * 2 * 8 * 68 * 4
 
