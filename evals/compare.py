@@ -17,6 +17,9 @@ Keys of its own (key=value, as evals.run):
                                             (sink.n_sink=8, snapkv.max_new=64, h2o.recent=128)
     out=DIR                                 where the table and plot go (default <results folder>/compare)
     name=STEM                               their file name (default <task>-<model>-<length>[-<codec>])
+    overwrite=true                          replace <out>/<stem>.* written by another comparison (other
+                                            run keys); without it that is an error before any job runs
+                                            (the same comparison again rewrites its own files)
     share_gb=4                              memory for prompt states shared between jobs (0: none)
 
 Shared prefill. The jobs run in this process inside `evals.prefills.sharing()`: a context is
@@ -61,7 +64,7 @@ from evals.config import ConfigError
 
 DEFAULT_POLICIES = ("window", "sink", "h2o", "tova", "snapkv")
 DEFAULT_BUDGETS = (0.125, 0.25, 0.5, 0.75)
-OWN_KEYS = ("policies", "budgets", "out", "name", "share_gb")
+OWN_KEYS = ("policies", "budgets", "out", "name", "share_gb", "overwrite")
 SET_PER_JOB = ("policy", "window", "n_sink", "budget")  # evals.run keys the sizing sets for each job
 MB = 1e6
 
@@ -125,6 +128,7 @@ class Args:
     out: str | None = None
     name: str | None = None
     share_gb: float = 4.0
+    overwrite: bool = False
 
 
 def parse_args(argv: Sequence[str]) -> Args:
@@ -174,7 +178,10 @@ def parse_args(argv: Sequence[str]) -> Args:
     share = _scalar(own.get("share_gb", "4"))
     if isinstance(share, bool) or not isinstance(share, (int, float)) or share < 0:
         raise ConfigError(f"share_gb={own['share_gb']}: expected a number of GiB >= 0 (0: no shared prefill)")
-    return Args(policies, budgets, fields, passthrough, own.get("out"), own.get("name"), float(share))
+    overwrite = _scalar(own.get("overwrite", "false"))
+    if not isinstance(overwrite, bool):
+        raise ConfigError(f"overwrite={own['overwrite']}: expected true or false")
+    return Args(policies, budgets, fields, passthrough, own.get("out"), own.get("name"), float(share), overwrite)
 
 
 # -- the plan: every job sized and validated, nothing loaded ----------------------------------------
@@ -338,9 +345,33 @@ def plan(argv: Sequence[str]) -> Plan:
     out = Path(args.out) if args.out else Path(results).parent / "compare"
     stem = args.name or "-".join([base["task"]["name"], base["model"]["name"], str(max_len)]
                                  + ([codec] if codec != "none" else []))
+    check_outputs(out, stem, [j.key for j in jobs], args.overwrite or bool(base["force"]))
     return Plan(jobs, args.policies, budgets, base["task"]["name"], base["model"]["name"], _data_name(base),
                 max_len, mc.n_layers, mc.n_kv_heads, mc.head_dim, dtype.name, codec, results, out, stem,
                 bool(base["progress"]), int(args.share_gb * (1 << 30)), notes)
+
+
+OUTPUTS = (".md", ".tex", ".csv", ".png", ".pdf")
+
+
+def check_outputs(out: Path, stem: str, keys: Sequence[str], overwrite: bool) -> None:
+    """Refuse (ConfigError, before any job runs) to overwrite `<out>/<stem>.*` written by another
+    comparison (other run keys in its .csv) unless `overwrite`; the same comparison again rewrites
+    its own files."""
+    import csv
+
+    existing = [out / f"{stem}{ext}" for ext in OUTPUTS if (out / f"{stem}{ext}").exists()]
+    if not existing or overwrite:
+        return
+    table = out / f"{stem}.csv"
+    try:
+        with open(table, newline="", encoding="utf-8") as f:
+            before = {r.get("key") for r in csv.DictReader(f)}
+    except (OSError, ValueError):
+        before = set()
+    if before != set(keys):
+        raise ConfigError(f"out={out} name={stem}: {existing[0]} holds another comparison (other runs); pass "
+                          "name=<another stem> or out=<another folder>, or overwrite=true to replace it")
 
 
 # -- the cells: numbers read back from the results file ----------------------------------------------
@@ -360,12 +391,20 @@ def cells(p: Plan, rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     metric, score, lower, state_bytes (measured), target_bytes, max_len (the row's), key."""
     from evals import results as R
 
-    by_key = {r.get("key"): r for r in R.latest(rows)}
+    import warnings
+
+    from evals.table import usable
+
+    by_key = {r.get("key"): r for r in R.latest(usable(rows))}
     out = []
     for j in p.jobs:
         row = by_key.get(j.key)
         if row is None:
-            raise KeyError(f"no row with key {j.key} ({j.policy} at budget {j.budget}) in {p.results}")
+            raise ValueError(f"no row with key {j.key} ({j.policy} at budget {j.budget}) in {p.results}")
+        if row.get("failed") and j.budget is not None:
+            warnings.warn(f"{j.policy} at budget {j.budget}: its run failed ({row['failed']}); its cell is '-'",
+                          stacklevel=2)
+            continue
         metric, value, lower = score_of(row)
         mem, m = row.get("memory") or {}, row.get("metrics", {})
         ci = (m.get("ci_low"), m.get("ci_high")) if metric == "accuracy" else (None, None)
@@ -472,11 +511,16 @@ def plot(recs: Sequence[dict[str, Any]], out: Path, stem: str, title: str = "") 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from evals.plots import ticks_at, warn_single_points
+
     full = next(r for r in recs if r["budget"] is None)
     top = CLIP * full["score"] if full["lower"] and max(r["score"] for r in recs) > CLIP * full["score"] else None
+    warn_single_points("evals.compare plot", {n: sum(r["policy"] == n for r in recs) for n in
+                                              dict.fromkeys(r["policy"] for r in recs if r["budget"] is not None)},
+                       "give two or more budgets (budgets=[0.25,0.5]) to draw lines")
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, x, xlabel in ((axes[0], "compression", "compression ratio (1 - stored bytes / full cache's)"),
-                          (axes[1], "mb", "stored KV cache, all layers (MB, measured)")):
+                          (axes[1], "mb", "stored KV cache, all layers (MB, 10^6 B, measured; log scale)")):
         ax.axhline(full["score"], color="black", linestyle="--", linewidth=1,
                    label=f"full ({full['score']:.4g}, {_mb(full['state_bytes'])})")
         for i, name in enumerate(dict.fromkeys(r["policy"] for r in recs if r["budget"] is not None)):
@@ -495,6 +539,10 @@ def plot(recs: Sequence[dict[str, Any]], out: Path, stem: str, title: str = "") 
                     ax.plot([xi], [top], marker="^", markersize=9, color=f"C{i}", clip_on=False)
                     ax.annotate(f"{r['score']:.3g}", (xi, top), xytext=(5, -10), textcoords="offset points",
                                 fontsize=7, color=f"C{i}")
+        if x == "mb":  # a log byte axis, a tick at each measured size (and at the full cache's)
+            ax.set_xscale("log")
+            ticks_at(ax.xaxis, [r["state_bytes"] / MB for r in recs if r["state_bytes"] and r["budget"] is not None])
+            ax.tick_params(axis="x", labelsize=7)
         if top is not None:
             ax.set_ylim(top=top)
         elif not full["lower"]:
@@ -549,6 +597,10 @@ def run(p: Plan) -> list[dict[str, Any]]:
             for j in order:
                 bar.set_postfix_str(f"{j.policy} @ {'full' if j.budget is None else j.budget}")
                 row, ran = run_config(j.conf)
+                if row.get("failed"):
+                    tqdm.write(f"[evals.compare] {j.policy} @ {j.budget}: the run failed ({row['failed']})")
+                    bar.update()
+                    continue
                 metric, value, _ = score_of(row)
                 mem = (row.get("memory") or {}).get("state_bytes")
                 secs = (row.get("timings") or {}).get("total_s")
@@ -565,7 +617,11 @@ def run(p: Plan) -> list[dict[str, Any]]:
                        "taken from an earlier job's state")
     finally:
         bar.close()
-    recs = cells(p, R.read(p.results))
+    try:
+        recs = cells(p, R.read(p.results))
+    except ValueError as e:  # a row missing or without a score: one line, not a traceback
+        print(f"evals.compare: error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
     for r in recs:
         if r["max_len"] != p.max_len:
             tqdm.write(f"[evals.compare] warning: row {r['key']} measured memory at max_len={r['max_len']}, "
@@ -592,7 +648,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         for note in p.notes:
             print(f"[evals.compare] note: {note}")
         recs = run(p)
-        paths = write(p, recs)
+        try:
+            paths = write(p, recs)
+        except ValueError as e:
+            print(f"evals.compare: error: {e}", file=sys.stderr)
+            raise SystemExit(1) from None
     print(markdown(recs, title(p)))
     for path in paths:
         print(f"wrote {path}")
