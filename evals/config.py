@@ -90,6 +90,14 @@ class ConfigError(ValueError):
     """A configuration problem, reported as one message (no traceback) by the CLI."""
 
 
+def did_you_mean(word: Any, choices: Any) -> str:
+    """' (did you mean 'sink'?)' for the closest of `choices` to `word` (difflib), else ''."""
+    import difflib
+
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 # -- config store and composition ---------------------------------------------------------------
 
 
