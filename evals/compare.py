@@ -158,7 +158,10 @@ def parse_args(argv: Sequence[str]) -> Args:
     policies = _list("policies", own["policies"]) if "policies" in own else list(DEFAULT_POLICIES)
     for p in policies:
         if p not in kvpolicies.POLICIES:
-            raise ConfigError(f"policies=[{','.join(policies)}]: {p!r} is not a registered policy; choose from "
+            from evals.config import did_you_mean
+
+            raise ConfigError(f"policies=[{','.join(policies)}]: {p!r} is not a registered policy"
+                              f"{did_you_mean(p, kvpolicies.POLICIES)}; choose from "
                               f"{sorted(kvpolicies.POLICIES)}")
     policies = [p for p in policies if p != "full"]  # full is the reference, always run
     from kvpolicies.budgets import budgeted
@@ -637,7 +640,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         return []
-    with warnings_as_lines("evals.compare"):
+    from evals.run import interrupt_as_line
+
+    with warnings_as_lines("evals.compare"), interrupt_as_line("evals.compare"):
         try:
             p = plan(argv)
         except ConfigError as e:

@@ -210,7 +210,8 @@ def explain(exc: Exception, overrides: list[str]) -> str:
     if isinstance(exc, MissingConfigException) and exc.options is not None:
         group = Path(exc.missing_cfg_file or "").parent.name or "?"
         bad = Path(exc.missing_cfg_file or "").name
-        return f"{group}={bad}: no such {group}; choose one of: {', '.join(sorted(exc.options))}"
+        return (f"{group}={bad}: no such {group}{did_you_mean(bad, exc.options)}; choose one of: "
+                f"{', '.join(sorted(exc.options))}")
     cause = exc.__cause__ or exc.__context__ or exc
     full_key = getattr(cause, "full_key", None)
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and full_key:
@@ -222,7 +223,8 @@ def explain(exc: Exception, overrides: list[str]) -> str:
             scope = f"{where} {name!r}" if name else where
         else:
             scope, valid = "the config", sorted(set(valid) | set(GROUPS))
-        return f"{full_key}: unknown key; {scope} has keys: {', '.join(valid)}"
+        return f"{full_key}: unknown key{did_you_mean(full_key.rsplit('.', 1)[-1], valid)}; {scope} has keys: " \
+            f"{', '.join(valid)}"
     if isinstance(cause, ValidationError) and full_key:
         fields = {f.name: f.type for f in dataclasses.fields(RunConfig)}
         want = fields.get(full_key)
@@ -230,7 +232,12 @@ def explain(exc: Exception, overrides: list[str]) -> str:
         if want is not None:
             return f"{full_key}={value}: {full_key} must be {_typename(want)}"
         return f"{full_key}={value}: {cause.msg if hasattr(cause, 'msg') else cause}"
-    return str(exc).strip()
+    from hydra.errors import OverrideParseException
+
+    if isinstance(exc, OverrideParseException) or isinstance(cause, OverrideParseException):
+        e = exc if isinstance(exc, OverrideParseException) else cause
+        return f"{getattr(e, 'override', '') or ''}: not a valid override ({' '.join(str(e.message if hasattr(e, 'message') else e).split())})".lstrip(": ")
+    return " ".join(str(exc).split())
 
 
 def to_plain(cfg: DictConfig) -> dict[str, Any]:
@@ -392,15 +399,18 @@ def validate(cfg: DictConfig | dict[str, Any]) -> dict[str, Any]:
     known = {f.name for f in dataclasses.fields(RunConfig)}
     unknown = sorted(k for k in set(conf) - known if not k.startswith("_"))
     if unknown:  # `+foo=1` adds a key Hydra's schema does not stop
-        raise ConfigError(f"{unknown[0]}: unknown key; the config has keys: {', '.join(sorted(known))}")
+        raise ConfigError(f"{unknown[0]}: unknown key{did_you_mean(unknown[0], known)}; the config has keys: "
+                          f"{', '.join(sorted(known))}")
     if isinstance(conf["task"].get("tasks"), list):
         listed = ", ".join(map(str, conf["task"]["tasks"]))
         raise ConfigError(f"task={conf['task'].get('name')}: a set of tasks ({listed}); "
                           f"run it with `python -m evals.suite tasks={conf['task'].get('name')} ...`, or pick one task")
     if conf["task"].get("name") not in TASKS:
-        raise ConfigError(f"task.name={conf['task'].get('name')!r}: must be one of {sorted(TASKS)}")
+        raise ConfigError(f"task.name={conf['task'].get('name')!r}: must be one of {sorted(TASKS)}"
+                          f"{did_you_mean(conf['task'].get('name'), TASKS)}")
     if conf["model"].get("name") not in MODELS:
-        raise ConfigError(f"model.name={conf['model'].get('name')!r}: must be one of {sorted(MODELS)}")
+        raise ConfigError(f"model.name={conf['model'].get('name')!r}: must be one of {sorted(MODELS)}"
+                          f"{did_you_mean(conf['model'].get('name'), MODELS)}")
     unknown = sorted(set(conf["data"]) - DATA_KEYS)
     if unknown:
         raise ConfigError(f"data.{unknown[0]}: unknown key; data {conf['data'].get('name')!r} has keys: "

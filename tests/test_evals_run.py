@@ -158,16 +158,17 @@ def test_budget_conflicts_and_unsized_policies():
 
 
 @pytest.mark.parametrize("overrides, expected", [
-    (["policy=sinc"], ["policy=sinc: no such policy; choose one of:", *sorted(kvpolicies.POLICIES)]),
+    (["policy=sinc"], ["policy=sinc: no such policy (did you mean 'sink'?); choose one of:", *sorted(kvpolicies.POLICIES)]),
     (["task=foo"], ["task=foo: no such task; choose one of: multikey, multiquery, niah, passkey, perplexity, recall, ruler"]),
     (["window=abc"], ["window=abc: window must be int"]),
     (["progress=maybe"], ["progress=maybe: progress must be bool"]),
-    (["windw=5"], ["windw: unknown key; the config has keys: budget, chunk, codec, data, force, mesh, model, n_sink"]),
+    (["windw=5"], ["windw: unknown key (did you mean 'window'?); the config has keys: budget, chunk, codec, data, force, "
+                   "mesh, model, n_sink"]),
     (["mesh=[2]"], ["mesh=[2]: must be [data, model], two ints >= 1 (e.g. mesh=[2,4]), or null"]),
     (["mesh=[0,1]"], ["mesh=[0, 1]: must be [data, model], two ints >= 1"]),
     (["mesh=abc"], ["mesh=abc: must be [data, model]"]),
     (["mesh=[1,1024]"], ["mesh=[1, 1024]: mesh data=1 x model=1024 = 1024 devices, but there are ", "Device"]),
-    (["policy=sink", "policy.windw=3"], ["policy.windw: unknown key; policy 'sink' has keys: codec, n_sink, name, "
+    (["policy=sink", "policy.windw=3"], ["policy.windw: unknown key (did you mean 'window'?); policy 'sink' has keys: codec, n_sink, name, "
                                          "positions, window"]),
     (["policy=sink", "policy.window=0"], ["sink.window=0: must be an int >= 1"]),
     (["codec=int3"], ["codec='int3': must be one of ['fp8', 'fp8_after_rope', 'int4', 'int4_after_rope', 'int8', "
@@ -193,7 +194,7 @@ def test_sweep_with_one_bad_value_fails_before_any_job(tmp_path, capsys):
         evrun.main(["-m", "policy=full,sinc", f"results={res}", f"hydra.sweep.dir={tmp_path}"])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("evals.run: error: policy=sinc: no such policy")
+    assert len(err) == 1 and err[0].startswith("evals.run: error: policy=sinc: no such policy (did you mean 'sink'?)")
     assert not res.exists()
 
 
