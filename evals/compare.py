@@ -449,14 +449,16 @@ def grid(recs: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]], st
     for r in recs:
         if r["budget"] is not None and (r["budget"], r["compression"]) not in cols:
             cols.append((r["budget"], r["compression"]))
-    header = ["policy"] + [budget_label(b, c) for b, c in cols]
+    header = ["policy \\ budget"] + [budget_label(b, c) for b, c in cols]
     body = [[f"full ({_mb(full['state_bytes'])})"] + [_score(full)] * len(cols)]
     for name in dict.fromkeys(r["policy"] for r in recs if r["budget"] is not None):
         at = {r["budget"]: r for r in recs if r["policy"] == name}
         body.append([name] + [f"{_score(at[b])} ({_mb(at[b]['state_bytes'])})" if b in at else "-"
                               for b, _ in cols])
+    from evals.table import label
+
     better = "lower" if full["lower"] else "higher"
-    caption = (f"{full['metric']} ({better} is better) by policy and budget; a budget is the stored cache bytes "
+    caption = (f"{label(full['metric'])} ({better} is better) by policy and budget; a budget is the stored cache bytes "
                f"(a float: that fraction of the full cache's, CR = compression ratio = 1 - it; an int: that many "
                f"full-precision tokens), sinks, windows, scales and positions included; in brackets the stored "
                f"KV cache measured, all layers, in MB (10^6 bytes)"
@@ -515,6 +517,7 @@ def plot(recs: Sequence[dict[str, Any]], out: Path, stem: str, title: str = "") 
     import matplotlib.pyplot as plt
 
     from evals.plots import ticks_at, warn_single_points
+    from evals.table import label
 
     full = next(r for r in recs if r["budget"] is None)
     top = CLIP * full["score"] if full["lower"] and max(r["score"] for r in recs) > CLIP * full["score"] else None
@@ -551,7 +554,7 @@ def plot(recs: Sequence[dict[str, Any]], out: Path, stem: str, title: str = "") 
         elif not full["lower"]:
             ax.set_ylim(-0.02, 1.02)
         ax.set_xlabel(xlabel)
-        ax.set_ylabel(f"{full['metric']} ({'lower' if full['lower'] else 'higher'} is better)")
+        ax.set_ylabel(f"{label(full['metric'])} ({'lower' if full['lower'] else 'higher'} is better)")
         ax.grid(True, alpha=0.3)
     axes[1].legend(fontsize=8)
     fig.suptitle(title or "quality vs cache bytes", fontsize=10)

@@ -394,7 +394,7 @@ def preflight(argv: list[str]) -> tuple[int, bool]:
     for overrides in jobs:
         conf = validate(compose(overrides))
         progress = conf["progress"]
-        est = estimate(conf)
+        est = None if {"--cfg", "-c"} & set(argv) else estimate(conf)  # --cfg only prints the config
         if est is not None and est[0] > ESTIMATE_OVER_S:
             total += est[0]
             tqdm.write(f"[evals.run] estimate: ~{_duration(est[0])} for {' '.join(overrides) or 'this run'} "
