@@ -408,6 +408,10 @@ def preflight(argv: list[str]) -> tuple[int, bool]:
                 tokenizer = zoo.load_tokenizer(conf["model"])
             except (OSError, ValueError) as e:
                 raise ConfigError(f"model={conf['model']['name']}: its tokenizer does not load: {e}") from None
+            try:
+                zoo.check_vocab(conf["model"], tokenizer)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
             check_text(conf, tokenizer, load_text(conf["data"]["spec"]))
     if total and len(jobs) > 1:
         tqdm.write(f"[evals.run] estimate: ~{_duration(total)} for the long jobs of this sweep")
