@@ -16,8 +16,13 @@ the derived option of that name (none ships). The typed top-level keys are `RunC
 and kv head (the bytes of that many full-precision tokens), a float in (0, 1] the fraction of the
 full cache's bytes at the run's length; the policy is sized by `kvpolicies.budgets.sized` so
 that its stored bytes (everything it stores) are at most the budget and within one slot of it.
-A field set on the command line that the sizing would set is an error; a policy without a
-token budget (full, quest, kivi, multires) runs as configured and its row says "not sized".
+A field set on the command line that the sizing would set is an error, even at its default value
+(`validate` records the fields the overrides name in the plain config's `_explicit`); a policy
+without a token budget (full, quest, kivi, multires) runs as configured, the run prints a note and
+its row says `sized: false`. A budget smaller than the policy's fixed part lowers a field of
+`SHRINKABLE` (snapkv-style `max_new`) not given on the command line, down to the run's generation
+length, recorded in the row's `budget.shrunk`; otherwise the error names a value that fits
+(`size_policy`). Misspelt names get a difflib "did you mean" (`did_you_mean`).
 
 `validate` checks what Hydra does not (task and model names, ranges, the task's own keys, the
 policy as built), so a bad command line fails before anything runs, with one `ConfigError` that

@@ -92,7 +92,9 @@ def warn_single_points(what: str, lines: dict[str, int], hint: str) -> None:
     import warnings
 
     if lines and all(n <= 1 for n in lines.values()):
-        warnings.warn(f"{what}: a single point per line ({', '.join(lines)}); {hint}", stacklevel=2)
+        names = list(lines)
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        warnings.warn(f"{what}: a single point per line ({shown}); {hint}", stacklevel=2)
 
 
 def _save(fig, out: Path, stem: str) -> list[Path]:
@@ -266,7 +268,9 @@ def pareto_figure(task: str, pts: Sequence[tuple[dict[str, Any], tuple]], metric
     ticks_at(ax.xaxis, [x for x, _ in xy])
     ax.tick_params(axis="x", labelrotation=45, labelsize=7)
     ax.set_xlabel("KV cache, all layers (MB, 10^6 B; log scale, a tick at each run)")
-    ax.set_ylabel(f"{metric} ({'lower' if lower else 'higher'} is better)")
+    from evals.table import label as metric_label
+
+    ax.set_ylabel(f"{metric_label(metric)} ({'lower' if lower else 'higher'} is better)")
     ax.set_title(f"{task}: quality vs cache memory")
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(fontsize=8)

@@ -20,8 +20,11 @@ group option, key, type or policy field stops the whole command with one error t
 valid choices; so do missing or damaged model and data files, a text too short for `tokens`,
 retrieval lengths past the model's trained context (unless `task.extrapolate=true`), a run that
 obviously cannot fit in memory and an unwritable results location (`evals.config.validate`,
-`check_text`). A run whose config key is already in the results file is skipped (`force=true`
-redoes it); two processes on one key and file run it once (`evals.results`). Hydra's own output
+`check_text`), an HF config that disagrees with its tensors, a tokenizer larger than the model's
+vocabulary. A run expected to take over a minute prints an estimate first (`estimate`). A run whose
+config key is already in the results file is skipped (`force=true` redoes it; a row recorded as
+failed, with NaN metrics, is redone); two processes on one key and file run it once
+(`evals.results`). Ctrl-C ends the command with one line (`interrupt_as_line`). Hydra's own output
 (logs, the composed config) goes to `outputs/` (git-ignored); the job does not change directory.
 """
 
