@@ -145,15 +145,25 @@ def check_hf_tensors(folder: pathlib.Path, config) -> None:
 
 def check_vocab(m: dict[str, Any], tokenizer) -> None:
     """The tokenizer's ids fit the model's vocabulary (a larger tokenizer would index past the
-    embedding): ValueError naming both sizes. Skipped when the config does not give the model's
-    vocabulary before the weights load (GGUF files without a vocab_size key)."""
+    embedding): ValueError naming both sizes. A GGUF without a vocab_size key: the rows of its
+    token_embd tensor, from the header the tokenizer was read from (no weights loaded)."""
     mc = describe(m)
     size = getattr(tokenizer, "vocab_size", None)
-    if mc is None or not isinstance(size, int) or mc.vocab_size <= 1:
+    if mc is None or not isinstance(size, int):
         return
-    if size > mc.vocab_size:
+    vocab = mc.vocab_size
+    if vocab <= 1 and m.get("name") not in ("hf", "tiny_random", "tiny_recall"):  # a GGUF: its embedding's rows
+        try:
+            reader = _gguf_reader(str(_gguf_path(m)))  # the parse the tokenizer was read from (memory-mapped)
+            dims = next((tuple(t.shape) for t in getattr(reader, "tensors", ()) if t.name == "token_embd.weight"), None)
+        except (OSError, ValueError):
+            dims = None
+        vocab = int(dims[-1]) if dims else vocab
+    if vocab <= 1:
+        return
+    if size > vocab:
         raise ValueError(f"model={m['name']}: its tokenizer has {size} ids, more than the model's vocabulary of "
-                         f"{mc.vocab_size}: ids from {mc.vocab_size} on would read past the embedding")
+                         f"{vocab}: ids from {vocab} on would read past the embedding")
 
 
 def _stamp(m: dict[str, Any]) -> tuple:

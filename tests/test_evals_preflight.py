@@ -69,3 +69,19 @@ def test_tokenizer_larger_than_the_vocabulary(tmp_path, capsys):
         evrun.main(["model=hf", f"model.path={folder}", "data=path", f"data.path={text}", "tokens=8",
                     f"results={tmp_path / 'r.jsonl'}"])
     assert e.value.code == 2 and "more than the model's vocabulary" in capsys.readouterr().err
+
+
+def test_gguf_vocabulary_from_its_embedding_header(monkeypatch):
+    """A GGUF whose metadata has no vocab_size (Qwen's): the rows of token_embd.weight, read from the
+    header the tokenizer came from, bound the tokenizer's ids."""
+    import types
+
+    m = {"name": "qwen"}
+    if zoo.describe(m).vocab_size > 1:
+        pytest.skip("this qwen GGUF states its vocab_size")
+    fake = types.SimpleNamespace(tensors=[types.SimpleNamespace(name="token_embd.weight", shape=(896, 100))])
+    monkeypatch.setattr(zoo, "_gguf_reader", lambda path: fake)
+    with pytest.raises(ValueError, match="its tokenizer has 151936 ids, more than the model's vocabulary of 100"):
+        zoo.check_vocab(m, types.SimpleNamespace(vocab_size=151936))
+    fake.tensors[0].shape = (896, 151936)
+    zoo.check_vocab(m, types.SimpleNamespace(vocab_size=151936))
