@@ -3,9 +3,10 @@ retrieval tasks share: Wilson intervals, a prompt split into context and questio
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -50,6 +51,47 @@ class TaskResult:
     arrays: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     grid: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     curves: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+
+
+# JAX's compile phases (tracing, lowering, XLA compilation): their time spans, merged, are a run's
+# compile time, reported apart from its throughput.
+COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "/jax/core/compile/backend_compile_duration")
+
+
+@dataclasses.dataclass
+class CompileTime:
+    """The compile-phase time spans seen inside `compile_time()`; `seconds` is their union (nested
+    spans, a trace inside a trace, count once)."""
+
+    spans: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+
+    @property
+    def seconds(self) -> float:
+        total, end = 0.0, float("-inf")
+        for a, b in sorted(self.spans):
+            if b > end:
+                total += b - max(a, end)
+                end = b
+        return total
+
+
+@contextlib.contextmanager
+def compile_time() -> Iterator[CompileTime]:
+    """Collect the compile time spent inside the block (`jax.monitoring` time spans of COMPILE_EVENTS)."""
+    import jax.monitoring as mon
+
+    out = CompileTime()
+
+    def listen(event: str, start: float, end: float, **_: object) -> None:
+        if event in COMPILE_EVENTS:
+            out.spans.append((start, end))
+
+    mon.register_event_time_span_listener(listen)
+    try:
+        yield out
+    finally:
+        mon.unregister_event_time_span_listener(listen)
 
 
 # -- shared by the tasks: intervals, prompts split into context and question, greedy answers ---------

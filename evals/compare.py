@@ -17,6 +17,9 @@ Keys of its own (key=value, as evals.run):
                                             (sink.n_sink=8, snapkv.max_new=64, h2o.recent=128)
     out=DIR                                 where the table and plot go (default <results folder>/compare)
     name=STEM                               their file name (default <task>-<model>-<length>[-<codec>])
+    overwrite=true                          replace <out>/<stem>.* written by another comparison (other
+                                            run keys); without it that is an error before any job runs
+                                            (the same comparison again rewrites its own files)
     share_gb=4                              memory for prompt states shared between jobs (0: none)
 
 Shared prefill. The jobs run in this process inside `evals.prefills.sharing()`: a context is
@@ -61,7 +64,7 @@ from evals.config import ConfigError
 
 DEFAULT_POLICIES = ("window", "sink", "h2o", "tova", "snapkv")
 DEFAULT_BUDGETS = (0.125, 0.25, 0.5, 0.75)
-OWN_KEYS = ("policies", "budgets", "out", "name", "share_gb")
+OWN_KEYS = ("policies", "budgets", "out", "name", "share_gb", "overwrite")
 SET_PER_JOB = ("policy", "window", "n_sink", "budget")  # evals.run keys the sizing sets for each job
 MB = 1e6
 
@@ -125,6 +128,7 @@ class Args:
     out: str | None = None
     name: str | None = None
     share_gb: float = 4.0
+    overwrite: bool = False
 
 
 def parse_args(argv: Sequence[str]) -> Args:
@@ -154,7 +158,10 @@ def parse_args(argv: Sequence[str]) -> Args:
     policies = _list("policies", own["policies"]) if "policies" in own else list(DEFAULT_POLICIES)
     for p in policies:
         if p not in kvpolicies.POLICIES:
-            raise ConfigError(f"policies=[{','.join(policies)}]: {p!r} is not a registered policy; choose from "
+            from evals.config import did_you_mean
+
+            raise ConfigError(f"policies=[{','.join(policies)}]: {p!r} is not a registered policy"
+                              f"{did_you_mean(p, kvpolicies.POLICIES)}; choose from "
                               f"{sorted(kvpolicies.POLICIES)}")
     policies = [p for p in policies if p != "full"]  # full is the reference, always run
     from kvpolicies.budgets import budgeted
@@ -174,7 +181,10 @@ def parse_args(argv: Sequence[str]) -> Args:
     share = _scalar(own.get("share_gb", "4"))
     if isinstance(share, bool) or not isinstance(share, (int, float)) or share < 0:
         raise ConfigError(f"share_gb={own['share_gb']}: expected a number of GiB >= 0 (0: no shared prefill)")
-    return Args(policies, budgets, fields, passthrough, own.get("out"), own.get("name"), float(share))
+    overwrite = _scalar(own.get("overwrite", "false"))
+    if not isinstance(overwrite, bool):
+        raise ConfigError(f"overwrite={own['overwrite']}: expected true or false")
+    return Args(policies, budgets, fields, passthrough, own.get("out"), own.get("name"), float(share), overwrite)
 
 
 # -- the plan: every job sized and validated, nothing loaded ----------------------------------------
@@ -213,6 +223,7 @@ class Plan:
     stem: str
     progress: bool
     share_bytes: int = 0  # memory for shared prompt states (evals.prefills)
+    notes: list[str] = dataclasses.field(default_factory=list)  # what the sizing changed, said before the run
 
 
 def model_dims(mconf: dict[str, Any]):
@@ -287,7 +298,7 @@ def plan(argv: Sequence[str]) -> Plan:
     """Parse, size and validate every job (configs composed, policies built and compared with the
     sized ones, the text's token count checked with the tokenizer); no weights load."""
     from evals import zoo
-    from evals.config import build_policy, check_text
+    from evals.config import build_policy, check_text, size_policy, task_extent
     from evals.run import run_key
     from kvpolicies import budgets as B
 
@@ -295,6 +306,9 @@ def plan(argv: Sequence[str]) -> Plan:
     base = _compose(args.passthrough + ["policy=full"])
     mc = model_dims(base["model"])
     max_len, dtype = run_length(base), zoo.dtype(base["model"])
+    extent = task_extent(base)
+    gen = extent[2] if extent is not None else 0
+    notes: list[str] = []
     codec = base["codec"]
     dims = dict(max_len=max_len, kv_heads=mc.n_kv_heads, head_dim=mc.head_dim, dtype=dtype)
     full_layer = B.target_bytes(1.0, **dims)
@@ -310,13 +324,14 @@ def plan(argv: Sequence[str]) -> Plan:
     for name in args.policies:
         for b in budgets:
             try:
-                pol = B.sized(name, b, codec=codec, **dims, **args.fields.get(name, {}))
+                pol, shrunk = size_policy(name, b, gen=gen, codec=codec, fixed=args.fields.get(name, {}), **dims)
             except ValueError as e:
                 where = " ".join(f"{name}.{k}={v}" for k, v in args.fields.get(name, {}).items())
-                hint = ("; raise the budget, or hold the policy's fixed part smaller (e.g. snapkv.max_new=64 "
-                        "snapkv.obs_window=16, sink.n_sink=1, h2o.recent=8)" if "too small" in str(e) else "")
                 raise ConfigError(f"policies: {name} at budget {b}{' with ' + where if where else ''} "
-                                  f"(max_len={max_len}): {e}{hint}") from None
+                                  f"(max_len={max_len}): {e}") from None
+            for field, (was, now) in (shrunk or {}).items():
+                notes.append(f"{name} at budget {b}: {field} lowered from {was} to {now} to fit (the run generates "
+                             f"{gen} tokens after its prompt; set {name}.{field}=... to hold it)")
             overrides = args.passthrough + policy_overrides(name, pol)
             conf = _compose(overrides)
             built = build_policy(conf["policy"])
@@ -333,9 +348,33 @@ def plan(argv: Sequence[str]) -> Plan:
     out = Path(args.out) if args.out else Path(results).parent / "compare"
     stem = args.name or "-".join([base["task"]["name"], base["model"]["name"], str(max_len)]
                                  + ([codec] if codec != "none" else []))
+    check_outputs(out, stem, [j.key for j in jobs], args.overwrite or bool(base["force"]))
     return Plan(jobs, args.policies, budgets, base["task"]["name"], base["model"]["name"], _data_name(base),
                 max_len, mc.n_layers, mc.n_kv_heads, mc.head_dim, dtype.name, codec, results, out, stem,
-                bool(base["progress"]), int(args.share_gb * (1 << 30)))
+                bool(base["progress"]), int(args.share_gb * (1 << 30)), notes)
+
+
+OUTPUTS = (".md", ".tex", ".csv", ".png", ".pdf")
+
+
+def check_outputs(out: Path, stem: str, keys: Sequence[str], overwrite: bool) -> None:
+    """Refuse (ConfigError, before any job runs) to overwrite `<out>/<stem>.*` written by another
+    comparison (other run keys in its .csv) unless `overwrite`; the same comparison again rewrites
+    its own files."""
+    import csv
+
+    existing = [out / f"{stem}{ext}" for ext in OUTPUTS if (out / f"{stem}{ext}").exists()]
+    if not existing or overwrite:
+        return
+    table = out / f"{stem}.csv"
+    try:
+        with open(table, newline="", encoding="utf-8") as f:
+            before = {r.get("key") for r in csv.DictReader(f)}
+    except (OSError, ValueError):
+        before = set()
+    if before != set(keys):
+        raise ConfigError(f"out={out} name={stem}: {existing[0]} holds another comparison (other runs); pass "
+                          "name=<another stem> or out=<another folder>, or overwrite=true to replace it")
 
 
 # -- the cells: numbers read back from the results file ----------------------------------------------
@@ -355,12 +394,20 @@ def cells(p: Plan, rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     metric, score, lower, state_bytes (measured), target_bytes, max_len (the row's), key."""
     from evals import results as R
 
-    by_key = {r.get("key"): r for r in R.latest(rows)}
+    import warnings
+
+    from evals.table import usable
+
+    by_key = {r.get("key"): r for r in R.latest(usable(rows))}
     out = []
     for j in p.jobs:
         row = by_key.get(j.key)
         if row is None:
-            raise KeyError(f"no row with key {j.key} ({j.policy} at budget {j.budget}) in {p.results}")
+            raise ValueError(f"no row with key {j.key} ({j.policy} at budget {j.budget}) in {p.results}")
+        if row.get("failed") and j.budget is not None:
+            warnings.warn(f"{j.policy} at budget {j.budget}: its run failed ({row['failed']}); its cell is '-'",
+                          stacklevel=2)
+            continue
         metric, value, lower = score_of(row)
         mem, m = row.get("memory") or {}, row.get("metrics", {})
         ci = (m.get("ci_low"), m.get("ci_high")) if metric == "accuracy" else (None, None)
@@ -402,17 +449,19 @@ def grid(recs: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]], st
     for r in recs:
         if r["budget"] is not None and (r["budget"], r["compression"]) not in cols:
             cols.append((r["budget"], r["compression"]))
-    header = ["policy"] + [budget_label(b, c) for b, c in cols]
+    header = ["policy \\ budget"] + [budget_label(b, c) for b, c in cols]
     body = [[f"full ({_mb(full['state_bytes'])})"] + [_score(full)] * len(cols)]
     for name in dict.fromkeys(r["policy"] for r in recs if r["budget"] is not None):
         at = {r["budget"]: r for r in recs if r["policy"] == name}
         body.append([name] + [f"{_score(at[b])} ({_mb(at[b]['state_bytes'])})" if b in at else "-"
                               for b, _ in cols])
+    from evals.table import label
+
     better = "lower" if full["lower"] else "higher"
-    caption = (f"{full['metric']} ({better} is better) by policy and budget; a budget is the stored cache bytes "
+    caption = (f"{label(full['metric'])} ({better} is better) by policy and budget; a budget is the stored cache bytes "
                f"(a float: that fraction of the full cache's, CR = compression ratio = 1 - it; an int: that many "
                f"full-precision tokens), sinks, windows, scales and positions included; in brackets the stored "
-               f"bytes measured, all layers"
+               f"KV cache measured, all layers, in MB (10^6 bytes)"
                + ("; an accuracy's Wilson 95 % interval in square brackets" if full.get("ci_low") is not None else ""))
     return header, body, caption
 
@@ -425,16 +474,13 @@ def markdown(recs: Sequence[dict[str, Any]], title: str = "") -> str:
     return "\n".join(lines + ["", caption])
 
 
-def latex(recs: Sequence[dict[str, Any]], title: str = "") -> str:
-    """A booktabs tabular (\\usepackage{booktabs}); the full reference above a midrule."""
-    from evals.table import tex_escape
+def latex(recs: Sequence[dict[str, Any]], title: str = "", label: str = "tab:compare") -> str:
+    """A complete booktabs `table` (`evals.table.tex_table`: caption = title + what the cells are,
+    `label`; needs `\\usepackage{booktabs,graphicx}`); the full reference above a midrule."""
+    from evals.table import tex_table
 
     header, body, caption = grid(recs)
-    lines = [f"% {title}" if title else "%", f"% {caption}", f"\\begin{{tabular}}{{l{'r' * (len(header) - 1)}}}",
-             "\\toprule", " & ".join(tex_escape(h) for h in header) + " \\\\", "\\midrule",
-             " & ".join(tex_escape(c) for c in body[0]) + " \\\\", "\\midrule"]
-    lines += [" & ".join(tex_escape(c) for c in cells_) + " \\\\" for cells_ in body[1:]]
-    return "\n".join(lines + ["\\bottomrule", "\\end{tabular}"]) + "\n"
+    return tex_table(header, body, (f"{title}. " if title else "") + caption, label, rule_after=0) + "\n"
 
 
 CSV_COLUMNS = ("policy", "budget", "compression", "params", "metric", "score", "ci_low", "ci_high", "state_bytes",
@@ -470,11 +516,17 @@ def plot(recs: Sequence[dict[str, Any]], out: Path, stem: str, title: str = "") 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from evals.plots import ticks_at, warn_single_points
+    from evals.table import label
+
     full = next(r for r in recs if r["budget"] is None)
     top = CLIP * full["score"] if full["lower"] and max(r["score"] for r in recs) > CLIP * full["score"] else None
+    warn_single_points("evals.compare plot", {n: sum(r["policy"] == n for r in recs) for n in
+                                              dict.fromkeys(r["policy"] for r in recs if r["budget"] is not None)},
+                       "give two or more budgets (budgets=[0.25,0.5]) to draw lines")
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, x, xlabel in ((axes[0], "compression", "compression ratio (1 - stored bytes / full cache's)"),
-                          (axes[1], "mb", "stored KV cache, all layers (MB, measured)")):
+                          (axes[1], "mb", "stored KV cache, all layers (MB, 10^6 B, measured; log scale)")):
         ax.axhline(full["score"], color="black", linestyle="--", linewidth=1,
                    label=f"full ({full['score']:.4g}, {_mb(full['state_bytes'])})")
         for i, name in enumerate(dict.fromkeys(r["policy"] for r in recs if r["budget"] is not None)):
@@ -493,12 +545,16 @@ def plot(recs: Sequence[dict[str, Any]], out: Path, stem: str, title: str = "") 
                     ax.plot([xi], [top], marker="^", markersize=9, color=f"C{i}", clip_on=False)
                     ax.annotate(f"{r['score']:.3g}", (xi, top), xytext=(5, -10), textcoords="offset points",
                                 fontsize=7, color=f"C{i}")
+        if x == "mb":  # a log byte axis, a tick at each measured size (and at the full cache's)
+            ax.set_xscale("log")
+            ticks_at(ax.xaxis, [r["state_bytes"] / MB for r in recs if r["state_bytes"] and r["budget"] is not None])
+            ax.tick_params(axis="x", labelsize=7)
         if top is not None:
             ax.set_ylim(top=top)
         elif not full["lower"]:
             ax.set_ylim(-0.02, 1.02)
         ax.set_xlabel(xlabel)
-        ax.set_ylabel(f"{full['metric']} ({'lower' if full['lower'] else 'higher'} is better)")
+        ax.set_ylabel(f"{label(full['metric'])} ({'lower' if full['lower'] else 'higher'} is better)")
         ax.grid(True, alpha=0.3)
     axes[1].legend(fontsize=8)
     fig.suptitle(title or "quality vs cache bytes", fontsize=10)
@@ -517,7 +573,7 @@ def write(p: Plan, recs: Sequence[dict[str, Any]]) -> list[Path]:
     """The table (.md, .tex, .csv) and the plot (.png, .pdf) under p.out."""
     p.out.mkdir(parents=True, exist_ok=True)
     paths = []
-    for ext, text in ((".md", markdown(recs, title(p)) + "\n"), (".tex", latex(recs, title(p))),
+    for ext, text in ((".md", markdown(recs, title(p)) + "\n"), (".tex", latex(recs, title(p), f"tab:{p.stem}")),
                       (".csv", csv_text(recs))):
         path = p.out / f"{p.stem}{ext}"
         path.write_text(text, encoding="utf-8")
@@ -547,6 +603,10 @@ def run(p: Plan) -> list[dict[str, Any]]:
             for j in order:
                 bar.set_postfix_str(f"{j.policy} @ {'full' if j.budget is None else j.budget}")
                 row, ran = run_config(j.conf)
+                if row.get("failed"):
+                    tqdm.write(f"[evals.compare] {j.policy} @ {j.budget}: the run failed ({row['failed']})")
+                    bar.update()
+                    continue
                 metric, value, _ = score_of(row)
                 mem = (row.get("memory") or {}).get("state_bytes")
                 secs = (row.get("timings") or {}).get("total_s")
@@ -563,7 +623,11 @@ def run(p: Plan) -> list[dict[str, Any]]:
                        "taken from an earlier job's state")
     finally:
         bar.close()
-    recs = cells(p, R.read(p.results))
+    try:
+        recs = cells(p, R.read(p.results))
+    except ValueError as e:  # a row missing or without a score: one line, not a traceback
+        print(f"evals.compare: error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
     for r in recs:
         if r["max_len"] != p.max_len:
             tqdm.write(f"[evals.compare] warning: row {r['key']} measured memory at max_len={r['max_len']}, "
@@ -579,7 +643,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         return []
-    with warnings_as_lines("evals.compare"):
+    from evals.run import interrupt_as_line
+
+    with warnings_as_lines("evals.compare"), interrupt_as_line("evals.compare"):
         try:
             p = plan(argv)
         except ConfigError as e:
@@ -587,8 +653,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             raise SystemExit(2) from None
         print(f"[evals.compare] {len(p.jobs)} jobs: full + {', '.join(p.policies)} x budgets "
               f"{', '.join(map(str, p.budgets))}; {title(p)}; results {p.results}")
+        for note in p.notes:
+            print(f"[evals.compare] note: {note}")
         recs = run(p)
-        paths = write(p, recs)
+        try:
+            paths = write(p, recs)
+        except ValueError as e:
+            print(f"evals.compare: error: {e}", file=sys.stderr)
+            raise SystemExit(1) from None
     print(markdown(recs, title(p)))
     for path in paths:
         print(f"wrote {path}")

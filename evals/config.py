@@ -16,8 +16,13 @@ the derived option of that name (none ships). The typed top-level keys are `RunC
 and kv head (the bytes of that many full-precision tokens), a float in (0, 1] the fraction of the
 full cache's bytes at the run's length; the policy is sized by `kvpolicies.budgets.sized` so
 that its stored bytes (everything it stores) are at most the budget and within one slot of it.
-A field set on the command line that the sizing would set is an error; a policy without a
-token budget (full, quest, kivi, multires) runs as configured and its row says "not sized".
+A field set on the command line that the sizing would set is an error, even at its default value
+(`validate` records the fields the overrides name in the plain config's `_explicit`); a policy
+without a token budget (full, quest, kivi, multires) runs as configured, the run prints a note and
+its row says `sized: false`. A budget smaller than the policy's fixed part lowers a field of
+`SHRINKABLE` (snapkv-style `max_new`) not given on the command line, down to the run's generation
+length, recorded in the row's `budget.shrunk`; otherwise the error names a value that fits
+(`size_policy`). Misspelt names get a difflib "did you mean" (`did_you_mean`).
 
 `validate` checks what Hydra does not (task and model names, ranges, the task's own keys, the
 policy as built), so a bad command line fails before anything runs, with one `ConfigError` that
@@ -90,6 +95,14 @@ class ConfigError(ValueError):
     """A configuration problem, reported as one message (no traceback) by the CLI."""
 
 
+def did_you_mean(word: Any, choices: Any) -> str:
+    """' (did you mean 'sink'?)' for the closest of `choices` to `word` (difflib), else ''."""
+    import difflib
+
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 # -- config store and composition ---------------------------------------------------------------
 
 
@@ -148,9 +161,46 @@ def compose(overrides: list[str] = ()) -> DictConfig:
     register_configs()
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         try:
-            return hydra_compose(config_name="config", overrides=list(overrides))
+            cfg = hydra_compose(config_name="config", overrides=list(overrides))
         except Exception as e:  # Hydra / OmegaConf errors: explain them in our words
             raise ConfigError(explain(e, list(overrides))) from None
+    _COMPOSED.append((cfg, list(overrides)))  # what was given, for `validate` (explicit fields)
+    del _COMPOSED[:-64]
+    return cfg
+
+
+# The last configs `compose` returned, with their overrides: `validate` reads which policy fields the
+# command line set (an explicit value equal to the default is still explicit).
+_COMPOSED: list[tuple[DictConfig, list[str]]] = []
+
+
+def _given_overrides(cfg: Any) -> list[str] | None:
+    """The overrides that composed `cfg`: from `compose`, or Hydra's job overrides inside a Hydra job;
+    None when unknown (a plain dict)."""
+    for c, over in reversed(_COMPOSED):
+        if c is cfg:
+            return over
+    if isinstance(cfg, DictConfig):
+        try:
+            from hydra.core.hydra_config import HydraConfig
+
+            return list(HydraConfig.get().overrides.task)
+        except (ValueError, AttributeError):  # not inside a Hydra job
+            return None
+    return None
+
+
+def explicit_fields(name: str, overrides: list[str]) -> list[str]:
+    """The fields of policy `name` set by `overrides`: `policy.<field>=...`, or a run-level key that
+    the field follows (`window=...` for sink's and window's `window`), whatever the value."""
+    cls = kvpolicies.POLICIES[kvpolicies.ALIASES.get(name, name)]
+    out = []
+    for o in overrides:
+        key = o.lstrip("+~").split("=", 1)[0]
+        if key.startswith("policy."):
+            out.append(key[len("policy."):])
+        out += [f for f, k in cls.run_keys.items() if k == key]
+    return sorted(set(out) - {"name", "codec"})
 
 
 def _typename(t: Any) -> str:
@@ -165,7 +215,8 @@ def explain(exc: Exception, overrides: list[str]) -> str:
     if isinstance(exc, MissingConfigException) and exc.options is not None:
         group = Path(exc.missing_cfg_file or "").parent.name or "?"
         bad = Path(exc.missing_cfg_file or "").name
-        return f"{group}={bad}: no such {group}; choose one of: {', '.join(sorted(exc.options))}"
+        return (f"{group}={bad}: no such {group}{did_you_mean(bad, exc.options)}; choose one of: "
+                f"{', '.join(sorted(exc.options))}")
     cause = exc.__cause__ or exc.__context__ or exc
     full_key = getattr(cause, "full_key", None)
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and full_key:
@@ -177,7 +228,8 @@ def explain(exc: Exception, overrides: list[str]) -> str:
             scope = f"{where} {name!r}" if name else where
         else:
             scope, valid = "the config", sorted(set(valid) | set(GROUPS))
-        return f"{full_key}: unknown key; {scope} has keys: {', '.join(valid)}"
+        return f"{full_key}: unknown key{did_you_mean(full_key.rsplit('.', 1)[-1], valid)}; {scope} has keys: " \
+            f"{', '.join(valid)}"
     if isinstance(cause, ValidationError) and full_key:
         fields = {f.name: f.type for f in dataclasses.fields(RunConfig)}
         want = fields.get(full_key)
@@ -185,7 +237,12 @@ def explain(exc: Exception, overrides: list[str]) -> str:
         if want is not None:
             return f"{full_key}={value}: {full_key} must be {_typename(want)}"
         return f"{full_key}={value}: {cause.msg if hasattr(cause, 'msg') else cause}"
-    return str(exc).strip()
+    from hydra.errors import OverrideParseException
+
+    if isinstance(exc, OverrideParseException) or isinstance(cause, OverrideParseException):
+        e = exc if isinstance(exc, OverrideParseException) else cause
+        return f"{getattr(e, 'override', '') or ''}: not a valid override ({' '.join(str(e.message if hasattr(e, 'message') else e).split())})".lstrip(": ")
+    return " ".join(str(exc).split())
 
 
 def to_plain(cfg: DictConfig) -> dict[str, Any]:
@@ -237,30 +294,91 @@ def resolve_policy(conf: dict[str, Any]) -> tuple[kvpolicies.Policy, dict[str, A
     if extent is None or mc is None:
         raise ConfigError(f"budget={b}: task={conf['task']['name']} with model={conf['model']['name']} declares no "
                           "length or dimensions to size a cache for")
-    # Fields set on the command line: those that differ from the option as derived with the defaults.
-    defaults = {f.name: f.default for f in dataclasses.fields(RunConfig)}
-    derived = policy_config(name)
-    explicit = {}
-    for field, value in conf["policy"].items():
-        if field in ("name", "codec"):
-            continue
-        d = derived.get(field)
-        if isinstance(d, str) and d.startswith("${"):
-            d = defaults.get(d[2:-1])
-        if value != d:
-            explicit[field] = value
+    # Fields set on the command line: those the overrides name (`validate` records them), else
+    # those that differ from the option as derived with the defaults.
+    if "_explicit" in conf:
+        explicit = {f: conf["policy"][f] for f in conf["_explicit"] if f in conf["policy"]}
+    else:
+        defaults = {f.name: f.default for f in dataclasses.fields(RunConfig)}
+        derived = policy_config(name)
+        explicit = {}
+        for field, value in conf["policy"].items():
+            if field in ("name", "codec"):
+                continue
+            d = derived.get(field)
+            if isinstance(d, str) and d.startswith("${"):
+                d = defaults.get(d[2:-1])
+            if value != d:
+                explicit[field] = value
     if cls.budget_field in explicit:
-        raise ConfigError(f"budget={b} and {name}.{cls.budget_field}={explicit[cls.budget_field]} both size the "
+        via = f" (set by {cls.run_keys[cls.budget_field]}=)" if cls.budget_field in cls.run_keys else ""
+        raise ConfigError(f"budget={b} and {name}.{cls.budget_field}={explicit[cls.budget_field]}{via} both size the "
                           "cache: give one of them")
     kw = dict(max_len=extent[1] + extent[2], kv_heads=mc.n_kv_heads, head_dim=mc.head_dim, dtype=zoo.dtype(conf["model"]))
     try:
-        sized = budgets.sized(name, b, codec=conf["policy"].get("codec", "none"), **kw, **explicit)
+        sized, shrunk = size_policy(name, b, gen=extent[2], codec=conf["policy"].get("codec", "none"), fixed=explicit,
+                                    prefix="policy.", **kw)
     except ValueError as e:
         raise ConfigError(f"budget={b}: {e}") from None
     target = budgets.target_bytes(b, **{k: kw[k] for k in ("max_len", "kv_heads", "head_dim", "dtype")})
     stored = state_bytes(sized, **kw).total
     return sized, {"budget": b, "sized": True, "target_bytes": target, "stored_bytes": stored,
-                   "slots": sized.capacity(kw["max_len"])}
+                   "slots": sized.capacity(kw["max_len"]), **({"shrunk": shrunk} if shrunk else {})}
+
+
+SHRINKABLE = ("max_new",)  # fields the sizing may lower to fit a budget, down to the run's generation length
+
+
+def size_policy(name: str, budget: int | float, *, gen: int, fixed: dict[str, Any], codec: Any = "none",
+                prefix: str = "", max_len: int, kv_heads: int, head_dim: int, dtype
+                ) -> tuple[kvpolicies.Policy, dict[str, list[int]] | None]:
+    """`kvpolicies.budgets.sized`, and when the budget is too small for the policy's fixed part: a
+    field of SHRINKABLE not in `fixed` (snapkv's `max_new` decode slots) halved until the policy fits,
+    never below `gen` (the tokens the run generates after its prompt) nor 1. Returns (policy,
+    {field: [from, to]} or None). Still too small: ValueError naming a field value that would fit
+    (`snapkv.max_new=16`, or `policy.max_new=16` with `prefix` "policy." for evals.run) or says to
+    raise the budget."""
+    from kvpolicies import budgets
+
+    dims = dict(max_len=max_len, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, codec=codec)
+    try:
+        return budgets.sized(name, budget, **dims, **fixed), None
+    except ValueError as e:
+        if "too small" not in str(e):
+            raise
+        error = str(e)
+    cls = kvpolicies.POLICIES[name]
+    defaults = {f.name: f.default for f in dataclasses.fields(cls) if isinstance(f.default, int)
+                and not isinstance(f.default, bool)}
+
+    def fits(**extra) -> kvpolicies.Policy | None:
+        try:
+            return budgets.sized(name, budget, **dims, **fixed, **extra)
+        except ValueError:
+            return None
+
+    for field in SHRINKABLE:
+        if field in defaults and field not in fixed:
+            v = defaults[field] // 2
+            while v >= max(gen, 1):
+                pol = fits(**{field: v})
+                if pol is not None:
+                    return pol, {field: [defaults[field], v]}
+                v //= 2
+    # no automatic way out: name a field value that fits, else the budget it needs
+    for field, default in defaults.items():
+        if field == cls.budget_field:
+            continue
+        v = fixed.get(field, default) // 2
+        while v >= (max(gen, 1) if field in SHRINKABLE else 1):
+            try:
+                budgets.sized(name, budget, **dims, **{**fixed, field: v})
+            except ValueError:
+                v //= 2
+                continue
+            hint = f"{prefix}{field}={v}" if prefix else f"{name}.{field}={v}"
+            raise ValueError(f"{error}; it fits with {hint} (or a larger budget)")
+    raise ValueError(f"{error}; raise the budget (no smaller setting of {name}'s fixed fields fits it)")
 
 
 def load_task(name: str):
@@ -282,18 +400,22 @@ def validate(cfg: DictConfig | dict[str, Any]) -> dict[str, Any]:
     from evals.zoo import MODELS
 
     conf = to_plain(cfg) if isinstance(cfg, DictConfig) else dict(cfg)
+    overrides = _given_overrides(cfg)
     known = {f.name for f in dataclasses.fields(RunConfig)}
-    unknown = sorted(set(conf) - known)
+    unknown = sorted(k for k in set(conf) - known if not k.startswith("_"))
     if unknown:  # `+foo=1` adds a key Hydra's schema does not stop
-        raise ConfigError(f"{unknown[0]}: unknown key; the config has keys: {', '.join(sorted(known))}")
+        raise ConfigError(f"{unknown[0]}: unknown key{did_you_mean(unknown[0], known)}; the config has keys: "
+                          f"{', '.join(sorted(known))}")
     if isinstance(conf["task"].get("tasks"), list):
         listed = ", ".join(map(str, conf["task"]["tasks"]))
         raise ConfigError(f"task={conf['task'].get('name')}: a set of tasks ({listed}); "
                           f"run it with `python -m evals.suite tasks={conf['task'].get('name')} ...`, or pick one task")
     if conf["task"].get("name") not in TASKS:
-        raise ConfigError(f"task.name={conf['task'].get('name')!r}: must be one of {sorted(TASKS)}")
+        raise ConfigError(f"task.name={conf['task'].get('name')!r}: must be one of {sorted(TASKS)}"
+                          f"{did_you_mean(conf['task'].get('name'), TASKS)}")
     if conf["model"].get("name") not in MODELS:
-        raise ConfigError(f"model.name={conf['model'].get('name')!r}: must be one of {sorted(MODELS)}")
+        raise ConfigError(f"model.name={conf['model'].get('name')!r}: must be one of {sorted(MODELS)}"
+                          f"{did_you_mean(conf['model'].get('name'), MODELS)}")
     unknown = sorted(set(conf["data"]) - DATA_KEYS)
     if unknown:
         raise ConfigError(f"data.{unknown[0]}: unknown key; data {conf['data'].get('name')!r} has keys: "
@@ -319,6 +441,8 @@ def validate(cfg: DictConfig | dict[str, Any]) -> dict[str, Any]:
     if conf["codec"] not in kvpolicies.CODECS:
         raise ConfigError(f"codec={conf['codec']!r}: must be one of {sorted(kvpolicies.CODECS)}")
     check_mesh(conf.get("mesh"))
+    if overrides is not None and conf["policy"].get("name") in kvpolicies.POLICIES:
+        conf["_explicit"] = explicit_fields(conf["policy"]["name"], overrides)
     policy, _ = resolve_policy(conf)
     check_inputs(conf, policy)
     return conf

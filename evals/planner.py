@@ -31,6 +31,13 @@ rounding and the tables cost a little: the columns show how much).
 
 Units: MB/GB are 1e6/1e9 bytes, MiB/GiB 2^20/2^30. A policy spec is `name[:field=value,...]`:
 `sink:n_sink=4,window=4096`, `full:codec=int4,codec.group=64` (`codec.` fields go to the codec).
+"cache only" columns count the KV cache alone; "GPU total" adds the weights and the overhead.
+
+Equal memory: `--budget 0.25` (a fraction of the full cache's bytes at --context, or an int of
+tokens) sizes every policy as `evals.run budget=` does (`evals.config.size_policy`, the same
+code), or per spec `sink:budget=0.25`; the table shows each policy as resolved ("resolved as")
+and how ("sized", a lowered max_new, or "not sized" for a policy without a token budget). A spec
+that cannot be planned is an error line under the table; the others are still planned.
 """
 
 from __future__ import annotations
@@ -158,7 +165,10 @@ def resolve_model(model: str | pathlib.Path | LlamaConfig | ModelShape) -> Model
     p = pathlib.Path(model)
     if p.is_file() or (p.is_dir() and (p / "config.json").is_file()):
         return read_hf_config(p)
-    raise ValueError(f"model={str(model)!r}: not a preset {sorted(PRESETS)} nor a config.json path")
+    from evals.config import did_you_mean
+
+    raise ValueError(f"model={str(model)!r}: not a preset{did_you_mean(str(model).lower(), PRESETS)} "
+                     f"{sorted(PRESETS)} nor a config.json path")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -180,7 +190,19 @@ def parse_policy(spec: str) -> Policy:
 
     Unknown names or fields raise the registry's ValueError, which lists the choices.
     """
+    name, fields, codec = parse_spec(spec)
+    return kvpolicies.get(name, codec=codec, **fields)
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, Any], Any]:
+    """(name, fields, codec) of a spec `name[:field=value,...]`; an unknown name is a ValueError
+    with a "did you mean"."""
+    from evals.config import did_you_mean
+
     name, _, rest = spec.strip().partition(":")
+    if name not in kvpolicies.POLICIES and name not in kvpolicies.ALIASES:
+        raise ValueError(f"policy {name!r}: not registered{did_you_mean(name, kvpolicies.POLICIES)}; must be one of "
+                         f"{', '.join(sorted(kvpolicies.POLICIES))}")
     fields: dict[str, Any] = {}
     codec_fields: dict[str, Any] = {}
     for item in filter(None, (s.strip() for s in rest.split(","))):
@@ -197,7 +219,35 @@ def parse_policy(spec: str) -> Policy:
     codec = fields.pop("codec", "none")
     if codec_fields:
         codec = kvpolicies.get_codec(codec, **codec_fields)
-    return kvpolicies.get(name, codec=codec, **fields)
+    return name, fields, codec
+
+
+def sized_policy(spec: str, budget: int | float | None, m: ModelShape, context: int, dtype: Any
+                 ) -> tuple[Policy, str]:
+    """The policy of `spec` at `budget` (the spec's own `budget=`, unless the policy has a field of
+    that name, wins over the run-wide one), sized exactly as `evals.run budget=` sizes it
+    (`evals.config.size_policy`: max_len = context, no generated tokens); (policy, how): how is ""
+    (no budget), "sized", "sized; max_new 256->64" or "not sized: <why>" (a policy without a token
+    budget keeps its spec)."""
+    from evals.config import size_policy
+
+    name, fields, codec = parse_spec(spec)
+    cls = kvpolicies.POLICIES[kvpolicies.ALIASES.get(name, name)]
+    own = {f.name for f in dataclasses.fields(cls)}
+    if "budget" in fields and "budget" not in own:
+        b = fields.pop("budget")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or b <= 0 or (isinstance(b, float) and b > 1):
+            raise ValueError(f"{spec}: budget={b!r} must be an int >= 1 (tokens) or a float in (0, 1]")
+        budget = b
+    if budget is None:
+        return kvpolicies.get(name, codec=codec, **fields), ""
+    if cls.budget_field is None:
+        return kvpolicies.get(name, codec=codec, **fields), f"not sized: {name} has no token budget"
+    pol, shrunk = size_policy(cls.__name__.lower() if name not in kvpolicies.POLICIES else name, budget, gen=0,
+                              fixed=fields, codec=codec, max_len=context, kv_heads=m.kv_heads, head_dim=m.head_dim,
+                              dtype=dtype)
+    how = "sized" + "".join(f"; {f} {a}->{b}" for f, (a, b) in (shrunk or {}).items())
+    return pol, how
 
 
 def _label(policy: Policy) -> str:
@@ -378,11 +428,18 @@ def plan(
     weights_gb: float | None = None,
     block: int | None = None,
     shared_prefix: int = 0,
+    budget: int | float | None = None,
 ) -> list[dict[str, Any]]:
     """One row per policy: bytes per request, how many requests of `context` tokens fit, and
     whether `batch` concurrent requests fit. All byte counts are ints (GB = 1e9 bytes). With
-    `block`, the paged numbers too (`paged_*` keys; None for a policy without a paged layout)."""
+    `block`, the paged numbers too (`paged_*` keys; None for a policy without a paged layout).
+    With `budget` (or a spec's own `budget=`), each policy is sized to it as `evals.run` does
+    (`sized_policy`): the row's `resolved` is the policy's spec as sized, `sizing` how. A spec that
+    cannot be planned is a row with `error` (the others are still planned)."""
     m = resolve_model(model)
+    for what, v, lo in (("gpu_gb", gpu_gb, 0.0), ("overhead_gb", overhead_gb, 0.0), ("weights_gb", weights_gb, 0.0)):
+        if v is not None and (not math.isfinite(v) or v < lo or (what == "gpu_gb" and v == 0)):
+            raise ValueError(f"--{what.replace('_', '-')}={v:g}: must be {'> 0' if what == 'gpu_gb' else '>= 0'}")
     if weights_gb is not None:
         weights = int(round(weights_gb * GB))
     elif m.weight_bytes is not None:
@@ -390,12 +447,24 @@ def plan(
     else:
         raise ValueError(f"model {m.name!r}: parameter count unknown; give weights_gb (--weights-gb)")
     gpu, overhead = int(round(gpu_gb * GB)), int(round(overhead_gb * GB))
-    available = max(gpu - weights - overhead, 0)
+    if gpu - weights - overhead <= 0:
+        raise ValueError(f"--gpu-gb={gpu_gb:g}: weights ({fmt_bytes(weights)}) and overhead ({fmt_bytes(overhead)}) "
+                         "leave nothing for the cache")
+    available = gpu - weights - overhead
     rows = []
     for spec in policies:
-        pol = parse_policy(spec) if isinstance(spec, str) else spec
-        label = spec.strip() if isinstance(spec, str) else _label(pol)
-        one = kv_bytes(m, context, pol, dtype)
+        label = spec.strip() if isinstance(spec, str) else _label(spec)
+        try:
+            if isinstance(spec, str):
+                pol, how = sized_policy(spec, budget, m, context, dtype)
+            else:
+                pol, how = spec, ""
+            one = kv_bytes(m, context, pol, dtype)
+        except (ValueError, TypeError) as e:  # this spec: an error row, the others still planned
+            rows.append(dict(policy=label, model=m.name, context=context, dtype=str(jnp.dtype(dtype)), error=str(e),
+                             batch=batch, gpu_bytes=gpu, weight_bytes=weights, overhead_bytes=overhead,
+                             available_bytes=available))
+            continue
         many = kv_bytes(m, context, pol, dtype, batch=batch) if batch != 1 else one
         n = available // one.total
         rows.append(dict(
@@ -404,7 +473,7 @@ def plan(
             gpu_bytes=gpu, weight_bytes=weights, overhead_bytes=overhead, available_bytes=available,
             max_requests=int(n), total_bytes=int(n) * one.total,
             batch=batch, batch_bytes=many.total, batch_fits=many.total <= available,
-            headroom_bytes=available - many.total,
+            headroom_bytes=available - many.total, resolved=_label(pol), sizing=how,
         ))
         if block is not None:
             pb = paged_bytes(m, context, pol, block, dtype, shared_prefix)
@@ -452,20 +521,28 @@ def parse_context(text: str) -> int:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
+    """The plan as aligned text; "cache only" columns count the KV cache alone, "GPU total" adds
+    the weights and the overhead. An error row says its error across the columns."""
     batch = rows[0]["batch"]
-    head = ["policy", "slots", "kv/request", "(scales)", "meta/request", "bytes/request", "fit", "cache at fit",
-            "GPU used"]
+    ok = [r for r in rows if "error" not in r]
+    resolved = any(r.get("sizing") for r in ok)
+    head = ["policy"] + (["resolved as", "sizing"] if resolved else []) + [
+        "slots", "kv/request", "(scales)", "meta/request", "cache/request", "fit", "cache at fit",
+        "GPU total at fit"]
     if batch != 1:
         head += [f"{batch} requests", "fits?"]
-    paged = "paged_block" in rows[0]
+    paged = bool(ok) and "paged_block" in ok[0]
     if paged:
-        head += [f"blocks of {rows[0]['paged_block']}", "unwritten", "paged/request", "fit (paged)"]
-        if rows[0]["shared_prefix"]:
-            head += [f"fit (shared {rows[0]['shared_prefix']:,})"]
-    body = []
+        head += [f"blocks of {ok[0]['paged_block']}", "unwritten", "paged/request", "fit (paged)"]
+        if ok[0]["shared_prefix"]:
+            head += [f"fit (shared {ok[0]['shared_prefix']:,})"]
+    body, errors = [], []
     for r in rows:
-        line = [
-            r["policy"], f"{r['slots']:,}", fmt_bytes(r["kv_bytes"]),
+        if "error" in r:
+            errors.append(f"{r['policy']}: error: {r['error']}")
+            continue
+        line = [r["policy"]] + ([r["resolved"], r["sizing"] or "-"] if resolved else []) + [
+            f"{r['slots']:,}", fmt_bytes(r["kv_bytes"]),
             fmt_bytes(r["scale_bytes"]) if r["scale_bytes"] else "-", fmt_bytes(r["meta_bytes"]),
             f"{fmt_bytes(r['bytes_per_request'])} ({fmt_bytes(r['bytes_per_request'], binary=True)})",
             f"{r['max_requests']:,}", fmt_bytes(r["total_bytes"]),
@@ -483,20 +560,24 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                     line += [f"{r['paged_max_requests_shared']:,}"]
         body.append(line)
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
-    out = ["  ".join(x.ljust(w) if j == 0 else x.rjust(w) for j, (x, w) in enumerate(zip(line, widths)))
+    left = 3 if resolved else 1
+    out = ["  ".join(x.ljust(w) if j < left else x.rjust(w) for j, (x, w) in enumerate(zip(line, widths)))
            for line in (head, *body)]
     out.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(out)
+    return "\n".join(out + errors)
 
 
 def format_header(m: ModelShape, rows: list[dict[str, Any]]) -> str:
     r = rows[0]
+    if "error" in r:
+        r = {**r, "dtype": r["dtype"], "context": r["context"]}
     params = f"{m.params:,} params, bf16" if m.params is not None and r["weight_bytes"] == m.weight_bytes else "given"
     return "\n".join([
         f"model    {m.name}: {m.n_layers} layers x {m.kv_heads} kv heads x head_dim {m.head_dim}, cache {r['dtype']}",
         f"context  {r['context']:,} tokens per request",
         f"GPU      {fmt_bytes(r['gpu_bytes'])} - weights {fmt_bytes(r['weight_bytes'])} ({params})"
         f" - overhead {fmt_bytes(r['overhead_bytes'])} = {fmt_bytes(r['available_bytes'])} for the cache",
+        "columns  cache/request, cache at fit: the KV cache only; GPU total at fit: weights + overhead + that cache",
     ])
 
 
@@ -527,6 +608,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--block", type=int, help="also the paged layout (kvpolicies/paged.py) in blocks of this many tokens")
     ap.add_argument("--shared-prefix", type=parse_context, default=0,
                     help="with --block: tokens of a prompt prefix every request shares (stored once)")
+    ap.add_argument("--budget", type=_budget_arg,
+                    help="size every policy to the same stored bytes, as evals.run budget= does: a float in (0, 1] "
+                         "(that fraction of the full cache's bytes at --context) or an int (tokens per layer and kv "
+                         "head); a spec's own budget= (sink:budget=0.25) overrides it")
     ap.add_argument("--list", action="store_true", help="list presets, policies and codecs, then exit")
     args = ap.parse_args(argv)
     if args.list:
@@ -546,13 +631,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             m = dataclasses.replace(m, kv_heads=args.kv_heads, name=f"{m.name} ({args.kv_heads} kv heads)")
         jnp.dtype(args.dtype)
         rows = plan(m, args.context, args.gpu_gb, args.overhead_gb, args.policy, batch=args.batch, dtype=args.dtype,
-                    weights_gb=args.weights_gb, block=args.block, shared_prefix=args.shared_prefix)
+                    weights_gb=args.weights_gb, block=args.block, shared_prefix=args.shared_prefix,
+                    budget=args.budget)
     except (ValueError, TypeError, FileNotFoundError) as e:
         ap.error(str(e))
     print(format_header(m, rows))
     print()
     print(format_table(rows))
-    return 0
+    return 1 if all("error" in r for r in rows) else 0
+
+
+def _budget_arg(text: str) -> int | float:
+    try:
+        v: int | float = int(text)
+    except ValueError:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: a float in (0, 1] or an int of tokens") from None
+    if v <= 0 or (isinstance(v, float) and v > 1):
+        raise argparse.ArgumentTypeError(f"{text}: a float budget must be in (0, 1], an int >= 1")
+    return v
 
 
 if __name__ == "__main__":

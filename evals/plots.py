@@ -9,7 +9,13 @@
                              the task's protocol in the name when it has one. `niah_heatmap` draws
                              the same for chosen rows (full first), each cell with its trials
     pareto_<task>            quality vs cache MB (exact state bytes), one point per run, the
-                             Pareto front drawn (perplexity: lower is better; accuracy: higher)
+                             Pareto front drawn (perplexity: lower is better; accuracy: higher);
+                             labels nudged apart, a log byte axis with a tick at each run
+
+A plot whose lines would each have one point says so in one warning line. Figures drawn from
+other results files are not overwritten without --force (`check_outputs`: the output folder
+records which files and row keys drew its figures in .plots-sources.json). A row that is not a
+results row is skipped with one warning line.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import numpy as np  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
 from evals import results as R  # noqa: E402
-from evals.table import MB, by_task  # noqa: E402
+from evals.table import MB, by_task, usable  # noqa: E402
 
 
 def label(row: dict[str, Any]) -> str:
@@ -50,6 +56,47 @@ def _plain_log_ticks(axis) -> None:
         lambda v, _: f"{v:g}" if v > 0 and round(v / 10 ** math.floor(math.log10(v))) in (2, 3, 5) else ""))
 
 
+def ticks_at(axis, values: Sequence[float], fmt: str = "{:.3g}") -> None:
+    """Major ticks of a (log) axis at `values` (the plotted points), labelled plainly; values within
+    8 % of a kept one share its tick; no minor tick labels."""
+    kept: list[float] = []
+    for v in sorted(v for v in values if v > 0):
+        if not kept or v > kept[-1] * 1.08:
+            kept.append(v)
+    axis.set_ticks(kept, [fmt.format(v) for v in kept])
+    axis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+
+
+def nudge_labels(ax, texts: Sequence[Any], max_moves: int = 60) -> None:
+    """Move annotation labels (offset in points) up, one label height at a time, until no two
+    overlap: the lowest point's label is placed first. Each keeps a thin leader line to its point."""
+    from matplotlib.text import Text
+
+    fig = ax.figure
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    box_of = lambda t: Text.get_window_extent(t, renderer)  # noqa: E731  the text alone, not its leader line
+    placed = []
+    for t in sorted(texts, key=lambda t: (t.xy[1], t.xy[0])):
+        for _ in range(max_moves):
+            box = box_of(t)
+            if not any(box.overlaps(p) for p in placed):
+                break
+            dx, dy = t.xyann
+            t.xyann = (dx, dy + (box.height + 1) * 72.0 / fig.dpi)
+        placed.append(box_of(t))
+
+
+def warn_single_points(what: str, lines: dict[str, int], hint: str) -> None:
+    """One warning line when every line of a plot has a single point (no line to see)."""
+    import warnings
+
+    if lines and all(n <= 1 for n in lines.values()):
+        names = list(lines)
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        warnings.warn(f"{what}: a single point per line ({shown}); {hint}", stacklevel=2)
+
+
 def _save(fig, out: Path, stem: str) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{stem}.{ext}" for ext in ("png", "pdf")]
@@ -63,6 +110,10 @@ def plot_perplexity(rows: Sequence[dict[str, Any]], out: Path) -> list[Path]:
     rows = [r for r in rows if r.get("curves", {}).get("ppl")]
     if not rows:
         return []
+    segments = sorted({(r.get("config", {}).get("task") or {}).get("segment") for r in rows} - {None})
+    warn_single_points("perplexity_vs_position", {label(r): len(r["curves"]["ppl"]) for r in rows},
+                       f"the segment ({', '.join(map(str, segments)) or '?'} tokens) covers the whole stream: pass "
+                       "task.segment=<a fraction of tokens> (e.g. tokens/8) for a curve")
     fig, ax = plt.subplots(figsize=(7, 4))
     train = set()
     for r in rows:
@@ -199,23 +250,60 @@ def plot_pareto(rows: Sequence[dict[str, Any]], out: Path) -> list[Path]:
             continue
         metric, lower = pts[0][1][0], pts[0][1][2]
         pts = [(r, q) for r, q in pts if q[0] == metric]
-        xy = [(r["memory"]["state_bytes"] / MB, q[1]) for r, q in pts]
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ax.scatter([x for x, _ in xy], [y for _, y in xy], zorder=3)
-        for (r, _), (x, y) in zip(pts, xy):
-            ax.annotate(label(r), (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points")
-        front = pareto_front(xy, lower)
-        ax.plot([xy[i][0] for i in front], [xy[i][1] for i in front], color="C3", drawstyle="steps-post",
-                label="Pareto front", zorder=2)
-        ax.set_xscale("log")
-        _plain_log_ticks(ax.xaxis)
-        ax.set_xlabel("KV cache state (MB)")
-        ax.set_ylabel(f"{metric} ({'lower' if lower else 'higher'} is better)")
-        ax.set_title(f"{task}: quality vs cache memory")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        fig, _ = pareto_figure(task, pts, metric, lower)
         paths += _save(fig, out, f"pareto_{_stem(task)}")
     return paths
+
+
+def pareto_figure(task: str, pts: Sequence[tuple[dict[str, Any], tuple]], metric: str, lower: bool):
+    """(figure, labels) of quality vs stored cache MB: one labelled point per run, labels nudged
+    apart (`nudge_labels`), a log byte axis with a tick at each point, the Pareto front."""
+    xy = [(r["memory"]["state_bytes"] / MB, q[1]) for r, q in pts]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.scatter([x for x, _ in xy], [y for _, y in xy], zorder=3)
+    front = pareto_front(xy, lower)
+    ax.plot([xy[i][0] for i in front], [xy[i][1] for i in front], color="C3", drawstyle="steps-post",
+            label="Pareto front", zorder=2)
+    ax.set_xscale("log")
+    ticks_at(ax.xaxis, [x for x, _ in xy])
+    ax.tick_params(axis="x", labelrotation=45, labelsize=7)
+    ax.set_xlabel("KV cache, all layers (MB, 10^6 B; log scale, a tick at each run)")
+    from evals.table import label as metric_label
+
+    ax.set_ylabel(f"{metric_label(metric)} ({'lower' if lower else 'higher'} is better)")
+    ax.set_title(f"{task}: quality vs cache memory")
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=8)
+    texts = [ax.annotate(label(r), (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points",
+                         arrowprops=dict(arrowstyle="-", lw=0.4, color="gray", shrinkA=0, shrinkB=2))
+             for (r, _), (x, y) in zip(pts, xy)]
+    nudge_labels(ax, texts)
+    return fig, texts
+
+
+SOURCES = ".plots-sources.json"  # in the output folder: which results (row keys) drew which figures
+
+
+def check_outputs(rows: Sequence[dict[str, Any]], out: str | Path, force: bool) -> None:
+    """Refuse (FileExistsError) to overwrite figures in `out` drawn from other rows unless `force`;
+    records the rows' keys for the next call. Redrawing from the same results (or more rows of the
+    same files) is allowed."""
+    import json
+
+    out = Path(out)
+    keys = sorted({str(r.get("key")) for r in rows})
+    files = sorted({str(Path(r.get("_file", "?")).resolve()) for r in rows})
+    side = out / SOURCES
+    if side.is_file() and not force:
+        try:
+            before = json.loads(side.read_text())
+        except (OSError, ValueError):
+            before = {}
+        if before.get("files") and before["files"] != files and not set(before.get("keys", ())) <= set(keys):
+            raise FileExistsError(f"--out {out}: holds figures drawn from {', '.join(before['files'])}; pass --force to "
+                                  "overwrite them, or choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    side.write_text(json.dumps({"files": files, "keys": keys}) + "\n")
 
 
 def plot_all(rows: Sequence[dict[str, Any]], out: str | Path) -> list[Path]:
@@ -227,15 +315,19 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m evals.plots", description=__doc__.split("\n\n")[0])
     ap.add_argument("results", nargs="+", help="results .jsonl files")
     ap.add_argument("--out", required=True, help="folder for the figures")
+    ap.add_argument("--force", action="store_true", help="overwrite figures drawn from other results")
     args = ap.parse_args(argv)
     from evals.progress import warnings_as_lines
 
     try:
-        with warnings_as_lines("evals.plots"):  # a damaged line: one warning line naming it, then skipped
-            rows = R.read(args.results)
+        with warnings_as_lines("evals.plots"):  # a damaged line or row: one warning line naming it, then skipped
+            rows = usable(R.read(args.results))
+            check_outputs(rows, args.out, args.force)
+            paths = plot_all(rows, args.out)
     except FileNotFoundError as e:
         ap.error(str(e))
-    paths = plot_all(rows, args.out)
+    except FileExistsError as e:
+        ap.error(str(e))
     if not paths:
         ap.error("nothing to plot: no perplexity curves, accuracy grids or memory in these results")
     for p in paths:

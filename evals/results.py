@@ -2,7 +2,7 @@
 
 A row holds the run's resolved config and its stable `key`, the environment (git revision,
 library versions, device), the task's metrics / grid / curves, the cache memory and timings;
-arrays (e.g. per-token NLL) are saved as `.npy` files beside the results file and referenced
+arrays (e.g. per-token NLL) are saved as `.npy` files in `<results>.arrays/` and referenced
 by relative path.
 
 Guarantees (tested in tests/test_hostile.py):
@@ -24,13 +24,17 @@ Guarantees (tested in tests/test_hostile.py):
 - Arrays, written whole once, use temp-then-rename before their row: a row never points at a
   missing or partial file. Rows, arrays, the lock and the side files are all created with mode
   0o666 minus the umask, so they share permissions.
-- `check_writable` probes the results location (file, folder, arrays folder) without leaving
-  anything behind; evals.run calls it before any model is loaded.
+- `check_writable` probes the results location (file, folder, lock, key locks and arrays
+  folders; FIFOs and devices refused) without leaving anything behind; evals.run calls it
+  before any model is loaded.
+- An array belongs to its row: `<results>.arrays/<key>.<name>.<content hash>.npy`, so a forced
+  re-run never changes an earlier row's array and two results files never share one.
 
 Resuming: a row's `key` hashes the configuration that determines its numbers (model, data,
-policy as built, task, tokens, chunk, seed; not the results path or progress flag), so a
-re-run sweep skips the rows already present and an interrupted sweep loses only the run in
-flight.
+policy as built, task, tokens, chunk, seed, and for a user's own data or checkpoint path its
+`file_digest`; not the results path or progress flag), so a re-run sweep skips the rows
+already present and an interrupted sweep loses only the run in flight. A row whose metrics are
+NaN or missing is recorded with `failed` (the reason) and does not count as done: a re-run redoes it.
 """
 
 from __future__ import annotations
@@ -69,6 +73,27 @@ def config_key(config: dict[str, Any]) -> str:
     """A stable 16-hex-digit hash of a JSON-able config (key order does not matter)."""
     blob = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+DIGEST_EDGE = 1 << 20  # bytes hashed at the head and at the tail of a file
+
+
+def file_digest(path: str | os.PathLike) -> str:
+    """A 16-hex-digit digest of a file's identity and contents: its size, mtime (ns) and a SHA-256
+    of its first and last DIGEST_EDGE bytes; for a folder (an HF checkpoint), of every file in it
+    (names sorted). Cheap on a 10 GB checkpoint; a rewritten or replaced file changes it."""
+    p = Path(path)
+    h = hashlib.sha256()
+    files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.relative_to(p) if p.is_dir() else f.name}:{st.st_size}:{st.st_mtime_ns}:".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(DIGEST_EDGE))
+            if st.st_size > DIGEST_EDGE:
+                fh.seek(max(DIGEST_EDGE, st.st_size - DIGEST_EDGE))
+                h.update(fh.read(DIGEST_EDGE))
+    return h.hexdigest()[:16]
 
 
 def _clean(x: Any) -> Any:
@@ -191,8 +216,17 @@ def append(path: str | os.PathLike, row: dict[str, Any]) -> None:
     """Append `row` as one JSON line: under the exclusive lock, repair a partial last line, then
     one write on an O_APPEND descriptor (see the module docstring)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     data = (json.dumps(_clean(row), allow_nan=False, separators=(",", ":")) + "\n").encode()
+    try:
+        _append(path, data)
+    except OSError as e:  # a full disk, a file gone read-only: name the path
+        if str(path) in str(e):
+            raise
+        raise OSError(e.errno, f"results file {path}: the row could not be written ({e.strerror or e})") from None
+
+
+def _append(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     with _flock(lock_path(path), fcntl.LOCK_EX):
         fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, FILE_MODE)
         try:
@@ -226,7 +260,7 @@ def _parse(p: Path, number: int, line: bytes, last: bool) -> dict[str, Any] | No
 
 
 def read(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[dict[str, Any]]:
-    """All rows of one or more results files, in file order (each row gets `_file`, its path).
+    """All rows of one or more results files, in file order (each row gets `_file`, its path, and `_line`).
 
     A bad line (undecodable bytes, invalid JSON, JSON that is not an object) is skipped with a
     warning naming the file and line; a missing file raises FileNotFoundError. Reads hold the
@@ -245,7 +279,7 @@ def read(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[dict[st
                 continue
             row = _parse(p, number, line, last=number == len(lines))
             if row is not None:
-                row["_file"] = str(p)
+                row["_file"], row["_line"] = str(p), number
                 rows.append(row)
     return rows
 
@@ -273,21 +307,35 @@ def _probe_dir(folder: Path, what: str) -> None:
         raise OSError(f"{what} {folder}: cannot create files in {target} ({e.strerror or e})") from None
 
 
-def check_writable(results: str | os.PathLike) -> None:
-    """Raise OSError naming the path unless the results file can be appended to (or created) and
-    its arrays folder written: called before any compute. Creates and leaves nothing."""
-    path = Path(results)
+def _probe_file(path: Path, what: str) -> None:
+    """An existing `path` must be a regular file open for appending (a FIFO or a device is refused
+    before it is opened: opening a FIFO for writing would wait for a reader)."""
+    if not path.exists():
+        return
     if path.is_dir():
-        raise OSError(f"results file {path}: is a folder")
+        raise OSError(f"{what} {path}: is a folder")
+    if not path.is_file():
+        raise OSError(f"{what} {path}: not a regular file (a FIFO, socket or device)")
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK))
+    except OSError as e:
+        raise OSError(f"{what} {path}: cannot be appended to ({e.strerror or e})") from None
+
+
+def check_writable(results: str | os.PathLike) -> None:
+    """Raise OSError naming the path unless every file the results need can be written: the results
+    file (appended to, or created; a regular file), its lock `<results>.lock`, its key locks folder
+    `<results>.locks/` and its arrays folder `<results>.arrays/`. Called before any compute;
+    creates and leaves nothing."""
+    path = Path(results)
     _probe_dir(path.parent, "results folder")
-    if path.exists():
-        try:
-            os.close(os.open(path, os.O_WRONLY | os.O_APPEND))
-        except OSError as e:
-            raise OSError(f"results file {path}: cannot be appended to ({e.strerror or e})") from None
-    arrays = path.parent / ARRAY_DIR
-    if arrays.exists():
-        _probe_dir(arrays, "arrays folder")
+    _probe_file(path, "results file")
+    _probe_file(lock_path(path), "lock file")
+    for folder, what in ((_side(path, ".locks"), "key locks folder"), (array_dir(path), "arrays folder")):
+        if folder.exists() and not folder.is_dir():
+            raise OSError(f"{what} {folder}: is not a folder")
+        if folder.exists():
+            _probe_dir(folder, what)
 
 
 def latest(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -302,19 +350,31 @@ def latest(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 # -- arrays -------------------------------------------------------------------------------------
 
 
+def array_dir(results: str | os.PathLike) -> Path:
+    """`<results>.arrays/`: the arrays of one results file (two results files never share one)."""
+    return _side(Path(results), ".arrays")
+
+
 def save_array(results: str | os.PathLike, key: str, name: str, array: np.ndarray) -> str:
-    """Save `array` as `<results dir>/arrays/<key>.<name>.npy` (temp file, then rename; mode
-    0o666 minus the umask, like the results file); returns that path relative to the results
-    file's folder."""
-    folder = Path(results).parent / ARRAY_DIR
-    folder.mkdir(parents=True, exist_ok=True)
-    rel = f"{ARRAY_DIR}/{key}.{name}.npy"
+    """Save `array` as `<results>.arrays/<key>.<name>.<hash>.npy`, hash a SHA-256 of its contents
+    (temp file, then rename; mode 0o666 minus the umask, like the results file); returns that path
+    relative to the results file's folder. The name follows the contents, so a `force=true` re-run
+    never changes the array an earlier row points at. (Rows written before this scheme point at
+    `arrays/<key>.<name>.npy`, still read as recorded.)"""
+    folder = array_dir(results)
+    a = np.ascontiguousarray(array)
+    digest = hashlib.sha256(f"{a.dtype.str}{a.shape}".encode() + a.tobytes()).hexdigest()[:12]
+    rel = f"{folder.name}/{key}.{name}.{digest}.npy"
     tmp = folder / f".{key}.{name}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
     try:
+        folder.mkdir(parents=True, exist_ok=True)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
         with os.fdopen(fd, "wb") as f:
-            np.save(f, np.asarray(array))
+            np.save(f, a)
         os.replace(tmp, folder.parent / rel)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OSError(e.errno, f"array {folder.parent / rel}: {e.strerror or e}") from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -20,15 +20,20 @@ group option, key, type or policy field stops the whole command with one error t
 valid choices; so do missing or damaged model and data files, a text too short for `tokens`,
 retrieval lengths past the model's trained context (unless `task.extrapolate=true`), a run that
 obviously cannot fit in memory and an unwritable results location (`evals.config.validate`,
-`check_text`). A run whose config key is already in the results file is skipped (`force=true`
-redoes it); two processes on one key and file run it once (`evals.results`). Hydra's own output
+`check_text`), an HF config that disagrees with its tensors, a tokenizer larger than the model's
+vocabulary. A run expected to take over a minute prints an estimate first (`estimate`). A run whose
+config key is already in the results file is skipped (`force=true` redoes it; a row recorded as
+failed, with NaN metrics, is redone); two processes on one key and file run it once
+(`evals.results`). Ctrl-C ends the command with one line (`interrupt_as_line`). Hydra's own output
 (logs, the composed config) goes to `outputs/` (git-ignored); the job does not change directory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
+import functools
 import itertools
 import sys
 import time
@@ -92,7 +97,26 @@ def run_key(conf: dict[str, Any], policy: kvpolicies.Policy) -> str:
     if keyed["task"].get("protocol") == "query_aware" and keyed["task"]["name"] in ("passkey", "niah", "multikey"):
         del keyed["task"]["protocol"]  # the default: rows from before protocols existed keep their keys
     keyed["policy"] = R.policy_record(policy)  # as built: defaults included, interpolations resolved
+    # a user's own text or checkpoint: its contents are part of the key (size, mtime, head/tail hash),
+    # so a rewritten file is run again, not skipped as "already in"; built-in data and models keep their keys
+    for group in ("data", "model"):
+        path = conf[group].get("path")
+        if isinstance(path, str) and Path(path).exists():
+            keyed[group] = {**keyed[group], "digest": R.file_digest(path)}
     return R.config_key(keyed)
+
+
+SCORES = ("ppl", "nll", "accuracy")  # a run without a number for one of these it reports failed
+
+
+def failure(metrics: dict[str, Any]) -> str | None:
+    """Why a run's metrics mean it failed (a NaN or infinite metric, or a score reported as None:
+    a NaN weight, an overflowing cache), or None."""
+    import math
+
+    bad = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
+    bad += [k for k in SCORES if k in metrics and metrics[k] is None]
+    return f"metric(s) {', '.join(bad)} not finite" if bad else None
 
 
 def _short(v: Any) -> str:
@@ -143,7 +167,8 @@ def run_config(conf: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     results = conf["results"]
     wait = lambda: say(f"[evals.run] waiting: another process is running key {key} on {results}")  # noqa: E731
     with R.key_lock(results, key, on_wait=wait):
-        done = [r for r in R.read(results) if r.get("key") == key] if Path(results).is_file() else []
+        done = [r for r in R.read(results) if r.get("key") == key and not r.get("failed")] \
+            if Path(results).is_file() else []
         if done and not conf["force"]:
             say(f"[evals.run] skip {key}: already in {results} (force=true redoes it)")
             return done[-1], False
@@ -158,6 +183,12 @@ def _run(conf: dict[str, Any], policy: kvpolicies.Policy, key: str, sizing: dict
     record = R.policy_record(policy)
     task_name = conf["task"]["name"]
     say(job_header(conf, record, key))
+    if sizing and not sizing["sized"]:
+        say(f"[evals.run] note: budget={sizing['budget']} is not used: {sizing['why']}; the row records "
+            "budget.sized=false")
+    for field, (was, now) in ((sizing or {}).get("shrunk") or {}).items():
+        say(f"[evals.run] note: {record['name']}.{field} lowered from {was} to {now} so that budget="
+            f"{sizing['budget']} fits (the row records budget.shrunk)")
     timings: dict[str, float] = {}
     name = conf["model"]["name"]
     loading = not zoo.is_loaded(conf["model"])
@@ -202,6 +233,9 @@ def _run(conf: dict[str, Any], policy: kvpolicies.Policy, key: str, sizing: dict
     if max_len:
         memory = R.memory(stack, kv_heads=mc.n_kv_heads, head_dim=mc.head_dim, max_len=max_len, dtype=model.dtype)
     arrays = {name: R.save_array(results, key, name, a) for name, a in res.arrays.items()}
+    failed = failure(res.metrics)
+    if failed:
+        say(f"[evals.run] error: run {key} failed: {failed}; recorded with `failed` (a re-run redoes it)")
     row = {
         "key": key,
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -210,7 +244,7 @@ def _run(conf: dict[str, Any], policy: kvpolicies.Policy, key: str, sizing: dict
         "params": policy_params(record),
         "model": {"name": conf["model"]["name"], "arch": mc.name, "layers": mc.n_layers, "kv_heads": mc.n_kv_heads,
                   "head_dim": mc.head_dim, "max_position": mc.max_position, "dtype": dtype(conf["model"]).name},
-        "config": {k: v for k, v in conf.items() if k not in NOT_IN_ROW},
+        "config": {k: v for k, v in conf.items() if k not in NOT_IN_ROW and not k.startswith("_")},
         **R.environment(),
         "metrics": res.metrics,
         "memory": memory,
@@ -222,6 +256,7 @@ def _run(conf: dict[str, Any], policy: kvpolicies.Policy, key: str, sizing: dict
         "grid": res.grid,
         "curves": res.curves,
         "arrays": arrays,
+        **({"failed": failed} if failed else {}),
     }
     R.append(results, row)
     return R._clean(row)
@@ -280,17 +315,93 @@ def job_overrides(argv: list[str]) -> list[list[str]] | None:
     return [list(c) for c in itertools.product(*choices)]
 
 
+ESTIMATE_OVER_S = 60.0  # runs expected to take longer get an estimate before they start
+
+
+def model_flops(mc, tokens: int, capacity: int) -> float:
+    """FLOPs of streaming `tokens` tokens through a model (config `mc`): 2 x the weights each token
+    multiplies (attention and MLP projections, the logits) plus attention over the slots it sees (4 x
+    heads x head_dim per slot and layer), a cache of `capacity` slots holding at most every earlier
+    token. A lower bound: eviction and compression work come on top."""
+    d, L = mc.d_model, mc.n_layers
+    weights = L * (d * mc.head_dim * 2 * (mc.n_heads + mc.n_kv_heads) + 3 * d * mc.d_ff) + mc.vocab_size * d
+    c = min(capacity, tokens)
+    visible = (c * c / 2 + c * (tokens - c)) / tokens  # mean slots a query sees: ramp up to c, then c
+    return tokens * (2.0 * weights + 4.0 * L * mc.n_heads * mc.head_dim * visible)
+
+
+@functools.lru_cache(maxsize=8)
+def matmul_flops_per_s(d: int, f: int, dtype: str) -> float:
+    """FLOP/s this device reaches on a [512, d] x [d, f] matmul in `dtype` (best of 3 after a warm-up,
+    about 0.1 s): the rate an estimate divides by."""
+    import jax.numpy as jnp
+
+    a, b = jnp.ones((512, d), dtype), jnp.ones((d, f), dtype)
+    mm = jax.jit(lambda x, y: x @ y)
+    mm(a, b).block_until_ready()
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        mm(a, b).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2.0 * 512 * d * f / max(best, 1e-9)
+
+
+def estimate(conf: dict[str, Any]) -> tuple[float, str] | None:
+    """(seconds, how): an estimate of the run's compute (`model_flops` over the rate of a
+    matmul of the model's shape measured here), or None when the task declares no length or the model
+    has no config. Retrieval tasks: the longest prompt, once per (length, depth, trial) cell."""
+    from evals.config import resolve_policy, task_extent
+
+    extent = task_extent(conf)
+    try:
+        mc = zoo.describe(conf["model"])
+    except ValueError:
+        return None
+    if extent is None or mc is None:
+        return None
+    field, length, gen, batch = extent
+    policy, _ = resolve_policy(conf)
+    layers = model_stack(mc, policy)
+    from models.llama import policy_runs
+
+    stack = [p for a, b, p in policy_runs(layers, mc.n_layers) for _ in range(b - a)]
+    capacity = max(p.capacity(length + gen) for p in stack)
+    task = conf["task"]
+    cells = 1 if task["name"] == "perplexity" else max(1, len(task.get("lengths") or [1])) * max(
+        1, len(task.get("depths") or [1])) * max(1, int(task.get("trials") or 1))
+    flops = cells * batch * model_flops(mc, length + gen, capacity)
+    rate = matmul_flops_per_s(mc.d_model, mc.d_ff, zoo.dtype(conf["model"]).name)
+    return flops / rate, (f"{field}: ~{flops / 1e12:.3g} TFLOP of model and attention math at the {rate / 1e9:.3g} "
+                          "GFLOP/s a matmul of this model's shape reached here; compilation and eviction work add "
+                          "to it")
+
+
 def preflight(argv: list[str]) -> tuple[int, bool]:
     """Compose and validate every job first (config, files, lengths, memory, results location; then,
     with the tokenizer, the text's token count and the prompt templates), before any weights
     load; returns (number of jobs, progress) or raises ConfigError."""
-    jobs = job_overrides(argv)
+    from hydra.errors import OverrideParseException
+
+    try:
+        jobs = job_overrides(argv)
+    except OverrideParseException as e:  # Hydra's grammar: one line naming the override
+        msg = " ".join(str(e).replace("See https://hydra.cc/docs/1.2/advanced/override_grammar/basic for details",
+                                      "").split())
+        raise ConfigError(f"{msg} (see python -m evals.run --help; override grammar: "
+                          "https://hydra.cc/docs/1.2/advanced/override_grammar/basic)") from None
     if jobs is None:
         return 1, True
     progress = True
+    total = 0.0
     for overrides in jobs:
         conf = validate(compose(overrides))
         progress = conf["progress"]
+        est = None if {"--cfg", "-c"} & set(argv) else estimate(conf)  # --cfg only prints the config
+        if est is not None and est[0] > ESTIMATE_OVER_S:
+            total += est[0]
+            tqdm.write(f"[evals.run] estimate: ~{_duration(est[0])} for {' '.join(overrides) or 'this run'} "
+                       f"({est[1]})")
         if zoo.has_tokenizer(conf["model"]):  # what needs the tokenizer, before any weights load
             from evals.data import load_text
 
@@ -300,8 +411,19 @@ def preflight(argv: list[str]) -> tuple[int, bool]:
                 tokenizer = zoo.load_tokenizer(conf["model"])
             except (OSError, ValueError) as e:
                 raise ConfigError(f"model={conf['model']['name']}: its tokenizer does not load: {e}") from None
+            try:
+                zoo.check_vocab(conf["model"], tokenizer)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
             check_text(conf, tokenizer, load_text(conf["data"]["spec"]))
+    if total and len(jobs) > 1:
+        tqdm.write(f"[evals.run] estimate: ~{_duration(total)} for the long jobs of this sweep")
     return len(jobs), progress
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.0f} min" if seconds >= 90 else \
+        f"{seconds:.0f} s"
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -309,8 +431,20 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     (e.g. a damaged line skipped in the results file) print as one "evals.run: warning:" line."""
     from evals.progress import warnings_as_lines
 
-    with warnings_as_lines("evals.run"):
+    with warnings_as_lines("evals.run"), interrupt_as_line("evals.run"):
         return _main(argv)
+
+
+@contextlib.contextmanager
+def interrupt_as_line(prog: str):
+    """Ctrl-C (SIGINT) ends the command with one line (exit 130), not a traceback: rows already
+    appended are kept and a re-run resumes after them; the run in flight is not recorded."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted: the rows already written are kept; the run in flight was not recorded "
+              "(run the same command again to resume)", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 def _main(argv: list[str] | None) -> list[dict[str, Any]]:

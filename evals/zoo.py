@@ -96,11 +96,74 @@ def _describe_cached(blob: str, stamp: tuple):
         with warnings.catch_warnings():  # its warnings come again, once, when the model loads
             warnings.simplefilter("ignore")
             try:
-                return loading._hf_config(cfg, folder.name, has_lm_head=True)
+                config = loading._hf_config(cfg, folder.name, has_lm_head=True)
             except (KeyError, TypeError) as e:
                 raise ValueError(f"{folder / 'config.json'}: missing or bad field {e}") from None
+        check_hf_tensors(folder, config)
+        return config
     path = _gguf_path(m)
     return _gguf_config(loading.check_gguf(path), path)
+
+
+def hf_tensor_shapes(config) -> dict[str, tuple[int, ...]]:
+    """The shapes an HF Llama-family checkpoint stores for `config` (layer 0 and the last layer)."""
+    d, H, K, D, F, V = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim, config.d_ff, config.vocab_size
+    out = {"model.embed_tokens.weight": (V, d), "model.norm.weight": (d,)}
+    for i in sorted({0, config.n_layers - 1}):
+        p = f"model.layers.{i}."
+        out.update({p + "self_attn.q_proj.weight": (H * D, d), p + "self_attn.k_proj.weight": (K * D, d),
+                    p + "self_attn.v_proj.weight": (K * D, d), p + "self_attn.o_proj.weight": (d, H * D),
+                    p + "mlp.gate_proj.weight": (F, d), p + "mlp.up_proj.weight": (F, d),
+                    p + "mlp.down_proj.weight": (d, F)})
+    return out
+
+
+def check_hf_tensors(folder: pathlib.Path, config) -> None:
+    """An HF checkpoint's config.json against its tensors' shapes, from the safetensors headers only
+    (nothing loaded): ValueError naming the tensor, its shape and the config's, and a layer count
+    that disagrees with the tensors."""
+    import re
+
+    from safetensors import safe_open
+
+    from models.loading import _hf_weight_files
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in _hf_weight_files(folder):
+        with safe_open(str(f), framework="numpy") as h:
+            for key in h.keys():
+                shapes[key] = tuple(h.get_slice(key).get_shape())
+    layers = {int(m.group(1)) for k in shapes if (m := re.match(r"model\.layers\.(\d+)\.", k))}
+    if layers and max(layers) + 1 != config.n_layers:
+        raise ValueError(f"{folder / 'config.json'}: num_hidden_layers={config.n_layers}, but the tensors hold "
+                         f"{max(layers) + 1} layers")
+    for key, want in hf_tensor_shapes(config).items():
+        if key in shapes and shapes[key] != want:
+            raise ValueError(f"{folder / 'config.json'} disagrees with the tensors: {key} has shape {list(shapes[key])}, "
+                             f"the config implies {list(want)}")
+
+
+def check_vocab(m: dict[str, Any], tokenizer) -> None:
+    """The tokenizer's ids fit the model's vocabulary (a larger tokenizer would index past the
+    embedding): ValueError naming both sizes. A GGUF without a vocab_size key: the rows of its
+    token_embd tensor, from the header the tokenizer was read from (no weights loaded)."""
+    mc = describe(m)
+    size = getattr(tokenizer, "vocab_size", None)
+    if mc is None or not isinstance(size, int):
+        return
+    vocab = mc.vocab_size
+    if vocab <= 1 and m.get("name") not in ("hf", "tiny_random", "tiny_recall"):  # a GGUF: its embedding's rows
+        try:
+            reader = _gguf_reader(str(_gguf_path(m)))  # the parse the tokenizer was read from (memory-mapped)
+            dims = next((tuple(t.shape) for t in getattr(reader, "tensors", ()) if t.name == "token_embd.weight"), None)
+        except (OSError, ValueError):
+            dims = None
+        vocab = int(dims[-1]) if dims else vocab
+    if vocab <= 1:
+        return
+    if size > vocab:
+        raise ValueError(f"model={m['name']}: its tokenizer has {size} ids, more than the model's vocabulary of "
+                         f"{vocab}: ids from {vocab} on would read past the embedding")
 
 
 def _stamp(m: dict[str, Any]) -> tuple:

@@ -108,7 +108,7 @@ def test_table_has_a_row_per_policy_and_a_column_per_budget_from_the_results_fil
     md = (out / f"{stem}.md").read_text().splitlines()
     table = [line for line in md if line.startswith("| ")]
     header = [h.strip() for h in table[0].strip("|").split("|")]
-    assert header == ["policy", "0.25 (CR 0.75)", "0.5 (CR 0.5)"]
+    assert header == ["policy \\ budget", "0.25 (CR 0.75)", "0.5 (CR 0.5)"]
     body = {line.strip("|").split("|")[0].strip(): [c.strip() for c in line.strip("|").split("|")[1:]]
             for line in table[1:]}
     full = next(c for c in cells if c["budget"] is None)

@@ -158,16 +158,17 @@ def test_budget_conflicts_and_unsized_policies():
 
 
 @pytest.mark.parametrize("overrides, expected", [
-    (["policy=sinc"], ["policy=sinc: no such policy; choose one of:", *sorted(kvpolicies.POLICIES)]),
+    (["policy=sinc"], ["policy=sinc: no such policy (did you mean 'sink'?); choose one of:", *sorted(kvpolicies.POLICIES)]),
     (["task=foo"], ["task=foo: no such task; choose one of: multikey, multiquery, niah, passkey, perplexity, recall, ruler"]),
     (["window=abc"], ["window=abc: window must be int"]),
     (["progress=maybe"], ["progress=maybe: progress must be bool"]),
-    (["windw=5"], ["windw: unknown key; the config has keys: budget, chunk, codec, data, force, mesh, model, n_sink"]),
+    (["windw=5"], ["windw: unknown key (did you mean 'window'?); the config has keys: budget, chunk, codec, data, force, "
+                   "mesh, model, n_sink"]),
     (["mesh=[2]"], ["mesh=[2]: must be [data, model], two ints >= 1 (e.g. mesh=[2,4]), or null"]),
     (["mesh=[0,1]"], ["mesh=[0, 1]: must be [data, model], two ints >= 1"]),
     (["mesh=abc"], ["mesh=abc: must be [data, model]"]),
     (["mesh=[1,1024]"], ["mesh=[1, 1024]: mesh data=1 x model=1024 = 1024 devices, but there are ", "Device"]),
-    (["policy=sink", "policy.windw=3"], ["policy.windw: unknown key; policy 'sink' has keys: codec, n_sink, name, "
+    (["policy=sink", "policy.windw=3"], ["policy.windw: unknown key (did you mean 'window'?); policy 'sink' has keys: codec, n_sink, name, "
                                          "positions, window"]),
     (["policy=sink", "policy.window=0"], ["sink.window=0: must be an int >= 1"]),
     (["codec=int3"], ["codec='int3': must be one of ['fp8', 'fp8_after_rope', 'int4', 'int4_after_rope', 'int8', "
@@ -193,7 +194,7 @@ def test_sweep_with_one_bad_value_fails_before_any_job(tmp_path, capsys):
         evrun.main(["-m", "policy=full,sinc", f"results={res}", f"hydra.sweep.dir={tmp_path}"])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("evals.run: error: policy=sinc: no such policy")
+    assert len(err) == 1 and err[0].startswith("evals.run: error: policy=sinc: no such policy (did you mean 'sink'?)")
     assert not res.exists()
 
 
@@ -409,14 +410,15 @@ def test_markdown_latex_csv_tables():
     rows = fake_rows()
     md = table.markdown(rows)
     assert "**perplexity**" in md and "**passkey**" in md
-    assert "| model | data | policy | params | codec | ppl | tokens | cache MB | closed-form MB |" in md
-    assert "| smollm2 | austen | sink | n_sink=4 window=1024 | none | 14.50 | 12288 | 18.97 | 18.92 |" in md
-    assert "| smollm2 | austen | full |  | none | 12.35 | 12288 | 226.5 | 226.5 |" in md
-    assert "| model | data | policy | params | codec | accuracy | cache MB |" in md  # no closed form there
+    assert ("| model | data | policy | params | codec | budget | KV / full | perplexity | tokens | KV cache (MB, 10^6 B) "
+            "| closed form (MB, 10^6 B) |") in md
+    assert "| smollm2 | austen | sink | n_sink=4 window=1024 | none | - | - | 14.50 | 12288 | 18.97 | 18.92 |" in md
+    assert "| smollm2 | austen | full |  | none | - | - | 12.35 | 12288 | 226.5 | 226.5 |" in md
+    assert "| model | data | policy | params | codec | budget | KV / full | accuracy | KV cache (MB, 10^6 B) |" in md
     tex = table.latex(rows)
-    assert tex.count("\\toprule") == 2 and tex.count("\\bottomrule") == 2
-    assert "\\begin{tabular}{lllllrrrr}" in tex
-    assert "smollm2 & austen & sink & n\\_sink=4 window=1024 & none & 14.50 & 12288 & 18.97 & 18.92 \\\\" in tex
+    assert tex.count("\\toprule") == 2 and tex.count("\\bottomrule") == 2 and tex.count("\\begin{table}") == 2
+    assert "\\begin{tabular}{lllllrrrrrr}" in tex and "\\label{tab:perplexity}" in tex
+    assert "smollm2 & austen & sink & n\\_sink=4 window=1024 & none & - & - & 14.50 & 12288 & 18.97 & 18.92 \\\\" in tex
     parsed = list(csv.DictReader(io.StringIO(table.csv_text(rows))))
     assert [r["key"] for r in parsed] == ["a", "b", "c", "d", "e"]
     assert float(parsed[0]["ppl"]) == 12.3456 and int(parsed[1]["state_bytes"]) == 18_972_000
@@ -428,8 +430,8 @@ def test_table_cli_writes_files(sink_run, tmp_path, capsys):
     table.main([str(res), "--out", str(tmp_path / "t")])
     out = capsys.readouterr().out
     ppl = R.read(res)[-1]["metrics"]["ppl"]
-    assert f"| tiny_random | tiny.txt | sink | n_sink=4 window=64 positions=cache | none | {table.fmt(ppl)} |" in out
-    assert (tmp_path / "t.tex").read_text().startswith("% task: perplexity\n\\begin{tabular}")
+    assert f"| tiny_random | tiny.txt | sink | n_sink=4 window=64 positions=cache | none | - | 0.425 | {table.fmt(ppl)} |" in out
+    assert (tmp_path / "t.tex").read_text().startswith("% task: perplexity\n\\begin{table}[t]")
     (csv_row,) = list(csv.DictReader(io.StringIO((tmp_path / "t.csv").read_text())))
     assert float(csv_row["ppl"]) == pytest.approx(ppl) and int(csv_row["closed_form_bytes"]) == 2 * 2 * 2 * 8 * 68 * 4
 

@@ -167,9 +167,8 @@ def test_cli(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "30 layers x 3 kv heads x head_dim 64" in out and "4 requests" in out
 
-    with pytest.raises(SystemExit) as e:
-        main(["--policy", "bogus"])
-    assert e.value.code == 2 and "must be one of" in capsys.readouterr().err
+    assert main(["--policy", "bogus"]) == 1  # an error row (every row: exit 1), not an abort
+    assert "bogus: error: policy 'bogus': not registered; must be one of" in capsys.readouterr().out
 
 
 def test_paged_numbers_against_the_closed_form():
@@ -208,3 +207,50 @@ def test_paged_cli_columns(capsys):
     assert next(x for x in out.splitlines() if x.startswith("h2o ")).split()[-5:] == ["-"] * 5
     with pytest.raises(SystemExit):
         main(["--shared-prefix", "2K"])  # needs --block
+
+
+# -- issue 38: equal memory, error rows, refused settings --------------------------------------------
+
+
+@pytest.mark.parametrize("budget", [0.25, 0.125, 200])
+def test_planner_budget_sizes_every_policy_as_evals_run_does(budget):
+    """`--budget b` resolves each policy to exactly what `evals.run budget=b` builds for SmolLM2
+    (float32) at the same length: the same fields, max_new lowered alike."""
+    from evals import config as C
+
+    names = ["window", "sink", "h2o", "tova", "snapkv"]
+    rows = plan("smollm2-135m", 1024, 80, 12, names, dtype="float32", budget=budget)
+    for name, row in zip(names, rows):
+        conf = C.validate(C.compose([f"policy={name}", f"budget={budget}", "tokens=1024"]))
+        pol, sizing = C.resolve_policy(conf)
+        assert row["resolved"] == planner_label(pol), name
+        assert row["bytes_per_request"] == sizing["stored_bytes"] * 30  # per layer x 30 layers
+        assert row["sizing"].startswith("sized")
+
+
+def planner_label(pol):
+    from evals.planner import _label
+
+    return _label(pol)
+
+
+def test_planner_error_rows_unsized_notes_and_spec_budgets(capsys):
+    rows = plan("smollm2-135m", 1024, 80, 12, ["duo", "full", "sink:budget=0.25", "snk"], dtype="float32",
+                budget=0.5)
+    assert "error" in rows[0] and "error" in rows[3] and "did you mean 'sink'" in rows[3]["error"]
+    assert rows[1]["sizing"] == "not sized: full has no token budget"
+    assert rows[2]["resolved"] == "sink:window=252"  # its own budget=0.25 wins over --budget 0.5
+    assert main(["--model", "smollm2-135m", "--context", "1024", "--budget", "0.25", "--policy", "sink", "duo"]) == 0
+    out = capsys.readouterr().out
+    assert "resolved as" in out and "duo: error:" in out and "the KV cache only" in out.split("---")[0]
+
+
+@pytest.mark.parametrize("bad", [["--gpu-gb", "-80"], ["--gpu-gb", "0"], ["--overhead-gb", "-1"],
+                                 ["--gpu-gb", "10"], ["--budget", "1.5"], ["--model", "lama-3-8b"]])
+def test_planner_refuses_impossible_settings(bad, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(bad)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.strip().splitlines()[-1].startswith("python -m evals.planner: error:")
+    if bad[0] == "--model":
+        assert "did you mean 'llama-3-8b'" in err
