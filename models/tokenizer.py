@@ -87,9 +87,9 @@ class Tokenizer:
         `isolate_digits=True` first splits every numeric character off on its own, as llama.cpp's
         "smollm" pre-tokenizer and SmolLM2's original tokenizer.json do; the default (False) matches
         transformers, which (in our checks) differs from them only on a space before a non-ASCII numeral (" ½").
-        `source` is a path, a `models.loading.GGUFFile` or a `gguf.GGUFReader` (see `load_gguf`).
+        `source` is a path, a `models.files.GGUFFile` or a `gguf.GGUFReader` (see `load_gguf`).
         """
-        from models.loading import GGUFFile, gguf_field, open_gguf
+        from models.files import GGUFFile, gguf_field, open_gguf
 
         reader = open_gguf(source)  # a path is checked first: missing, unreadable or truncated
         path = reader.filename if isinstance(reader, GGUFFile) else getattr(reader.data, "filename", source)
@@ -217,7 +217,7 @@ class Tokenizer:
     @classmethod
     def from_hf(cls, folder: str | pathlib.Path) -> Tokenizer:
         """Build from an HF folder: `tokenizer.json`, plus ids and chat template from its configs."""
-        from models.loading import read_json, read_text
+        from models.files import read_json, read_text
 
         folder = pathlib.Path(folder)
         if not folder.is_dir():
