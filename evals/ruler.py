@@ -319,7 +319,9 @@ def cwe_samples(tok: Any, words: Sequence[str], length: int, trials: int, seed: 
                 freq_ucw * sum(len(pieces(" " + w)) for w in rest[num_cw:num_cw + u])
 
         if size(0) > fill:
-            raise ValueError(f"length={length}: too short for {num_cw} words x {freq_cw} and the example")
+            raise ValueError(f"length={length}: too short for {num_cw} words x {freq_cw} and the example in this "
+                             f"tokenizer ({size(0)} list tokens, {fill} free): use task.lengths=[{2 * length}] or a "
+                             f"lower task.freq_cw")
         lo, hi = 0, len(rest) - num_cw
         while lo < hi:  # the most uncommon words that fit
             mid = (lo + hi + 1) // 2

@@ -1,8 +1,11 @@
 """`python -m evals.suite`: a task set x policies x budgets -> one table per task (evals.compare's)
 and one averaged table (RULER's average over tasks), every accuracy with its Wilson 95 % interval.
 
-    python -m evals.suite tasks=ruler policies=[sink,snapkv,h2o] budgets=[0.25] extra=[quest,kivi]
+    python -m evals.suite tasks=ruler task.lengths=[8192] policies=[sink,snapkv,h2o] budgets=[0.25] extra=[quest,kivi]
     python -m evals.suite tasks=ruler task.protocol=query_agnostic task.trials=10 model=qwen
+
+(SmolLM2's tokenizer writes each digit as a token: its common-words list of 10 words x 30 does not fit
+in 4,096 tokens, hence task.lengths=[8192] above; qwen's does.)
     python -m evals.suite tasks=[ruler_niah_single,ruler_vt] policies=[snapkv] budgets=[256,512]
 
 Keys of its own:
