@@ -5,7 +5,7 @@ and one averaged table (RULER's average over tasks), every accuracy with its Wil
     python -m evals.suite tasks=ruler task.protocol=query_agnostic task.trials=10 model=qwen
 
 (SmolLM2's tokenizer writes each digit as a token: its common-words list of 10 words x 30 does not fit
-in 4,096 tokens, hence task.lengths=[8192] above; qwen's does.)
+in 4,096 tokens, hence task.lengths=[8192] above.)
     python -m evals.suite tasks=[ruler_niah_single,ruler_vt] policies=[snapkv] budgets=[256,512]
 
 Keys of its own:
