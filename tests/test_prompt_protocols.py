@@ -1,0 +1,140 @@
+"""The authors' prompt protocols (issue 35, item 3), checked against their rules re-simulated on
+transformers' tensors: the attention weights and the key/value cache of transformers' eager
+Qwen2 (the `tiny_qwen` checkpoint, ported to our Llama) on the same ids.
+
+- h2o (FMInference/H2O `utils_real_drop/modify_llama.py`): dense prompt, then per kv head the
+  `recent` newest tokens plus the `heavy` older ones with the most attention summed over every
+  prompt query (and the query heads of the kv head).
+- tova (schwartz-lab-NLP/TOVA `src/tova_cache.py`): dense prompt, then the `budget` tokens with
+  the most attention from the last query, averaged over all query heads.
+- kivi (jy-yuan/KIVI `models/llama_kivi.py`): dense full-precision prompt, then keys
+  X_K[: n - n mod R] quantized per channel in groups of G tokens, values X_V[: n - R] per token
+  in groups of G channels, the rest kept in full precision.
+- duo (mit-han-lab/duo-attention `duo_attn/patch/llama.py`): dense prefill for every head, then
+  streaming heads trimmed to the first `sink` and the last `recent` tokens.
+
+Each: the prompt's logits equal `full`'s (and transformers'), and the state after `compress`
+holds what the re-simulated rule keeps. `prompt="stream"` (the per-token rule) stays available,
+and differs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvpolicies
+from models.engine import Engine
+
+T = 40  # prompt tokens
+MAX_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def hf_run(tiny_qwen):
+    """(our model, ids [1, T], transformers' logits [1, T, V], attentions per layer [1, H, T, T],
+    keys / values per layer [1, K, T, D] as transformers caches them: keys after RoPE)."""
+    import torch
+
+    ref, ours = tiny_qwen
+    ids = np.random.default_rng(7).integers(0, ref.config.vocab_size, (1, T))
+    with torch.no_grad():
+        out = ref(torch.tensor(ids), output_attentions=True, use_cache=True)
+    cache = out.past_key_values
+    keys = [lay.keys.numpy() for lay in cache.layers]
+    values = [lay.values.numpy() for lay in cache.layers]
+    return ours, ids, out.logits.numpy(), [a.numpy() for a in out.attentions], keys, values
+
+
+def _prompted(model, pol, ids):
+    eng = Engine(model, pol, max_len=MAX_LEN)
+    st = eng.prompt(ids)
+    return eng, st, eng.compress(st)
+
+
+def _check_dense_logits(model, st, hf_logits, ids):
+    """The prompt's last logits equal full's (same engine path) and transformers'."""
+    full = Engine(model, kvpolicies.get("full"), max_len=MAX_LEN).prompt(ids)
+    np.testing.assert_allclose(np.asarray(st.logits), np.asarray(full.logits), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(st.logits), hf_logits[:, -1], atol=1e-4, rtol=0)
+
+
+def _kept(pos_layer):
+    """[Kp, S] slot positions -> per unit the sorted kept positions."""
+    return [sorted(int(x) for x in row if x >= 0) for row in np.asarray(pos_layer)]
+
+
+def _groups(att, kv_heads):
+    """[H, T, T] -> [K, G, T, T] (query head h serves kv head h // G, as transformers' repeat_kv)."""
+    h = att.shape[0]
+    return att.reshape(kv_heads, h // kv_heads, *att.shape[1:])
+
+
+# -- h2o ---------------------------------------------------------------------------------------
+
+
+def h2o_reference(att, kv_heads, heavy, recent):
+    """The authors' `H2OKVCache_LayerWise` after a dense prompt: hh_score = attention summed over
+    the query axis (and here the kv head's query heads); keep [n - recent, n) and the top
+    `heavy` of [0, n - recent) by hh_score."""
+    n = att.shape[-1]
+    kept = []
+    for g in _groups(att, kv_heads):  # [G, T, T]
+        hh = g.sum(axis=(0, 1))  # [T]
+        if n <= heavy + recent:
+            kept.append(list(range(n)))
+            continue
+        top = np.argsort(-hh[: n - recent], kind="stable")[:heavy]
+        kept.append(sorted(top.tolist() + list(range(n - recent, n))))
+    return kept
+
+
+def test_h2o_dense_prompt_then_one_eviction_as_the_authors(hf_run):
+    model, ids, logits, atts, _, _ = hf_run
+    heavy, recent = 6, 5
+    pol = kvpolicies.get("h2o", heavy=heavy, recent=recent)
+    assert pol.prompt == "dense"
+    eng, st, comp = _prompted(model, pol, ids)
+    _check_dense_logits(model, st, logits, ids)
+    kh = model.cfg.n_kv_heads
+    pos = np.asarray(comp.cache[0].pos)  # [L, B, K, S]
+    mass = np.asarray(comp.cache[0].mass)
+    for layer, att in enumerate(atts):
+        want = h2o_reference(att[0], kh, heavy, recent)
+        assert _kept(pos[layer, 0]) == want, f"layer {layer}"
+        # the kept tokens' scores carry on into decoding: their prompt attention sums
+        hh = _groups(att[0], kh).sum(axis=(1, 2))  # [K, T]
+        for u in range(kh):
+            live = pos[layer, 0, u] >= 0
+            np.testing.assert_allclose(mass[layer, 0, u][live], hh[u][pos[layer, 0, u][live]], rtol=1e-4, atol=1e-5)
+    # heads choose differently here (the check is not vacuous) and the stream rule differs
+    assert any(_kept(pos[layer, 0])[0] != _kept(pos[layer, 0])[1] for layer in range(len(atts)))
+    stream = Engine(model, kvpolicies.get("h2o", heavy=heavy, recent=recent, prompt="stream"), max_len=MAX_LEN)
+    assert np.abs(np.asarray(stream.prompt(ids).logits) - np.asarray(st.logits)).max() > 1e-3
+    # then decoding is per token: generation runs and keeps heavy + recent slots
+    out = eng.continue_generate(comp, np.zeros((1, 0), np.int32), 4)
+    assert out.shape == (1, 4)
+    np.testing.assert_array_equal(eng.generate(ids, 4), out)  # generate = prompt, compress, decode
+
+
+# -- tova --------------------------------------------------------------------------------------
+
+
+def tova_reference(att, kv_heads, budget, scope):
+    """The authors' `TOVACache.reduce` after a dense prompt: the last query's attention averaged
+    over all query heads (scope "layer"; per kv head over its G query heads for "head"), top
+    `budget`."""
+    last = att[:, -1, :]  # [H, T]
+    units = [last.mean(axis=0)] if scope == "layer" else [g.mean(axis=0) for g in last.reshape(kv_heads, -1, last.shape[-1])]
+    return [sorted(np.argsort(-u, kind="stable")[:budget].tolist()) for u in units]
+
+
+@pytest.mark.parametrize("scope", ["layer", "head"])
+def test_tova_dense_prompt_then_one_topk_by_the_last_query(hf_run, scope):
+    model, ids, logits, atts, _, _ = hf_run
+    pol = kvpolicies.get("tova", budget=9, scope=scope)
+    _, st, comp = _prompted(model, pol, ids)
+    _check_dense_logits(model, st, logits, ids)
+    pos = np.asarray(comp.cache[0].pos)  # [L, B, Kp, S]
+    for layer, att in enumerate(atts):
+        assert _kept(pos[layer, 0]) == tova_reference(att[0], model.cfg.n_kv_heads, 9, scope), f"layer {layer}"
