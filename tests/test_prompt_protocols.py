@@ -138,3 +138,78 @@ def test_tova_dense_prompt_then_one_topk_by_the_last_query(hf_run, scope):
     pos = np.asarray(comp.cache[0].pos)  # [L, B, Kp, S]
     for layer, att in enumerate(atts):
         assert _kept(pos[layer, 0]) == tova_reference(att[0], model.cfg.n_kv_heads, 9, scope), f"layer {layer}"
+
+
+# -- kivi --------------------------------------------------------------------------------------
+
+
+def kivi_reference(x, n, bits, group, residual, axis):
+    """The authors' prefill quantization of one head's keys (axis "keys": X[: n - n mod R] per
+    channel over groups of G tokens) or values ("values": X[: n - R] per token over groups of G
+    channels), dequantized; the rest in full precision. x [T, D] float64."""
+    top = 2**bits - 1
+    out = x.copy()
+    if axis == "keys":
+        nq = n - n % residual
+        for a in range(0, nq, group):
+            blk = x[a:a + group]  # [G, D]: per channel
+            mn, mx = blk.min(0), blk.max(0)
+            s = (mx - mn) / top
+            out[a:a + group] = np.clip(np.round((blk - mn) / np.where(s > 0, s, 1)), 0, top) * s + mn
+    else:
+        for j in range(max(n - residual, 0)):
+            blk = x[j].reshape(-1, group)  # [D / G, G]: per token
+            mn, mx = blk.min(1, keepdims=True), blk.max(1, keepdims=True)
+            s = (mx - mn) / top
+            out[j] = (np.clip(np.round((blk - mn) / np.where(s > 0, s, 1)), 0, top) * s + mn).reshape(-1)
+    return out
+
+
+def test_kivi_full_precision_prefill_then_quantized_as_the_authors(hf_run):
+    import jax
+    import jax.numpy as jnp
+
+    model, ids, logits, _, keys, values = hf_run
+    pol = kvpolicies.get("kivi", bits=2, group=4, residual=8)
+    eng, st, comp = _prompted(model, pol, ids)
+    _check_dense_logits(model, st, logits, ids)
+    cache = comp.cache[0]
+    for layer in range(len(keys)):
+        one = jax.tree.map(lambda x: x[layer], cache)  # this layer's state [B, ...]
+        k, v = pol.dequantize(one, jnp.full((1,), T, jnp.int32), jnp.float32)  # [B, K, S, D]
+        k, v = np.asarray(k)[0, :, :T], np.asarray(v)[0, :, :T]
+        for h in range(k.shape[0]):
+            want_k = kivi_reference(keys[layer][0, h].astype(np.float64), T, 2, 4, 8, "keys")
+            want_v = kivi_reference(values[layer][0, h].astype(np.float64), T, 2, 4, 8, "values")
+            np.testing.assert_allclose(k[h], want_k, atol=2e-4, rtol=0, err_msg=f"keys, layer {layer} head {h}")
+            np.testing.assert_allclose(v[h], want_v, atol=2e-4, rtol=0, err_msg=f"values, layer {layer} head {h}")
+        # 2-bit codes: the quantized part is visibly lossy (the check is not vacuous)
+        assert np.abs(k[:, :T - T % 8] - keys[layer][0, :, :T - T % 8]).max() > 1e-2
+    stream = Engine(model, kvpolicies.get("kivi", bits=2, group=4, residual=8, prompt="stream"), max_len=MAX_LEN)
+    assert np.abs(np.asarray(stream.prompt(ids).logits) - np.asarray(st.logits)).max() > 1e-3
+    np.testing.assert_array_equal(eng.generate(ids, 4), eng.continue_generate(comp, np.zeros((1, 0), np.int32), 4))
+
+
+@pytest.mark.parametrize("n,after_rope", [(23, True), (5, True), (40, False), (64, True)])
+def test_kivi_after_prompt_leaves_the_per_token_rules_state(n, after_rope):
+    """For the same keys and values (one attention layer), the dense prompt quantized once equals
+    the state the decode step leaves token by token (the rule is one, only the inputs of later
+    layers differ)."""
+    import jax
+    import jax.numpy as jnp
+
+    from helpers import run_policy
+    from kvpolicies import Rope
+
+    rng = np.random.default_rng(n)
+    q, k, v = (rng.standard_normal((2, n, h, 16)).astype(np.float32) for h in (4, 2, 2))
+    rope = Rope(16, 10000.0)
+    pol = kvpolicies.get("kivi", bits=2, group=4, residual=8, after_rope=after_rope)
+    _, per_token = run_policy(kvpolicies.get("kivi", bits=2, group=4, residual=8, after_rope=after_rope,
+                                             prompt="stream"), q, k, v, [1], rope, max_len=64)
+    _, dense = run_policy(pol.prompt_policy(), q, k, v, [n], rope, max_len=64)
+    got = jax.jit(pol.after_prompt)(dense)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(per_token)):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=1e-6, rtol=0)
+    assert int((np.asarray(got.pos) >= 0).sum()) == 2 * n
