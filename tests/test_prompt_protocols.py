@@ -213,3 +213,50 @@ def test_kivi_after_prompt_leaves_the_per_token_rules_state(n, after_rope):
         assert a.shape == b.shape and a.dtype == b.dtype
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=1e-6, rtol=0)
     assert int((np.asarray(got.pos) >= 0).sum()) == 2 * n
+
+
+# -- duo ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("heads", [(1, 0), (0, 0)])
+def test_duo_dense_prefill_then_streaming_heads_trimmed_as_the_authors(hf_run, heads):
+    """The authors' prefill attends every head densely, then cuts a streaming head's cache to
+    keys[:sink] and keys[-recent:] (transformers' keys after RoPE, as the authors cache them)."""
+    model, ids, logits, _, keys, values = hf_run
+    sink, recent = 2, 5
+    pol = kvpolicies.get("duo", sink=sink, recent=recent, heads=heads)
+    eng, st, comp = _prompted(model, pol, ids)
+    _check_dense_logits(model, st, logits, ids)
+    cache = comp.cache[0]
+    want_pos = list(range(sink)) + list(range(T - recent, T))
+    streaming = [h for h in range(2) if not heads[h]]
+    retrieval = [h for h in range(2) if heads[h]]
+    for layer in range(len(keys)):
+        spos = np.asarray(cache.stream_pos)[layer, 0, 0]  # [W]
+        assert sorted(int(p) for p in spos if p >= 0) == want_pos
+        live = spos >= 0
+        for i, h in enumerate(streaming):
+            np.testing.assert_allclose(np.asarray(cache.k[1])[layer, 0, i][live], keys[layer][0, h][spos[live]], atol=1e-5)
+            np.testing.assert_allclose(np.asarray(cache.v[1])[layer, 0, i][live], values[layer][0, h][spos[live]], atol=1e-5)
+        for i, h in enumerate(retrieval):  # every prompt token
+            assert (np.asarray(cache.pos)[layer, 0, 0, :T] == np.arange(T)).all()
+            np.testing.assert_allclose(np.asarray(cache.k[0])[layer, 0, i, :T], keys[layer][0, h], atol=1e-5)
+    stream = Engine(model, kvpolicies.get("duo", sink=sink, recent=recent, heads=heads, prompt="stream"),
+                    max_len=MAX_LEN)
+    s2 = stream.compress(stream.prompt(ids))
+    assert np.abs(np.asarray(s2.logits) - np.asarray(st.logits)).max() > 1e-3  # the masked prefill differs
+    # the same layout as the streaming rule's state (so decoding continues with the same step)
+    assert [x.shape for x in jax_leaves(s2.cache)] == [x.shape for x in jax_leaves(comp.cache)]
+    np.testing.assert_array_equal(np.asarray(s2.cache[0].stream_pos), np.asarray(cache.stream_pos))
+    np.testing.assert_array_equal(eng.generate(ids, 4), eng.continue_generate(comp, np.zeros((1, 0), np.int32), 4))
+
+
+def jax_leaves(tree):
+    import jax
+
+    return jax.tree.leaves(tree)
+
+
+def test_duo_defaults_are_the_deployed_ones():
+    pol = kvpolicies.get("duo")
+    assert (pol.sink, pol.recent, pol.prompt) == (64, 256, "dense")
