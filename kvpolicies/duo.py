@@ -245,7 +245,7 @@ class Duo(Policy):
     def prompt_policy(self):
         if self.prompt == "stream":
             return self
-        return self._full()  # every head dense over the prompt (keys stored as duo stores them)
+        return DuoPrompt(codec=self.codec, of=self)  # every head dense (keys stored as duo stores them)
 
     def after_prompt(self, state):
         """The dense prompt state (`full`'s slots, every head) split into the two groups: the
@@ -282,3 +282,12 @@ class Duo(Policy):
                 out[0] += tree_nbytes((k, v)) * filled // s
                 out[1] += tree_nbytes(p) * filled // s
         return out[0], out[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class DuoPrompt(Full):
+    """duo's prompt phase: `full` over every head. `of` (the layer's duo policy) only tells layers
+    with different head groups apart, so that the prompt phase's runs of equal layers are the
+    decode policies' runs (`after_prompt` splits each run's state by its own groups)."""
+
+    of: Policy | None = None

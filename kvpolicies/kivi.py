@@ -252,7 +252,7 @@ class Kivi(Policy):
     def prompt_policy(self):
         if self.prompt == "stream":
             return self
-        return DensePrompt(rotated=self.after_rope)  # full precision, keys rotated as kivi stores them
+        return DensePrompt(rotated=self.after_rope, of=self)  # full precision, keys rotated as kivi stores them
 
     def after_prompt(self, state):
         """A dense prompt state (slot j holds token j, full precision) quantized by the residual
@@ -297,9 +297,12 @@ class Kivi(Policy):
 @dataclasses.dataclass(frozen=True)
 class DensePrompt(Full):
     """kivi's prompt phase: `full`'s slots (token j in slot j, full precision), keys stored
-    rotated iff `rotated` (kivi's `after_rope`), so `after_prompt` quantizes them as kivi stores them."""
+    rotated iff `rotated` (kivi's `after_rope`), so `after_prompt` quantizes them as kivi stores them.
+    `of` (the layer's kivi policy) keeps layers of different kivi settings in different runs, as
+    their decode policies are (the engine compresses run by run)."""
 
     rotated: bool = True
+    of: Policy | None = None
 
     @property
     def rotated_keys(self):

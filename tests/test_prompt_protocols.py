@@ -260,3 +260,50 @@ def jax_leaves(tree):
 def test_duo_defaults_are_the_deployed_ones():
     pol = kvpolicies.get("duo")
     assert (pol.sink, pol.recent, pol.prompt) == (64, 256, "dense")
+
+
+# -- model-level presets through a bare engine ----------------------------------------------------
+
+
+def test_bare_engine_applies_a_model_level_preset():
+    """One policy for the model is expanded by its `stack(n_layers)`: pyramidkv's per-depth budgets,
+    quest's and knorm's dense first layers; a tuple runs as given."""
+    from kvpolicies.budgets import pyramid_budgets
+    from models.config import LlamaConfig
+    from models.llama import Llama
+
+    model = Llama(LlamaConfig(vocab_size=61, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64))
+    full = kvpolicies.get("full")
+    pyr = kvpolicies.get("pyramidkv", budget=8, obs_window=3, kernel=3, max_new=4)
+    eng = Engine(model, pyr, max_len=48)
+    assert [p.budget for p in eng.policies] == list(pyramid_budgets(32, 4, pyr.beta))
+    assert len({p.budget for p in eng.policies}) > 1  # not uniform
+    knorm = kvpolicies.get("knorm", budget=8, max_new=4)
+    assert Engine(model, knorm, max_len=48).policies == (full, full, knorm, knorm)
+    assert Engine(model, kvpolicies.get("knorm", budget=8, max_new=4, dense_layers=0), max_len=48).policies[0] != full
+    quest = kvpolicies.get("quest", page=4, top_k=2)
+    assert Engine(model, quest, max_len=48).policies == (full, full, quest, quest)
+    assert Engine(model, (quest,) * 4, max_len=48).policies == (quest,) * 4
+    # knorm's dense layers keep every prompt token; the others keep budget
+    ids = np.random.default_rng(2).integers(0, 61, (1, 30))
+    eng = Engine(model, knorm, max_len=48)
+    cache = eng.compress(eng.prompt(ids)).cache
+    counts = [int((np.asarray(run.pos)[i, 0, 0] >= 0).sum()) for run in cache for i in range(run.pos.shape[0])]
+    assert counts == [30, 30, 8, 8]
+
+
+def test_layers_of_different_settings_compress_run_by_run():
+    """The prompt phases of kivi / duo layers with different settings stay in separate runs, as
+    their decode policies: each run is quantized / trimmed by its own layers' rule."""
+    from models.config import LlamaConfig
+    from models.llama import Llama
+
+    model = Llama(LlamaConfig(vocab_size=61, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64))
+    ids = np.random.default_rng(3).integers(0, 61, (1, 30))
+    k2, k4 = kvpolicies.get("kivi", bits=2, group=4, residual=8), kvpolicies.get("kivi", bits=4, group=4, residual=8)
+    d1, d2 = kvpolicies.get("duo", sink=2, recent=4, heads=(1, 0)), kvpolicies.get("duo", sink=2, recent=4, heads=(0, 1))
+    for pols in ((k2, k4, k4), (d1, d2, d2)):
+        eng = Engine(model, pols, max_len=40)
+        comp = eng.compress(eng.prompt(ids))
+        assert len(comp.cache) == 2
+        np.testing.assert_array_equal(eng.generate(ids, 3), eng.continue_generate(comp, np.zeros((1, 0), np.int32), 3))
