@@ -117,6 +117,44 @@ def test_h2o_dense_prompt_then_one_eviction_as_the_authors(hf_run):
     np.testing.assert_array_equal(eng.generate(ids, 4), out)  # generate = prompt, compress, decode
 
 
+def test_h2o_decode_after_the_prompt_continues_the_authors_rule(hf_run, tiny_qwen):
+    """One decode step from the compressed cache, in transformers (its cache holding the kept keys
+    and values, the new token at position T) and here: the same logits, and the same kept sets
+    after the authors' per-step eviction (scores += the new query's attention, the new token's
+    own column included; keep the `recent` newest and the top `heavy` others)."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+    from transformers import DynamicCache
+
+    ref, _ = tiny_qwen
+    model, ids, _, atts, keys, values = hf_run
+    heavy, recent = 6, 5
+    eng, st, comp = _prompted(model, kvpolicies.get("h2o", heavy=heavy, recent=recent), ids)
+    nxt = int(np.asarray(st.logits).argmax(-1)[0])
+    logits, after = eng.step(jax.tree.map(jnp.copy, comp.cache), np.array([[nxt]]), T)
+    pos = np.asarray(comp.cache[0].pos)[:, 0]  # [L, K, S]: kept before the step
+    kh = model.cfg.n_kv_heads
+    cache = DynamicCache()
+    for layer in range(len(keys)):
+        take = lambda x: torch.tensor(np.stack([x[layer][0, h, pos[layer, h]] for h in range(kh)])[None])  # noqa: E731
+        cache.update(take(keys), take(values), layer)
+    with torch.no_grad():
+        out = ref(torch.tensor([[nxt]]), past_key_values=cache, position_ids=torch.tensor([[T]]),
+                  output_attentions=True, use_cache=True)
+    np.testing.assert_allclose(np.asarray(logits), out.logits[:, -1].numpy(), atol=1e-4, rtol=0)
+    got = np.asarray(after[0].pos)[:, 0]  # [L, K, S]
+    for layer, att in enumerate(atts):
+        hh = _groups(att[0], kh).sum(axis=(1, 2))  # [K, T]: the prompt's scores
+        new = _groups(out.attentions[layer][0].numpy(), kh).sum(axis=(1, 2))  # [K, S + 1]
+        for u in range(kh):
+            cand = np.append(pos[layer, u], T)  # text order, the new token last
+            score = np.append(hh[u][pos[layer, u]], 0.0) + new[u]
+            older = np.argsort(-score[: len(cand) - recent], kind="stable")[:heavy]
+            want = sorted(cand[older].tolist() + cand[len(cand) - recent:].tolist())
+            assert sorted(int(p) for p in got[layer, u] if p >= 0) == want, f"layer {layer} head {u}"
+
+
 # -- tova --------------------------------------------------------------------------------------
 
 
