@@ -82,10 +82,14 @@ def main(argv=None):
             continue
         dt = time.perf_counter() - t0
         base = ppl if base is None else base
-        sb = state_bytes(pol, max_len=args.tokens, **dims)
-        rd = bytes_read_per_step(pol, max_len=args.tokens, context=args.tokens - 1, **dims)
-        line = (f"| {label(name, kw)} | {ppl:.3f} | {100 * (ppl / base - 1):+.1f} % | {sb.total / 1e6:.2f} "
-                f"| {rd.read.total / 1e6:.2f} | {dt:.0f} |")
+        layers = pol.stack(cfg.n_layers)  # what the engine runs (a model-level preset's layers)
+        one = dict(dims, n_layers=1)
+        per = {p: (state_bytes(p, max_len=args.tokens, **one).total,
+                   bytes_read_per_step(p, max_len=args.tokens, context=args.tokens - 1, **one).read.total)
+               for p in set(layers)}
+        stored, read = (sum(per[p][i] for p in layers) for i in (0, 1))
+        line = (f"| {label(name, kw)} | {ppl:.3f} | {100 * (ppl / base - 1):+.1f} % | {stored / 1e6:.2f} "
+                f"| {read / 1e6:.2f} | {dt:.0f} |")
         print(line, flush=True)
         lines.append(line)
     table = "\n".join(lines)

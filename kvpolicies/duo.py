@@ -27,13 +27,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
 
-from kvpolicies.base import Policy, RopePositions, SlotState, View, check_int, empty_slots, flat, keys_rotated, tree_nbytes
+from kvpolicies.base import (EMPTY, Policy, RopePositions, SlotState, View, check_choice, check_int, empty_slots, flat,
+                             keys_rotated, scatter, tree_nbytes)
 from kvpolicies.codecs import Codec, Identity
 from kvpolicies.full import Full
 from kvpolicies.sink import Sink
@@ -91,26 +93,40 @@ class Duo(Policy):
     j < sink or j > p - recent, the authors' streaming mask), at their text positions (the
     authors cache keys after RoPE). The same rule holds in prefill and decode, per query.
 
-    Defaults: sink 128, recent 256 (the authors' released patterns, e.g. attn_patterns/
-    Meta-Llama-3.1-8B-Instruct/.../config.json), threshold 0.5 (their default), sparsity None.
+    The prompt (`prompt="dense"`, the default: the authors' evaluation path, duo_attn/patch/
+    llama.py, whose first prefill is `flash_attn_func(..., causal=True)` over every head): a fresh
+    prompt is attended densely by every head (its logits are `full`'s), then the streaming heads
+    are trimmed once to the first `sink` and the last `recent` tokens; decoding and streams
+    (`Engine.score`) apply the streaming mask per query as above. `prompt="stream"`: the
+    streaming mask applies during the prompt too (what this library did before; the authors'
+    training-time rule).
+
+    Defaults: sink 64, recent 256 (what the authors' evaluation scripts deploy: scripts/niah.sh
+    and scripts/longbench.sh pass --sink_size 64 --recent_size 256; their training script and
+    released patterns use sink 128), threshold 0.5 (their default), sparsity None.
 
     Deviations: (1) no learned gates: the pattern comes from a file or from our calibration
     (`evals.duo_calibrate`); (2) the streaming mask is exact per query, the authors' prefill
     kernels apply it in blocks; (3) the transient attention view pads streaming heads to the
     retrieval width, so compute is that of `full` (stored bytes are the method's); (4) no
-    tie-breaking noise when binarizing (see `heads_from_scores`).
+    tie-breaking noise when binarizing (see `heads_from_scores`); (5) at decode a streaming
+    head's query sees the sinks and the newest `recent` tokens, itself included; the authors'
+    decode step appends the new token to the sink + recent cached ones before trimming (one
+    token more).
     """
 
-    sink: int = 128
+    sink: int = 64
     recent: int = 256
     heads: tuple[int, ...] | None = None
     pattern: str | tuple = ""
     threshold: float = 0.5
     sparsity: float | None = None
+    prompt: Literal["dense", "stream"] = "dense"
     codec: Codec = Identity()
 
     def __post_init__(self):
         check_int("duo", "sink", self.sink, 0)
+        check_choice("duo", "prompt", self.prompt, ("dense", "stream"))
         check_int("duo", "recent", self.recent, 1)
         if isinstance(self.heads, list):
             object.__setattr__(self, "heads", tuple(self.heads))
@@ -225,6 +241,36 @@ class Duo(Policy):
              else SlotState(old.k[1], old.v[1], old.stream_pos))
         return DuoState(k=(r.k, s.k), v=(r.v, s.v), pos=r.pos, stream_pos=s.pos)
 
+    # -- the authors' prefill (prompt="dense") -----------------------------------------------------
+    def prompt_policy(self):
+        if self.prompt == "stream":
+            return self
+        return DuoPrompt(codec=self.codec, of=self)  # every head dense (keys stored as duo stores them)
+
+    def after_prompt(self, state):
+        """The dense prompt state (`full`'s slots, every head) split into the two groups: the
+        retrieval heads keep every slot, the streaming heads the first `sink` and the last
+        `recent` tokens, in `sink`'s ring layout."""
+        if self.prompt == "stream":
+            return state
+        kh = jax.tree.leaves(state.k)[0].shape[1]
+        ret, st = self._groups(kh)
+        pick = lambda tree, idx: jax.tree.map(lambda x: x[:, np.asarray(idx, np.int32)] if idx else x[:, :0, :0],  # noqa: E731
+                                              tree)
+        r_pos = state.pos if ret else state.pos[:, :, :0]
+        sink = self._sink()
+        w = sink.capacity(state.slots) if st else 0
+        ks, vs = pick(state.k, st), pick(state.v, st)  # [B, Ks, M, ...]
+        ring = SlotState(k=jax.tree.map(lambda x: jnp.zeros(x.shape[:2] + (w,) + x.shape[3:], x.dtype), ks),
+                         v=jax.tree.map(lambda x: jnp.zeros(x.shape[:2] + (w,) + x.shape[3:], x.dtype), vs),
+                         pos=jnp.full(state.pos.shape[:2] + (w,), EMPTY, jnp.int32))
+        if st:
+            pos = state.pos[:, 0]  # [B, M]
+            last = pos.max(axis=-1, keepdims=True)  # [B, 1]
+            keep = (pos >= 0) & ((pos < self.sink) | (pos > last - self.recent))
+            ring = scatter(ring, SlotState(ks, vs, state.pos), jnp.where(keep, sink._slot(pos, w), w))
+        return DuoState(k=(pick(state.k, ret), ring.k), v=(pick(state.v, ret), ring.v), pos=r_pos, stream_pos=ring.pos)
+
     # -- accounting ------------------------------------------------------------------------------
     def decode_reads(self, state, context):
         """Retrieval heads read min(M, context + 1) slots, streaming heads min(W, context + 1)."""
@@ -236,3 +282,12 @@ class Duo(Policy):
                 out[0] += tree_nbytes((k, v)) * filled // s
                 out[1] += tree_nbytes(p) * filled // s
         return out[0], out[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class DuoPrompt(Full):
+    """duo's prompt phase: `full` over every head. `of` (the layer's duo policy) only tells layers
+    with different head groups apart, so that the prompt phase's runs of equal layers are the
+    decode policies' runs (`after_prompt` splits each run's state by its own groups)."""
+
+    of: Policy | None = None

@@ -25,12 +25,16 @@ feeding tokens one by one (tested). R must be a multiple of G. (transformers' Qu
 instead quantizes the whole prompt at prefill and keeps no residual for it; their issues #34189
 and #35185.)
 
-What attention sees: every token is processed as a decode step (`per_token`: a chunk is a scan
-of single-token steps), so a query sees the cache as it stood before it (quantized or residual
-per the rule above) plus itself in full precision: the reference's decode step exactly, and the
-chunk size never changes a result. Deviation: the reference's prefill attends over a whole
-prompt in full precision before quantizing it; here prompt tokens are quantized as they stream
-in (the final state is the same, the prompt's own outputs see the quantized past).
+What attention sees. A fresh prompt (`prompt="dense"`, the default: the reference's prefill,
+`LlamaAttention_KIVI` in models/llama_kivi.py) is attended in full precision, as `full` does
+(its logits are full's), and quantized once afterwards by the rule above (`after_prompt`).
+Every later token, and every token of a stream (`Engine.score`), is a decode step (`per_token`:
+a chunk is a scan of single-token steps): a query sees the cache as it stood before it
+(quantized or residual per the rule above) plus itself in full precision, the reference's decode
+step exactly, and the chunk size never changes a result. `prompt="stream"` runs a fresh prompt
+through the decode step too (what this library did before): the rule leaves the same state for
+the same keys and values (tested), but from layer 1 on the keys and values differ, since the
+prompt's own outputs then see the quantized past (the final states are not the same).
 
 Keys are quantized after RoPE, rotated at their token positions, as the reference code does
 (`LlamaAttention_KIVI` in the authors' models/llama_kivi.py quantizes the key states after
@@ -51,7 +55,7 @@ Bytes per layer and sequence (sb = itemsize(scale_dtype), cb = itemsize(cache dt
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +63,7 @@ from jaxtyping import Array, Float, Int
 
 from kvpolicies.base import EMPTY, Policy, RopePositions, SlotState, View, check_choice, check_int
 from kvpolicies.codecs import Identity, check_scale_dtype, pack_bits, round_down, round_up, unpack_bits
+from kvpolicies.full import Full
 
 
 class KiviKeys(NamedTuple):
@@ -102,10 +107,12 @@ class Kivi(Policy):
     residual: int = 128
     scale_dtype: str = "float32"
     after_rope: bool = True  # the reference's order; False: keys quantized before RoPE (module doc)
+    prompt: Literal["dense", "stream"] = "dense"  # a fresh prompt in full precision, then quantized
 
     def __post_init__(self):
         if not isinstance(self.after_rope, bool):
             raise ValueError(f"kivi.after_rope={self.after_rope!r}: must be True or False")
+        check_choice("kivi", "prompt", self.prompt, ("dense", "stream"))
         check_choice("kivi", "bits", self.bits, (2, 4))
         check_int("kivi", "group", self.group, 1)
         check_int("kivi", "residual", self.residual, 1)
@@ -240,3 +247,63 @@ class Kivi(Policy):
             zero=vq.zero.at[:, at].set(zr, mode="drop"),
             res=res,
         )
+
+    # -- the reference's prefill (prompt="dense") ------------------------------------------------
+    def prompt_policy(self):
+        if self.prompt == "stream":
+            return self
+        return DensePrompt(rotated=self.after_rope, of=self)  # full precision, keys rotated as kivi stores them
+
+    def after_prompt(self, state):
+        """A dense prompt state (slot j holds token j, full precision) quantized by the residual
+        rule: keys j < R floor(n / R) per channel, values j < n - R per token, the rest residual."""
+        if self.prompt == "stream":
+            return state
+        self._check_dim(state.k.shape[-1])
+        n = (state.pos[:, 0] >= 0).sum(axis=-1).astype(jnp.int32)  # [B] prompt tokens
+        s = state.slots
+        rr = min(self.residual, s)
+        keys, vals = jax.vmap(lambda k, v, m: self._quantize_prompt(k, v, m, rr))(state.k, state.v, n)
+        return SlotState(k=keys, v=vals, pos=state.pos)
+
+    def _quantize_prompt(self, k: Float[Array, "K S D"], v: Float[Array, "K S D"], n: Int[Array, ""], rr: int
+                         ) -> tuple[KiviKeys, KiviValues]:
+        r, g = self.residual, self.group
+        kh, s, d = k.shape
+        sg = -(-s // g)
+        # keys: per channel over groups of G tokens; the first R floor(n / R) tokens (whole groups)
+        nq = r * (n // r)
+        kp = jnp.pad(k, ((0, 0), (0, sg * g - s), (0, 0)))  # [K, Sg*G, D]
+        q, sc, zr = quantize_asym(kp.reshape(kh, sg, g, d).swapaxes(2, 3), self.bits, self.scale_dtype)  # [K,Sg,D,G]
+        codes = pack_bits(q.swapaxes(2, 3).reshape(kh, sg * g, d), self.bits)  # [K, Sg*G, Dp]
+        row_q = (jnp.arange(sg * g) < nq)[None, :, None]
+        grp_q = (jnp.arange(sg) * g < nq)[None, :, None]
+        tok = nq + jnp.arange(rr)  # [Rr]: residual row i holds token nq + i
+        kres = jnp.where((tok < n)[None, :, None], jnp.take(k, jnp.minimum(tok, s - 1), axis=1), 0)  # [K, Rr, D]
+        keys = KiviKeys(codes=jnp.where(row_q, codes, 0).astype(jnp.uint8), scale=jnp.where(grp_q, sc, 0).astype(sc.dtype),
+                        zero=jnp.where(grp_q, zr, 0).astype(zr.dtype), res=kres.astype(k.dtype))
+        # values: per token over groups of G channels; tokens j < n - R, the newest min(n, R) in a ring
+        qv, scv, zrv = quantize_asym(v.reshape(kh, s, d // g, g), self.bits, self.scale_dtype)  # [K, S, Gd, G]
+        vcodes = pack_bits(qv.reshape(kh, s, d), self.bits)  # [K, S, Dp]
+        tok_q = (jnp.arange(s) < n - r)[None, :, None]
+        ring_tok = n - rr + (jnp.arange(rr) - (n - rr)) % rr  # [Rr]: the token of [n - Rr, n) at row i
+        vres = jnp.where((ring_tok >= 0)[None, :, None], jnp.take(v, jnp.maximum(ring_tok, 0), axis=1), 0)
+        vals = KiviValues(codes=jnp.where(tok_q, vcodes, 0).astype(jnp.uint8),
+                          scale=jnp.where(tok_q, scv, 0).astype(scv.dtype), zero=jnp.where(tok_q, zrv, 0).astype(zrv.dtype),
+                          res=vres.astype(v.dtype))
+        return keys, vals
+
+
+@dataclasses.dataclass(frozen=True)
+class DensePrompt(Full):
+    """kivi's prompt phase: `full`'s slots (token j in slot j, full precision), keys stored
+    rotated iff `rotated` (kivi's `after_rope`), so `after_prompt` quantizes them as kivi stores them.
+    `of` (the layer's kivi policy) keeps layers of different kivi settings in different runs, as
+    their decode policies are (the engine compresses run by run)."""
+
+    rotated: bool = True
+    of: Policy | None = None
+
+    @property
+    def rotated_keys(self):
+        return self.rotated

@@ -149,10 +149,14 @@ class Reconstruct(Policy):
     written into `extra["zip"]` [B, K, M] (see the module docstring); repeat queries at positions
     >= end are pads (`Engine` buckets the input's length) and score nothing. With `of=None`, a dense
     layer of another policy (full, a prompt phase) read without writing or scoring; `rotated`:
-    that layer stores its keys rotated (`Policy.rotated_keys`, e.g. full)."""
+    that layer stores its keys rotated (`Policy.rotated_keys`, e.g. full); `phase`: that layer's
+    prompt-phase policy, which only keeps layers of different prompt phases in different runs of
+    the pass, as they are in the prompt cache.
+    """
 
     of: KVzip | None = None
     rotated: bool = False
+    phase: Policy | None = None
 
     @property
     def observes(self):

@@ -172,7 +172,7 @@ def _recon_policy(p: Policy) -> Policy:
     if isinstance(p, PromptPhase) and p.of is not None and p.of.reconstructs:
         return p.of.reconstruction()
     if isinstance(p, (PromptPhase, Full)):
-        return Reconstruct(codec=p.codec, rotated=p.rotated_keys)
+        return Reconstruct(codec=p.codec, rotated=p.rotated_keys, phase=p)  # runs as the prompt cache's
     return p
 
 
@@ -246,12 +246,20 @@ def _is_ragged(tokens: Any) -> bool:
 
 class Engine:
     """Runs a `Llama` with a fixed per-layer policy tuple and maximum length (`decode_loop`: how
-    generation runs its decode steps, "layers" or "scan"; the module docstring)."""
+    generation runs its decode steps, "layers" or "scan"; the module docstring).
+
+    `policies`: one per layer (or runs of them, `policy_runs`), or one `Policy` for the whole
+    model, which the engine expands with `policy.stack(n_layers)`: itself in every layer, or a
+    model-level preset's layers (pyramidkv's per-depth budgets, quest's and knorm's dense first
+    layers, duo's per-layer head pattern). To run a preset's compressor in every layer instead,
+    pass the tuple `(policy,) * n_layers`."""
 
     def __init__(self, model: Llama, policies: Policy | Sequence[Policy], max_len: int, cache_dtype=None,
                  repeat: RepeatPrompts | None = None, rope_tables: bool = True, mesh=None,
                  decode_loop: str = "layers"):
         self.cfg = model.cfg
+        if isinstance(policies, Policy):  # one policy for the model: its per-layer stack (a model-level
+            policies = policies.stack(model.cfg.n_layers)  # preset: pyramidkv's budgets, quest's and knorm's dense layers)
         self.policies = tuple(p for a, b, p in policy_runs(policies, model.cfg.n_layers) for _ in range(b - a))
         # A fresh prompt is held by each policy's prompt phase, then `after_prompt` (once); the
         # same policies for streaming policies, a dense phase for prompt compressors (snapkv).

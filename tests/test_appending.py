@@ -150,7 +150,7 @@ def test_model_decode_step_does_not_copy_the_cache():
 
     model = Llama(LlamaConfig(vocab_size=97, d_model=32, n_layers=8, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=32))
     for pol in (kvpolicies.get("full"), kvpolicies.get("sink", n_sink=4, window=2044), kvpolicies.get("quest")):
-        eng = Engine(model, pol, max_len=2048)
+        eng = Engine(model, (pol,) * model.cfg.n_layers, max_len=2048)  # quest in every layer, not its preset
         cache = eng.init_cache(1)
         tok, pos = np.zeros((1, 1), np.int32), np.full((1, 1), 100, np.int32)
         mem = eng._logits_step.lower(eng.params, cache, tok, pos).compile().memory_analysis()

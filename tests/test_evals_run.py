@@ -114,7 +114,7 @@ def test_policy_options_are_derived_from_the_registry():
     files it replaced gave exactly these configs)."""
     assert not list((C.CONFIG_DIR / "policy").glob("*.yaml"))
     conf = C.validate(C.compose(["policy=h2o"]))
-    assert conf["policy"] == {"name": "h2o", "heavy": 256, "recent": 256, "codec": "none"}
+    assert conf["policy"] == {"name": "h2o", "heavy": 256, "recent": 256, "prompt": "dense", "codec": "none"}
     conf = C.validate(C.compose(["policy=snapkv", "codec=int4"]))
     assert conf["policy"] == {"name": "snapkv", "budget": 1024, "obs_window": 32, "kernel": 7, "max_new": 256,
                               "codec": "int4"}

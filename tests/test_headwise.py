@@ -283,15 +283,15 @@ def test_duo_stores_the_closed_form(codec):
         pol = kvpolicies.get("duo", codec=codec, heads=heads)
         kr, ks = sum(heads), kh - sum(heads)
         got = state_bytes(pol, kv_heads=kh, head_dim=d, max_len=max_len)
-        assert got.kv == 2 * head * (kr * max_len + ks * (128 + 256))
-        assert got.meta == 4 * ((max_len if kr else 0) + (128 + 256 if ks else 0))
+        assert got.kv == 2 * head * (kr * max_len + ks * (64 + 256))  # the default sink 64 + recent 256
+        assert got.meta == 4 * ((max_len if kr else 0) + (64 + 256 if ks else 0))
     full = state_bytes(kvpolicies.get("full"), kv_heads=kh, head_dim=d, max_len=max_len)
     assert state_bytes(kvpolicies.get("duo", heads=(1,) * kh), kv_heads=kh, head_dim=d, max_len=max_len) == full
     # a decode step reads every retrieval slot so far and the streaming ring
     ctx = 1000
     read = bytes_read_per_step(kvpolicies.get("duo", heads=(1, 0, 0, 1)), kv_heads=kh, head_dim=d, max_len=max_len,
                                context=ctx).read
-    assert read.kv == 2 * 2 * d * (2 * (ctx + 1) + 2 * 384) and read.meta == 4 * (ctx + 1 + 384)
+    assert read.kv == 2 * 2 * d * (2 * (ctx + 1) + 2 * 320) and read.meta == 4 * (ctx + 1 + 320)
 
 
 def test_duo_stack_runs_per_layer_patterns_in_the_engine():

@@ -135,7 +135,7 @@ def test_chunk_never_changes_a_result(name, tiny_model):
 
     pol = REFERENCES[name][0][0]
     tokens = np.random.default_rng(4).integers(0, 97, 43).astype(np.int32)  # 42 fed: 6 chunks of 7, one of 64
-    eng = Engine(tiny_model, pol, max_len=48)
+    eng = Engine(tiny_model, (pol,) * tiny_model.cfg.n_layers, max_len=48)  # the policy itself in every layer
     nll, states = {}, {}
     for c in (1, 7, 64):
         nll[c], states[c] = eng.score(tokens, chunk=c, return_cache=True)

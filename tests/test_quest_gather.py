@@ -188,7 +188,7 @@ def test_host_tier_engine_nll_equals_device_and_bytes_moved_per_step_are_the_clo
     then decode steps; the logits (so the NLL) equal the device cache's, the cache stays in host
     memory, and each decode step moves top_k pages x page x K x D x 2 x 4 bytes per layer."""
     pol = Quest(page=4, top_k=3)
-    eng = Engine(model(), pol, max_len=48)
+    eng = Engine(model(), (pol,) * CFG.n_layers, max_len=48)  # every layer (a bare Quest: its dense-layer preset)
     toks = np.random.default_rng(3).integers(0, 97, (1, 40)).astype(np.int32)
     caches = {"device": eng.init_cache(1), "host": offload.to_host(eng.init_cache(1))}
     nll = {}
