@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from einops import rearrange
 from jaxtyping import Array, Bool, Float, Int
 
-from kvpolicies import offload
+from kvpolicies import limits, offload
 from kvpolicies.base import Deferred, Policy, Seen, SlotState, View, check_codec, take_slots, write_deferred  # noqa: F401  (re-exported)
 from kvpolicies.rope import Rope, RopeTable
 
@@ -74,6 +74,10 @@ def attend(
     """One attention step through `policy`: returns the outputs and the policy's new state.
 
     q, k, v are un-rotated projections of the T new tokens at absolute positions `pos`.
+    Checked (kvpolicies.limits, docs/guide/checks.md): called eagerly, shapes, the state's layout
+    and positions raise ValueError (negative, not increasing, not after the state's, past a bounded
+    state's slots; an exhausted paged pool); inside jit, shapes raise and the outputs of queries at
+    such positions are NaN. Rings (window, sink) take any position by design.
     Inside `record_visible()`, steps traced there also report the most keys any query attended.
     defer: where the step's writes can wait (`Policy.defer`: the new tokens of a `View.append`
     with a `start`, plus any per-index fields of the policy's own, e.g. Quest's page bounds),
@@ -81,7 +85,12 @@ def attend(
     (`write_deferred`), e.g. a model after its layer loop, so the stored slots are never copied
     per layer (a single jitted step that writes into the state it reads makes XLA:CPU copy it).
     """
+    limits.check_step(policy, state, q, k, v, pos)  # shapes; positions and layout when concrete (eager)
     out, new_state, visible = _attend(policy, state, q, k, v, pos, rope, scale, defer)
+    if limits.concrete(state, pos):
+        limits.check_cache(new_state, "attend: ")  # an exhausted paged pool, as an error
+    else:  # inside a caller's jit: queries at positions the state cannot take give NaN
+        out = limits.poison(out, policy, state, pos)
     if _RECORDERS:
         jax.debug.callback(_report, visible)
     return out, new_state

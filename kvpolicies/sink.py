@@ -10,10 +10,11 @@ import jax.numpy as jnp
 
 from kvpolicies.base import Policy, RopePositions, check_choice, check_int, keys_rotated, ring_compact, ring_extend
 from kvpolicies.codecs import Codec, Identity
+from kvpolicies.limits import Ring
 
 
 @dataclasses.dataclass(frozen=True)
-class Sink(Policy):
+class Sink(Ring, Policy):
     """Query p sees keys j with j < n_sink or j > p - window (the window includes p itself).
 
     positions="cache" rotates keys by their rank in the cache and the query by its own rank
