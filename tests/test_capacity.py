@@ -70,8 +70,17 @@ def test_every_registered_policy_is_classified():
     assert limits.is_ring(kvpolicies.get("paged", block=4, window=5, n_sink=2))
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _jitted(pol, st, q, k, v, pos):
+    return attend(pol, st, q, k, v, pos, ROPE)
+
+
 @pytest.mark.parametrize("name", sorted(kvpolicies.POLICIES))
-def test_eager_attend_refuses_a_position_past_capacity_or_takes_it_unharmed(name):
+def test_a_position_past_capacity_is_refused_or_taken_unharmed(name):
+    """Eager: a bounded state refuses position L (ValueError); a ring or an evictor takes it with
+    the outputs of a state four times larger (nothing overwritten). Inside jit: NaN outputs at a
+    bounded state's position L and at a negative position, finite ones elsewhere. Eager again: a
+    negative, a repeated and an out-of-order position are refused by every policy."""
     pol = SMALL[name]
     q, k, v = qkv(L + 1, seed=1)
     _, st = fill(pol, L, q, k, v)
@@ -79,46 +88,25 @@ def test_eager_attend_refuses_a_position_past_capacity_or_takes_it_unharmed(name
     if name in BOUNDED:
         with pytest.raises(ValueError, match=rf"position {L} is past the capacity of this \w+ state"):
             attend(pol, st, *step, ROPE)
-        return
-    out, _ = attend(pol, st, *step, ROPE)  # a ring or an evictor: no error, and nothing overwritten
-    _, big = fill(pol, 4 * L, q, k, v)
-    ref, _ = attend(pol, big, *step, ROPE)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=0)
+    else:
+        out, _ = attend(pol, st, *step, ROPE)
+        _, big = fill(pol, 4 * L, q, k, v)
+        ref, _ = attend(pol, big, *step, ROPE)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=0)
 
-
-@pytest.mark.parametrize("name", sorted(kvpolicies.POLICIES))
-def test_eager_attend_refuses_negative_repeated_and_out_of_order_positions(name):
-    pol = SMALL[name]
-    q, k, v = qkv(4, seed=2)
-    st = pol.init(B, K, D, jnp.float32, L)
-    with pytest.raises(ValueError, match="negative position -1"):
-        attend(pol, st, q[:, :2], k[:, :2], v[:, :2], positions(-1, 1), ROPE)
-    with pytest.raises(ValueError, match="must increase within a step"):
-        attend(pol, st, q[:, :2], k[:, :2], v[:, :2], jnp.zeros((B, 2), jnp.int32), ROPE)
-    _, st = attend(pol, st, q[:, :2], k[:, :2], v[:, :2], positions(0, 2), ROPE)
-    if not isinstance(st, kvpolicies.POLICIES["paged"].__mro__[0]) and name != "paged":
-        with pytest.raises(ValueError, match="out of order: row 0 feeds position 1 but the state already holds "
-                                             "position 1"):
-            attend(pol, st, q[:, 2:3], k[:, 2:3], v[:, 2:3], positions(1, 2), ROPE)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _jitted(pol, st, q, k, v, pos):
-    return attend(pol, st, q, k, v, pos, ROPE)
-
-
-@pytest.mark.parametrize("name", sorted(kvpolicies.POLICIES))
-def test_inside_jit_bad_positions_give_nan_outputs_and_good_ones_are_unchanged(name):
-    pol = SMALL[name]
-    q, k, v = qkv(L + 1, seed=3)
-    _, st = fill(pol, L, q, k, v)
-    pos = jnp.asarray([[L], [-3]], jnp.int32)  # row 0 past the slots (an error only when bounded), row 1 negative
-    out, _ = _jitted(pol, st, q[:, L:], k[:, L:], v[:, L:], pos)
-    out = np.asarray(out)
+    pos = jnp.asarray([[L], [-3]], jnp.int32)  # row 0 past the slots (bad only when bounded), row 1 negative
+    out = np.asarray(_jitted(pol, st, *step[:3], pos)[0])
     assert np.isnan(out[1]).all()
-    assert np.isnan(out[0]).all() == (name in BOUNDED) and (np.isfinite(out[0]).all() or name in BOUNDED)
-    ok, _ = _jitted(pol, st, q[:, L:], k[:, L:], v[:, L:], positions(L - 1, L) * 0 + L - 1)  # a valid position
-    assert np.isfinite(np.asarray(ok)).all()
+    assert np.isnan(out[0]).all() if name in BOUNDED else np.isfinite(out[0]).all()
+
+    with pytest.raises(ValueError, match="negative position -1"):
+        attend(pol, st, *step[:3], positions(-1, 0), ROPE)
+    with pytest.raises(ValueError, match="must increase within a step"):
+        attend(pol, st, q[:, :2], k[:, :2], v[:, :2], jnp.full((B, 2), L, jnp.int32), ROPE)
+    if name != "paged":  # a pool's positions are not per row (its block table is; see test_paged)
+        with pytest.raises(ValueError, match=f"out of order: row 0 feeds position {L - 1} but the state already "
+                                             f"holds position {L - 1}"):
+            attend(pol, st, *step[:3], positions(L - 1, L), ROPE)
 
 
 def test_the_issue_example_full_at_128_fed_140_tokens():
