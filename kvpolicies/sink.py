@@ -58,7 +58,7 @@ class Sink(Ring, Policy):
 
     def _slot(self, pos, capacity):
         # The ring first, then the sinks (slots ring .. ring + n_sink - 1): every block of a chunk's
-        # blocked attention (`attend.BLOCK` slots from slot 0) then holds window keys only, read with
+        # blocked attention (`Tuning.block` slots from slot 0) then holds window keys only, read with
         # one query rotation instead of a logits matmul per RoPE segment and a select. Token p of
         # the window is in ring slot p mod ring (the live window is `ring` consecutive tokens, so
         # they never share a slot), so chunks at multiples of a block start at a block's edge.
