@@ -6,11 +6,11 @@
 - keys stored rotated (`Policy.rotated_keys`) vs stored un-rotated and rotated at every read: ms
   per decode step at position N - 40 (host loop of jitted steps; an empty cache: a decode step
   reads every slot of its length bucket whatever it holds);
-- a chunk attended block by block (`kvpolicies.attend.BLOCK` = 512 slots, online softmax) vs in
+- a chunk attended block by block (`Tuning.block` = 512 slots, online softmax) vs in
   one piece: seconds of one 512-token chunk step ending at N - 64 over a cache filled with random
   keys and values at every earlier position, and XLA's temporaries of the compiled step
   (`memory_analysis().temp_size_in_bytes`);
-- the same chunk with its blocks checked against what the queries see (`attend.SKIP_BLOCKS`:
+- the same chunk with its blocks checked against what the queries see (`Tuning.skip_blocks`:
   unseen blocks skipped, wholly seen ones unmasked) vs every block masked;
 - with `--prefill`, the same two ways for `Engine.prefill` of N - 64 random ids in chunks of 512
   (tokens/s, medians of 2 rounds): there the stored part past the filled length is skipped;
@@ -19,7 +19,7 @@
   sink's slot layout (the ring first, the sinks last: no block holds a sink) against its layout
   before (the sinks first: the first block of every chunk holds them, and computes both
   segments' logits); a steady-state sink chunk (512 tokens at a full window, timed alone, 2 x
-  `--rounds` rounds) with its blocks' softmax over flat rows (`attend.FLAT_ROWS`) vs over
+  `--rounds` rounds) with its blocks' softmax over flat rows (`Tuning.flat_rows`) vs over
   [B, K, G, T, S]; and a `sink` 4 + 1,020 decode step, keys stored rotated vs un-rotated;
 - with `--prompt`, snapkv's prompt phase (blocks, its newest 32 rows in one piece) vs one piece:
   seconds of `Engine.prompt` over N - 64 random ids in chunks of 512 (medians of 2 rounds).
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 import time
 
@@ -44,7 +43,14 @@ import numpy as np
 import kvpolicies
 from models.engine import Engine
 
-attend_mod = importlib.import_module("kvpolicies.attend")  # the module (kvpolicies.attend is the function)
+from kvpolicies.attention import DEFAULT, Tuning
+from models.llama import with_tuning
+
+
+def tuned(model, **kw):
+    """The model with its attention tuning changed in the fields kw (its weights shared): an engine
+    over it compiles its own steps (the tuning is part of the model's static config)."""
+    return with_tuning(model, dataclasses.replace(model.cfg.attention or DEFAULT, **kw))
 
 
 def unrotated(pol: kvpolicies.Policy) -> kvpolicies.Policy:
@@ -126,24 +132,19 @@ def chunk_blocks(model, slots: int, chunk: int, rounds: int) -> list[dict]:
     ids = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (1, chunk)).astype(np.int32)
     pos = jnp.broadcast_to(jnp.arange(start, start + chunk, dtype=jnp.int32), (1, chunk))
     runs, temps = {}, {}
-    for label, block, skip in (("blocked", attend_mod.BLOCK, True), ("whole", 1 << 40, True),
-                               ("every block masked", attend_mod.BLOCK, False)):
-        old = attend_mod.BLOCK, attend_mod.SKIP_BLOCKS  # read when a step is traced (first call below)
-        attend_mod.BLOCK, attend_mod.SKIP_BLOCKS = block, skip
-        try:
-            eng, box = Engine(model, kvpolicies.get("full"), max_len=slots), {}
-            box["cache"] = filled(eng.init_cache(1), start)
-            reach = eng._reach(start + chunk, chunk)
-            temps[label] = eng._logits_step.lower(eng.params, box["cache"], jnp.asarray(ids), pos, reach=reach) \
-                .compile().memory_analysis().temp_size_in_bytes
+    block = (model.cfg.attention or DEFAULT).block
+    for label, blk, skip in (("blocked", block, True), ("whole", 1 << 40, True), ("every block masked", block, False)):
+        eng, box = Engine(tuned(model, block=blk, skip_blocks=skip), kvpolicies.get("full"), max_len=slots), {}
+        box["cache"] = filled(eng.init_cache(1), start)
+        reach = eng._reach(start + chunk, chunk)
+        temps[label] = eng._logits_step.lower(eng.params, box["cache"], jnp.asarray(ids), pos, reach=reach) \
+            .compile().memory_analysis().temp_size_in_bytes
 
-            def run(eng=eng, box=box):
-                logits, box["cache"] = eng._step(box["cache"], ids, start)
-                jax.block_until_ready(logits)
+        def run(eng=eng, box=box):
+            logits, box["cache"] = eng._step(box["cache"], ids, start)
+            jax.block_until_ready(logits)
 
-            run()  # trace with this BLOCK
-        finally:
-            attend_mod.BLOCK, attend_mod.SKIP_BLOCKS = old
+        run()  # trace with this tuning
         runs[label] = run
     t = _alternate(runs, rounds)
     m = "every block masked"
@@ -161,16 +162,12 @@ def prefill_skip(model, slots: int, chunk: int, rounds: int) -> dict:
     ids = np.random.default_rng(2).integers(0, model.cfg.vocab_size, (1, slots - 64)).astype(np.int32)
     runs = {}
     for label, skip in (("new", True), ("old", False)):
-        old, attend_mod.SKIP_BLOCKS = attend_mod.SKIP_BLOCKS, skip
-        try:
-            eng = Engine(model, kvpolicies.get("full"), max_len=slots)
+        eng = Engine(tuned(model, skip_blocks=skip), kvpolicies.get("full"), max_len=slots)
 
-            def run(eng=eng):
-                jax.block_until_ready(eng.prefill(ids, chunk=chunk)[0])
+        def run(eng=eng):
+            jax.block_until_ready(eng.prefill(ids, chunk=chunk)[0])
 
-            run()  # trace every bucket with this setting
-        finally:
-            attend_mod.SKIP_BLOCKS = old
+        run()  # trace every bucket with this setting
         runs[label] = run
     t = _alternate(runs, rounds)
     n = ids.shape[1]
@@ -183,17 +180,13 @@ def prompt_blocks(model, slots: int, chunk: int, rounds: int) -> dict:
     `Engine.prompt` over slots - 64 random ids in chunks of `chunk`."""
     ids = np.random.default_rng(1).integers(0, model.cfg.vocab_size, (1, slots - 64)).astype(np.int32)
     runs = {}
-    for label, block in (("blocked", attend_mod.BLOCK), ("whole", 1 << 40)):
-        old, attend_mod.BLOCK = attend_mod.BLOCK, block
-        try:
-            eng = Engine(model, kvpolicies.get("snapkv", budget=min(1024, slots // 4)), max_len=slots)
+    for label, block in (("blocked", (model.cfg.attention or DEFAULT).block), ("whole", 1 << 40)):
+        eng = Engine(tuned(model, block=block), kvpolicies.get("snapkv", budget=min(1024, slots // 4)), max_len=slots)
 
-            def run(eng=eng):
-                jax.block_until_ready(eng.prompt(ids, chunk=chunk).logits)
+        def run(eng=eng):
+            jax.block_until_ready(eng.prompt(ids, chunk=chunk).logits)
 
-            run()  # trace every bucket with this BLOCK
-        finally:
-            attend_mod.BLOCK = old
+        run()  # trace every bucket with this block
         runs[label] = run
     t = _alternate(runs, rounds)
     return {"measure": "snapkv prompt s", "slots": slots, "new": t["blocked"], "old": t["whole"],
@@ -209,16 +202,12 @@ def sink_score(model, tokens: int, chunk: int, rounds: int, window: int = 4096) 
     pol = kvpolicies.get("sink", n_sink=4, window=window)
     runs = {}
     for label, skip, p in (("new", True, pol), ("old", False, pol), ("sinks first", True, sinks_first(pol))):
-        old, attend_mod.SKIP_BLOCKS = attend_mod.SKIP_BLOCKS, skip
-        try:
-            eng = Engine(model, p, max_len=tokens)
+        eng = Engine(tuned(model, skip_blocks=skip), p, max_len=tokens)
 
-            def run(eng=eng):
-                eng.score(ids, chunk=chunk)
+        def run(eng=eng):
+            eng.score(ids, chunk=chunk)
 
-            run()  # trace with this setting
-        finally:
-            attend_mod.SKIP_BLOCKS = old
+        run()  # trace with this setting
         runs[label] = run
     t = _alternate(runs, rounds)
     first = "sinks first"
@@ -231,20 +220,16 @@ def sink_score(model, tokens: int, chunk: int, rounds: int, window: int = 4096) 
 def softmax_rows(model, window: int, chunk: int, rounds: int) -> dict:
     """Seconds of one steady-state `sink` chunk (4 sinks + `window`, the default command's policy):
     `chunk` random ids at position window + chunk, after a prefill of that many, its blocks' softmax
-    over [(B K G tq), s] rows (`attend.FLAT_ROWS`) vs over [B, K, G, tq, s]. Each round times the
+    over [(B K G tq), s] rows (`Tuning.flat_rows`) vs over [B, K, G, tq, s]. Each round times the
     step alone, on a fresh copy of the same cache; `max_logit_diff`: the two steps' logits."""
     start = window + chunk
     ids = np.random.default_rng(4).integers(0, model.cfg.vocab_size, (1, start + chunk)).astype(np.int32)
     pol = kvpolicies.get("sink", n_sink=4, window=window)
     runs, logits = {}, {}
     for label, flat in (("new", True), ("old", False)):
-        old, attend_mod.FLAT_ROWS = attend_mod.FLAT_ROWS, flat
-        try:
-            eng = Engine(model, pol, max_len=start + chunk)
-            _, cache = eng.prefill(ids[:, :start], chunk=chunk, cache=eng.init_cache(1))
-            logits[label], _ = eng.step(jax.tree.map(jnp.copy, cache), ids[:, start:], start)  # traced here
-        finally:
-            attend_mod.FLAT_ROWS = old
+        eng = Engine(tuned(model, flat_rows=flat), pol, max_len=start + chunk)
+        _, cache = eng.prefill(ids[:, :start], chunk=chunk, cache=eng.init_cache(1))
+        logits[label], _ = eng.step(jax.tree.map(jnp.copy, cache), ids[:, start:], start)  # traced here
 
         def run(eng=eng, cache=cache):
             fresh = jax.block_until_ready(jax.tree.map(jnp.copy, cache))  # copied outside the timed step
@@ -281,38 +266,34 @@ def main(argv=None) -> list[dict]:
         model = Llama(LlamaConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                                   d_ff=32))
         slots, chunk, steps, rounds = [96], 16, 2, 1
-        old, attend_mod.BLOCK = attend_mod.BLOCK, 8
+        model = with_tuning(model, Tuning(block=8))
     else:
         from models.loading import load_default_model
 
         model, _ = load_default_model()
         slots, chunk, steps, rounds = args.slots, 512, args.steps, args.rounds
-        old = attend_mod.BLOCK
     rows = []
-    try:
-        if args.sink:
-            window = 24 if args.dry_run else 4096
-            sink_rows = sink_score(model, args.sink, chunk, min(rounds, 2), window)
-            sink_rows.append(softmax_rows(model, window, chunk, 2 * rounds))
-            sink_slots = 64 if args.dry_run else 1024
-            decode = decode_rotation(model, 4 * sink_slots, steps, rounds,  # max_len: 4 x its slots
-                                     kvpolicies.get("sink", n_sink=4, window=sink_slots - 4),
-                                     f", sink 4+{sink_slots - 4} at position {4 * sink_slots - 40}")
-            sink_rows.append(decode | {"slots": sink_slots})
-            for row in sink_rows:
-                print(json.dumps(row), flush=True)
-                rows.append(row)
-        for n in slots:
-            rows_n = [decode_rotation(model, n, steps, rounds)] + chunk_blocks(model, n, chunk, rounds)
-            if args.prompt:
-                rows_n.append(prompt_blocks(model, n, chunk, min(rounds, 2)))
-            if args.prefill:
-                rows_n.append(prefill_skip(model, n, chunk, min(rounds, 2)))
-            for row in rows_n:
-                print(json.dumps(row), flush=True)
-                rows.append(row)
-    finally:
-        attend_mod.BLOCK = old
+    if args.sink:
+        window = 24 if args.dry_run else 4096
+        sink_rows = sink_score(model, args.sink, chunk, min(rounds, 2), window)
+        sink_rows.append(softmax_rows(model, window, chunk, 2 * rounds))
+        sink_slots = 64 if args.dry_run else 1024
+        decode = decode_rotation(model, 4 * sink_slots, steps, rounds,  # max_len: 4 x its slots
+                                 kvpolicies.get("sink", n_sink=4, window=sink_slots - 4),
+                                 f", sink 4+{sink_slots - 4} at position {4 * sink_slots - 40}")
+        sink_rows.append(decode | {"slots": sink_slots})
+        for row in sink_rows:
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    for n in slots:
+        rows_n = [decode_rotation(model, n, steps, rounds)] + chunk_blocks(model, n, chunk, rounds)
+        if args.prompt:
+            rows_n.append(prompt_blocks(model, n, chunk, min(rounds, 2)))
+        if args.prefill:
+            rows_n.append(prefill_skip(model, n, chunk, min(rounds, 2)))
+        for row in rows_n:
+            print(json.dumps(row), flush=True)
+            rows.append(row)
     return rows
 
 

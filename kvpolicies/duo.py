@@ -38,6 +38,7 @@ from kvpolicies.base import (EMPTY, Policy, RopePositions, SlotState, View, chec
                              keys_rotated, scatter, tree_nbytes)
 from kvpolicies.codecs import Codec, Identity
 from kvpolicies.full import Full
+from kvpolicies.limits import Bounded
 from kvpolicies.sink import Sink
 
 
@@ -87,7 +88,7 @@ def heads_from_scores(scores: np.ndarray, threshold: float = 0.5, sparsity: floa
 
 
 @dataclasses.dataclass(frozen=True)
-class Duo(Policy):
+class Duo(Bounded, Policy):
     """Retrieval kv heads (heads[h] = 1) see every token; streaming heads (0) see the first `sink`
     tokens and the newest `recent` (the query itself included: key j visible to query p iff
     j < sink or j > p - recent, the authors' streaming mask), at their text positions (the
@@ -189,6 +190,10 @@ class Duo(Policy):
         if self.heads is not None and not any(self.heads):
             return self._sink().capacity(max_len)
         return max_len
+
+    def limit(self, state):
+        """Retrieval heads hold token i in slot i (`Bounded`); without any, duo is a ring."""
+        return int(state.pos.shape[-1]) or None
 
     def init(self, batch, kv_heads, head_dim, dtype, max_len):
         ret, st = self._groups(kv_heads)

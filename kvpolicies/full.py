@@ -6,10 +6,11 @@ import dataclasses
 
 from kvpolicies.base import Policy, append_view, encode_new, keys_rotated, write_at
 from kvpolicies.codecs import Codec, Identity
+from kvpolicies.limits import Bounded
 
 
 @dataclasses.dataclass(frozen=True)
-class Full(Policy):
+class Full(Bounded, Policy):
     """The dense baseline: slot i holds token i. New tokens are written in place (any T)."""
 
     codec: Codec = Identity()

@@ -71,6 +71,7 @@ from jaxtyping import Array, Float, Int
 from kvpolicies.base import EMPTY, Policy, SlotState, View, check_choice, check_int, concat, encode_new, tree_nbytes, \
     view_of
 from kvpolicies.codecs import Codec, Identity
+from kvpolicies.limits import Bounded
 
 
 @jax.tree_util.register_dataclass
@@ -88,7 +89,7 @@ class PagedState:
 
 
 @dataclasses.dataclass(frozen=True)
-class Paged(Policy):
+class Paged(Bounded, Policy):
     """Paged storage of `full` (window=None), `window` (n_sink=0) or `sink` (StreamingLLM, both
     position modes): the same visibility and RoPE as the dense policy, stored in blocks of
     `block` tokens from a pool of `blocks` blocks per layer (None: batch x blocks a row needs)."""
@@ -142,6 +143,15 @@ class Paged(Policy):
     def capacity(self, max_len: int) -> int:
         """Slots one sequence can hold at once (its peak blocks x block)."""
         return self.blocks_per_row(max_len) * self.block
+
+    @property
+    def ring_buffer(self) -> bool:
+        """With a window, the table's ring entries are reused: any position fits (`limits.Ring`)."""
+        return self.window is not None
+
+    def limit(self, state: PagedState) -> int | None:
+        """`full` layout: entry j holds positions [j*blk, (j+1)*blk), so M*blk positions (`Bounded`)."""
+        return None if self.window is not None else int(state.table.shape[-1]) * self.block
 
     def pool_blocks(self, batch: int, max_len: int) -> int:
         return batch * self.blocks_per_row(max_len) if self.blocks is None else self.blocks
@@ -285,12 +295,19 @@ def fork(cache: PagedState | tuple[PagedState, ...], rows: Sequence[int]) -> Pag
     """Row b of the result is row rows[b] of `cache` (beam search's reorder, best-of-N, several
     queries over one prompt): tables are copied, blocks shared, refcounts recomputed; a row left
     out releases its blocks. No key or value is copied (a write into a shared block copies it).
-    The pool arrays are the input's (a jitted step that donates the result invalidates both)."""
-    idx = jnp.asarray(np.asarray(rows, np.int32))
+    The pool arrays are the input's (a jitted step that donates the result invalidates both).
+    `rows`: a non-empty sequence of ints in [0, B) (ValueError otherwise)."""
+    arr = np.asarray(rows)
+    if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"fork: rows must be a non-empty sequence of row indices, got {rows!r}")
+    idx = jnp.asarray(arr.astype(np.int32))
 
     def one(st):
         if not isinstance(st, PagedState):
             raise ValueError(f"fork: a paged cache, got {type(st).__name__}")
+        b = st.table.shape[-2]
+        if arr.min() < 0 or arr.max() >= b:
+            raise ValueError(f"fork: rows {arr.tolist()} must be in [0, {b}) (the cache has {b} rows)")
         table = jnp.take(st.table, idx, axis=-2)  # [..., B', M]
         return dataclasses.replace(st, table=table, refs=count_refs(table, st.refs.shape[-1]))
 

@@ -28,6 +28,7 @@ from jaxtyping import Array, Float, Int
 
 from kvpolicies.base import (Policy, SlotState, check_int, empty_slots, encode_new, head_slots, put_head, view_of,
                              write_at)
+from kvpolicies.limits import Bounded
 
 
 @jax.tree_util.register_dataclass
@@ -49,7 +50,7 @@ class PromptState(SlotState):
 
 
 @dataclasses.dataclass(frozen=True)
-class PromptPhase(Policy):
+class PromptPhase(Bounded, Policy):
     """Dense prompt storage for the prompt compressor `of` (its codec, its observation window,
     what else it collects: column sums, query statistics)."""
 

@@ -77,6 +77,7 @@ from kvpolicies.base import (Deferred, Policy, SlotState, append_view, check_int
                              write_deferred)
 from kvpolicies.codecs import Codec, Identity
 from kvpolicies.full import Full
+from kvpolicies.limits import Bounded
 
 
 @jax.tree_util.register_dataclass
@@ -92,7 +93,7 @@ class QuestState(SlotState):
 
 
 @dataclasses.dataclass(frozen=True)
-class Quest(Policy):
+class Quest(Bounded, Policy):
     """All tokens kept; a decode query reads its own page plus the `top_k - 1` highest-bound pages
     before it (`top_k` pages in all); a fresh prompt is dense (`prompt_policy()`)."""
 

@@ -10,10 +10,11 @@ import jax.numpy as jnp
 
 from kvpolicies.base import Policy, RopePositions, check_choice, check_int, keys_rotated, ring_compact, ring_extend
 from kvpolicies.codecs import Codec, Identity
+from kvpolicies.limits import Ring
 
 
 @dataclasses.dataclass(frozen=True)
-class Sink(Policy):
+class Sink(Ring, Policy):
     """Query p sees keys j with j < n_sink or j > p - window (the window includes p itself).
 
     positions="cache" rotates keys by their rank in the cache and the query by its own rank
@@ -57,7 +58,7 @@ class Sink(Policy):
 
     def _slot(self, pos, capacity):
         # The ring first, then the sinks (slots ring .. ring + n_sink - 1): every block of a chunk's
-        # blocked attention (`attend.BLOCK` slots from slot 0) then holds window keys only, read with
+        # blocked attention (`Tuning.block` slots from slot 0) then holds window keys only, read with
         # one query rotation instead of a logits matmul per RoPE segment and a select. Token p of
         # the window is in ring slot p mod ring (the live window is `ring` consecutive tokens, so
         # they never share a slot), so chunks at multiples of a block start at a block's edge.

@@ -6,10 +6,11 @@ import dataclasses
 
 from kvpolicies.base import Policy, check_int, keys_rotated, ring_compact, ring_extend
 from kvpolicies.codecs import Codec, Identity
+from kvpolicies.limits import Ring
 
 
 @dataclasses.dataclass(frozen=True)
-class Window(Policy):
+class Window(Ring, Policy):
     """Each query sees the newest `window` tokens, itself included (k_pos > q_pos - window).
 
     RoPE sees text positions. The visible keys are contiguous, so rotating them by rank in the

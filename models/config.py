@@ -71,6 +71,9 @@ class LlamaConfig:
     layer_types: tuple[str, ...] = ()  # per layer "global" or "local" (sliding window); () = all global
     sliding_window: int | None = None  # tokens a local layer sees, itself included
     rope_theta_local: float | None = None  # RoPE base of the local layers; None: rope_theta
+    # how attention runs its steps (kvpolicies.attention.Tuning: blocks, skipping; never what it
+    # computes); static, so an engine over a model with another one compiles its own steps. None: defaults
+    attention: Any = None
 
     def __post_init__(self):
         for f in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff"):

@@ -57,6 +57,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 from tqdm.auto import tqdm
 
+from kvpolicies import limits
 from kvpolicies.attend import Deferred, recording, write_deferred
 from kvpolicies.base import Policy, SlotState
 from kvpolicies.full import Full
@@ -183,6 +184,25 @@ def _check_int(name: str, value: Any, lo: int) -> int:
     raise ValueError(f"{name}={value!r}: must be an int >= {lo}")
 
 
+def check_policies(policies: Any) -> None:
+    """TypeError unless `policies` is a Policy or a sequence of Policy (one per layer)."""
+    seq = isinstance(policies, Sequence) and not isinstance(policies, str)
+    if isinstance(policies, Policy) or (seq and len(policies) and all(isinstance(p, Policy) for p in policies)):
+        return
+    hint = f" (build it with kvpolicies.get({policies!r}))" if isinstance(policies, str) else ""
+    bad = next((p for p in policies if not isinstance(p, Policy)), None) if seq and len(policies) else policies
+    raise TypeError(f"Engine policies: expected a Policy or a sequence of Policy (one per layer), got "
+                    f"{type(bad).__name__} {bad!r}{hint}")
+
+
+def _check_pool(cache: Any) -> Any:
+    """`cache`, after a ValueError if a paged pool in it was exhausted (a host sync, only for a
+    cache that can exhaust: a paged one)."""
+    if limits.can_exhaust(cache):
+        limits.check_cache(cache, "Engine: ")
+    return cache
+
+
 def _where(index: tuple[int, ...]) -> str:
     return f"position {index[0]}" if len(index) == 1 else f"row {index[0]}, position {index[1]}"
 
@@ -258,6 +278,7 @@ class Engine:
                  repeat: RepeatPrompts | None = None, rope_tables: bool = True, mesh=None,
                  decode_loop: str = "layers"):
         self.cfg = model.cfg
+        check_policies(policies)
         if isinstance(policies, Policy):  # one policy for the model: its per-layer stack (a model-level
             policies = policies.stack(model.cfg.n_layers)  # preset: pyramidkv's budgets, quest's and knorm's dense layers)
         self.policies = tuple(p for a, b, p in policy_runs(policies, model.cfg.n_layers) for _ in range(b - a))
@@ -415,8 +436,11 @@ class Engine:
         engine on a mesh). fork: `cache` must stay usable (the scan donates it)."""
         reach = self._reach(end)
         if self.decode_loop == "layers" and self.placement is None:
-            return self._decode_layers(cache, first, pos, n, reach)[0]
-        return self._decode_n(self.params, _fork(cache) if fork else cache, first, pos, n, reach)[0]
+            out, states = self._decode_layers(cache, first, pos, n, reach)
+        else:
+            out, states = self._decode_n(self.params, _fork(cache) if fork else cache, first, pos, n, reach)
+        _check_pool(states)
+        return out
 
     def _recon_impl(self, params, cache, tokens, pos):
         """The cache after one repeat input through the reconstruction policies (kvzip layers'
@@ -503,19 +527,25 @@ class Engine:
         """The jitted step on checked tokens [B, T] at positions start..start+T-1."""
         tokens = jnp.asarray(tokens, jnp.int32)
         pos = jnp.broadcast_to(jnp.arange(start, start + tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        return self._logits_step(self.params, cache, tokens, pos, prompt=prompt,
-                                 reach=self._reach(start + tokens.shape[1], tokens.shape[1], prompt))
+        logits, cache = self._logits_step(self.params, cache, tokens, pos, prompt=prompt,
+                                          reach=self._reach(start + tokens.shape[1], tokens.shape[1], prompt))
+        return logits, _check_pool(cache)
 
     def step(self, cache: Cache, tokens, start: int):
         """Feed tokens [B, T] at positions start..start+T-1; returns last logits [B, V] and cache.
 
         Host tokens (numpy, lists) are checked id by id; a jax array (e.g. the argmax of the
-        previous step) is checked for shape and integer dtype only, so decoding never waits on it.
+        previous step) is checked for shape and dtype, and its range on the device (one scalar
+        read back: the step waits for the ids, not for their values on the host).
         """
         start = _check_int("start", start, 0)
         if isinstance(tokens, jax.Array):
             if not jnp.issubdtype(tokens.dtype, jnp.integer) or tokens.ndim != 2:
                 raise ValueError(f"tokens: expected integer ids of shape [B, T], got {tokens.dtype} {tokens.shape}")
+            if tokens.size and bool(((tokens < 0) | (tokens >= self.cfg.vocab_size)).any()):
+                lo, hi = int(tokens.min()), int(tokens.max())
+                raise ValueError(f"tokens: ids must be in the vocabulary [0, {self.cfg.vocab_size}), got ids from "
+                                 f"{lo} to {hi}")
         else:
             tokens = self._tokens(tokens, "tokens", (2,))
         t = tokens.shape[1]
@@ -792,6 +822,7 @@ class Engine:
             out.append(np.asarray(nll)[:, :e - s])
             bar.update(e - s)
         bar.close()
+        _check_pool(cache)
         res = np.concatenate(out, axis=1)
         res = res[0] if squeeze else res
         return (res, cache) if return_cache else res

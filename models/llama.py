@@ -117,7 +117,7 @@ def block(cfg: LlamaConfig, policy: Policy, rope: Rope | RopeTable, w: dict, x, 
         q, k = rms_norm(q, w["q_norm"], cfg.norm_eps), rms_norm(k, w["k_norm"], cfg.norm_eps)
     # defer: a step that only appends returns its new slots, which `hidden` writes after the
     # layer loop (the stored cache is then read in place, not copied through the scan)
-    o, state = attend(policy, state, q, k, v, pos, rope, cfg.attn_scale, defer=True)  # [B, T, N, D]
+    o, state = attend(policy, state, q, k, v, pos, rope, cfg.attn_scale, defer=True, tuning=cfg.attention)  # [B, T, N, D]
     o = o.reshape(B, T, -1) @ w["wo"]  # [B, T, d]
     if cfg.post_norms:
         o = rms_norm(o, w["post_attn_norm"], cfg.norm_eps)
@@ -128,6 +128,17 @@ def block(cfg: LlamaConfig, policy: Policy, rope: Rope | RopeTable, w: dict, x, 
     if cfg.post_norms:
         m = rms_norm(m, w["post_mlp_norm"], cfg.norm_eps)
     return x + m, state
+
+
+def with_tuning(model: "Llama", tuning) -> "Llama":
+    """The same model (its weights shared, not copied) whose attention runs with `tuning`
+    (`kvpolicies.attention.Tuning`): an Engine over it compiles its own steps."""
+    import dataclasses
+
+    graphdef, state = nnx.split(model)
+    out = nnx.merge(graphdef, state)
+    out.cfg = dataclasses.replace(model.cfg, attention=tuning)
+    return out
 
 
 class Llama(nnx.Module):

@@ -275,21 +275,21 @@ def test_attention_ab_dry_run_compares_each_choice_with_the_path_it_replaced():
                                             "prefill tok/s, blocks by visibility"]
     assert all(r["new"] > 0 and r["old"] > 0 for r in rows[:2] + rows[3:])
     assert rows[2]["old"] > rows[2]["new"]  # 96 slots in blocks of 8: the blocked step holds less
-    assert attention_ab.attend_mod.BLOCK == 512 and attention_ab.attend_mod.SKIP_BLOCKS  # restored after the run
-    assert attention_ab.attend_mod.FLAT_ROWS
+    import importlib
+
+    assert not hasattr(importlib.import_module("kvpolicies.attend"), "BLOCK")  # no module-level switch to change
 
 
 def test_sink_chunk_profile_names_the_blocks_ops_with_their_shapes(monkeypatch):
     """benchmarks.decode_profile --sink-chunk on the tiny model (blocks of 8 slots): a steady-state
     chunk's costliest ops from the profiler, each with its compiled shape; a block's logits
-    [K, G x tile, BLOCK] and its exponentials over [(K G tile), BLOCK] rows are among them (a chunk
-    of 16 tokens attends in query tiles of BLOCK = 8)."""
-    import importlib
-
+    [K, G x tile, block] and its exponentials over [(K G tile), block] rows are among them (a chunk
+    of 16 tokens attends in query tiles of block = 8)."""
     from benchmarks import decode_profile
+    from kvpolicies.attention import Tuning
+    from models.llama import with_tuning
 
-    monkeypatch.setattr(importlib.import_module("kvpolicies.attend"), "BLOCK", 8)
-    row = decode_profile.sink_chunk(Llama(CFG), 24, 16, 2, 200)
+    row = decode_profile.sink_chunk(with_tuning(Llama(CFG), Tuning(block=8)), 24, 16, 2, 200)
     assert row["position"] == 40 and row["step_s"] > 0 and row["ops"]
     assert all(op["ms"] >= 0 and op["calls"] >= 1 for op in row["ops"])
     shapes = {op["shape"].split("{")[0] for op in row["ops"]}

@@ -1,4 +1,4 @@
-"""Blocked attention for chunks: a chunk (T > 1) over more than `attend.BLOCK` stored slots folds
+"""Blocked attention for chunks: a chunk (T > 1) over more than `Tuning.block` stored slots folds
 them block by block into an online softmax instead of materialising its [B, K, G, T, S] logits.
 
 References: every registered policy's independent reference (the registry matrix of
@@ -20,13 +20,25 @@ import kvpolicies
 from helpers import run_policy
 from test_policies import REFERENCES, ROPE, qkv
 
-attend_mod = importlib.import_module("kvpolicies.attend")  # the module (kvpolicies.attend is the function)
+from kvpolicies.attention import Tuning
+
+step_mod = importlib.import_module("kvpolicies.attention.step")
+blocked_mod = importlib.import_module("kvpolicies.attention.blocked")
 
 
-def fresh_step():
-    """A jitted attention step that traces anew (BLOCK is read when a step is traced)."""
+def fresh_step(block=512, skip_blocks=True):
+    """A jitted attention step with its own tuning (static: a fresh trace per setting)."""
+    tuning = Tuning(block=block, skip_blocks=skip_blocks)
     return functools.partial(jax.jit, static_argnums=(0, 6))(
-        lambda policy, state, q, k, v, pos, rope: attend_mod.attend(policy, state, q, k, v, pos, rope))
+        lambda policy, state, q, k, v, pos, rope: kvpolicies.attend(policy, state, q, k, v, pos, rope, tuning=tuning))
+
+
+def count_blocked(monkeypatch) -> list:
+    """A list that grows by one each time a step is traced through the blocked path."""
+    calls = []
+    real = step_mod.blocked
+    monkeypatch.setattr(step_mod, "blocked", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    return calls
 
 
 @pytest.mark.parametrize("name", sorted(kvpolicies.POLICIES))
@@ -36,18 +48,12 @@ def test_blocks_equal_one_piece_for_every_policy(name, monkeypatch):
     states match. Policies whose `compact` reads per-slot probabilities keep the one-piece path."""
     instances, ref = REFERENCES[name]
     q, k, v = qkv(24, seed=3)
-    blocked = []
-    real = attend_mod._blocked
-    monkeypatch.setattr(attend_mod, "_blocked", lambda *a: (blocked.append(1), real(*a))[1])
+    blocked = count_blocked(monkeypatch)
     for pol in instances:
         blocked.clear()
-        with monkeypatch.context() as m:
-            m.setattr(attend_mod, "BLOCK", 10**9)
-            whole, st_whole = run_policy(pol, q, k, v, [9, 1], ROPE, step=fresh_step())
+        whole, st_whole = run_policy(pol, q, k, v, [9, 1], ROPE, step=fresh_step(10**9))
         assert not blocked
-        with monkeypatch.context() as m:
-            m.setattr(attend_mod, "BLOCK", 4)
-            out, st = run_policy(pol, q, k, v, [9, 1], ROPE, step=fresh_step())
+        out, st = run_policy(pol, q, k, v, [9, 1], ROPE, step=fresh_step(4))
         np.testing.assert_allclose(out, whole, atol=1e-6, rtol=0, err_msg=repr(pol))
         np.testing.assert_allclose(out, ref(pol, q, k, v, [9, 1]), atol=3e-5, rtol=0, err_msg=repr(pol))
         for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(st_whole)):
@@ -62,11 +68,10 @@ def test_blocks_equal_one_piece_for_every_policy(name, monkeypatch):
 def test_blocked_visible_count_and_all_masked_blocks(monkeypatch):
     """The busiest query's visible keys are counted across blocks; blocks whose slots are all
     empty or out of the window (leading ones, before any visible slot, included) add nothing."""
-    monkeypatch.setattr(attend_mod, "BLOCK", 4)
     q, k, v = qkv(30, seed=5)
     for pol, want in ((kvpolicies.get("full"), 30), (kvpolicies.get("window", window=6), 6)):
         with kvpolicies.record_visible() as rec:
-            out, _ = run_policy(pol, q, k, v, [10], ROPE, max_len=64, step=fresh_step())  # 64 slots, 30 filled
+            out, _ = run_policy(pol, q, k, v, [10], ROPE, max_len=64, step=fresh_step(4))  # 64 slots, 30 filled
         assert rec["max_visible"] == want, (pol, rec)
         ref = REFERENCES[type(pol).__name__.lower()][1](pol, q, k, v, [10])
         np.testing.assert_allclose(out, ref, atol=3e-5, rtol=0)
@@ -88,12 +93,9 @@ def test_blocked_chunk_never_materialises_the_logits(t, s, name):
     pos = jax.ShapeDtypeStruct((b, t), jnp.int32)
     temps = {}
     for label, block in (("whole", 10**9), ("blocked", 512)):
-        attend_mod.BLOCK = block
-        try:
-            f = jax.jit(lambda st, q, k, v, p: attend_mod.attend(pol, st, q, k, v, p, kvpolicies.Rope(d)))
-            temps[label] = f.lower(state, *args, pos).compile().memory_analysis().temp_size_in_bytes
-        finally:
-            attend_mod.BLOCK = 512
+        f = jax.jit(lambda st, q, k, v, p, t=Tuning(block=block): kvpolicies.attend(pol, st, q, k, v, p,
+                                                                                  kvpolicies.Rope(d), tuning=t))
+        temps[label] = f.lower(state, *args, pos).compile().memory_analysis().temp_size_in_bytes
     logits = b * n * t * (s if name == "observed" else s + t) * 4  # one [B, K, G, T, S'] float32 buffer
     assert temps["whole"] >= 2 * logits and temps["blocked"] < logits / 3, (temps, logits)
 
@@ -108,19 +110,16 @@ def test_prompt_phase_keeps_the_newest_rows_in_blocks(name, kw, monkeypatch):
     equal the one-piece run's."""
     from models.config import LlamaConfig
     from models.engine import Engine
-    from models.llama import Llama
+    from models.llama import Llama, with_tuning
 
     model = Llama(LlamaConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=32))
     ids = np.random.default_rng(7).integers(0, 97, (2, 37)).astype(np.int32)
     pol = kvpolicies.get(name, **kw)
     assert pol.prompt_policy().score_rows == (None if name == "observed" else 5)  # observed: no rows, columns
-    blocked = []
-    real = attend_mod._blocked
-    monkeypatch.setattr(attend_mod, "_blocked", lambda *a: (blocked.append(1), real(*a))[1])
+    blocked = count_blocked(monkeypatch)
     runs = {}
     for label, block in (("whole", 10**9), ("blocked", 4)):
-        monkeypatch.setattr(attend_mod, "BLOCK", block)
-        eng = Engine(model, pol, max_len=48)
+        eng = Engine(with_tuning(model, Tuning(block=block)), pol, max_len=48)
         state = eng.prompt(ids, chunk=9)  # chunks of 9: 4 full ones and a ragged last one
         runs[label] = (state.cache, state.logits, eng.compress(state).cache)
     assert blocked
@@ -137,52 +136,47 @@ def test_blocks_are_skipped_unmasked_or_masked_by_what_the_queries_see(monkeypat
     the stored blocks, each query tile of the chunk at 10 sees blocks 0-1 whole and block 2 in part
     (slots 8, 9), of the chunk at 20 blocks 0-4 whole; every other stored block is empty and
     skipped. The empty slots of those blocks hold NaN keys and values: a block that were read would
-    turn the outputs into NaN (it does with SKIP_BLOCKS off: 0 x NaN), so the outputs matching the
+    turn the outputs into NaN (it does with skip_blocks off: 0 x NaN), so the outputs matching the
     reference show they were not read."""
-    monkeypatch.setattr(attend_mod, "BLOCK", 4)
     pol = kvpolicies.get("full")
     q, k, v = qkv(30, seed=11)
     empty = pol.init(q.shape[0], k.shape[2], q.shape[-1], jnp.float32, 64)
     nan = lambda x: x.at[:, :, 12:].set(jnp.nan)  # noqa: E731  (slots 12+: only in blocks no query sees)
     poisoned = empty.__class__(k=nan(empty.k), v=nan(empty.v), pos=empty.pos)
     hits = []
-    real = attend_mod._blocked
+    real = blocked_mod.masked_logits
 
-    def spy(masked_logits):  # records, when a block's branch runs, how it was attended
-        def logits(*a, mask=None, **kw):
-            kind = "piece" if mask is None else "whole" if mask is True else "masked"
-            jax.debug.callback(lambda: hits.append(kind))
-            return masked_logits(*a, mask=mask, **kw)
-        return logits
+    def logits(*a, mask=None, **kw):  # records, when a block's branch runs, how it was attended
+        kind = "piece" if mask is None else "whole" if mask is True else "masked"
+        jax.debug.callback(lambda: hits.append(kind))
+        return real(*a, mask=mask, **kw)
 
-    monkeypatch.setattr(attend_mod, "_blocked", lambda ml, *a: real(spy(ml), *a))
-    out, _ = run_policy(pol, q, k, v, [10], ROPE, state=poisoned, step=fresh_step())
+    monkeypatch.setattr(blocked_mod, "masked_logits", logits)
+    out, _ = run_policy(pol, q, k, v, [10], ROPE, state=poisoned, step=fresh_step(4))
     jax.effects_barrier()
     stored = {"whole": 3 * (2 + 5), "masked": 3 * 1}  # query tiles x blocks
     assert {h: hits.count(h) for h in set(hits)} == {"whole": stored["whole"] + 3 * 3, "masked": stored["masked"] + 3 * 3}, hits
     ref = REFERENCES["full"][1](pol, q, k, v, [10])
     np.testing.assert_allclose(out, ref, atol=3e-5, rtol=0)
-    monkeypatch.setattr(attend_mod, "SKIP_BLOCKS", False)  # every block read and masked: 0 x NaN
-    out_all, _ = run_policy(pol, q, k, v, [10], ROPE, state=poisoned, step=fresh_step())
+    # every block read and masked: 0 x NaN
+    out_all, _ = run_policy(pol, q, k, v, [10], ROPE, state=poisoned, step=fresh_step(4, skip_blocks=False))
     assert np.isnan(out_all).all(), "a read empty block should poison the outputs"
-    clean, _ = run_policy(pol, q, k, v, [10], ROPE, max_len=64, step=fresh_step())
+    clean, _ = run_policy(pol, q, k, v, [10], ROPE, max_len=64, step=fresh_step(4))
     np.testing.assert_allclose(out, clean, atol=1e-6, rtol=0)
 
 
 def _spy_segments(monkeypatch, seen: list, pieces: bool):
     """Record, each time a stored block (pieces False: masked_logits called with a mask) or a piece
     outside the blocks (pieces True: without one) runs, whether it computed its RoPE segments."""
-    real = attend_mod._blocked
+    real = blocked_mod.masked_logits
 
-    def spy(masked_logits):
-        def logits(*a, mask=None, **kw):
-            if (mask is None) == pieces:
-                kind = "segments" if a[4] is not None else "one segment"
-                jax.debug.callback(lambda: seen.append(kind))
-            return masked_logits(*a, mask=mask, **kw)
-        return logits
+    def logits(st, kp, kpos, vmask, bias, seg, *a, mask=None, **kw):
+        if (mask is None) == pieces:
+            kind = "segments" if seg is not None else "one segment"
+            jax.debug.callback(lambda: seen.append(kind))
+        return real(st, kp, kpos, vmask, bias, seg, *a, mask=mask, **kw)
 
-    monkeypatch.setattr(attend_mod, "_blocked", lambda ml, *a: real(spy(ml), *a))
+    monkeypatch.setattr(blocked_mod, "masked_logits", logits)
 
 
 def _same_sink_run(run, other, pol, q, k, v, chunks):
@@ -198,40 +192,36 @@ def test_blocks_without_sinks_compute_one_rope_segment(monkeypatch):
     """`sink` in cache mode pairs its sinks with another query rotation than its window (two RoPE
     segments): a stored block that holds no sink computes only the window's logits, the block
     with the sinks both. 40 tokens in chunks of 8 through 2 sinks + a window of 14 (16 slots,
-    blocks of 4): the same outputs as every block with every segment (SKIP_BLOCKS off) and as the
+    blocks of 4): the same outputs as every block with every segment (skip_blocks off) and as the
     reference; the sinks' block ran with its segments, the others without."""
-    monkeypatch.setattr(attend_mod, "BLOCK", 4)
     pol = kvpolicies.get("sink", n_sink=2, window=14)
     assert pol.positions == "cache"
     q, k, v = qkv(40, seed=13)
     seen = []
     _spy_segments(monkeypatch, seen, pieces=False)
-    out, st = run_policy(pol, q, k, v, [8], ROPE, max_len=64, step=fresh_step())
+    out, st = run_policy(pol, q, k, v, [8], ROPE, max_len=64, step=fresh_step(4))
     jax.effects_barrier()
     assert seen.count("one segment") > seen.count("segments") > 0, seen
-    monkeypatch.setattr(attend_mod, "SKIP_BLOCKS", False)
-    _same_sink_run((out, st), run_policy(pol, q, k, v, [8], ROPE, max_len=64, step=fresh_step()), pol, q, k, v, [8])
+    _same_sink_run((out, st), run_policy(pol, q, k, v, [8], ROPE, max_len=64, step=fresh_step(4, skip_blocks=False)),
+                   pol, q, k, v, [8])
 
 
 def test_a_chunks_own_tokens_past_the_sinks_compute_one_rope_segment(monkeypatch):
-    """`sink` in cache mode, chunks of 3 tokens (not tiled: at most BLOCK) over 2 sinks + a window
+    """`sink` in cache mode, chunks of 3 tokens (not tiled: at most a block) over 2 sinks + a window
     of 13 (15 slots: 3 blocks of 4, then a remainder of 3). The sinks are stored last (slots 13,
     14), so the remainder holds them and the blocks hold window keys only. Outside the blocks, the
     remainder (sinks or empty slots) runs with both segments at every chunk; a chunk's own tokens
     run with one segment once past the sinks (chunks 1-12; chunk 0 holds them; the last token
     alone is a decode step, not blocked). The same outputs as one piece and as the reference."""
-    monkeypatch.setattr(attend_mod, "BLOCK", 4)
     pol = kvpolicies.get("sink", n_sink=2, window=13)
     q, k, v = qkv(40, seed=17)
     seen = []
     _spy_segments(monkeypatch, seen, pieces=True)
-    out, st = run_policy(pol, q, k, v, [3], ROPE, max_len=64, step=fresh_step())
+    out, st = run_policy(pol, q, k, v, [3], ROPE, max_len=64, step=fresh_step(4))
     jax.effects_barrier()
     assert {h: seen.count(h) for h in set(seen)} == {"segments": 13 + 1, "one segment": 12}, seen
     assert np.asarray(st.pos)[0, 0, 13:].tolist() == [0, 1]  # the sinks, in the last slots
-    with monkeypatch.context() as m:
-        m.setattr(attend_mod, "BLOCK", 10**9)
-        whole = run_policy(pol, q, k, v, [3], ROPE, max_len=64, step=fresh_step())
+    whole = run_policy(pol, q, k, v, [3], ROPE, max_len=64, step=fresh_step(10**9))
     _same_sink_run((out, st), whole, pol, q, k, v, [3])
 
 
@@ -240,11 +230,10 @@ def test_sinks_first_layout_twin_gives_the_same_outputs(monkeypatch):
     same policy in another slot order: outputs within 1e-6 and the same tokens stored, in blocks."""
     from benchmarks.attention_ab import sinks_first
 
-    monkeypatch.setattr(attend_mod, "BLOCK", 4)
     pol = kvpolicies.get("sink", n_sink=2, window=13)
     q, k, v = qkv(40, seed=19)
-    out, st = run_policy(pol, q, k, v, [3, 8, 1], ROPE, max_len=64, step=fresh_step())
-    twin, st_twin = run_policy(sinks_first(pol), q, k, v, [3, 8, 1], ROPE, max_len=64, step=fresh_step())
+    out, st = run_policy(pol, q, k, v, [3, 8, 1], ROPE, max_len=64, step=fresh_step(4))
+    twin, st_twin = run_policy(sinks_first(pol), q, k, v, [3, 8, 1], ROPE, max_len=64, step=fresh_step(4))
     np.testing.assert_allclose(out, twin, atol=1e-6, rtol=0)
     assert np.asarray(st.pos)[0, 0, 13:].tolist() == [0, 1] and np.asarray(st_twin.pos)[0, 0, :2].tolist() == [0, 1]
     assert sorted(np.asarray(st.pos)[0, 0].tolist()) == sorted(np.asarray(st_twin.pos)[0, 0].tolist())

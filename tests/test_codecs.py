@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import math
 
 import jax
@@ -324,20 +323,20 @@ def test_int4_is_read_in_its_hadamard_basis(name, kw, codec, monkeypatch):
     """int4 decodes a group to H y (y = code x scale): attention reads the values, and the keys
     when they are stored after RoPE, as y (`View.basis`), rotates each query into the basis
     and each output out of it. The same numbers, to float32 rounding, as attention over the
-    decoded slots: in one piece, in blocks (BLOCK = 4), and in quest's gathered decode steps."""
-    attend_mod = importlib.import_module("kvpolicies.attend")
+    decoded slots: in one piece, in blocks (Tuning(block=4)), and in quest's gathered decode steps."""
+    from kvpolicies.attention import Tuning
+
     pol = kvpolicies.get(name, codec=codec, **kw)
     q, k, v = qkv(24, seed=7)
-    step = lambda: functools.partial(jax.jit, static_argnums=(0, 6))(  # noqa: E731  (traced anew: BLOCK, basis)
-        lambda p, st, q, k, v, pos, rope: attend_mod.attend(p, st, q, k, v, pos, rope))
+    step = lambda t: functools.partial(jax.jit, static_argnums=(0, 6))(  # noqa: E731  (traced anew: tuning, basis)
+        lambda p, st, q, k, v, pos, rope: kvpolicies.attend(p, st, q, k, v, pos, rope, tuning=t))
     outs = {}
     for basis in (True, False):
         for block in (4, 10**9):
             with monkeypatch.context() as m:
-                m.setattr(attend_mod, "BLOCK", block)
                 if not basis:
                     m.setattr(Int4, "basis", property(lambda self: False))
-                outs[basis, block], state = run_policy(pol, q, k, v, [9, 1], ROPE, step=step())
+                outs[basis, block], state = run_policy(pol, q, k, v, [9, 1], ROPE, step=step(Tuning(block=block)))
     for key, out in outs.items():
         np.testing.assert_allclose(out, outs[False, 10**9], atol=2e-6, rtol=0, err_msg=repr(key))
     # the view holds the values (and the keys after RoPE) in the basis: H applied to the decoded slots
