@@ -1,0 +1,91 @@
+"""kvpress 0.5.5 itself beside `kvpolicies.compat.kvpress`: the same tiny random models (Llama,
+Qwen2) and token ids; kvpress's press prefills the context (its pipeline's protocol, run by
+tests/kvpress_reference.py in a subprocess with transformers 5.2.0 from .venv/kvpress-ref),
+ours runs `Engine.prompt` -> `compress` -> `kept_positions` / `continue_generate`. Kept
+positions per (layer, kv head) and greedy answers must be identical."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kvpolicies.compat import kvpress
+from models.engine import Engine
+from models.llama import Llama
+from models.loading import load_hf
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+REF = ROOT / ".venv" / "kvpress-ref"
+pytestmark = [pytest.mark.kvpress, pytest.mark.skipif(not (REF / "kvpress").is_dir(),
+                                                      reason="kvpress not installed (bash scripts/setup.sh test)")]
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512)
+EXACT = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPress", "ExpectedAttentionPress",
+         "ObservedAttentionPress", "TOVAPress")
+RATIOS = (0.5, 0.75)
+N_CTX, N_Q, N_NEW = 256, 8, 6
+
+
+def run_kvpress(job: dict, tmp: pathlib.Path) -> dict:
+    """kvpress's results for `job` (tests/kvpress_reference.py in its own environment)."""
+    (tmp / "job.json").write_text(json.dumps(job))
+    env = {**os.environ, "PYTHONPATH": str(REF), "CUDA_VISIBLE_DEVICES": "", "TRANSFORMERS_VERBOSITY": "error",
+           "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    subprocess.run([sys.executable, str(ROOT / "tests" / "kvpress_reference.py"), str(tmp / "job.json"),
+                    str(tmp / "out.json")], check=True, env=env, cwd=ROOT, timeout=600)
+    return json.loads((tmp / "out.json").read_text())
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny_run(request, tmp_path_factory):
+    """(our model, context ids, question ids, kvpress's results) for one tiny architecture."""
+    tmp = tmp_path_factory.mktemp(request.param)
+    rng = np.random.default_rng(1)
+    ctx, question = rng.integers(0, 128, N_CTX), rng.integers(0, 128, N_Q)
+    config = dict(TINY, tie_word_embeddings=request.param == "qwen2")
+    job = {"checkpoint": None, "save_to": str(tmp / "ckpt"),
+           "tiny": {"kind": request.param, "seed": 0, "config": config},
+           "context": ctx.tolist(), "question": question.tolist(), "n_new": N_NEW,
+           "presses": [[p, r, {}] for p in EXACT for r in RATIOS]}
+    ref = run_kvpress(job, tmp)
+    cfg, params = load_hf(tmp / "ckpt")
+    return Llama(cfg, params), ctx, question, ref
+
+
+def ours(model: Llama, press: str, ratio: float, ctx: np.ndarray, question: np.ndarray):
+    pol = kvpress(press, ratio, n_layers=model.cfg.n_layers, max_new=64)
+    eng = Engine(model, pol, max_len=N_CTX + N_Q + N_NEW)
+    state = eng.compress(eng.prompt(ctx[None]))
+    kept = [[p.tolist() for p in layer] for layer in eng.kept_positions(state)]
+    return kept, eng.continue_generate(state, question[None], N_NEW)[0].tolist()
+
+
+@pytest.mark.parametrize("ratio", RATIOS)
+@pytest.mark.parametrize("press", EXACT)
+def test_kept_positions_and_answers_equal_kvpress(tiny_run, press, ratio):
+    model, ctx, question, ref = tiny_run
+    want = ref[f"{press}@{ratio}"]
+    kept, answer = ours(model, press, ratio, ctx, question)
+    if press == "PyramidKVPress" and ratio == 0.5:
+        # kvpress 0.5.5 fails here: its layers keep 192 / 128 / 64 tokens, and transformers builds one
+        # causal mask from layer 0's cache length for the question (docs/guide/kvpress.md)
+        assert "size of tensor" in want.get("error", ""), want
+        assert [len(layer[0]) for layer in kept] == [192, 128, 64]
+        return
+    assert "error" not in want, want
+    if press != "PyramidKVPress":  # the reference keeps kvpress's n_kept
+        assert all(len(h) == int(N_CTX * (1 - ratio)) for layer in want["kept"] for h in layer)
+    pairs = [(g, w) for got_l, want_l in zip(kept, want["kept"], strict=True) for g, w in zip(got_l, want_l, strict=True)]
+    if press == "KnormPress":  # norms of un-rotated (ours) and rotated (kvpress) keys differ by rounding: near ties
+        assert np.mean([len(set(g) & set(w)) / len(set(g) | set(w)) for g, w in pairs]) >= 0.98
+    else:
+        for i, (g, w) in enumerate(pairs):
+            assert g == w, (press, ratio, divmod(i, model.cfg.n_kv_heads), sorted(set(g) ^ set(w))[:10])
+    assert answer == want["answer"]
