@@ -180,7 +180,7 @@ def _recon_policy(p: Policy) -> Policy:
 
 def _layer_positions(pol: Policy, st: Any, row: int, kv_heads: int) -> list[np.ndarray]:
     """One layer's kept positions per kv head (`Engine.kept_positions`; numpy leaves, batch first)."""
-    srt = lambda x: np.sort(x[x >= 0]).astype(np.int64)  # noqa: E731
+    srt = lambda x: np.unique(x[x >= 0]).astype(np.int64)  # noqa: E731  (multires: a summary per span)
     if isinstance(st, PagedState):
         ids = st.table[row]
         held = srt(st.pos[ids[ids >= 0]].reshape(-1))
