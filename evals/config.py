@@ -19,6 +19,13 @@ that its stored bytes (everything it stores) are at most the budget and within o
 A field set on the command line that the sizing would set is an error; a policy without a
 token budget (full, quest, kivi, multires) runs as configured and its row says "not sized".
 
+`ratio` (unset by default; not with `budget`) is kvpress's axis: the fraction of the prompt's
+tokens removed. A prompt compressor (snapkv, pyramidkv, knorm, random, observed, expected,
+adakv) gets its `ratio` field: each prompt of n tokens keeps max(1, int(n (1 - ratio))) tokens
+per kv head, windows and sinks included (`PromptScored.kept_for`). A sizable streaming policy
+(window, sink, h2o, tova, kvzip) is sized by `for_tokens(int(n (1 - ratio)))` for the run's
+longest prompt n (`task_extent`). Others run as configured ("not sized").
+
 `validate` checks what Hydra does not (task and model names, ranges, the task's own keys, the
 policy as built), so a bad command line fails before anything runs, with one `ConfigError` that
 names the valid choices. Then `check_inputs` (called by `validate`) checks what the run will read
@@ -77,6 +84,7 @@ class RunConfig:
     n_sink: int = 4
     codec: str = "none"
     budget: Any = None  # int tokens per layer and kv head, or float fraction of full's bytes
+    ratio: Any = None  # kvpress's compression ratio: the fraction of the prompt's tokens removed
     tokens: int = 12288
     chunk: int = 512
     seed: int = 0
@@ -222,6 +230,8 @@ def resolve_policy(conf: dict[str, Any]) -> tuple[kvpolicies.Policy, dict[str, A
     from evals import zoo
 
     policy = build_policy(conf["policy"])
+    if conf.get("ratio") is not None:
+        return ratio_policy(conf, policy)
     b = conf.get("budget")
     if b is None:
         return policy, None
@@ -237,18 +247,7 @@ def resolve_policy(conf: dict[str, Any]) -> tuple[kvpolicies.Policy, dict[str, A
     if extent is None or mc is None:
         raise ConfigError(f"budget={b}: task={conf['task']['name']} with model={conf['model']['name']} declares no "
                           "length or dimensions to size a cache for")
-    # Fields set on the command line: those that differ from the option as derived with the defaults.
-    defaults = {f.name: f.default for f in dataclasses.fields(RunConfig)}
-    derived = policy_config(name)
-    explicit = {}
-    for field, value in conf["policy"].items():
-        if field in ("name", "codec"):
-            continue
-        d = derived.get(field)
-        if isinstance(d, str) and d.startswith("${"):
-            d = defaults.get(d[2:-1])
-        if value != d:
-            explicit[field] = value
+    explicit = explicit_fields(conf)
     if cls.budget_field in explicit:
         raise ConfigError(f"budget={b} and {name}.{cls.budget_field}={explicit[cls.budget_field]} both size the "
                           "cache: give one of them")
@@ -261,6 +260,54 @@ def resolve_policy(conf: dict[str, Any]) -> tuple[kvpolicies.Policy, dict[str, A
     stored = state_bytes(sized, **kw).total
     return sized, {"budget": b, "sized": True, "target_bytes": target, "stored_bytes": stored,
                    "slots": sized.capacity(kw["max_len"])}
+
+
+def explicit_fields(conf: dict[str, Any]) -> dict[str, Any]:
+    """The policy fields set on the command line: those that differ from the option as derived
+    with the defaults."""
+    defaults = {f.name: f.default for f in dataclasses.fields(RunConfig)}
+    derived = policy_config(conf["policy"]["name"])
+    explicit = {}
+    for field, value in conf["policy"].items():
+        if field in ("name", "codec"):
+            continue
+        d = derived.get(field)
+        if isinstance(d, str) and d.startswith("${"):
+            d = defaults.get(d[2:-1])
+        if value != d:
+            explicit[field] = value
+    return explicit
+
+
+def ratio_policy(conf: dict[str, Any], policy: kvpolicies.Policy) -> tuple[kvpolicies.Policy, dict[str, Any]]:
+    """The run's policy sized by `ratio` (kvpress's compression ratio; the module docstring), and
+    how: {ratio, sized, rule, prompt_tokens, kept_per_head} or sized=False with the reason."""
+    from kvpolicies.budgets import context_kept
+
+    r = conf["ratio"]
+    name = conf["policy"]["name"]
+    cls = type(policy)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    extent = task_extent(conf)
+    n = extent[1] if extent else None
+    if "ratio" in fields:
+        if "ratio" in explicit_fields(conf):
+            raise ConfigError(f"ratio={r} and {name}.ratio={conf['policy']['ratio']} both size the cache: give one")
+        sized = dataclasses.replace(policy, ratio=r)
+        return sized, {"ratio": r, "sized": True, "rule": "per prompt: max(1, int(n (1 - ratio))) per kv head",
+                       "prompt_tokens": n, "kept_per_head": context_kept(sized, n) if n else None}
+    if cls.budget_field is None:
+        return policy, {"ratio": r, "sized": False, "why": f"{name} has no token budget (it cannot be sized)"}
+    if n is None:
+        raise ConfigError(f"ratio={r}: task={conf['task']['name']} declares no prompt length to size {name} for")
+    explicit = explicit_fields(conf)
+    kept = max(1, int(n * (1 - r)))
+    try:
+        sized = cls.for_tokens(kept, codec=policy.codec, **explicit)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"ratio={r}: {name}: {e}") from None
+    return sized, {"ratio": r, "sized": True, "rule": f"for_tokens(int(n (1 - ratio))), n = {n}",
+                   "prompt_tokens": n, "kept_per_head": context_kept(sized, n)}
 
 
 def load_task(name: str):
@@ -306,6 +353,12 @@ def validate(cfg: DictConfig | dict[str, Any]) -> dict[str, Any]:
                           or (isinstance(b, float) and b > 1)):
         raise ConfigError(f"budget={b!r}: must be an int >= 1 (tokens per layer and kv head) or a float in "
                           "(0, 1] (fraction of the full cache's bytes)")
+    r = conf.get("ratio")
+    if r is not None and (isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < 1):
+        raise ConfigError(f"ratio={r!r}: must be a number in [0, 1) (kvpress's compression ratio: the fraction "
+                          "of the prompt's tokens removed)")
+    if r is not None and b is not None:
+        raise ConfigError(f"ratio={r} and budget={b}: give one (ratio: tokens kept, kvpress's axis; budget: bytes)")
     load_task(conf["task"]["name"])  # importable now, not after a long sweep
     check = TASK_CHECKS.get(conf["task"]["name"])
     if check:

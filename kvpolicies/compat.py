@@ -17,9 +17,11 @@ sized by their `ratio` field (`PromptScored.kept_for`), with kvpress's defaults:
     TOVAPress               `LastQuery`: one top-k by the last query's attention averaged over
                             every head, the last token kept (our `tova` evicts per token)
 
-`kvpress("AdaKVPress", r, press="SnapKVPress")`, "KVzipPress" and "DuoAttentionPress" raise
-NotImplementedError (not reproduced yet: kvpress's AdaKV safeguard over a pooled ranking,
-KVzip's chunked reconstruction, DuoAttention's downloaded patterns).
+    AdaKVPress              adakv (press="SnapKVPress", the default): SnapKVPress's scores, kvpress's
+                            safeguard max(1, int(0.2 n_kept)) counted with the window
+
+"KVzipPress" and "DuoAttentionPress" raise NotImplementedError (not reproduced yet: KVzip's
+chunked reconstruction, DuoAttention's downloaded patterns).
 
 Differences that remain by construction: scores are computed in JAX (float32 sums in another
 order than torch's), so a near tie can fall the other way; kvpress breaks exact ties by
@@ -32,6 +34,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from kvpolicies.adakv import AdaKV
 from kvpolicies.base import Policy
 from kvpolicies.codecs import Codec, Identity
 from kvpolicies.expected import Expected
@@ -128,12 +131,18 @@ def kvpress(press: str, compression_ratio: float, *, max_new: int = 256, n_layer
     r = compression_ratio
     if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < 1:
         raise ValueError(f"compression_ratio={r!r}: must be a number in [0, 1)")
-    if press in ("AdaKVPress", "KVzipPress", "DuoAttentionPress"):
+    if press in ("KVzipPress", "DuoAttentionPress"):
         raise NotImplementedError(f"kvpolicies.compat.kvpress: {press} is not reproduced yet")
     if r == 0:
         return Full()
     snap = {"obs_window": fields.pop("window_size", 64), "kernel": fields.pop("kernel_size", 5), "pooling": "avg"}
-    if press == "SnapKVPress":
+    if press == "AdaKVPress":
+        inner = fields.pop("press", "SnapKVPress")
+        if inner != "SnapKVPress":
+            raise NotImplementedError(f"kvpolicies.compat.kvpress: AdaKVPress over {inner!r} (only SnapKVPress)")
+        out = AdaKV(ratio=r, max_new=max_new, safeguard_window=True,
+                    alpha_safeguard=fields.pop("alpha_safeguard", 0.2), **snap)
+    elif press == "SnapKVPress":
         out = SnapKV(ratio=r, max_new=max_new, **snap)
     elif press == "PyramidKVPress":
         if n_layers is None:

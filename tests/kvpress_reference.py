@@ -2,7 +2,7 @@
 
 Run with PYTHONPATH=.venv/kvpress-ref (transformers 5.2.0 + kvpress, see scripts/setup.sh):
     python tests/kvpress_reference.py job.json out.json
-job: {"checkpoint": dir | null, "tiny": {"kind": "llama"|"qwen2", "seed": int, "config": {...}} | null,
+job: {"checkpoint": dir | null, "gguf_file": name in that dir | absent, "tiny": {"kind": "llama"|"qwen2", "seed": int, "config": {...}} | null,
       "save_to": dir | null, "context": [ids], "question": [ids], "n_new": int,
       "presses": [[name, ratio, {fields}], ...]}
 A "tiny" job builds a random transformers model (biases and norms perturbed) and saves it to
@@ -38,9 +38,10 @@ def build_tiny(spec: dict, save_to: str):
     return save_to
 
 
-def load(path: str, attn: str):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                             attn_implementation=attn).eval()
+def load(path: str, attn: str, gguf: str | None = None):
+    kw = {"gguf_file": gguf, "local_files_only": True} if gguf else {}
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn,
+                                                             **kw).eval()
 
 
 def make_press(name: str, ratio: float, fields: dict):
@@ -91,7 +92,7 @@ def main(job_path: str, out_path: str) -> None:
     for name, ratio, fields in job["presses"]:
         attn = "eager" if name == "ObservedAttentionPress" else "sdpa"
         if attn not in models:
-            models[attn] = load(path, attn)
+            models[attn] = load(path, attn, job.get("gguf_file"))
         model = models[attn]
         with torch.no_grad():
             full = DynamicCache()
