@@ -133,6 +133,10 @@ def register_configs() -> None:
     for name in [*kvpolicies.POLICIES, *kvpolicies.ALIASES]:  # policy=hier builds multires (its row says so)
         if name not in files:
             cs.store(group="policy", name=name, node=policy_config(kvpolicies.ALIASES.get(name, name)))
+    from kvpolicies.compat import SUPPORTED
+
+    for press in SUPPORTED:  # policy=kvpress.SnapKVPress ratio=0.5: kvpolicies.compat.kvpress
+        cs.store(group="policy", name=f"kvpress.{press}", node={"name": f"kvpress.{press}", "ratio": "${ratio}"})
 
 
 def group_options(group: str) -> list[str]:
@@ -215,6 +219,15 @@ def build_policy(pcfg: dict[str, Any]) -> kvpolicies.Policy:
     """A policy from its config group (`name`, `codec`, fields); bad names/fields: ConfigError."""
     fields = dict(pcfg)
     name, codec = fields.pop("name", None), fields.pop("codec", "none")
+    if isinstance(name, str) and name.startswith("kvpress."):
+        from kvpolicies.compat import kvpress
+
+        if fields.get("ratio") is None:
+            raise ConfigError(f"policy={name}: give ratio= (kvpress's compression ratio, e.g. ratio=0.5)")
+        try:
+            return kvpress(name.removeprefix("kvpress."), fields.pop("ratio"), **fields)
+        except (ValueError, TypeError, NotImplementedError) as e:
+            raise ConfigError(f"policy={name}: {e}") from None
     try:
         return kvpolicies.get(name, codec=codec, **fields)
     except (ValueError, TypeError) as e:
@@ -230,6 +243,13 @@ def resolve_policy(conf: dict[str, Any]) -> tuple[kvpolicies.Policy, dict[str, A
     from evals import zoo
 
     policy = build_policy(conf["policy"])
+    if conf["policy"]["name"].startswith("kvpress."):  # kvpolicies.compat: sized by ratio already
+        from kvpolicies.budgets import context_kept
+
+        extent = task_extent(conf)
+        return policy, {"ratio": conf["ratio"], "sized": True, "rule": conf["policy"]["name"],
+                        "prompt_tokens": extent[1] if extent else None,
+                        "kept_per_head": context_kept(policy, extent[1]) if extent else None}
     if conf.get("ratio") is not None:
         return ratio_policy(conf, policy)
     b = conf.get("budget")

@@ -116,13 +116,16 @@ class PyramidLayer(SnapKV):
         return round(hi - self.layer * steps)
 
 
+SUPPORTED = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPress", "ExpectedAttentionPress",
+             "ObservedAttentionPress", "TOVAPress", "AdaKVPress")
 PRESSES = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPress", "ExpectedAttentionPress",
            "ObservedAttentionPress", "TOVAPress", "AdaKVPress", "KVzipPress", "DuoAttentionPress")
 
 
 def kvpress(press: str, compression_ratio: float, *, max_new: int = 256, n_layers: int | None = None,
             **fields) -> Policy | tuple[Policy, ...]:
-    """The policy (a per-layer tuple for "PyramidKVPress", which needs `n_layers`) reproducing
+    """The policy (for "PyramidKVPress" the `pyramidkv` preset with `ratio`, whose `stack(n_layers)`
+    is one `PyramidLayer` per layer; given `n_layers`, that tuple) reproducing
     kvpress 0.5.5's `press` at `compression_ratio` with its defaults; `fields` are the press's
     own (kvpress names: window_size, kernel_size, n_sink, beta, ...). `max_new`: decode slots
     for the appended question and answer. compression_ratio 0 is kvpress's no-op: `full`."""
@@ -145,11 +148,11 @@ def kvpress(press: str, compression_ratio: float, *, max_new: int = 256, n_layer
     elif press == "SnapKVPress":
         out = SnapKV(ratio=r, max_new=max_new, **snap)
     elif press == "PyramidKVPress":
-        if n_layers is None:
-            raise ValueError("kvpress('PyramidKVPress', ...): give n_layers (one policy per layer)")
-        beta = fields.pop("beta", 20)
-        out = tuple(PyramidLayer(ratio=r, max_new=max_new, layer=i, n_layers=n_layers, beta=beta, **snap)
-                    for i in range(n_layers))
+        from kvpolicies.pyramidkv import PyramidKV
+
+        out = PyramidKV(ratio=r, max_new=max_new, beta=fields.pop("beta", 20), **snap)  # stack(n): PyramidLayers
+        if n_layers is not None:
+            out = out.stack(n_layers)
     elif press == "KnormPress":
         out = Knorm(ratio=r, max_new=max_new)
     elif press == "StreamingLLMPress":

@@ -65,3 +65,19 @@ def test_new_fields_at_their_defaults_keep_the_run_keys():
     keyed["task"] = {k: v for k, v in conf["task"].items() if k != "extrapolate"}
     assert run_key(conf, pol) == R.config_key({**keyed, "policy": old})
     assert run_key(conf, pol) != run_key(conf, kvpolicies.get("snapkv", ratio=0.5))
+
+
+@pytest.mark.parametrize("policy", [["policy=kvpress.SnapKVPress", "ratio=0.5"], ["policy=sink", "ratio=0.5"]])
+def test_cli_ratio_row_records_context_kept_and_bytes(policy, tmp_path, text_file):
+    """`python -m evals.run policy=kvpress.SnapKVPress ratio=0.5 ...`: the row says how ratio sized
+    the policy and records context tokens kept per head (int(320 x 0.5) = 160) and stored bytes."""
+    from evals import run as evrun
+
+    args = ["model=tiny_random", "model.max_position=512", "data=path", f"data.path={text_file}", "chunk=32",
+            f"results={tmp_path / 'res.jsonl'}", "progress=false", f"hydra.run.dir={tmp_path}/run",
+            f"hydra.sweep.dir={tmp_path}/sweep", "task=passkey", "task.lengths=[320]", "task.depths=[0.5]",
+            "task.trials=1", "task.batch=1", *policy]
+    (row,) = evrun.main(args)
+    assert row["budget"]["ratio"] == 0.5 and row["budget"]["sized"] and row["budget"]["kept_per_head"] == 160
+    assert row["context_kept_per_head"] == [160] * row["model"]["layers"]
+    assert row["memory"]["state_bytes"] > 0
