@@ -87,17 +87,17 @@ def main(job_path: str, out_path: str) -> None:
     path = job["checkpoint"] or build_tiny(job["tiny"], job["save_to"])
     ctx = torch.tensor([job["context"]])
     question = torch.tensor([job["question"]])
-    models = {}
+    models, fulls = {}, {}
     result = {}
     for name, ratio, fields in job["presses"]:
         attn = "eager" if name == "ObservedAttentionPress" else "sdpa"
-        if attn not in models:
+        if attn not in models:  # the model and its uncompressed cache, once per attention implementation
             models[attn] = load(path, attn, job.get("gguf_file"))
-        model = models[attn]
-        with torch.no_grad():
-            full = DynamicCache()
-            model(input_ids=ctx, past_key_values=full, logits_to_keep=1)
-        full_keys = [full.layers[i].keys[0] for i in range(len(full.layers))]
+            with torch.no_grad():
+                full = DynamicCache()
+                models[attn](input_ids=ctx, past_key_values=full, logits_to_keep=1)
+            fulls[attn] = [full.layers[i].keys[0] for i in range(len(full.layers))]
+        model, full_keys = models[attn], fulls[attn]
         try:
             result[f"{name}@{ratio}"] = run(model, make_press(name, ratio, dict(fields)), ctx, question,
                                             job["n_new"], full_keys)

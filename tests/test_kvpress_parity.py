@@ -33,13 +33,13 @@ RATIOS = (0.5, 0.75)
 N_CTX, N_Q, N_NEW = 320, 8, 6
 
 
-def run_kvpress(job: dict, tmp: pathlib.Path) -> dict:
+def run_kvpress(job: dict, tmp: pathlib.Path, timeout: int = 600) -> dict:
     """kvpress's results for `job` (tests/kvpress_reference.py in its own environment)."""
     (tmp / "job.json").write_text(json.dumps(job))
     env = {**os.environ, "PYTHONPATH": str(REF), "CUDA_VISIBLE_DEVICES": "", "TRANSFORMERS_VERBOSITY": "error",
            "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
     subprocess.run([sys.executable, str(ROOT / "tests" / "kvpress_reference.py"), str(tmp / "job.json"),
-                    str(tmp / "out.json")], check=True, env=env, cwd=ROOT, timeout=600)
+                    str(tmp / "out.json")], check=True, env=env, cwd=ROOT, timeout=timeout)
     return json.loads((tmp / "out.json").read_text())
 
 
@@ -110,7 +110,7 @@ def smollm2_run(tmp_path_factory):
     path = smollm2_gguf_path()
     job = {"checkpoint": str(path.parent), "gguf_file": path.name, "context": ctx.tolist(),
            "question": question.tolist(), "n_new": 12, "presses": [[p, r, {}] for p in SLOW for r in RATIOS]}
-    return model, ctx, question, run_kvpress(job, tmp_path_factory.mktemp("smollm2"))
+    return model, ctx, question, run_kvpress(job, tmp_path_factory.mktemp("smollm2"), timeout=3600)
 
 
 SLOW = ("SnapKVPress", "KnormPress", "StreamingLLMPress", "ExpectedAttentionPress", "ObservedAttentionPress",
