@@ -24,6 +24,13 @@ its row says `sized: false`. A budget smaller than the policy's fixed part lower
 length, recorded in the row's `budget.shrunk`; otherwise the error names a value that fits
 (`size_policy`). Misspelt names get a difflib "did you mean" (`did_you_mean`).
 
+`ratio` (unset by default; not with `budget`) is kvpress's axis: the fraction of the prompt's
+tokens removed. A prompt compressor (snapkv, pyramidkv, knorm, random, observed, expected,
+adakv) gets its `ratio` field: each prompt of n tokens keeps max(1, int(n (1 - ratio))) tokens
+per kv head, windows and sinks included (`PromptScored.kept_for`). A sizable streaming policy
+(window, sink, h2o, tova, kvzip) is sized by `for_tokens(int(n (1 - ratio)))` for the run's
+longest prompt n (`task_extent`). Others run as configured ("not sized").
+
 `validate` checks what Hydra does not (task and model names, ranges, the task's own keys, the
 policy as built), so a bad command line fails before anything runs, with one `ConfigError` that
 names the valid choices. Then `check_inputs` (called by `validate`) checks what the run will read
@@ -82,6 +89,7 @@ class RunConfig:
     n_sink: int = 4
     codec: str = "none"
     budget: Any = None  # int tokens per layer and kv head, or float fraction of full's bytes
+    ratio: Any = None  # kvpress's compression ratio: the fraction of the prompt's tokens removed
     tokens: int = 12288
     chunk: int = 512
     seed: int = 0
@@ -138,6 +146,10 @@ def register_configs() -> None:
     for name in [*kvpolicies.POLICIES, *kvpolicies.ALIASES]:  # policy=hier builds multires (its row says so)
         if name not in files:
             cs.store(group="policy", name=name, node=policy_config(kvpolicies.ALIASES.get(name, name)))
+    from kvpolicies.compat import SUPPORTED
+
+    for press in SUPPORTED:  # policy=kvpress.SnapKVPress ratio=0.5: kvpolicies.compat.kvpress
+        cs.store(group="policy", name=f"kvpress.{press}", node={"name": f"kvpress.{press}", "ratio": "${ratio}"})
 
 
 def group_options(group: str) -> list[str]:
@@ -190,7 +202,7 @@ def _given_overrides(cfg: Any) -> list[str] | None:
     return None
 
 
-def explicit_fields(name: str, overrides: list[str]) -> list[str]:
+def overridden_fields(name: str, overrides: list[str]) -> list[str]:
     """The fields of policy `name` set by `overrides`: `policy.<field>=...`, or a run-level key that
     the field follows (`window=...` for sink's and window's `window`), whatever the value."""
     cls = kvpolicies.POLICIES[kvpolicies.ALIASES.get(name, name)]
@@ -264,6 +276,15 @@ def build_policy(pcfg: dict[str, Any]) -> kvpolicies.Policy:
     """A policy from its config group (`name`, `codec`, fields); bad names/fields: ConfigError."""
     fields = dict(pcfg)
     name, codec = fields.pop("name", None), fields.pop("codec", "none")
+    if isinstance(name, str) and name.startswith("kvpress."):
+        from kvpolicies.compat import kvpress
+
+        if fields.get("ratio") is None:
+            raise ConfigError(f"policy={name}: give ratio= (kvpress's compression ratio, e.g. ratio=0.5)")
+        try:
+            return kvpress(name.removeprefix("kvpress."), fields.pop("ratio"), **fields)
+        except (ValueError, TypeError, NotImplementedError) as e:
+            raise ConfigError(f"policy={name}: {e}") from None
     try:
         return kvpolicies.get(name, codec=codec, **fields)
     except (ValueError, TypeError) as e:
@@ -279,6 +300,15 @@ def resolve_policy(conf: dict[str, Any]) -> tuple[kvpolicies.Policy, dict[str, A
     from evals import zoo
 
     policy = build_policy(conf["policy"])
+    if conf["policy"]["name"].startswith("kvpress."):  # kvpolicies.compat: sized by ratio already
+        from kvpolicies.budgets import context_kept
+
+        extent = task_extent(conf)
+        return policy, {"ratio": conf["ratio"], "sized": True, "rule": conf["policy"]["name"],
+                        "prompt_tokens": extent[1] if extent else None,
+                        "kept_per_head": context_kept(policy, extent[1]) if extent else None}
+    if conf.get("ratio") is not None:
+        return ratio_policy(conf, policy)
     b = conf.get("budget")
     if b is None:
         return policy, None
@@ -294,22 +324,7 @@ def resolve_policy(conf: dict[str, Any]) -> tuple[kvpolicies.Policy, dict[str, A
     if extent is None or mc is None:
         raise ConfigError(f"budget={b}: task={conf['task']['name']} with model={conf['model']['name']} declares no "
                           "length or dimensions to size a cache for")
-    # Fields set on the command line: those the overrides name (`validate` records them), else
-    # those that differ from the option as derived with the defaults.
-    if "_explicit" in conf:
-        explicit = {f: conf["policy"][f] for f in conf["_explicit"] if f in conf["policy"]}
-    else:
-        defaults = {f.name: f.default for f in dataclasses.fields(RunConfig)}
-        derived = policy_config(name)
-        explicit = {}
-        for field, value in conf["policy"].items():
-            if field in ("name", "codec"):
-                continue
-            d = derived.get(field)
-            if isinstance(d, str) and d.startswith("${"):
-                d = defaults.get(d[2:-1])
-            if value != d:
-                explicit[field] = value
+    explicit = explicit_fields(conf)
     if cls.budget_field in explicit:
         via = f" (set by {cls.run_keys[cls.budget_field]}=)" if cls.budget_field in cls.run_keys else ""
         raise ConfigError(f"budget={b} and {name}.{cls.budget_field}={explicit[cls.budget_field]}{via} both size the "
@@ -381,6 +396,56 @@ def size_policy(name: str, budget: int | float, *, gen: int, fixed: dict[str, An
     raise ValueError(f"{error}; raise the budget (no smaller setting of {name}'s fixed fields fits it)")
 
 
+def explicit_fields(conf: dict[str, Any]) -> dict[str, Any]:
+    """The policy fields set on the command line: those the overrides name (`validate` records
+    them in `_explicit`), else those that differ from the option as derived with the defaults."""
+    if "_explicit" in conf:
+        return {f: conf["policy"][f] for f in conf["_explicit"] if f in conf["policy"]}
+    defaults = {f.name: f.default for f in dataclasses.fields(RunConfig)}
+    derived = policy_config(conf["policy"]["name"])
+    explicit = {}
+    for field, value in conf["policy"].items():
+        if field in ("name", "codec"):
+            continue
+        d = derived.get(field)
+        if isinstance(d, str) and d.startswith("${"):
+            d = defaults.get(d[2:-1])
+        if value != d:
+            explicit[field] = value
+    return explicit
+
+
+def ratio_policy(conf: dict[str, Any], policy: kvpolicies.Policy) -> tuple[kvpolicies.Policy, dict[str, Any]]:
+    """The run's policy sized by `ratio` (kvpress's compression ratio; the module docstring), and
+    how: {ratio, sized, rule, prompt_tokens, kept_per_head} or sized=False with the reason."""
+    from kvpolicies.budgets import context_kept
+
+    r = conf["ratio"]
+    name = conf["policy"]["name"]
+    cls = type(policy)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    extent = task_extent(conf)
+    n = extent[1] if extent else None
+    if "ratio" in fields:
+        if "ratio" in explicit_fields(conf):
+            raise ConfigError(f"ratio={r} and {name}.ratio={conf['policy']['ratio']} both size the cache: give one")
+        sized = dataclasses.replace(policy, ratio=r)
+        return sized, {"ratio": r, "sized": True, "rule": "per prompt: max(1, int(n (1 - ratio))) per kv head",
+                       "prompt_tokens": n, "kept_per_head": context_kept(sized, n) if n else None}
+    if cls.budget_field is None:
+        return policy, {"ratio": r, "sized": False, "why": f"{name} has no token budget (it cannot be sized)"}
+    if n is None:
+        raise ConfigError(f"ratio={r}: task={conf['task']['name']} declares no prompt length to size {name} for")
+    explicit = explicit_fields(conf)
+    kept = max(1, int(n * (1 - r)))
+    try:
+        sized = cls.for_tokens(kept, codec=policy.codec, **explicit)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"ratio={r}: {name}: {e}") from None
+    return sized, {"ratio": r, "sized": True, "rule": f"for_tokens(int(n (1 - ratio))), n = {n}",
+                   "prompt_tokens": n, "kept_per_head": context_kept(sized, n)}
+
+
 def load_task(name: str):
     """The task function of TASKS[name], imported now."""
     module, _, fn = TASKS[name].partition(":")
@@ -428,6 +493,12 @@ def validate(cfg: DictConfig | dict[str, Any]) -> dict[str, Any]:
                           or (isinstance(b, float) and b > 1)):
         raise ConfigError(f"budget={b!r}: must be an int >= 1 (tokens per layer and kv head) or a float in "
                           "(0, 1] (fraction of the full cache's bytes)")
+    r = conf.get("ratio")
+    if r is not None and (isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < 1):
+        raise ConfigError(f"ratio={r!r}: must be a number in [0, 1) (kvpress's compression ratio: the fraction "
+                          "of the prompt's tokens removed)")
+    if r is not None and b is not None:
+        raise ConfigError(f"ratio={r} and budget={b}: give one (ratio: tokens kept, kvpress's axis; budget: bytes)")
     load_task(conf["task"]["name"])  # importable now, not after a long sweep
     check = TASK_CHECKS.get(conf["task"]["name"])
     if check:
@@ -442,7 +513,7 @@ def validate(cfg: DictConfig | dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"codec={conf['codec']!r}: must be one of {sorted(kvpolicies.CODECS)}")
     check_mesh(conf.get("mesh"))
     if overrides is not None and conf["policy"].get("name") in kvpolicies.POLICIES:
-        conf["_explicit"] = explicit_fields(conf["policy"]["name"], overrides)
+        conf["_explicit"] = overridden_fields(conf["policy"]["name"], overrides)
     policy, _ = resolve_policy(conf)
     check_inputs(conf, policy)
     return conf

@@ -52,9 +52,12 @@ from evals.common import TaskContext, TaskResult
 from evals.config import (CONFIG_DIR, ConfigError, check_text, compose, load_task, register_configs, resolve_policy,
                           task_extent, validate)
 from evals.zoo import dtype
+from kvpolicies.budgets import context_kept
 
 # Top-level keys whose values determine a run's numbers (the resume key hashes these).
 KEY_FIELDS = ("model", "data", "policy", "task", "chunk", "seed")
+# Policy fields added after results were keyed, with their defaults (`run_key` leaves them out there).
+LATER_FIELDS = {"ratio": 0.0, "pooling": "max", "safeguard_window": False}
 # Top-level keys that say how to run, not what: left out of the row's "config".
 NOT_IN_ROW = ("results", "progress", "force")
 
@@ -103,6 +106,9 @@ def run_key(conf: dict[str, Any], policy: kvpolicies.Policy) -> str:
         path = conf[group].get("path")
         if isinstance(path, str) and Path(path).exists():
             keyed[group] = {**keyed[group], "digest": R.file_digest(path)}
+    for field, default in LATER_FIELDS.items():  # added after rows were keyed: at the default, the key is unchanged
+        if keyed["policy"].get(field, default) == default:
+            keyed["policy"].pop(field, None)
     return R.config_key(keyed)
 
 
@@ -229,6 +235,7 @@ def _run(conf: dict[str, Any], policy: kvpolicies.Policy, key: str, sizing: dict
 
     stack = tuple(p for a, b, p in policy_runs(layers, mc.n_layers) for _ in range(b - a))
     max_len = ctx.max_len or declared_max_len(conf["task"])
+    extent = task_extent(conf)
     memory = None
     if max_len:
         memory = R.memory(stack, kv_heads=mc.n_kv_heads, head_dim=mc.head_dim, max_len=max_len, dtype=model.dtype)
@@ -250,6 +257,8 @@ def _run(conf: dict[str, Any], policy: kvpolicies.Policy, key: str, sizing: dict
         "memory": memory,
         "budget": sizing,  # None, or how `budget` sized the policy (per layer), or why it could not
         "slots_per_layer": [p.capacity(max_len) for p in stack] if max_len else None,
+        # context tokens each layer keeps per kv head (on average) of the run's longest prompt
+        "context_kept_per_head": [context_kept(p, extent[1]) for p in stack] if extent else None,
         "max_visible": seen["max_visible"] or None,  # None: no step was traced during the run
         "dense_layers": sum(type(p) is kvpolicies.Full and type(policy) is not kvpolicies.Full for p in stack),
         "timings": timings,

@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from kvpolicies.base import (EMPTY, Policy, RopePositions, View, check_choice, check_int, concat, empty_slots,
@@ -54,7 +55,8 @@ def snapkv_scores(pol: "AdaKV", window: Float[Array, "B K V"], pos: Int[Array, "
     """SnapKV's ranking of the candidates of each kv head: (priority, tie-break), -inf elsewhere.
     Priority: the observation mass max-pooled over `kernel` neighbouring candidates; tie-break:
     the raw observation mass (as kvpolicies.snapkv)."""
-    snap = SnapKV(budget=pol.budget, obs_window=pol.obs_window, kernel=pol.kernel, max_new=pol.max_new)
+    snap = SnapKV(budget=pol.budget, obs_window=pol.obs_window, kernel=pol.kernel, max_new=pol.max_new,
+                  pooling=pol.pooling)
     return snap.pool(window, pos, cand), jnp.where(cand, window, -jnp.inf)
 
 
@@ -108,6 +110,9 @@ class AdaKV(Policy):
     max_new: int = 256
     alpha_safeguard: float = 0.2
     scorer: str = "snapkv"
+    pooling: str = "max"  # the scorer's pooling (snapkv's field): "avg" is kvpress's
+    ratio: float = 0.0  # kvpress's compression ratio (0: `budget` sizes); see `kept_for`
+    safeguard_window: bool = False  # kvpress: the safeguard is int(alpha x n_kept), window included
     codec: Codec = Identity()
 
     def __post_init__(self):
@@ -121,6 +126,25 @@ class AdaKV(Policy):
         if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 <= a <= 1:
             raise ValueError(f"adakv.alpha_safeguard={a!r}: must be a number in [0, 1]")
         check_choice("adakv", "scorer", self.scorer, tuple(SCORERS))
+        check_choice("adakv", "pooling", self.pooling, ("max", "avg"))
+        r = self.ratio
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < 1:
+            raise ValueError(f"adakv.ratio={r!r}: must be a number in [0, 1) (0: off)")
+
+    def kept_for(self, n: int) -> int:
+        """Tokens per kv head on average kept of an n-token prompt when `ratio` is set (kvpress's
+        n_kept = max(1, int(n (1 - ratio))), the window included)."""
+        return max(1, int(n * (1 - self.ratio)))
+
+    def _safe(self, b):
+        """Candidates each head is guaranteed, b candidates per head on average: floor(alpha b)
+        (the authors'), or kvpress's max(1, int(alpha (b + w))) minus the w window tokens it
+        counts (`safeguard_window`)."""
+        if not self.safeguard_window:
+            return int(self.alpha_safeguard * b)
+        n = b + self.obs_window
+        n_safe = max(1, int(n * self.alpha_safeguard)) if self.alpha_safeguard > 0 and n > 0 else 0
+        return max(n_safe - self.obs_window, 0)
 
     @classmethod
     def for_tokens(cls, n, **kw):
@@ -129,6 +153,8 @@ class AdaKV(Policy):
 
     def capacity(self, max_len):
         """Slots per kv head on average (the pool holds kv_heads x this many)."""
+        if self.ratio:
+            return min(self.kept_for(max_len) + self.max_new, max_len)
         return min(self.budget + self.obs_window + self.max_new, max_len)
 
     def init(self, batch, kv_heads, head_dim, dtype, max_len):
@@ -158,19 +184,25 @@ class AdaKV(Policy):
         slots = dataclasses.replace(slots, mass=jnp.where(over, 0.0, obs))
         return _map(lambda x: _rows(x, kh), pack_by_head(slots, kept, head, p))
 
-    def _compress(self, window: Float[Array, "B K V"], pos: Int[Array, "B K V"], s: int) -> Bool[Array, "B K V"]:
+    def _compress(self, window: Float[Array, "B K V"], pos: Int[Array, "B K V"], s: int, b=None,
+                  safe_n=None) -> Bool[Array, "B K V"]:
         """Per kv head (pos = -1 where a slot is not the head's): the obs_window newest tokens and
-        the layer's K x b candidates, each head guaranteed floor(alpha_safeguard x b)."""
+        the layer's K x b candidates, each head guaranteed floor(alpha_safeguard x b) (`_safe`; b
+        and safe_n: [B, 1, 1] arrays when the prompt sizes them, `ratio`)."""
         b_, kh, v = pos.shape
         w = self.obs_window
         filled = pos >= 0
         recent = filled & (pos > pos.max(axis=(1, 2), keepdims=True) - w)  # [B, K, V]
         cand = filled & ~recent
         prio, tie = SCORERS[self.scorer](self, window, pos, cand)  # [B, K, V]
-        b = min(self.budget + w, s) - w  # candidates per head on average
-        safe = top_mask(prio, tie, int(self.alpha_safeguard * b)) & cand  # [B, K, V]
+        if b is None:
+            b = (self.kept_for(s - self.max_new) if self.ratio else min(self.budget + w, s)) - w
+            b = max(b, 0)  # candidates per head on average
+            safe_n = self._safe(b)
+        safe = top_mask(prio, tie, safe_n) & cand  # [B, K, V]
         prio = jnp.where(safe, jnp.inf, prio)
-        chosen = top_mask(prio.reshape(b_, kh * v), tie.reshape(b_, kh * v), kh * b).reshape(b_, kh, v) & cand
+        total = kh * b if isinstance(b, int) else (kh * b)[:, :, 0]  # [B, 1] when sized by the prompt
+        chosen = top_mask(prio.reshape(b_, kh * v), tie.reshape(b_, kh * v), total).reshape(b_, kh, v) & cand
         return recent | chosen
 
     # -- the paper's protocol: the whole prompt densely, then one compression --------------------
@@ -185,8 +217,18 @@ class AdaKV(Policy):
         pos = jnp.broadcast_to(state.pos, (b, kh, m))  # [B, K, M]
         window = state.rows.sum(axis=2)  # [B, K, M]: the last obs_window queries' attention
         filled = pos >= 0
-        over = filled.sum(axis=-1, keepdims=True) > min(self.budget + self.obs_window, s)  # [B, K, 1]
-        kept = jnp.where(over, self._compress(window, pos, s) & filled, filled)  # [B, K, M]
+        count = filled.sum(axis=-1, keepdims=True)  # [B, K, 1]
+        if self.ratio:  # kvpress's sizing: from the prompt's length (static tables over every length)
+            w = self.obs_window
+            n_kept = np.minimum([self.kept_for(n) for n in range(m + 1)], s)
+            b_tab = np.maximum(n_kept - w, 0).astype(np.int32)
+            nb, ns = jnp.asarray(b_tab)[count[:, :1]], jnp.asarray([self._safe(int(x)) for x in b_tab], jnp.int32)
+            ns = ns[count[:, :1]]  # [B, 1, 1]
+            over = count > jnp.asarray(n_kept, jnp.int32)[count]
+            kept = jnp.where(over, self._compress(window, pos, s, nb, ns) & filled, filled)
+        else:
+            over = count > min(self.budget + self.obs_window, s)  # [B, K, 1]
+            kept = jnp.where(over, self._compress(window, pos, s) & filled, filled)  # [B, K, M]
         return prompt_pool(state, kept, jnp.zeros((b, kh, m), jnp.float32), kh * s)
 
 

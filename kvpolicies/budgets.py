@@ -381,3 +381,16 @@ def _main(argv=None) -> None:
 
 if __name__ == "__main__":
     _main()
+
+
+def context_kept(policy: Policy, n: int) -> int:
+    """Context tokens per kv head (on average, for head pools) a policy holds after an n-token
+    prompt: a prompt compressor's `kept_for(n)` (ratio) or budget (window included), a streaming
+    policy's slots, at most n."""
+    if getattr(policy, "ratio", 0):
+        return min(policy.kept_for(n), n)
+    if hasattr(policy, "kept"):  # PromptScored: budget (+ snapkv's window)
+        return min(policy.kept(), n)
+    if getattr(policy, "budget_field", None) == "budget" and hasattr(policy, "max_new"):  # adakv, kvzip
+        return min(policy.capacity(n + policy.max_new) - policy.max_new, n)
+    return min(policy.capacity(n), n)

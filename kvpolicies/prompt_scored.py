@@ -15,6 +15,11 @@ subclass: decoding is token by token (`per_token`), and a token that finds no fr
 view holds S + 1 tokens) triggers the same compression, to `kept()` tokens, ranked by what the
 state has seen so far. Memory is fixed whatever the length; chunk never changes a result.
 
+`ratio` (kvpress's compression ratio; 0 = off, `budget` sizes): the compression after the prompt
+keeps `kept_for(n)` of the n prompt tokens per kv head, kvpress's n_kept = max(1, int(n (1 - ratio)))
+(window and sinks included), whatever n; the state has int(max_len (1 - ratio)) + max_new slots.
+Streams (`Engine.score`) recompress to that many tokens minus max_new.
+
 A subclass declares its fields (at least `budget` and `max_new`) and writes `rank`; it
 overrides `observe` / `restart` to keep statistics in the state, `prompt_rank` when the prompt
 is ranked from what the prompt phase collected, and `split` / `join` for statistics that are
@@ -27,6 +32,7 @@ import dataclasses
 from typing import Any, ClassVar
 
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from kvpolicies.base import Pending, SlotState, View, check_int, concat, view_of
@@ -45,16 +51,38 @@ class PromptScored(Scored):
     # what the prompt phase collects: PromptPhase fields (columns, query_sink) -> values
     collects: ClassVar[dict[str, Any]] = {}
 
+    ratio: float = 0.0  # kvpress's compression ratio (fraction of the prompt removed); 0: `budget` sizes
+
     def __post_init__(self):
         check_int(self.label, "budget", self.budget, 0)
         check_int(self.label, "max_new", self.max_new, 0)
+        if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or not 0 <= self.ratio < 1:
+            raise ValueError(f"{self.label}.ratio={self.ratio!r}: must be a number in [0, 1) (0: off)")
 
     def kept(self) -> int:
         """Tokens per kv head after a compression (the budget; snapkv adds its window)."""
         return self.budget
 
+    def kept_for(self, n: int) -> int:
+        """Tokens per kv head kept of an n-token prompt when `ratio` is set: kvpress's
+        `compute_n_kept` (window and sinks included)."""
+        return max(1, int(n * (1 - self.ratio)))
+
     def capacity(self, max_len):
+        if self.ratio:
+            return min(self.kept_for(max_len) + self.max_new, max_len)
         return min(self.kept() + self.max_new, max_len)
+
+    def stream_kept(self, s: int) -> int:
+        """Tokens per kv head after a compression on overflow (S = `s` slots)."""
+        return max(s - self.max_new, 1) if self.ratio else min(self.kept(), s)
+
+    def n_kept(self, count: Int[Array, "B K"], s: int, max_len: int) -> Array:
+        """Tokens per kv head after the prompt's compression ([B, K, 1]; `count` prompt tokens)."""
+        if not self.ratio:
+            return jnp.full(count.shape + (1,), min(self.kept(), s), jnp.int32)
+        table = np.minimum([self.kept_for(n) for n in range(max_len + 1)], s).astype(np.int32)  # static
+        return jnp.asarray(table)[count][..., None]
 
     # -- the ranking (subclasses) -----------------------------------------------------------
     def rank(self, slots: SlotState, keys: Float[Array, "B K V D"], stats: Any, seen: Any
@@ -104,7 +132,7 @@ class PromptScored(Scored):
         slots, stats = self.observe(slots, stats, view, seen, count, s)
         over = (count > s)[..., None]  # [B, K, 1]: no free slot for the new token
         prio, tie = self.rank(slots, view.k, stats, seen)
-        kept = jnp.where(over, top_mask(prio, tie, min(self.kept(), s)) & filled, filled)
+        kept = jnp.where(over, top_mask(prio, tie, self.stream_kept(s)) & filled, filled)
         return self.join(pack(self.restart(slots, over), kept, s), stats)
 
     def prompt_policy(self):
@@ -116,9 +144,10 @@ class PromptScored(Scored):
         pos = jnp.broadcast_to(state.pos, keys.shape[:3])  # [B, K, max_len]
         slots, stats = self.from_prompt(state, pos)
         filled = pos >= 0
-        n = min(self.kept(), s)
+        count = filled.sum(axis=-1)  # [B, K]
+        n = self.n_kept(count, s, state.slots)  # [B, K, 1]
         prio, tie = self.prompt_rank(state, slots, keys, stats)
-        kept = jnp.where((filled.sum(axis=-1) > n)[..., None], top_mask(prio, tie, n) & filled, filled)
+        kept = jnp.where(count[..., None] > n, top_mask(prio, tie, n) & filled, filled)
         return self.join(pack(slots, kept, s), stats)
 
 

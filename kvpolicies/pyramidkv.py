@@ -21,7 +21,8 @@ class PyramidKV(SnapKV):
     codec) the same in every layer, as the authors keep the observation window in every layer.
     `budget` is the uniform per-layer budget, so the stack's total equals uniform SnapKV's
     (and, below max_len, so do its stored bytes); `stack(n_layers)` gives the layer policies.
-    Used alone (one layer) it is SnapKV with `budget`.
+    Used alone (one layer) it is SnapKV with `budget`. With `ratio` set, the stack is kvpress's
+    `PyramidKVPress` schedule of each prompt's length (`kvpolicies.compat.PyramidLayer`).
 
     Defaults: beta = 20 (the paper's, the authors' code's and kvpress's), our SnapKV's
     otherwise (obs_window 32, kernel 7; kvpress's PyramidKVPress: 64 / 5). Deviations: the authors' code clips the bottom layer to the prompt length and
@@ -41,5 +42,9 @@ class PyramidKV(SnapKV):
 
     def stack(self, n_layers):
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(SnapKV)}
+        if self.ratio:  # kvpress's sizing: its `get_layer_budget` of each prompt's length
+            from kvpolicies.compat import PyramidLayer
+
+            return tuple(PyramidLayer(**fields, layer=i, n_layers=n_layers, beta=self.beta) for i in range(n_layers))
         return tuple(SnapKV(**{**fields, "budget": b})
                      for b in pyramid_budgets(self.budget * n_layers, n_layers, self.beta))

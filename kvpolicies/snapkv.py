@@ -56,6 +56,7 @@ class SnapKV(PromptScored):
     obs_window: int = 32
     kernel: int = 7
     max_new: int = 256
+    pooling: str = "max"  # "max": the paper's max_pool1d; "avg": kvpress's avg_pool1d (zero padding)
     codec: Codec = Identity()
 
     def __post_init__(self):
@@ -64,6 +65,8 @@ class SnapKV(PromptScored):
         check_int("snapkv", "kernel", self.kernel, 1)
         if self.kernel % 2 == 0:
             raise ValueError(f"snapkv.kernel={self.kernel}: must be an odd int >= 1")
+        if self.pooling not in ("max", "avg"):
+            raise ValueError(f"{self.label}.pooling={self.pooling!r}: must be 'max' or 'avg'")
 
     @classmethod
     def for_tokens(cls, n, **kw):
@@ -74,8 +77,8 @@ class SnapKV(PromptScored):
         return self.budget + self.obs_window
 
     def pool(self, score, pos, cand):
-        """Max of `score` over candidates within kernel // 2 text positions ([B, K, V]; -inf
-        for non-candidates). Candidates are sorted by position, so text neighbours within r
+        """Max (`pooling="avg"`: sum) of `score` over candidates within kernel // 2 text positions
+        ([B, K, V]; -inf for non-candidates). Candidates are sorted by position, so text neighbours within r
         positions are within r sorted places."""
         r = self.kernel // 2
         score = jnp.where(cand, score, -jnp.inf)  # [B, K, V]
@@ -89,7 +92,10 @@ class SnapKV(PromptScored):
         for d in [*range(1, r + 1), *range(-r, 0)]:
             nb = lambda x, d=d: jnp.roll(x, -d, axis=-1)  # noqa: E731  neighbour i + d
             ok = nb(sc) & (jnp.abs(nb(sp) - sp) <= r) & (idx + d >= 0) & (idx + d < n)  # [B, K, V]
-            pooled = jnp.maximum(pooled, jnp.where(ok, nb(ss), -jnp.inf))
+            if self.pooling == "avg":  # the sum over the kernel (the mean's order; absent neighbours count 0)
+                pooled = pooled + jnp.where(ok, nb(ss), 0.0)
+            else:
+                pooled = jnp.maximum(pooled, jnp.where(ok, nb(ss), -jnp.inf))
         pooled = take_slots(pooled, jnp.argsort(order, axis=-1))  # back to view order
         return jnp.where(cand, pooled, -jnp.inf)
 

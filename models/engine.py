@@ -61,6 +61,8 @@ from kvpolicies import limits
 from kvpolicies.attend import Deferred, recording, write_deferred
 from kvpolicies.base import Policy, SlotState
 from kvpolicies.full import Full
+from kvpolicies.adakv import HeadPool
+from kvpolicies.duo import DuoState
 from kvpolicies.kvzip import Reconstruct
 from kvpolicies.paged import PagedState, concat_rows
 from kvpolicies.prompt import PromptPhase, PromptState
@@ -175,6 +177,30 @@ def _recon_policy(p: Policy) -> Policy:
     if isinstance(p, (PromptPhase, Full)):
         return Reconstruct(codec=p.codec, rotated=p.rotated_keys, phase=p)  # runs as the prompt cache's
     return p
+
+
+def _layer_positions(pol: Policy, st: Any, row: int, kv_heads: int) -> list[np.ndarray]:
+    """One layer's kept positions per kv head (`Engine.kept_positions`; numpy leaves, batch first)."""
+    srt = lambda x: np.unique(x[x >= 0]).astype(np.int64)  # noqa: E731  (multires: a summary per span)
+    if isinstance(st, PagedState):
+        ids = st.table[row]
+        held = srt(st.pos[ids[ids >= 0]].reshape(-1))
+        return [held] * kv_heads
+    if isinstance(st, HeadPool):  # a pool shared by the heads: segments of sorted positions, one per head
+        flat = st.pos[row].reshape(-1)  # [K * S]
+        flat = flat[flat >= 0]
+        starts = np.flatnonzero(np.diff(flat) <= 0) + 1  # a head's segment ends at its newest token
+        heads = np.split(flat, starts)
+        return [np.sort(h).astype(np.int64) for h in heads] + [np.zeros(0, np.int64)] * (kv_heads - len(heads))
+    if isinstance(st, DuoState):
+        heads = np.asarray(pol.heads, bool)
+        full, stream = srt(st.pos[row].reshape(-1)), srt(st.stream_pos[row].reshape(-1))
+        return [full if h else stream for h in heads]
+    pos = st.pos[row]  # [Kp, S]
+    if pos.ndim == 1:
+        pos = pos[None]
+    sets = [srt(p) for p in pos]
+    return sets * kv_heads if len(sets) == 1 else sets
 
 
 def _check_int(name: str, value: Any, lo: int) -> int:
@@ -679,6 +705,22 @@ class Engine:
                 cache = self._reconstruct(cache, state.tokens)
             cache = self._after_prompt(cache)
         return Prompted(cache, state.length, state.logits, True, state.tokens)
+
+    def kept_positions(self, state: Prompted, row: int = 0) -> list[list[np.ndarray]]:
+        """The token positions the cache of `state` holds for batch row `row`: [layer][kv head] ->
+        sorted int array. Per-head token sets (snapkv, h2o...), one set shared by the layer's heads
+        (window, sink, full...), head pools (adakv, kvzip: each head's share of the layer's pool),
+        duo's two head groups and paged block tables. A prompt phase (not yet compressed) holds
+        every prompt token."""
+        if not isinstance(state, Prompted):
+            raise ValueError(f"kept_positions: state must be a Prompted, got {type(state).__name__}")
+        k = self.cfg.n_kv_heads
+        out: list[list[np.ndarray]] = []
+        for (a, b, pol), run in zip(policy_runs(self.policies if state.compressed else self.prompt_policies,
+                                                self.cfg.n_layers), state.cache):
+            for i in range(b - a):
+                out.append(_layer_positions(pol, jax.tree.map(lambda x: np.asarray(x[i]), run), row, k))
+        return out
 
     def continue_generate(self, state: Prompted, tokens, n: int, chunk: int | None = None) -> np.ndarray:
         """Greedy ids [B, n] after feeding `tokens` [B, T] (T >= 0; e.g. a question) through the

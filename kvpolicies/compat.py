@@ -1,0 +1,169 @@
+"""`kvpress(press, compression_ratio, **fields)`: the policy that reproduces a kvpress 0.5.5 press.
+
+Shapes: B batch, K kv heads, S slots, V view slots, W observation rows.
+
+kvpress (NVIDIA/kvpress, `presses/`) compresses a context ONCE, in the forward hook of its
+prefill, to n_kept = max(1, int(n (1 - compression_ratio))) tokens per kv head (windows and
+sinks included); the question and the answer are then appended, never compressed. Our prompt
+compressors do the same through `Engine.prompt` -> `Engine.compress` -> `continue_generate`,
+sized by their `ratio` field (`PromptScored.kept_for`), with kvpress's defaults:
+
+    SnapKVPress             snapkv, window_size 64 (obs_window), kernel_size 5, average pooling
+    PyramidKVPress          snapkv per layer, kvpress's `get_layer_budget` (beta 20, window 64, kernel 5)
+    KnormPress              knorm over every layer
+    StreamingLLMPress       `SinkOnce`: n_sink 4 + the newest, once (our `sink` keeps sliding)
+    ExpectedAttentionPress  expected (n_future_positions 512, n_sink 4, covariance, vnorm)
+    ObservedAttentionPress  observed
+    TOVAPress               `LastQuery`: one top-k by the last query's attention averaged over
+                            every head, the last token kept (our `tova` evicts per token)
+
+    AdaKVPress              adakv (press="SnapKVPress", the default): SnapKVPress's scores, kvpress's
+                            safeguard max(1, int(0.2 n_kept)) counted with the window
+
+"KVzipPress" and "DuoAttentionPress" raise NotImplementedError (not reproduced yet: KVzip's
+chunked reconstruction, DuoAttention's downloaded patterns).
+
+Differences that remain by construction: scores are computed in JAX (float32 sums in another
+order than torch's), so a near tie can fall the other way; kvpress breaks exact ties by
+torch.topk's order, we keep the newer token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from kvpolicies.adakv import AdaKV
+from kvpolicies.base import Policy
+from kvpolicies.codecs import Codec, Identity
+from kvpolicies.expected import Expected
+from kvpolicies.full import Full
+from kvpolicies.knorm import Knorm
+from kvpolicies.observed import Observed
+from kvpolicies.prompt import PromptPhase
+from kvpolicies.prompt_scored import PromptScored, rank_by
+from kvpolicies.snapkv import SnapKV
+
+SNAP_DEFAULTS = {"obs_window": 64, "kernel": 5, "pooling": "avg"}  # kvpress's SnapKVPress / PyramidKVPress
+
+
+@dataclasses.dataclass(frozen=True)
+class SinkOnce(PromptScored):
+    """kvpress's `StreamingLLMPress`: after the prompt, keep the first `n_sink` tokens and the
+    newest kept() - n_sink, once; decoded tokens are appended (no sliding). Streams: the same
+    rule on overflow. Keys keep their text positions (kvpress caches them rotated)."""
+
+    label = "sink-once"
+
+    budget: int = 1024
+    n_sink: int = 4
+    max_new: int = 256
+    codec: Codec = Identity()
+
+    def rank(self, slots, keys, stats, seen):
+        pos = slots.pos  # [B, K, V]
+        return rank_by(jnp.where(pos < self.n_sink, jnp.inf, pos.astype(jnp.float32)), pos)
+
+
+@dataclasses.dataclass(frozen=True)
+class LastQuery(PromptScored):
+    """kvpress's `TOVAPress`: after the prompt, one top-k by the attention of the last prompt
+    query averaged over every query head (one ranking shared by the kv heads), the last token
+    always kept; decoded tokens are appended. Streams (overflow): the newest tokens are kept."""
+
+    label = "last-query"
+
+    budget: int = 1024
+    max_new: int = 256
+    codec: Codec = Identity()
+
+    def rank(self, slots, keys, stats, seen):
+        return rank_by(slots.pos.astype(jnp.float32), slots.pos)
+
+    def prompt_rank(self, state, slots, keys, stats):
+        pos = slots.pos  # [B, K, V]
+        att = jnp.broadcast_to(state.rows.sum(axis=(1, 2))[:, None], pos.shape)  # [B, K, V]: every head's sum
+        last = pos == pos.max(axis=-1, keepdims=True)
+        return rank_by(jnp.where(last, jnp.inf, att), pos)
+
+    def prompt_policy(self):
+        return PromptPhase(codec=self.codec, of=self, obs_window=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class PyramidLayer(SnapKV):
+    """Layer `layer` of kvpress's `PyramidKVPress` (of `n_layers`): SnapKV keeping
+    `get_layer_budget(n)` tokens of an n-token prompt (window included)."""
+
+    label = "pyramid-layer"
+
+    layer: int = 0
+    n_layers: int = 1
+    beta: int = 20
+
+    def kept_for(self, n):
+        w, r = self.obs_window, self.ratio
+        cap = w + n * (1 - r)
+        lo = (cap - w) / self.beta
+        hi = (cap - w) * 2 - lo
+        if hi >= n - w:
+            hi = n - w
+            lo = (cap - w) * 2 - hi
+        if not n >= hi >= lo >= w:
+            return max(1, round(n * (1 - r)))
+        steps = (hi - lo) / (self.n_layers - 1) if self.n_layers > 1 else 0.0
+        return round(hi - self.layer * steps)
+
+
+SUPPORTED = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPress", "ExpectedAttentionPress",
+             "ObservedAttentionPress", "TOVAPress", "AdaKVPress")
+PRESSES = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPress", "ExpectedAttentionPress",
+           "ObservedAttentionPress", "TOVAPress", "AdaKVPress", "KVzipPress", "DuoAttentionPress")
+
+
+def kvpress(press: str, compression_ratio: float, *, max_new: int = 256, n_layers: int | None = None,
+            **fields) -> Policy | tuple[Policy, ...]:
+    """The policy (for "PyramidKVPress" the `pyramidkv` preset with `ratio`, whose `stack(n_layers)`
+    is one `PyramidLayer` per layer; given `n_layers`, that tuple) reproducing
+    kvpress 0.5.5's `press` at `compression_ratio` with its defaults; `fields` are the press's
+    own (kvpress names: window_size, kernel_size, n_sink, beta, ...). `max_new`: decode slots
+    for the appended question and answer. compression_ratio 0 is kvpress's no-op: `full`."""
+    if press not in PRESSES:
+        raise ValueError(f"press={press!r}: must be one of {list(PRESSES)}")
+    r = compression_ratio
+    if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < 1:
+        raise ValueError(f"compression_ratio={r!r}: must be a number in [0, 1)")
+    if press in ("KVzipPress", "DuoAttentionPress"):
+        raise NotImplementedError(f"kvpolicies.compat.kvpress: {press} is not reproduced yet")
+    if r == 0:
+        return Full()
+    snap = {"obs_window": fields.pop("window_size", 64), "kernel": fields.pop("kernel_size", 5), "pooling": "avg"}
+    if press == "AdaKVPress":
+        inner = fields.pop("press", "SnapKVPress")
+        if inner != "SnapKVPress":
+            raise NotImplementedError(f"kvpolicies.compat.kvpress: AdaKVPress over {inner!r} (only SnapKVPress)")
+        out = AdaKV(ratio=r, max_new=max_new, safeguard_window=True,
+                    alpha_safeguard=fields.pop("alpha_safeguard", 0.2), **snap)
+    elif press == "SnapKVPress":
+        out = SnapKV(ratio=r, max_new=max_new, **snap)
+    elif press == "PyramidKVPress":
+        from kvpolicies.pyramidkv import PyramidKV
+
+        out = PyramidKV(ratio=r, max_new=max_new, beta=fields.pop("beta", 20), **snap)  # stack(n): PyramidLayers
+        if n_layers is not None:
+            out = out.stack(n_layers)
+    elif press == "KnormPress":
+        out = Knorm(ratio=r, max_new=max_new)
+    elif press == "StreamingLLMPress":
+        out = SinkOnce(ratio=r, max_new=max_new, n_sink=fields.pop("n_sink", 4))
+    elif press == "ExpectedAttentionPress":
+        out = Expected(ratio=r, max_new=max_new, **{k: fields.pop(k) for k in list(fields) if k in (
+            "n_future_positions", "n_sink", "use_covariance", "use_vnorm", "epsilon")})
+    elif press == "ObservedAttentionPress":
+        out = Observed(ratio=r, max_new=max_new)
+    else:  # TOVAPress
+        out = LastQuery(ratio=r, max_new=max_new)
+    if fields:
+        raise ValueError(f"kvpress({press!r}): unknown field(s) {sorted(fields)}")
+    return out

@@ -1,0 +1,70 @@
+"""`Engine.kept_positions`: per layer and kv head, the positions a prompted state's cache holds,
+for every registered policy (prompt -> compress on a tiny random model, 40 prompt tokens)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvpolicies
+from models.config import LlamaConfig
+from models.engine import Engine
+from models.llama import Llama
+from models.reconstruct import RepeatPrompts
+
+T = 40
+POLICIES = {
+    "full": (kvpolicies.get("full"), lambda h: range(T)),
+    "window": (kvpolicies.get("window", window=8), lambda h: range(T - 8, T)),
+    "sink": (kvpolicies.get("sink", n_sink=3, window=8), lambda h: [*range(3), *range(T - 8, T)]),
+    "multires": (kvpolicies.get("multires", window=3, branch=2, slots_per_level=2, levels=3), None),  # summaries
+    "quest": (kvpolicies.get("quest", page=4, top_k=2, window=5), lambda h: range(T)),  # stores all, selects per query
+    "h2o": (kvpolicies.get("h2o", heavy=4, recent=3), 7),
+    "tova": (kvpolicies.get("tova", budget=6), (6,)),
+    "snapkv": (kvpolicies.get("snapkv", budget=5, obs_window=3, kernel=3, max_new=4), 8),
+    "pyramidkv": (kvpolicies.get("pyramidkv", budget=5, obs_window=3, kernel=3, max_new=4), 8),
+    "knorm": (kvpolicies.get("knorm", budget=6, max_new=3), (6,)),
+    "random": (kvpolicies.get("random", budget=6, max_new=3, seed=1), (6,)),
+    "observed": (kvpolicies.get("observed", budget=6, max_new=3), (6,)),
+    "expected": (kvpolicies.get("expected", budget=6, max_new=3, n_sink=2, n_future_positions=8), (6,)),
+    "adakv": (kvpolicies.get("adakv", budget=5, obs_window=3, kernel=3, max_new=4), "pool8"),
+    "kvzip": (kvpolicies.get("kvzip", budget=5, max_new=3, n_sink=2), "pool5"),
+    "duo": (kvpolicies.get("duo", sink=2, recent=5, heads=(1, 0)), lambda h: range(T) if h == 0 else [0, 1, *range(T - 5, T)]),
+    "kivi": (kvpolicies.get("kivi", bits=2, group=4, residual=8), lambda h: range(T)),
+    "paged": (kvpolicies.get("paged", block=3), lambda h: range(T)),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return Llama(LlamaConfig(vocab_size=97, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64))
+
+
+def test_every_registered_policy_is_covered():
+    assert set(POLICIES) == set(kvpolicies.POLICIES)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_kept_positions(name, tiny_model):
+    pol, want = POLICIES[name]
+    eng = Engine(tiny_model, pol, max_len=48, repeat=RepeatPrompts(first=(5, 6, 7), next=(8, 9), suffix=(10, 11)))
+    tokens = np.random.default_rng(4).integers(0, 97, (1, T)).astype(np.int32)
+    prompted = eng.prompt(tokens)
+    assert all(list(h) == list(range(T)) for layer in eng.kept_positions(prompted) for h in layer) or not \
+        eng._compresses  # a prompt phase holds every prompt token
+    kept = eng.kept_positions(eng.compress(prompted))
+    assert len(kept) == 2 and all(len(layer) == 2 for layer in kept)
+    for layer in kept:
+        for h, pos in enumerate(layer):
+            assert pos.dtype == np.int64 and np.all(np.diff(pos) > 0) and (len(pos) == 0 or 0 <= pos[0] <= pos[-1] < T)
+            if callable(want):
+                np.testing.assert_array_equal(pos, list(want(h)), err_msg=f"{name} head {h}")
+            elif isinstance(want, int):  # n tokens, the newest (a window) among them
+                assert len(pos) == want and pos[-1] == T - 1, (name, h, pos)
+            elif isinstance(want, tuple):
+                assert len(pos) == want[0], (name, h, pos)
+        if isinstance(want, str):  # a head pool: the layer's K x budget tokens shared, every head keeps the newest
+            assert sum(len(p) for p in layer) == 2 * int(want[4:]), (name, layer)
+            assert all(p[-1] == T - 1 for p in layer)
+    # the kept keys are the prompt's: continuing from the compressed state equals continuing the state
+    assert eng.continue_generate(eng.compress(prompted), tokens[:, :2], 2).shape == (1, 2)
