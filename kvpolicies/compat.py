@@ -154,7 +154,7 @@ def kvpress(press: str, compression_ratio: float, *, max_new: int = 256, n_layer
         if n_layers is not None:
             out = out.stack(n_layers)
     elif press == "KnormPress":
-        out = Knorm(ratio=r, max_new=max_new)
+        out = Knorm(ratio=r, max_new=max_new, dense_layers=0)  # kvpress compresses every layer
     elif press == "StreamingLLMPress":
         out = SinkOnce(ratio=r, max_new=max_new, n_sink=fields.pop("n_sink", 4))
     elif press == "ExpectedAttentionPress":
