@@ -256,7 +256,9 @@ def main(argv: list[str] | None = None) -> dict:
     h, y = load(paths)  # [Lg, N, d], [Lg, N, K]
     n_te = cfg["holdout"] * cfg["length"]
     xtr, ytr, xte, yte = h[:, :-n_te], y[:, :-n_te], h[:, -n_te:], y[:, -n_te:]
-    ckpt = work_dir(cfg["model"]) / f"{cfg['kind']}_ckpt_s{cfg['seed']}_n{cfg['contexts']}.npz"
+    run = "_".join(f"{k}{cfg[k]}" for k in ("seed", "contexts", "holdout", "length", "offset", "steps", "batch", "lr",
+                                             "weight_decay"))
+    ckpt = work_dir(cfg["model"]) / f"{cfg['kind']}_ckpt_{run}.npz"  # one checkpoint per training config
     t1 = time.perf_counter()
     params, losses = train(cfg, xtr, ytr, xte, yte, ckpt, cfg["progress"])
     t_train = time.perf_counter() - t1
