@@ -181,7 +181,7 @@ class KVzap(Policy):
 
     # -- the method's protocol ---------------------------------------------------------------------
     def prompt_policy(self):
-        return ZapPhase(codec=self.codec, of=self, obs_window=0)
+        return ZapPhase(codec=self.codec, of=self, obs_window=0, kind=self.kind, surrogate=self.surrogate)
 
     def after_prompt(self, state: PromptState) -> HeadPool:
         if "zap" not in state.extra:
@@ -208,6 +208,9 @@ class ZapPhase(PromptPhase):
     reads its hidden states (`read_hidden`, called by `models.llama.block`)."""
 
     reads_hidden = True
+    # the surrogate is part of what the phase stores (prompt sharing compares phases without `of`)
+    kind: str = "linear"
+    surrogate: str = "auto"
 
     def init(self, batch, kv_heads, head_dim, dtype, max_len):
         st = super().init(batch, kv_heads, head_dim, dtype, max_len)
@@ -216,8 +219,8 @@ class ZapPhase(PromptPhase):
     def hidden_weights(self, d_model: int, kv_heads: int, n_layers: int, a: int, b: int) -> dict[str, np.ndarray]:
         """The surrogate's weights of layers [a, b), each [b - a, ...], named "zap_<name>" (they
         travel with the layer's weights through the model's layer scan)."""
-        s = self.of.surrogate_params(d_model, kv_heads, n_layers)
-        return {f"zap_{n}": np.asarray(s[n][a:b], np.float32) for n in PARAM_NAMES[self.of.kind]}
+        s = KVzap(kind=self.kind, surrogate=self.surrogate).surrogate_params(d_model, kv_heads, n_layers)
+        return {f"zap_{n}": np.asarray(s[n][a:b], np.float32) for n in PARAM_NAMES[self.kind]}
 
     def read_hidden(self, state: PromptState, h: Float[Array, "B T d"], pos: Int[Array, "B T"],
                     w: dict[str, Any]) -> PromptState:

@@ -272,3 +272,16 @@ def test_committed_surrogates_beat_their_initialisation(stem):
     with np.load(WEIGHTS_DIR / f"{stem}.npz") as z:
         p = pol.surrogate_params(int(z["d_model"]), int(z["kv_heads"]), int(z["n_layers"]))
     assert all(np.isfinite(v).all() for k, v in p.items() if k in ("w", "b", "w1", "b1", "w2", "b2"))
+
+
+def test_prompt_phases_share_only_with_the_same_surrogate():
+    """One prefill may serve kvzap at any budget or rule (the phase stores the same scores), never
+    another surrogate's (`models.engine._prompt_key`)."""
+    from models.engine import _prompt_key
+
+    a = KVzap(budget=256, surrogate="random").prompt_policy()
+    b = KVzap(budget=512, rule="threshold", surrogate="random").prompt_policy()
+    c = KVzap(budget=256, surrogate="random", kind="mlp").prompt_policy()
+    d = kvpolicies.get("kvzip", budget=256).prompt_policy()
+    assert _prompt_key(a) == _prompt_key(b)
+    assert _prompt_key(a) != _prompt_key(c) and _prompt_key(a) != _prompt_key(d)
