@@ -68,13 +68,15 @@ TASKS: dict[str, str] = {
     **{name: "evals.ruler:run" for name in ("ruler_niah_single", "ruler_niah_multikey", "ruler_niah_multivalue",
                                              "ruler_niah_multiquery", "ruler_vt", "ruler_cwe", "ruler_fwe",
                                              "multiquery")},
+    "multiturn": "evals.multiturn:run",  # one context, N turns of question + answer (evals/multiturn.py)
 }
 RULER_TASKS = tuple(n for n, f in TASKS.items() if f == "evals.ruler:run")
 
 # Optional config checks run before any job ("module:function" taking the task dict, raising ValueError).
 TASK_CHECKS: dict[str, str] = {"perplexity": "evals.perplexity:check", "passkey": "evals.retrieval:check",
                                "niah": "evals.retrieval:check", "multikey": "evals.retrieval:check",
-                               "recall": "evals.retrieval:check", **{n: "evals.ruler:check" for n in RULER_TASKS}}
+                               "recall": "evals.retrieval:check", **{n: "evals.ruler:check" for n in RULER_TASKS},
+                               "multiturn": "evals.multiturn:check"}
 
 
 @dataclasses.dataclass
@@ -545,6 +547,11 @@ def task_extent(conf: dict[str, Any]) -> tuple[str, int, int, int] | None:
 
         prompt, gen, batch = ruler.extent(task)
         return f"task.lengths={_list(task.get('lengths'))}", prompt, gen, batch
+    if name == "multiturn":
+        from evals import multiturn
+
+        t = multiturn.check(task)
+        return f"task.lengths={_list(task.get('lengths'))}", multiturn.max_len(t) - t["gen"], t["gen"], 1
     return None
 
 

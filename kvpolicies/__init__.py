@@ -32,6 +32,7 @@ _REGISTRY = {
     "expected": "expected:Expected",
     "adakv": "adakv:AdaKV",
     "kvzip": "kvzip:KVzip",
+    "kvzap": "kvzap:KVzap",  # a learned surrogate of kvzip's scores (weights: evals.train_kvzap)
     "duo": "duo:Duo",
     "kivi": "kivi:Kivi",
     "paged": "paged:Paged",  # a storage layout: full/window/sink over a block pool (vLLM-style pages)

@@ -103,6 +103,8 @@ def block(cfg: LlamaConfig, policy: Policy, rope: Rope | RopeTable, w: dict, x, 
     """One decoder layer: attention through `policy`, then the gated MLP (SwiGLU or GeGLU)."""
     B, T, _ = x.shape
     h = rms_norm(x, w["attn_norm"], cfg.norm_eps)
+    if getattr(policy, "reads_hidden", False):  # a scorer of the layer's input (kvzap's prompt phase)
+        state = policy.read_hidden(state, h, pos, w)
     if "wqkv" in w:  # fused (models.engine.layer_weights): one product, split
         nd, kd = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         q, k, v = jnp.split(h @ w["wqkv"], [nd, nd + kd], axis=-1)
@@ -195,6 +197,8 @@ class Llama(nnx.Module):
         new_cache = []
         for (a, b, pol), state in zip(runs, cache):
             wr = weights if (a, b) == (0, cfg.n_layers) else jax.tree.map(lambda t: t[a:b], weights)
+            if getattr(pol, "reads_hidden", False):  # its own per-layer weights ride with the layer's
+                wr = {**wr, **pol.hidden_weights(cfg.d_model, cfg.n_kv_heads, cfg.n_layers, a, b)}
             kinds = set(local[a:b].tolist())
             cut = reach is not None and pol.prefix_slots and reach < state.slots
 

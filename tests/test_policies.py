@@ -100,6 +100,8 @@ REFERENCES = {
               lambda *a: __import__("test_headwise").adakv_reference(*a)),  # tests/test_headwise.py
     "kvzip": ([kvpolicies.get("kvzip", budget=5, max_new=3, n_sink=2)],
               lambda *a: __import__("test_kvzip").stream_reference(*a)),  # tests/test_kvzip.py
+    "kvzap": ([kvpolicies.get("kvzap", budget=5, max_new=3, window=2, surrogate="random")],
+              lambda *a: __import__("test_kvzap").stream_reference(*a)),  # tests/test_kvzap.py
     "duo": ([kvpolicies.get("duo", sink=2, recent=5, heads=(1, 0))],
             lambda *a: __import__("test_headwise").duo_reference(*a)),
     "multires": ([kvpolicies.get("multires", window=3, branch=2, slots_per_level=2, levels=3)], _hier_ref),

@@ -1,0 +1,110 @@
+"""KVzap's prefill overhead next to a plain prefill and to KVzip's.
+
+    python -m benchmarks.kvzap_overhead --model qwen --tokens 2048
+
+One context of `--tokens` tokens of the Paul Graham essays, three ways, each run once to compile
+and then `--repeats` times interleaved (best time kept; a shared machine's load hits them alike):
+  full    a plain prefill (`Engine.prefill` through `full`);
+  kvzap   its prompt phase (the dense prefill, the surrogate scoring every layer's tokens as they
+          pass) and `compress` (the head-wise choice into the pool);
+  kvzip   its prompt phase and `compress` (the reconstruction pass, then the same choice).
+Reports seconds and the ratio of each to `full`. Wall-clock: read the ratios, measured together.
+
+    python -m benchmarks.kvzap_overhead --model smollm2 --tokens 2048 --thresholds=-8,-7,-6,-5
+
+`--thresholds`: instead, one kvzap prompt phase over the context, then `rule=threshold` at each
+threshold (the pool's capacity set to the whole context, so nothing caps it): the achieved
+fraction of the context kept, all layers, and the least and most any layer and any head kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import numpy as np
+
+import kvpolicies
+from models.engine import Engine
+from models.reconstruct import repeat_prompts
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    out = fn()
+    jax.block_until_ready(jax.tree.leaves(out))
+    return time.perf_counter() - t0
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2", choices=["smollm2", "qwen", "gemma3"])
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--budget", type=float, default=0.5, help="kept fraction of the context")
+    ap.add_argument("--chunk", type=int, default=512, help="prefill chunk")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--kind", default="linear", choices=["linear", "mlp"])
+    ap.add_argument("--thresholds", default=None, help="comma-separated log-score thresholds (kept fractions)")
+    ap.add_argument("--offset", type=int, default=0, help="first token of the context in the essays")
+    a = ap.parse_args(argv)
+
+    from evals import zoo
+    from evals.data import paul_graham
+    from models.stacks import model_stack
+
+    model, tok = zoo.load_model({"name": a.model, "dtype": "float32"})
+    ids = np.asarray(tok.encode(paul_graham()), np.int32)[a.offset: a.offset + a.tokens][None]
+    if a.thresholds:
+        return kept_fractions(model, ids, [float(x) for x in a.thresholds.split(",")], a.kind, a.chunk)
+    budget = max(int(a.budget * a.tokens), 128)
+    stack = lambda p: model_stack(model.cfg, p)  # noqa: E731  (gemma3: local layers keep their window)
+    engines = {
+        "full": Engine(model, stack(kvpolicies.get("full")), max_len=a.tokens + 64),
+        "kvzap": Engine(model, stack(kvpolicies.get("kvzap", budget=budget, kind=a.kind)), max_len=a.tokens + 64),
+        "kvzip": Engine(model, stack(kvpolicies.get("kvzip", budget=budget)), max_len=a.tokens + 64,
+                        repeat=repeat_prompts(tok)),
+    }
+    runs = {"full": lambda: engines["full"].prefill(ids, chunk=a.chunk)[0],
+            "kvzap": lambda: engines["kvzap"].compress(engines["kvzap"].prompt(ids, chunk=a.chunk)).cache,
+            "kvzip": lambda: engines["kvzip"].compress(engines["kvzip"].prompt(ids, chunk=a.chunk)).cache}
+    for f in runs.values():  # compile
+        timed(f)
+    secs = {k: float("inf") for k in runs}
+    for _ in range(a.repeats):
+        for k, f in runs.items():
+            secs[k] = min(secs[k], timed(f))
+    res = {"model": a.model, "tokens": a.tokens, "budget": budget, "kind": a.kind,
+           **{f"{k}_s": round(v, 3) for k, v in secs.items()},
+           "kvzap_over_prefill": round(secs["kvzap"] / secs["full"], 3),
+           "kvzip_over_prefill": round(secs["kvzip"] / secs["full"], 3)}
+    print(json.dumps(res, indent=1))
+    return res
+
+
+def kept_fractions(model, ids: np.ndarray, thresholds: list[float], kind: str, chunk: int) -> dict:
+    """Kept fraction per threshold (overall, per layer and per head: min and max) of one context."""
+    from kvpolicies.kvzap import kept_counts
+
+    t = ids.shape[1]
+    base = kvpolicies.get("kvzap", budget=t, max_new=0, rule="threshold", kind=kind)
+    eng = Engine(model, base, max_len=t)
+    state = eng.prompt(ids, chunk=chunk)
+    if len(state.cache) != 1:
+        raise SystemExit("--thresholds: one run of kvzap layers expected (a model without local layers)")
+    rows = []
+    for thr in thresholds:
+        pol = kvpolicies.get("kvzap", budget=t, max_new=0, rule="threshold", threshold=thr, kind=kind)
+        counts = kept_counts(jax.vmap(pol.after_prompt)(state.cache[0]))[:, 0]  # [L, K]
+        rows.append({"threshold": thr, "kept": round(float(counts.sum() / (counts.size * t)), 4),
+                     "layer_min": round(float(counts.mean(axis=1).min() / t), 4),
+                     "layer_max": round(float(counts.mean(axis=1).max() / t), 4),
+                     "head_min": round(float(counts.min() / t), 4), "head_max": round(float(counts.max() / t), 4)})
+    res = {"model": model.cfg.name, "tokens": t, "kind": kind, "rows": rows}
+    print(json.dumps(res, indent=1))
+    return res
+
+
+if __name__ == "__main__":
+    main()

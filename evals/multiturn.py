@@ -1,0 +1,184 @@
+"""A multi-turn conversation over one shared long context (SCBench's multi-turn mode).
+
+Shapes: T context tokens, N turns, n generated tokens per turn.
+
+A context of `length` tokens (chat header, RULER's needle instruction, a Paul Graham haystack with
+`turns` needles at random depths) is followed by N turns; turn i asks for the value of needle i
+and the model's greedy answer (cut at its first line end or end-of-turn marker) is appended to
+the conversation before the next turn, through the chat template (the end of the assistant turn,
+then a new user turn and the assistant header). Each answer is scored by RULER's string match
+against its needle's value: accuracy per turn, with Wilson intervals, shows whether it falls as
+the conversation grows.
+
+Modes (`mode`):
+  once   the context is prefilled and compressed ONCE (query-agnostic: `Engine.prompt` +
+         `compress`); every question and every answer is then appended to that compressed cache
+         through the decode policies (the cache lives on across turns, as a server's would);
+  every  the conversation is held by the prompt phase and compressed again at every turn with
+         the turn's question seen (`extend_prompt` + `compress`, query-aware): the whole history,
+         earlier answers included, is re-scored each time (kvpress's re-compression per turn).
+A streaming policy (sink, h2o...) has no prompt phase, so its two modes are the same run.
+
+    python -m evals.run model=qwen task=multiturn policy=kvzip budget=0.25 task.mode=once
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from evals import prefills
+from evals import retrieval as R
+from evals import ruler
+from evals.common import TaskContext, TaskResult
+
+MODES = ("once", "every")
+DEFAULTS = {"lengths": [2048], "trials": 4, "turns": 4, "gen": 24, "mode": "once", "value_kind": "numbers",
+            "haystack": "pg"}
+TURN_ROOM = ruler.QUESTION_ROOM  # the most tokens one turn's question (chat tail included) may take
+STOPS = ("\n", "<|", "<end_of_turn>", "</s>")  # an answer ends at the first of these
+
+
+def check(task: dict) -> dict[str, Any]:
+    """The validated config (defaults filled in); unknown keys or bad values raise ValueError."""
+    task = dict(task)
+    unknown = sorted(set(task) - set(DEFAULTS) - {"name"})
+    if unknown:
+        raise ValueError(f"task multiturn: unknown key(s) {unknown}; its keys are {sorted(set(DEFAULTS) | {'name'})}")
+    cfg = {"name": "multiturn"} | {k: task.get(k, v) for k, v in DEFAULTS.items()}
+    cfg["lengths"] = R._ints(cfg, "lengths", None, lo=2)
+    for k in ("trials", "turns", "gen"):
+        cfg[k] = R._ints(cfg, k, None)[0]
+    if cfg["mode"] not in MODES:
+        raise ValueError(f"task.mode={cfg['mode']!r}: must be one of {list(MODES)}")
+    if cfg["value_kind"] not in ruler.VALUE_KINDS:
+        raise ValueError(f"task.value_kind={cfg['value_kind']!r}: must be one of {sorted(ruler.VALUE_KINDS)}")
+    if cfg["haystack"] not in ("pg", "text", "filler"):
+        raise ValueError(f"task.haystack={cfg['haystack']!r}: must be pg, text or filler")
+    if cfg["turns"] > len(ruler.DEPTH_GRID):
+        raise ValueError(f"task.turns={cfg['turns']}: at most {len(ruler.DEPTH_GRID)}")
+    return cfg
+
+
+def max_len(cfg: dict[str, Any]) -> int:
+    """The longest conversation: the context, then every turn's question and answer."""
+    return max(cfg["lengths"]) + cfg["turns"] * (TURN_ROOM + cfg["gen"])
+
+
+def next_turn(tok: Any, question: str, prefix: str) -> list[int]:
+    """Token ids that close an assistant answer and ask the next question: the chat template's
+    end of turn, a user turn and the assistant header, then the answer prefix."""
+    mark = "\x00ANSWER\x00"
+    if R._has_template(tok):
+        text = tok.apply_chat_template([{"role": "user", "content": "c"}, {"role": "assistant", "content": mark},
+                                        {"role": "user", "content": question}], add_generation_prompt=True)
+        tail = text.split(mark, 1)[1]
+    else:
+        tail = f"\n\n{question}\n"
+    return tok.encode(tail + prefix)
+
+
+def samples(tok: Any, hay: ruler.Haystack, length: int, trials: int, seed: int, turns: int, value_kind: str
+            ) -> list[tuple[np.ndarray, list[tuple[np.ndarray, str]]]]:
+    """Per trial: the context ids (`length` tokens, ending where the first question begins) and
+    per turn (question ids, reference value)."""
+    rng = np.random.default_rng([seed, length, 17, turns, 1 if value_kind == "uuid" else 0])
+    plural, one = ruler.VALUE_KINDS[value_kind]
+    instruction = ruler.NIAH_INSTRUCTION.format(kind=plural)
+    out = []
+    for _ in range(trials):
+        keys = ruler._words_key(rng, turns)
+        values = ruler._values(rng, turns, value_kind)
+        at = list(np.sort(rng.choice(ruler.DEPTH_GRID, turns, replace=False)))
+        head, _ = R.frame(tok, instruction, "", "")
+        qs = []
+        for i, (k, v) in enumerate(zip(keys, values)):
+            q = ruler.NIAH_QUESTION_ONE.format(kind_one=one, query=k)
+            prefix = ruler.NIAH_PREFIX_ONE.format(kind_one=one, query=k)
+            ids = R.frame(tok, instruction, q, prefix)[1] if i == 0 else next_turn(tok, q, prefix)
+            if len(ids) > TURN_ROOM:
+                raise ValueError(f"a turn's question takes {len(ids)} tokens > {TURN_ROOM}")
+            qs.append((np.asarray(ids, np.int32), v))
+        needles = [tok.encode(" " + ruler.NIAH_NEEDLE.format(kind=plural, key=k, value=v)) for k, v in zip(keys, values)]
+        off = int(rng.choice(hay.starts))
+        p = R.build_prompt(head, [], hay.ids[off:], hay.ends[off:], length, needles, at, values[0])
+        out.append((np.asarray(p.tokens, np.int32), qs))
+    return out
+
+
+def cut_answer(text: str) -> str:
+    """The answer up to its first line end or end-of-turn marker."""
+    ends = [i for i in (text.find(s) for s in STOPS) if i >= 0]
+    return text[:min(ends)] if ends else text
+
+
+def append(engine, state, ids: np.ndarray):
+    """A compressed state with `ids` [T] fed through the decode policies (the state stays usable)."""
+    from models.engine import Prompted
+
+    logits, cache = engine.step(jax.tree.map(jnp.copy, state.cache), ids[None], state.length)
+    return Prompted(cache, state.length + ids.size, logits, True, None)
+
+
+def conversation(engine, tok: Any, context: np.ndarray, turns: list[tuple[np.ndarray, str]], gen: int, mode: str,
+                 chunk: int) -> tuple[list[str], list[int]]:
+    """Each turn's decoded answer and the cache length it was answered at."""
+    state = prefills.prompted(engine, context[None], chunk)
+    if mode == "once":
+        state = engine.compress(state)
+    texts, at = [], []
+    for q, _ in turns:
+        if mode == "once":
+            state = append(engine, state, q)
+            ids = engine.continue_generate(state, [], gen)
+        else:
+            state = engine.extend_prompt(state, q[None], chunk)
+            ids = engine.continue_generate(engine.compress(state), [], gen)
+        at.append(state.length)
+        text = ruler._text(tok, ids[0])
+        texts.append(text)
+        said = np.asarray(tok.encode(cut_answer(text)), np.int32)  # the answer as the next turn sees it
+        if said.size:
+            state = append(engine, state, said) if mode == "once" else engine.extend_prompt(state, said[None], chunk)
+    return texts, at
+
+
+def run(ctx: TaskContext) -> TaskResult:
+    """grid: one cell per (length, turn) with accuracy, Wilson interval and trials; metrics:
+    accuracy overall and accuracy_t<i> (ci_low_t<i>, ci_high_t<i>) per turn; arrays `score`
+    [lengths, trials, turns] and the decoded `outputs`."""
+    cfg = check(ctx.task)
+    tok = ctx.tokenizer
+    if tok is None:
+        raise ValueError("task multiturn needs a tokenizer")
+    if cfg["haystack"] == "text" and ctx.text is None:
+        raise ValueError("task multiturn with haystack=text needs a text (data=...)")
+    hay = ruler.haystack(tok, cfg["haystack"], ctx.text, max(cfg["lengths"]) + TURN_ROOM)
+    engine = ctx.engine(max_len(cfg))
+    nt = cfg["turns"]
+    grid, scores, outputs = [], [], []
+    for n in cfg["lengths"]:
+        sc = np.zeros((cfg["trials"], nt))
+        outs = np.empty((cfg["trials"], nt), object)
+        for t, (context, turns) in enumerate(tqdm(samples(tok, hay, n, cfg["trials"], ctx.seed, nt, cfg["value_kind"]),
+                                                  desc="multiturn", disable=not ctx.progress, leave=False)):
+            texts, _ = conversation(engine, tok, context, turns, cfg["gen"], cfg["mode"], ctx.chunk)
+            for i, (text, (_, ref)) in enumerate(zip(texts, turns)):
+                outs[t, i] = text
+                sc[t, i] = ruler.string_match_all(text, [ref])
+        for i in range(nt):
+            grid.append({"length": n, "turn": i, "mode": cfg["mode"]} | ruler.accuracy_record(sc[:, i]))
+        scores.append(sc)
+        outputs.append(outs.astype(str))
+    all_sc = np.stack(scores)  # [lengths, trials, turns]
+    metrics = {k: v for k, v in ruler.accuracy_record(all_sc.ravel()).items() if k != "trials"}
+    for i in range(nt):
+        rec = ruler.accuracy_record(all_sc[:, :, i].ravel())
+        metrics |= {f"accuracy_t{i}": rec["accuracy"], f"ci_low_t{i}": rec["ci_low"], f"ci_high_t{i}": rec["ci_high"]}
+    metrics |= ruler.work(engine) | {"contexts": len(cfg["lengths"]) * cfg["trials"]}
+    return TaskResult(metrics=metrics, grid=grid, arrays={"score": all_sc.astype(np.float32),
+                                                          "outputs": np.stack(outputs)})

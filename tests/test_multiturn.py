@@ -1,0 +1,100 @@
+"""The multi-turn shared-context task (evals/multiturn.py) and the shared-prefix benchmark
+(benchmarks/shared_prefix.py).
+
+References: the conversation through `full` against greedy generation from the whole transcript
+prefilled at once (`Engine.generate`), built turn by turn here from the template's own rendering;
+the benchmark's counts against their closed forms."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvpolicies
+
+
+@pytest.fixture(scope="module")
+def tok_and_model():
+    from evals import zoo
+    from models.config import LlamaConfig
+    from models.llama import Llama
+
+    tok = zoo.load_tokenizer({"name": "smollm2", "dtype": "float32"})
+    cfg = LlamaConfig(vocab_size=49152, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48)
+    return tok, Llama(cfg)
+
+
+def test_next_turn_closes_the_answer_and_opens_a_user_turn(tok_and_model):
+    from evals.multiturn import next_turn
+
+    tok, _ = tok_and_model
+    text = tok.decode(next_turn(tok, "What is x?", "x is"))
+    whole = tok.apply_chat_template([{"role": "user", "content": "c"}, {"role": "assistant", "content": "A"},
+                                     {"role": "user", "content": "What is x?"}], add_generation_prompt=True)
+    assert whole.endswith(text.removesuffix("x is")) and text.endswith("x is")
+    assert text.index("What is x?") > text.index("user")
+
+
+@pytest.mark.parametrize("mode", ["once", "every"])
+def test_full_conversation_equals_generating_from_the_whole_transcript(tok_and_model, mode):
+    """Through `full`, each turn's answer is what greedy decoding from the transcript so far
+    (context, then every earlier question and cut answer) prefilled at once gives."""
+    from evals.multiturn import conversation, cut_answer
+    from models.engine import Engine
+
+    tok, model = tok_and_model
+    rng = np.random.default_rng(0)
+    context = rng.integers(0, 49152, 60).astype(np.int32)
+    turns = [(np.asarray(tok.encode(f" question {i}?"), np.int32), "x") for i in range(3)]
+    eng = Engine(model, kvpolicies.get("full"), max_len=160)
+    texts, at = conversation(eng, tok, context, turns, gen=5, mode=mode, chunk=16)
+    transcript = context
+    ref = Engine(model, kvpolicies.get("full"), max_len=160)
+    for (q, _), text, length in zip(turns, texts, at):
+        transcript = np.concatenate([transcript, q])
+        assert length == transcript.size
+        want = tok.decode(list(map(int, ref.generate(transcript[None], 5)[0])))
+        assert text == want
+        transcript = np.concatenate([transcript, np.asarray(tok.encode(cut_answer(text)), np.int32)])
+
+
+def test_a_compressor_runs_both_modes_and_compresses_once_or_every_turn(tok_and_model):
+    from evals.multiturn import conversation
+    from models.engine import Engine
+
+    tok, model = tok_and_model
+    context = np.random.default_rng(1).integers(0, 49152, 60).astype(np.int32)
+    turns = [(np.asarray(tok.encode(f" question {i}?"), np.int32), "x") for i in range(3)]
+    for mode, compressions in (("once", 1), ("every", 3)):
+        eng = Engine(model, kvpolicies.get("snapkv", budget=16, obs_window=4, max_new=64), max_len=160)
+        conversation(eng, tok, context, turns, gen=4, mode=mode, chunk=16)
+        assert eng.prompts_compressed == compressions and eng.prefills == 1
+
+
+def test_check_rejects_bad_keys():
+    from evals.multiturn import check
+
+    assert check({"name": "multiturn"})["mode"] == "once"
+    for bad, match in (({"mode": "never"}, "mode"), ({"turnz": 2}, "unknown"), ({"turns": 0}, "turns")):
+        with pytest.raises(ValueError, match=match):
+            check({"name": "multiturn", **bad})
+
+
+def test_shared_prefix_benchmark_counts(tmp_path):
+    """Dry run: prefill tokens = prefix + M x suffix (saved (M - 1) x prefix); the shared pool holds
+    the prefix's full blocks once and each row's own blocks; every row's logits equal its request
+    prefilled alone."""
+    import json
+
+    from benchmarks import shared_prefix as sp
+
+    rows = sp.main(["--dry-run", "--requests", "1,3", "--out", str(tmp_path / "r.json")])
+    assert json.loads((tmp_path / "r.json").read_text()) == rows
+    for r in rows:
+        m, p, s, blk = r["requests"], r["prefix"], r["suffix"], r["block"]
+        assert r["prefill_tokens_shared"] == p + m * s and r["prefill_tokens_saved"] == (m - 1) * p
+        assert r["blocks_shared"] == p // blk + m * -(-(p + s - (p // blk) * blk) // blk)
+        assert r["blocks_separate"] == m * -(-(p + s) // blk)
+        assert r["bytes_shared"] * r["blocks_separate"] == r["bytes_separate_paged"] * r["blocks_shared"]
+        assert r["max_logit_diff_vs_alone"] < 1e-5
+    assert rows[0]["bytes_shared"] == rows[0]["bytes_separate_paged"]
