@@ -15,7 +15,7 @@ fi
 # emitters instead of the fusion emitters and without LLVM's expensive passes (three score
 # steps of a 2-layer model: 2.5 s -> 0.9 s of compile; the whole unit stage on the 2 idle cores: 673 s -> 418 s, the
 # same tests passing). A compile runs on one core, so two pytest-xdist workers (a test file per
-# worker, the longest files first: tests/conftest.py LONGEST_FIRST) use both. The `slow` tests run
+# worker, the longest files first: tests/conftest.py, by tests/durations.json) use both. The `slow` tests run
 # the real models, where -O0 code runs about 2x slower: they keep the default optimisation, in two
 # workers too (their model steps use both cores, but much of their time is single-threaded:
 # compiles, transformers' model builds, GGUF parsing; 406 s in one process, 323 s in two, back to back).
@@ -26,6 +26,8 @@ if ! XLA_FLAGS="${XLA_FLAGS:-} $UNIT_FLAGS" .venv/bin/python -c "import jax; jax
   UNIT_FLAGS="--xla_backend_optimization_level=0"
 fi
 XDIST=(-n "${KVP_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder)
+# KVP_RECORD_DURATIONS=1: rewrite tests/durations.json from this run (the file order of the workers)
+[ -n "${KVP_RECORD_DURATIONS:-}" ] && XDIST+=(--record-durations)
 rc=0
 XLA_FLAGS="${XLA_FLAGS:-} $UNIT_FLAGS" \
   "${PYTEST[@]}" -m "not slow" "${XDIST[@]}" --durations=10 || rc=$?

@@ -1,28 +1,61 @@
+import json
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-# The test files that take longest, longest first: a file's tests summed, in either stage of
-# scripts/test.sh (unit stage on the loaded 2-core machine, 2026-12-02: test_sharding 116 s,
-# test_policies 115, test_blocked 84, test_train 68, test_model 61, test_benchmarks 61,
-# test_rotated 59, test_paged 58, test_buckets 48, test_appending 47; slow stage: test_long_models
-# 196, test_codecs 86, test_hier_quest 60, test_scored 58, test_parity 57). They run before every
-# other file, so that the two pytest-xdist workers (`--dist loadfile --no-loadscope-reorder`: a
-# file per worker, taken in this order) finish together. By default xdist hands out the files with
-# the most tests first, which left files with few but slow tests (the 8-device sharding checks,
-# the recall model's training) to the end of the unit stage.
-LONGEST_FIRST = ("test_long_models.py", "test_sharding.py", "test_policies.py", "test_codecs.py", "test_blocked.py",
-                 "test_train.py", "test_model.py", "test_benchmarks.py", "test_hier_quest.py", "test_rotated.py",
-                 "test_scored.py", "test_paged.py", "test_parity.py", "test_buckets.py", "test_appending.py")
+# Test files run longest first, by the durations recorded in tests/durations.json (a file's tests
+# summed, per stage of scripts/test.sh: "unit" or "slow"), so that the two pytest-xdist workers
+# (`--dist loadfile --no-loadscope-reorder`: a file per worker, taken in this order) finish
+# together. A file with no recorded duration (a new one) goes first, as if it were the longest.
+# `KVP_RECORD_DURATIONS=1 bash scripts/test.sh` (pytest's `--record-durations`) rewrites the
+# entries of the files it ran. By default xdist hands out the files with the most tests first, which left
+# files with few but slow tests (the 8-device sharding checks, kvpress's subprocess) to the end.
+DURATIONS = Path(__file__).with_name("durations.json")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--record-durations", action="store_true",
+                     help="write each test file's summed duration in this run to tests/durations.json")
+
+
+def stage_of(item) -> str:
+    return "slow" if item.get_closest_marker("slow") is not None else "unit"
+
+
+def recorded() -> dict[str, float]:
+    return json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+
+
+def order_by_duration(items, durations: dict[str, float]) -> None:
+    """Sort `items` in place: files with the longest recorded duration in their stage first, files
+    never recorded before them all; stable, so each file's tests keep their order."""
+    items.sort(key=lambda item: -durations.get(f"{stage_of(item)}:{item.path.name}", float("inf")))
 
 
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's tests keep their order
+    order_by_duration(items, recorded())
+
+
+_SPENT: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Sum each file's setup + call + teardown time (on the xdist controller, from the workers' reports)."""
+    stage = "slow" if "slow" in report.keywords else "unit"
+    key = f"{stage}:{Path(report.fspath).name}"
+    _SPENT[key] = _SPENT.get(key, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if not session.config.getoption("--record-durations") or hasattr(session.config, "workerinput"):
+        return
+    merged = {**recorded(), **{k: round(v, 1) for k, v in _SPENT.items()}}
+    DURATIONS.write_text(json.dumps(dict(sorted(merged.items())), indent=1) + "\n")
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
-"""The file order of scripts/test.sh's pytest-xdist workers (tests/conftest.py LONGEST_FIRST): the
-listed files exist, and collection puts them first, in the list's order, each file's tests in
-their own order and every other file after them as collected."""
+"""The file order of scripts/test.sh's pytest-xdist workers (tests/conftest.py): files run longest
+first by the durations recorded in tests/durations.json, per stage, never-recorded files first,
+each file's tests in their own order."""
 
 from __future__ import annotations
 
@@ -10,17 +10,24 @@ from types import SimpleNamespace
 import conftest
 
 
-def test_longest_first_names_each_test_file_once():
-    names = conftest.LONGEST_FIRST
-    assert len(set(names)) == len(names)
-    missing = [n for n in names if not (Path(__file__).parent / n).is_file()]
-    assert not missing, f"tests/conftest.py LONGEST_FIRST names files that do not exist: {missing}"
+def item(name: str, i: int, slow: bool = False):
+    return SimpleNamespace(path=Path("/tests") / name, id=f"{name}::{i}",
+                           get_closest_marker=lambda m, slow=slow: object() if (m == "slow" and slow) else None)
 
 
-def test_collection_puts_the_longest_files_first_keeping_each_files_order():
-    order = [("test_a.py", 0), ("test_policies.py", 0), ("test_b.py", 0), ("test_a.py", 1), ("test_sharding.py", 0),
-             ("test_policies.py", 1)]
-    items = [SimpleNamespace(path=Path("/tests") / f, id=f"{f}::{i}") for f, i in order]
-    conftest.pytest_collection_modifyitems(None, items)
-    assert [x.id for x in items] == ["test_sharding.py::0", "test_policies.py::0", "test_policies.py::1",
-                                     "test_a.py::0", "test_b.py::0", "test_a.py::1"]
+def test_files_run_longest_first_in_their_stage_new_files_before_all():
+    items = [item("test_a.py", 0), item("test_b.py", 0), item("test_new.py", 0), item("test_a.py", 1),
+             item("test_c.py", 0), item("test_b.py", 1, slow=True)]
+    durations = {"unit:test_a.py": 10.0, "unit:test_b.py": 30.0, "unit:test_c.py": 20.0, "slow:test_b.py": 5.0}
+    conftest.order_by_duration(items, durations)
+    assert [x.id for x in items] == ["test_new.py::0", "test_b.py::0", "test_c.py::0", "test_a.py::0",
+                                     "test_a.py::1", "test_b.py::1"]
+
+
+def test_recorded_durations_name_existing_test_files_of_a_stage():
+    durations = conftest.recorded()
+    assert durations, "tests/durations.json: run `KVP_RECORD_DURATIONS=1 bash scripts/test.sh` to record it"
+    for key, seconds in durations.items():
+        stage, name = key.split(":")
+        assert stage in ("unit", "slow") and seconds >= 0
+        assert (Path(conftest.__file__).parent / name).is_file(), f"tests/durations.json names a missing file: {key}"
