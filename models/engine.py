@@ -66,6 +66,7 @@ from kvpolicies.duo import DuoState
 from kvpolicies.kvzip import Reconstruct
 from kvpolicies.paged import PagedState, concat_rows
 from kvpolicies.prompt import PromptPhase, PromptState
+from kvpolicies.attention.tuning import Tuning
 from models.llama import Cache, Llama, policy_runs
 from models.reconstruct import RepeatPrompts, repeat_inputs
 
@@ -473,6 +474,9 @@ class Engine:
         scores updated; every other layer's writes are discarded by `_reconstruct`)."""
         self.traces["reconstruct"] += 1
         m, tables = self._merge(params)
+        # the repeat input runs past the capacity of other policies' layers (their writes are
+        # discarded): their queries are computed as the view gives them, not poisoned
+        m.cfg = dataclasses.replace(m.cfg, attention=dataclasses.replace(m.cfg.attention or Tuning(), checked=False))
         _, cache = m.hidden(tokens, pos, cache, self.recon_policies, tables)
         return cache
 

@@ -313,7 +313,7 @@ def test_after_rope_codec_encodes_rotated_keys_vs_dense_oracle(name, codec):
     got = np.asarray(pol.codec.decode(state.k, jnp.float32))  # [B, K, S, D]
     for b in range(B):
         filled = slot_pos[b] >= 0
-        np.testing.assert_allclose(got[b][:, filled], want[b][:, slot_pos[b][filled]], rtol=0, atol=1e-6)
+        np.testing.assert_allclose(got[b][:, filled], want[b][:, slot_pos[b][filled]], rtol=1e-6, atol=1e-6)  # a wrong code: >= 1e-2
     assert tree_bytes(state) == state_bytes(pol, kv_heads=K, head_dim=D, max_len=64, batch=B, dtype=jnp.float32)
 
 

@@ -109,12 +109,18 @@ def smollm2_run(tmp_path_factory):
     question = np.asarray(tok.encode("\nQuestion: What is the secret passphrase?\nAnswer:"), np.int32)
     path = smollm2_gguf_path()
     job = {"checkpoint": str(path.parent), "gguf_file": path.name, "context": ctx.tolist(),
-           "question": question.tolist(), "n_new": 12, "presses": [[p, r, {}] for p in SLOW for r in RATIOS]}
+           "question": question.tolist(), "n_new": 12, "presses": [[p, r, {}] for p, r in SLOW_CASES]}
     return model, ctx, question, run_kvpress(job, tmp_path_factory.mktemp("smollm2"), timeout=3600)
 
 
+# The suite's slow stage runs every press at ratio 0.5 (PyramidKVPress, which kvpress 0.5.5 fails
+# there, at 0.75); KVP_KVPRESS_FULL=1 runs both ratios for every press (about twice the time:
+# kvpress's own runs dominate). docs/guide/kvpress.md quotes the full grid.
 SLOW = ("SnapKVPress", "KnormPress", "StreamingLLMPress", "ExpectedAttentionPress", "ObservedAttentionPress",
         "TOVAPress", "AdaKVPress", "PyramidKVPress")
+FULL_GRID = bool(os.environ.get("KVP_KVPRESS_FULL"))
+SLOW_CASES = [(p, r) for p in SLOW for r in RATIOS
+              if FULL_GRID or r == (0.75 if p == "PyramidKVPress" else 0.5)]
 
 
 def jaccard(a, b) -> float:
@@ -122,8 +128,7 @@ def jaccard(a, b) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ratio", RATIOS)
-@pytest.mark.parametrize("press", SLOW)
+@pytest.mark.parametrize(("press", "ratio"), SLOW_CASES)
 def test_smollm2_real_text_equals_kvpress(smollm2_run, press, ratio):
     """SmolLM2 on 1,024 tokens of Pride & Prejudice with a needle: mean kept-set Jaccard per
     (layer, kv head) >= 0.98 and the same 12 greedy tokens as kvpress 0.5.5."""

@@ -23,7 +23,7 @@ def tiny_model():
 
 @pytest.mark.parametrize("pol", [
     kvpolicies.get("snapkv", ratio=0.5, obs_window=4, kernel=3, max_new=8),
-    kvpolicies.get("knorm", ratio=0.5, max_new=8),
+    kvpolicies.get("knorm", ratio=0.5, max_new=8, dense_layers=0),  # every layer compressed (kvpress)
     kvpolicies.get("adakv", ratio=0.5, obs_window=4, kernel=3, max_new=8),
 ])
 def test_ratio_keeps_int_n_times_one_minus_ratio_of_every_prompt(pol, tiny_model):

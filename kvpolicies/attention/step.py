@@ -58,7 +58,7 @@ def attend(
     out, new_state, visible = attend_step(policy, state, q, k, v, pos, rope, scale, defer, tuning)
     if limits.concrete(state, pos):
         limits.check_cache(new_state, "attend: ")  # an exhausted paged pool, as an error
-    else:  # inside a caller's jit: queries at positions the state cannot take give NaN
+    elif tuning.checked:  # inside a caller's jit: queries at positions the state cannot take give NaN
         out = limits.poison(out, policy, state, pos)
     report(visible)
     return out, new_state

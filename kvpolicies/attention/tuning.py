@@ -14,11 +14,15 @@ class Tuning:
     (docs/design/attention.md). skip_blocks: decide for all blocks at once which are skipped, read
     whole or masked (False: every block masked, every RoPE segment computed). flat_rows: a block's
     softmax over [(B K G tq), s] rows (False: over [B, K, G, tq, s]). Every setting gives the same
-    numbers up to the order of the softmax's sums; the defaults are the fastest measured on CPU."""
+    numbers up to the order of the softmax's sums; the defaults are the fastest measured on CPU.
+    checked: inside a jit, a query at a position the state cannot take gets NaN outputs
+    (`kvpolicies.limits.poison`); False computes it from the step's view as any other (kvzip's
+    reconstruction pass runs every other layer past its capacity, its writes discarded)."""
 
     block: int = 512
     skip_blocks: bool = True
     flat_rows: bool = True
+    checked: bool = True
 
     def __post_init__(self):
         if not isinstance(self.block, int) or isinstance(self.block, bool) or self.block < 1:
