@@ -113,14 +113,14 @@ def smollm2_run(tmp_path_factory):
     return model, ctx, question, run_kvpress(job, tmp_path_factory.mktemp("smollm2"), timeout=3600)
 
 
-# The suite's slow stage runs every press at ratio 0.5 (PyramidKVPress, which kvpress 0.5.5 fails
-# there, at 0.75); KVP_KVPRESS_FULL=1 runs both ratios for every press (about twice the time:
-# kvpress's own runs dominate). docs/guide/kvpress.md quotes the full grid.
+# The suite's slow stage runs every press but PyramidKVPress at ratio 0.5 (PyramidKV's per-layer
+# budgets compile 30 layer steps: ~100 s; the tiny models check it); KVP_KVPRESS_FULL=1 runs both
+# ratios for every press (kvpress's own runs dominate). docs/guide/kvpress.md quotes the full grid.
 SLOW = ("SnapKVPress", "KnormPress", "StreamingLLMPress", "ExpectedAttentionPress", "ObservedAttentionPress",
         "TOVAPress", "AdaKVPress", "PyramidKVPress")
 FULL_GRID = bool(os.environ.get("KVP_KVPRESS_FULL"))
 SLOW_CASES = [(p, r) for p in SLOW for r in RATIOS
-              if FULL_GRID or r == (0.75 if p == "PyramidKVPress" else 0.5)]
+              if FULL_GRID or (r == 0.5 and p != "PyramidKVPress")]
 
 
 def jaccard(a, b) -> float:
