@@ -1,6 +1,6 @@
 """kvpress 0.5.5 itself beside `kvpolicies.compat.kvpress`: the same tiny random models (Llama,
 Qwen2) and token ids; kvpress's press prefills the context (its pipeline's protocol, run by
-tests/kvpress_reference.py in a subprocess with transformers 5.2.0 from .venv/kvpress-ref),
+evals/kvpress_worker.py in a subprocess with transformers 5.2.0 from .venv/kvpress-ref),
 ours runs `Engine.prompt` -> `compress` -> `kept_positions` / `continue_generate`. Kept
 positions per (layer, kv head) and greedy answers must be identical."""
 
@@ -34,11 +34,11 @@ N_CTX, N_Q, N_NEW = 320, 8, 6
 
 
 def run_kvpress(job: dict, tmp: pathlib.Path, timeout: int = 600) -> dict:
-    """kvpress's results for `job` (tests/kvpress_reference.py in its own environment)."""
+    """kvpress's results for `job` (evals/kvpress_worker.py in its own environment)."""
     (tmp / "job.json").write_text(json.dumps(job))
     env = {**os.environ, "PYTHONPATH": str(REF), "CUDA_VISIBLE_DEVICES": "", "TRANSFORMERS_VERBOSITY": "error",
            "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
-    subprocess.run([sys.executable, str(ROOT / "tests" / "kvpress_reference.py"), str(tmp / "job.json"),
+    subprocess.run([sys.executable, str(ROOT / "evals" / "kvpress_worker.py"), str(tmp / "job.json"),
                     str(tmp / "out.json")], check=True, env=env, cwd=ROOT, timeout=timeout)
     return json.loads((tmp / "out.json").read_text())
 

@@ -1,7 +1,7 @@
-"""kvpress 0.5.5 itself, as a subprocess (tests/test_kvpress_parity.py; not a test module).
+"""kvpress 0.5.5 itself, as a subprocess of the parity tests and `evals.peer` (run in its own environment).
 
 Run with PYTHONPATH=.venv/kvpress-ref (transformers 5.2.0 + kvpress, see scripts/setup.sh):
-    python tests/kvpress_reference.py job.json out.json
+    python evals/kvpress_worker.py job.json out.json
 job: {"checkpoint": dir | null, "gguf_file": name in that dir | absent, "tiny": {"kind": "llama"|"qwen2", "seed": int, "config": {...}} | null,
       "save_to": dir | null, "context": [ids], "question": [ids], "n_new": int,
       "presses": [[name, ratio, {fields}], ...]}
