@@ -32,14 +32,8 @@ class TaskContext:
 
     def engine(self, max_len: int) -> Engine:
         """An engine for sequences up to max_len tokens (reuse it: it holds the compiled steps);
-        with kvzip's repeat prompts in this tokenizer's ids when a policy reconstructs."""
-        pols = (self.policies,) if isinstance(self.policies, Policy) else tuple(self.policies)
-        repeat = None
-        if self.tokenizer is not None and any(p.reconstructs for p in pols):
-            from models.reconstruct import repeat_prompts
-
-            repeat = repeat_prompts(self.tokenizer)
-        return Engine(self.model, self.policies, max_len, repeat=repeat)
+        kvzip's repeat prompts come from this tokenizer (in its layers' style)."""
+        return Engine(self.model, self.policies, max_len, repeat=self.tokenizer)
 
 
 @dataclasses.dataclass

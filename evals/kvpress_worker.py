@@ -4,7 +4,7 @@ Run with PYTHONPATH=.venv/kvpress-ref (transformers 5.2.0 + kvpress, see scripts
     python evals/kvpress_worker.py job.json out.json
 job: {"checkpoint": dir | null, "gguf_file": name in that dir | absent, "tiny": {"kind": "llama"|"qwen2", "seed": int, "config": {...}} | null,
       "save_to": dir | null, "context": [ids], "question": [ids], "n_new": int,
-      "presses": [[name, ratio, {fields}], ...]}
+      "presses": [[name, ratio, {fields}], ...], "tokenizer": "ascii" | absent (the checkpoint's)}
 A "tiny" job builds a random transformers model (biases and norms perturbed) and saves it to
 `save_to` first, for our loader. Per press, as kvpress's pipeline runs it: the context prefilled
 under `press(model)` into a DynamicCache (ObservedAttentionPress: eager attention, else sdpa),
@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import sys
 
+import numpy as np
 import torch
 import transformers
 from transformers import DynamicCache
@@ -44,7 +45,47 @@ def load(path: str, attn: str, gguf: str | None = None):
                                                              **kw).eval()
 
 
+class AsciiTokenizer:
+    """The tiny models' tokenizer (ids = ASCII codes, no chat template) for KVzipPress's repeat
+    prompts; `models.tokenizer.ByteTokenizer` would give the same ids to ASCII text."""
+
+    chat_template = None
+
+    def encode(self, text, return_tensors=None, add_special_tokens=False):
+        ids = [ord(c) for c in text]
+        return torch.tensor([ids]) if return_tensors == "pt" else ids
+
+
+def use_tokenizer(job: dict) -> None:
+    """KVzipPress loads `AutoTokenizer.from_pretrained(model.config.name_or_path)`: the job's
+    tokenizer instead (a GGUF file's, or ASCII ids for a tiny model); nothing else changes."""
+    from kvpress.presses import kvzip_press
+
+    if job.get("tokenizer") == "ascii":
+        tok = AsciiTokenizer()
+    else:
+        kw = {"gguf_file": job["gguf_file"]} if job.get("gguf_file") else {}
+        tok = transformers.AutoTokenizer.from_pretrained(job["checkpoint"], local_files_only=True, **kw)
+
+    class Given:
+        @staticmethod
+        def from_pretrained(*args, **kwargs):
+            return tok
+
+    kvzip_press.AutoTokenizer = Given
+
+
 def make_press(name: str, ratio: float, fields: dict):
+    if name == "DuoAttentionPress":  # given a head pattern (kvpress downloads the authors' or scores BookSum)
+        scores = np.clip(np.asarray(fields.pop("head_scores"), float), 0, 1)
+        sizes = (fields.pop("sink_size", 128), fields.pop("recent_size", 256))
+
+        class GivenPattern(kvpress.DuoAttentionPress):
+            @staticmethod
+            def load_attention_pattern(model):
+                return sizes[0], sizes[1], scores
+
+        return GivenPattern(head_compression_ratio=ratio, **fields)
     if name == "AdaKVPress":
         inner = fields.pop("press", "SnapKVPress")
         return kvpress.AdaKVPress(getattr(kvpress, inner)(compression_ratio=ratio), **fields)
@@ -85,6 +126,8 @@ def run(model, press, ctx, question, n_new, full_keys):
 def main(job_path: str, out_path: str) -> None:
     job = json.load(open(job_path))
     path = job["checkpoint"] or build_tiny(job["tiny"], job["save_to"])
+    if any(name == "KVzipPress" for name, _, _ in job["presses"]):
+        use_tokenizer(job)
     ctx = torch.tensor([job["context"]])
     question = torch.tensor([job["question"]])
     models, fulls = {}, {}

@@ -58,6 +58,7 @@ from kvpolicies.budgets import context_kept
 KEY_FIELDS = ("model", "data", "policy", "task", "chunk", "seed")
 # Policy fields added after results were keyed, with their defaults (`run_key` leaves them out there).
 LATER_FIELDS = {"ratio": 0.0, "pooling": "max", "safeguard_window": False}
+POLICY_LATER_FIELDS = {"kvzip": {"scope": "layer", "keep_last": True, "prompts": "authors"}, "duo": {"appended": 0}}
 # Top-level keys that say how to run, not what: left out of the row's "config".
 NOT_IN_ROW = ("results", "progress", "force")
 
@@ -106,7 +107,8 @@ def run_key(conf: dict[str, Any], policy: kvpolicies.Policy) -> str:
         path = conf[group].get("path")
         if isinstance(path, str) and Path(path).exists():
             keyed[group] = {**keyed[group], "digest": R.file_digest(path)}
-    for field, default in LATER_FIELDS.items():  # added after rows were keyed: at the default, the key is unchanged
+    later = {**LATER_FIELDS, **POLICY_LATER_FIELDS.get(keyed["policy"].get("name"), {})}
+    for field, default in later.items():  # added after rows were keyed: at the default, the key is unchanged
         if keyed["policy"].get(field, default) == default:
             keyed["policy"].pop(field, None)
     return R.config_key(keyed)

@@ -290,6 +290,8 @@ def load_model(mcfg: dict[str, Any]):
     """(Llama, tokenizer or None) for a model config; cached, so a sweep loads it once."""
     key = _blob(mcfg)
     if key not in _LOADED:
+        from models.tokenizer import attach
+
         tok = load_tokenizer(mcfg)
-        _remember(_LOADED, key, (_weights(mcfg, tok), tok))
+        _remember(_LOADED, key, (attach(_weights(mcfg, tok), tok), tok))
     return _LOADED[key]

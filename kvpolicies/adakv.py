@@ -66,11 +66,12 @@ SCORERS: dict[str, Callable] = {"snapkv": snapkv_scores}
 
 
 def head_of(pos: Int[Array, "B 1 V"], kv_heads: int) -> Int[Array, "B 1 V"]:
-    """The kv head of each pool slot (K for empty slots): segments end at the newest token."""
-    last = (pos >= 0) & (pos == pos.max(axis=-1, keepdims=True))  # [B, 1, V]
-    marks = last.astype(jnp.int32)
-    head = jnp.cumsum(marks, axis=-1) - marks  # markers strictly before the slot
-    return jnp.where(pos >= 0, head, kv_heads).astype(jnp.int32)
+    """The kv head of each pool slot (K for empty slots). Each head's segment is in text order, so
+    a head starts where the position does not grow: the previous head ended at the newest token
+    (adakv, kvzip) or this one starts at a sink (kvpress's kvzip, which does not force the newest)."""
+    prev = jnp.concatenate([jnp.full(pos.shape[:-1] + (1,), -2, pos.dtype), pos[..., :-1]], axis=-1)
+    marks = ((pos >= 0) & (pos <= prev)).astype(jnp.int32)  # [B, 1, V]: a segment starts here
+    return jnp.where(pos >= 0, jnp.cumsum(marks, axis=-1), kv_heads).astype(jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,8 +20,19 @@ sized by their `ratio` field (`PromptScored.kept_for`), with kvpress's defaults:
     AdaKVPress              adakv (press="SnapKVPress", the default): SnapKVPress's scores, kvpress's
                             safeguard max(1, int(0.2 n_kept)) counted with the window
 
-"KVzipPress" and "DuoAttentionPress" raise NotImplementedError (not reproduced yet: KVzip's
-chunked reconstruction, DuoAttention's downloaded patterns).
+    KVzipPress              kvzip with kvpress's rule: `scope="model"` (the int(L K n r) lowest
+                            reconstruction scores of all layers removed; layerwise=True: per layer),
+                            n_sink 4 kept, the newest token not forced, its repeat prompts and chat
+                            prefix (`prompts="kvpress"`), chunk 2048. The engine needs the tokenizer
+                            (Engine(..., repeat=tok), or a model from models.loading / evals.zoo,
+                            which remember theirs). Stored at full size: layers keep data-dependent
+                            counts, as kvpress (which masks)
+    DuoAttentionPress       duo with compression_ratio as kvpress's head_compression_ratio: the
+                            round(L K r) lowest of `head_scores` ([L][K], a file or nested lists;
+                            kvpress downloads the authors' patterns or scores BookSum, neither
+                            reachable offline) stream; sink_size 128 / recent_size 256 (kvpress's
+                            on-the-fly values) trimmed once after the dense prompt, the question
+                            and answer appended (`appended=max_new`)
 
 Differences that remain by construction: scores are computed in JAX (float32 sums in another
 order than torch's), so a near tie can fall the other way; kvpress breaks exact ties by
@@ -33,13 +44,16 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+import numpy as np
 
 from kvpolicies.adakv import AdaKV
 from kvpolicies.base import Policy
 from kvpolicies.codecs import Codec, Identity
 from kvpolicies.expected import Expected
 from kvpolicies.full import Full
+from kvpolicies.duo import Duo, load_pattern
 from kvpolicies.knorm import Knorm
+from kvpolicies.kvzip import KVzip
 from kvpolicies.observed import Observed
 from kvpolicies.prompt import PromptPhase
 from kvpolicies.prompt_scored import PromptScored, rank_by
@@ -116,10 +130,21 @@ class PyramidLayer(SnapKV):
         return round(hi - self.layer * steps)
 
 
-SUPPORTED = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPress", "ExpectedAttentionPress",
-             "ObservedAttentionPress", "TOVAPress", "AdaKVPress")
 PRESSES = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPress", "ExpectedAttentionPress",
            "ObservedAttentionPress", "TOVAPress", "AdaKVPress", "KVzipPress", "DuoAttentionPress")
+SUPPORTED = PRESSES
+NEEDS_PATTERN = ("DuoAttentionPress",)  # given a head pattern (head_scores=...)
+
+
+def duo_heads(head_scores, head_compression_ratio: float) -> tuple[tuple[int, ...], ...]:
+    """[L][K] 0/1 retrieval heads as kvpress's `DuoAttentionPress.post_init_from_model`: scores
+    clipped to [0, 1], the round(L K r) lowest (numpy's argsort over the flattened scores) stream."""
+    scores = np.clip(load_pattern(head_scores), 0, 1)
+    n_pruned = round(scores.size * head_compression_ratio)
+    retrieval = np.ones(scores.shape, np.int32)
+    if n_pruned > 0:
+        retrieval[np.unravel_index(np.argsort(scores, axis=None)[:n_pruned], scores.shape)] = 0
+    return tuple(tuple(int(h) for h in row) for row in retrieval)
 
 
 def kvpress(press: str, compression_ratio: float, *, max_new: int = 256, n_layers: int | None = None,
@@ -134,36 +159,61 @@ def kvpress(press: str, compression_ratio: float, *, max_new: int = 256, n_layer
     r = compression_ratio
     if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < 1:
         raise ValueError(f"compression_ratio={r!r}: must be a number in [0, 1)")
-    if press in ("KVzipPress", "DuoAttentionPress"):
-        raise NotImplementedError(f"kvpolicies.compat.kvpress: {press} is not reproduced yet")
-    if r == 0:
+    if press == "DuoAttentionPress":  # compression_ratio: kvpress's head_compression_ratio
+        out = _duo(r, max_new, n_layers, fields)
+    elif r == 0:
         return Full()
+    elif press == "KVzipPress":
+        if fields.pop("kvzip_plus_normalization", False):
+            raise NotImplementedError("kvpolicies.compat.kvpress: KVzipPress(kvzip_plus_normalization=True)")
+        layerwise = fields.pop("layerwise", False)
+        out = KVzip(ratio=r, max_new=max_new, n_sink=fields.pop("n_sink", 4), repeat_chunk=fields.pop("chunk_size", 2048),
+                    scope="layer" if layerwise else "model", keep_last=False, prompts="kvpress")
+    else:
+        out = _scored(press, r, max_new, n_layers, fields)
+    if fields:
+        raise ValueError(f"kvpress({press!r}): unknown field(s) {sorted(fields)}")
+    return out
+
+
+def _duo(r: float, max_new: int, n_layers: int | None, fields: dict) -> Policy | tuple[Policy, ...]:
+    if fields.pop("on_the_fly_scoring", False):
+        raise NotImplementedError("kvpolicies.compat.kvpress: DuoAttentionPress(on_the_fly_scoring=True) scores "
+                                  "heads on BookSum, which is not reachable offline: give head_scores=")
+    scores = fields.pop("head_scores", None)
+    if scores is None:
+        raise ValueError("kvpress('DuoAttentionPress'): give head_scores= ([layers][kv heads] gate values, a "
+                         "file or nested lists); kvpress downloads the authors' patterns for six checkpoints")
+    if isinstance(scores, (np.ndarray, list)):
+        scores = tuple(tuple(float(x) for x in row) for row in np.asarray(scores, np.float64))
+    out = Duo(sink=fields.pop("sink_size", 128), recent=fields.pop("recent_size", 256), pattern=duo_heads(scores, r),
+              appended=max_new)
+    return out.stack(n_layers) if n_layers is not None else out
+
+
+def _scored(press: str, r: float, max_new: int, n_layers: int | None, fields: dict) -> Policy | tuple[Policy, ...]:
+    """The presses that score tokens once after the context (SnapKV's family, Knorm, ...)."""
     snap = {"obs_window": fields.pop("window_size", 64), "kernel": fields.pop("kernel_size", 5), "pooling": "avg"}
     if press == "AdaKVPress":
         inner = fields.pop("press", "SnapKVPress")
         if inner != "SnapKVPress":
             raise NotImplementedError(f"kvpolicies.compat.kvpress: AdaKVPress over {inner!r} (only SnapKVPress)")
-        out = AdaKV(ratio=r, max_new=max_new, safeguard_window=True,
-                    alpha_safeguard=fields.pop("alpha_safeguard", 0.2), **snap)
-    elif press == "SnapKVPress":
-        out = SnapKV(ratio=r, max_new=max_new, **snap)
-    elif press == "PyramidKVPress":
+        return AdaKV(ratio=r, max_new=max_new, safeguard_window=True,
+                     alpha_safeguard=fields.pop("alpha_safeguard", 0.2), **snap)
+    if press == "SnapKVPress":
+        return SnapKV(ratio=r, max_new=max_new, **snap)
+    if press == "PyramidKVPress":
         from kvpolicies.pyramidkv import PyramidKV
 
         out = PyramidKV(ratio=r, max_new=max_new, beta=fields.pop("beta", 20), **snap)  # stack(n): PyramidLayers
-        if n_layers is not None:
-            out = out.stack(n_layers)
-    elif press == "KnormPress":
-        out = Knorm(ratio=r, max_new=max_new, dense_layers=0)  # kvpress compresses every layer
-    elif press == "StreamingLLMPress":
-        out = SinkOnce(ratio=r, max_new=max_new, n_sink=fields.pop("n_sink", 4))
-    elif press == "ExpectedAttentionPress":
-        out = Expected(ratio=r, max_new=max_new, **{k: fields.pop(k) for k in list(fields) if k in (
+        return out.stack(n_layers) if n_layers is not None else out
+    if press == "KnormPress":
+        return Knorm(ratio=r, max_new=max_new, dense_layers=0)  # kvpress compresses every layer
+    if press == "StreamingLLMPress":
+        return SinkOnce(ratio=r, max_new=max_new, n_sink=fields.pop("n_sink", 4))
+    if press == "ExpectedAttentionPress":
+        return Expected(ratio=r, max_new=max_new, **{k: fields.pop(k) for k in list(fields) if k in (
             "n_future_positions", "n_sink", "use_covariance", "use_vnorm", "epsilon")})
-    elif press == "ObservedAttentionPress":
-        out = Observed(ratio=r, max_new=max_new)
-    else:  # TOVAPress
-        out = LastQuery(ratio=r, max_new=max_new)
-    if fields:
-        raise ValueError(f"kvpress({press!r}): unknown field(s) {sorted(fields)}")
-    return out
+    if press == "ObservedAttentionPress":
+        return Observed(ratio=r, max_new=max_new)
+    return LastQuery(ratio=r, max_new=max_new)  # TOVAPress

@@ -102,6 +102,11 @@ class Duo(Bounded, Policy):
     streaming mask applies during the prompt too (what this library did before; the authors'
     training-time rule).
 
+    `appended` (kvpress's protocol, `kvpolicies.compat.kvpress("DuoAttentionPress", ...)`; 0 = off):
+    after the dense prompt's trim the streaming heads keep the next `appended` tokens (the question
+    and the answer) beside their sink + recent, without sliding (their ring holds sink + recent +
+    appended slots); kvpress trims once after the context and appends.
+
     Defaults: sink 64, recent 256 (what the authors' evaluation scripts deploy: scripts/niah.sh
     and scripts/longbench.sh pass --sink_size 64 --recent_size 256; their training script and
     released patterns use sink 128), threshold 0.5 (their default), sparsity None.
@@ -123,12 +128,16 @@ class Duo(Bounded, Policy):
     threshold: float = 0.5
     sparsity: float | None = None
     prompt: Literal["dense", "stream"] = "dense"
+    appended: int = 0
     codec: Codec = Identity()
 
     def __post_init__(self):
         check_int("duo", "sink", self.sink, 0)
         check_choice("duo", "prompt", self.prompt, ("dense", "stream"))
         check_int("duo", "recent", self.recent, 1)
+        check_int("duo", "appended", self.appended, 0)
+        if self.appended and self.prompt != "dense":
+            raise ValueError("duo.appended: tokens are appended after the dense prompt's trim; it needs prompt='dense'")
         if isinstance(self.heads, list):
             object.__setattr__(self, "heads", tuple(self.heads))
         if self.heads is not None:
@@ -182,7 +191,7 @@ class Duo(Bounded, Policy):
         return Full(codec=self.codec)
 
     def _sink(self) -> Sink:
-        return Sink(n_sink=self.sink, window=self.recent, positions="original", codec=self.codec)
+        return Sink(n_sink=self.sink, window=self.recent + self.appended, positions="original", codec=self.codec)
 
     # -- sizes -----------------------------------------------------------------------------------
     def capacity(self, max_len):

@@ -177,6 +177,7 @@ class KVzap(Policy):
     def extend(self, state, k, v, pos):
         return pool_view(self.codec, state, k, v, pos)
 
+    stream_keep = keep  # KVzip.compact's cut of a full pool
     compact = KVzip.compact
 
     # -- the method's protocol ---------------------------------------------------------------------

@@ -33,18 +33,30 @@ bfloat16); (4) ties keep the newer token. Stream extension (ours; `Engine.score`
 beyond `max_new`): no reconstruction is possible mid-stream, so a slot's score is the most
 attention any later query gave it (the same statistic, from real queries), and a full pool is
 recompressed with the same head-wise rule.
+
+kvpress 0.5.5's `KVzipPress` (`kvpolicies.compat.kvpress("KVzipPress", r)`) is reached with named
+fields, all off by default: `ratio` r (its compression ratio: a layer of n context tokens keeps
+K n - int(K n r) of them, kvpress's `layerwise=True`), `scope="model"` (its default: the int(L K n
+r) lowest scores of ALL layers are removed, so each layer keeps a data-dependent number — stored
+at full size, max_len slots per kv head, as kvpress which masks), `keep_last=False` (kvpress does
+not force the newest token), `prompts="kvpress"` (its repeat prompts and chat prefix:
+`models.reconstruct.repeat_prompts(tok, "kvpress")`) and `repeat_chunk=2048`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import Literal
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from kvpolicies.adakv import HeadPool, _map, _rows, pack_by_head, pool_view, prompt_pool
-from kvpolicies.base import EMPTY, Policy, SlotState, check_int, concat, empty_slots, encode_new, view_of
+from kvpolicies.base import (EMPTY, Policy, SlotState, check_choice, check_int, concat, empty_slots, encode_new,
+                             view_of)
 from kvpolicies.codecs import Codec, Identity
 from kvpolicies.prompt import PromptPhase, PromptState
 from kvpolicies.scored import top_mask
@@ -66,6 +78,10 @@ class KVzip(Policy):
     n_sink: int = 4
     repeat_chunk: int = 2000
     repeat_tail: int = 8
+    ratio: float = 0.0  # kvpress's compression ratio (fraction of the context removed); 0: `budget` sizes
+    scope: Literal["layer", "model"] = "layer"  # "model": kvpress's default, one choice over all layers (needs ratio)
+    keep_last: bool = True  # the context's newest token is always kept (kvpress: not)
+    prompts: Literal["authors", "kvpress"] = "authors"  # the repeat prompts' style (models.reconstruct)
     codec: Codec = Identity()
 
     def __post_init__(self):
@@ -74,25 +90,45 @@ class KVzip(Policy):
         check_int("kvzip", "max_new", self.max_new, 0)
         check_int("kvzip", "repeat_chunk", self.repeat_chunk, 1)
         check_int("kvzip", "repeat_tail", self.repeat_tail, 0)
+        check_choice("kvzip", "scope", self.scope, ("layer", "model"))
+        check_choice("kvzip", "prompts", self.prompts, ("authors", "kvpress"))
+        if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or not 0 <= self.ratio < 1:
+            raise ValueError(f"kvzip.ratio={self.ratio!r}: must be a number in [0, 1) (0: budget sizes)")
+        if not self.keep_last and self.n_sink < 1:
+            raise ValueError("kvzip.keep_last=False needs n_sink >= 1 (a head's pool segment starts at its sinks)")
+        if self.scope == "model" and not self.ratio:
+            raise ValueError("kvzip.scope='model' removes a fraction of all layers' tokens: give ratio (e.g. 0.5)")
 
     def capacity(self, max_len):
-        """Slots per kv head on average (the pool holds kv_heads x this many)."""
+        """Slots per kv head on average (the pool holds kv_heads x this many); scope="model":
+        max_len (a layer may keep every token)."""
+        if self.scope == "model":
+            return max_len
+        if self.ratio:
+            return min(math.ceil(max_len * (1 - self.ratio)) + 1 + self.max_new, max_len)  # >= K n - int(K n r) / K
         return min(self.budget + self.max_new, max_len)
+
+    def stream_keep(self, score: Float[Array, "B K V"], pos: Int[Array, "B K V"], s: int) -> Bool[Array, "B K V"]:
+        """A full pool of s slots per kv head (streams) cut to K x budget tokens (`ratio`: to its
+        slots minus max_new)."""
+        per_head = max(s - self.max_new, self.n_sink + 1) if self.ratio else min(self.budget, s)
+        return self.keep(score, pos, pos.shape[1] * per_head)
 
     def init(self, batch, kv_heads, head_dim, dtype, max_len):
         st = empty_slots(self.codec, batch, kv_heads, head_dim, dtype, self.capacity(max_len), kv_heads)  # [B, K, S, D]
         return HeadPool(st.k, st.v, st.pos, mass=jnp.zeros(st.pos.shape, jnp.float32))
 
     # -- the head-wise choice ---------------------------------------------------------------------
-    def keep(self, score: Float[Array, "B K V"], pos: Int[Array, "B K V"], s: int) -> Bool[Array, "B K V"]:
-        """Per kv head (pos = -1 where a slot is not the head's): the n_sink first tokens and the
-        newest, then the layer's best-scored tokens of all heads together, K x min(budget, s) in all
-        (ties to the lower head, then the newer token)."""
+    def keep(self, score: Float[Array, "B K V"], pos: Int[Array, "B K V"], n: int | Array) -> Bool[Array, "B K V"]:
+        """Per kv head (pos = -1 where a slot is not the head's): the n_sink first tokens (and the
+        newest, `keep_last`), then the layer's best-scored tokens of all heads together, n in all
+        (a number or [B, 1]; ties to the lower head, then the newer token)."""
         b, kh, v = pos.shape
         filled = pos >= 0
-        always = filled & ((pos < self.n_sink) | (pos == pos.max(axis=(1, 2), keepdims=True)))
+        always = filled & (pos < self.n_sink)
+        if self.keep_last:
+            always = always | (filled & (pos == pos.max(axis=(1, 2), keepdims=True)))
         prio = jnp.where(always, jnp.inf, jnp.where(filled, score, -jnp.inf))
-        n = kh * min(self.budget, s)
         return top_mask(prio.reshape(b, kh * v), pos.reshape(b, kh * v), n).reshape(b, kh, v) & filled
 
     # -- decoding and streams: the pool plus the new token of every head -----------------------------
@@ -113,7 +149,7 @@ class KVzip(Policy):
         mass = jnp.maximum(slots.mass, score)  # the most attention a slot has received
         over = filled.sum(axis=-1, keepdims=True) > p  # [B, 1, 1]
         per_head = head == jnp.arange(kh)[None, :, None]  # [B, K, V]
-        kept_h = self.keep(jnp.where(per_head, mass, 0.0), jnp.where(per_head, slots.pos, EMPTY), s)
+        kept_h = self.stream_keep(jnp.where(per_head, mass, 0.0), jnp.where(per_head, slots.pos, EMPTY), s)
         kept = jnp.where(over, kept_h.any(axis=1, keepdims=True) & filled, filled)  # [B, 1, V]
         slots = dataclasses.replace(slots, mass=mass)
         return _map(lambda x: _rows(x, kh), pack_by_head(slots, kept, head, p))
@@ -137,9 +173,20 @@ class KVzip(Policy):
         pos = jnp.broadcast_to(state.pos, (b, kh, m))  # [B, K, M]
         score = state.extra["zip"]  # [B, K, M]
         filled = pos >= 0
-        over = filled.sum(axis=-1, keepdims=True) > min(self.budget, s)  # [B, K, 1]
-        kept = jnp.where(over, self.keep(score, pos, s), filled)
+        if self.scope == "model":
+            if "zip_kept" not in state.extra:
+                raise ValueError("kvzip scope='model': the prompt has no model-wide choice; run it through "
+                                 "models.engine.Engine")
+            kept = state.extra["zip_kept"] & filled
+        elif self.ratio:  # kvpress layerwise: K n - int(K n ratio) of the layer's K n tokens
+            table = np.asarray([max(kh * n - int(kh * n * self.ratio), kh * min(self.n_sink, n)) for n in range(m + 1)],
+                               np.int32)  # static; the sinks stay (kvpress would prune them past ratio 1 - n_sink / n)
+            kept = self.keep(score, pos, jnp.asarray(table)[filled[:, 0].sum(-1)][:, None])
+        else:
+            over = filled.sum(axis=-1, keepdims=True) > min(self.budget, s)  # [B, K, 1]
+            kept = jnp.where(over, self.keep(score, pos, kh * min(self.budget, s)), filled)
         return prompt_pool(state, kept, jnp.where(filled, score, 0.0), kh * s)
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,3 +235,24 @@ class Reconstruct(Policy):
         score = jnp.where(real, probs, 0.0).max(axis=(2, 3))  # [B, K, M]: max over G and real queries
         chunk = (state.pos >= lo) & (state.pos < hi)  # [B, 1, M]
         return dataclasses.replace(state, extra={**state.extra, "zip": jnp.where(chunk, score, state.extra["zip"])})
+
+
+def model_scope_keep(scores: Float[Array, "L B K M"], pos: Int[Array, "L B 1 M"], ratio: float, n_sink: int
+                     ) -> Bool[Array, "L B K M"]:
+    """kvpress's default KVzip choice over every layer at once (`KVzipPress.compress_post`, not
+    layerwise): the first `n_sink` tokens score above everything, then the int(L K n ratio)
+    lowest-scored (layer, kv head, token) of the n context tokens are removed (ties: the earlier
+    layer, head, token first). Deviation: the sinks are never removed (kvpress removes them too
+    past ratio 1 - n_sink / n; every head keeps a token, which the head pool's layout needs)."""
+    n_layers, b, kh, m = scores.shape
+    pos = jnp.broadcast_to(pos, scores.shape)
+    filled = pos >= 0
+    top = jnp.where(filled, scores, -jnp.inf).max(axis=(0, 2, 3))[None, :, None, None]  # [1, B, 1, 1]
+    s = jnp.where(filled & (pos < n_sink), top + 1.0, jnp.where(filled, scores, jnp.inf))
+    flat = jnp.moveaxis(s, 1, 0).reshape(b, n_layers * kh * m)  # [B, L*K*M] layer-major
+    table = np.asarray([min(int(n_layers * kh * n * ratio), n_layers * kh * max(n - n_sink, 0)) for n in range(m + 1)],
+                       np.int32)  # static
+    n_pruned = jnp.asarray(table)[filled[0, :, 0].sum(-1)][:, None]  # [B, 1]
+    order = jnp.lexsort((jnp.broadcast_to(jnp.arange(flat.shape[1]), flat.shape), flat), axis=-1)  # lowest first
+    pruned = jnp.argsort(order, axis=-1) < n_pruned
+    return filled & ~jnp.moveaxis(pruned.reshape(b, n_layers, kh, m), 0, 1)

@@ -63,12 +63,13 @@ from kvpolicies.base import Policy, SlotState
 from kvpolicies.full import Full
 from kvpolicies.adakv import HeadPool
 from kvpolicies.duo import DuoState
-from kvpolicies.kvzip import Reconstruct
+from kvpolicies.kvzip import Reconstruct, model_scope_keep
 from kvpolicies.paged import PagedState, concat_rows
 from kvpolicies.prompt import PromptPhase, PromptState
 from kvpolicies.attention.tuning import Tuning
 from models.llama import Cache, Llama, policy_runs
-from models.reconstruct import RepeatPrompts, repeat_inputs
+from models.reconstruct import RepeatPrompts, repeat_inputs, repeat_prompts
+from models.tokenizer import tokenizer_of
 
 
 MAX_LEN = 2**31 - 2**16  # positions are int32 (and kvzip feeds up to ~2K repeat tokens past a context)
@@ -302,7 +303,7 @@ class Engine:
     pass the tuple `(policy,) * n_layers`."""
 
     def __init__(self, model: Llama, policies: Policy | Sequence[Policy], max_len: int, cache_dtype=None,
-                 repeat: RepeatPrompts | None = None, rope_tables: bool = True, mesh=None,
+                 repeat: RepeatPrompts | Any = None, rope_tables: bool = True, mesh=None,
                  decode_loop: str = "layers"):
         self.cfg = model.cfg
         check_policies(policies)
@@ -314,8 +315,8 @@ class Engine:
         self.prompt_policies = tuple(p.prompt_policy() for p in self.policies)
         self._compresses = self.prompt_policies != self.policies
         # kvzip: a reconstruction pass between the prompt phase and after_prompt (models.reconstruct)
-        self.repeat = repeat
         self._zippers = tuple(dict.fromkeys(p for p in self.policies if p.reconstructs))
+        self.repeat = self._repeat_prompts(repeat if repeat is not None else tokenizer_of(model))
         self.recon_policies = tuple(_recon_policy(p) for p in self.prompt_policies)
         self.reconstruct_tokens = 0  # repeat-input tokens fed by reconstruction passes
         self.reconstruct_pad_tokens = 0  # and the pads that bucket their lengths (RECON_BUCKET)
@@ -480,10 +481,25 @@ class Engine:
         _, cache = m.hidden(tokens, pos, cache, self.recon_policies, tables)
         return cache
 
+    def _repeat_prompts(self, repeat: Any) -> RepeatPrompts | None:
+        """kvzip's repeat prompts: given, or in a tokenizer's ids (the engine's `repeat`, else the
+        tokenizer the model was loaded with, `models.tokenizer.tokenizer_of`) in the style of the kvzip layers."""
+        if not self._zippers:
+            return None
+        if repeat is None or isinstance(repeat, RepeatPrompts):
+            return repeat
+        if not hasattr(repeat, "encode"):
+            raise ValueError(f"Engine repeat={type(repeat).__name__}: give models.reconstruct.RepeatPrompts or a "
+                             "tokenizer (with encode)")
+        styles = {p.prompts for p in self._zippers}
+        if len(styles) > 1:
+            raise ValueError(f"kvzip layers with different repeat-prompt styles {sorted(styles)}: one pass serves all")
+        return repeat_prompts(repeat, styles.pop())
+
     def _check_repeat(self):
         if self._zippers and self.repeat is None:
-            raise ValueError("kvzip scores a prompt by reconstructing it: give the engine the repeat prompts, "
-                             "Engine(..., repeat=models.reconstruct.repeat_prompts(tokenizer))")
+            raise ValueError("kvzip scores a prompt by reconstructing it: give the engine the tokenizer or the repeat "
+                             "prompts, Engine(..., repeat=tokenizer) or repeat=models.reconstruct.repeat_prompts(tokenizer)")
 
     def _reconstruct(self, cache: Cache, tokens: np.ndarray) -> Cache:
         """KVzip's context reconstruction over a prompt-phase cache holding `tokens` [B, T]: each
@@ -521,7 +537,28 @@ class Engine:
             cache = tuple(n if z else st for st, n, z in zip(cache, new, scored))
             self.reconstruct_tokens += ids.size
             self.reconstruct_pad_tokens += padded.size - ids.size
-        return cache
+        return self._model_scope(cache, scored)
+
+    def _model_scope(self, cache: Cache, scored: list[bool]) -> Cache:
+        """kvzip layers with scope="model" (kvpress's default): one choice over all their layers'
+        scores, stored as each layer's `extra["zip_kept"]` [B, K, M] for `after_prompt`."""
+        wide = {(p.ratio, p.n_sink) for p in self._zippers if p.scope == "model"}
+        if not wide:
+            return cache
+        if len(wide) > 1 or len(wide) < len({(p.ratio, p.n_sink, p.scope) for p in self._zippers}):
+            raise ValueError("kvzip scope='model': every kvzip layer must share scope, ratio and n_sink")
+        (ratio, n_sink), = wide
+        runs = [st for st, z in zip(cache, scored) if z]
+        kept = model_scope_keep(jnp.concatenate([st.extra["zip"] for st in runs]),
+                                jnp.concatenate([st.pos for st in runs]), ratio, n_sink)  # [L, B, K, M]
+        out, i = [], 0
+        for st, z in zip(cache, scored):
+            if z:
+                n = st.pos.shape[0]
+                st = dataclasses.replace(st, extra={**st.extra, "zip_kept": kept[i:i + n]})
+                i += n
+            out.append(st)
+        return tuple(out)
 
     def _after_prompt_impl(self, cache):
         """Each run's prompt state -> its decode state (stacked over the run's layers)."""

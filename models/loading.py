@@ -58,9 +58,12 @@ def load_default_model(dtype_name: str = "float32") -> tuple[Llama, Tokenizer]:
     from models.llama import Llama
     from models.tokenizer import Tokenizer
 
+    from models.tokenizer import attach
+
     reader = GGUFFile(smollm2_gguf_path())  # checked and parsed once, shared by the weights and the tokenizer
     cfg, params = load_gguf(reader)
-    return Llama(cfg, params, dtype=jnp.dtype(dtype_name)), Tokenizer.from_gguf(reader)
+    tok = Tokenizer.from_gguf(reader)
+    return attach(Llama(cfg, params, dtype=jnp.dtype(dtype_name)), tok), tok
 
 
 from models.files import (  # noqa: F401  (check_gguf, read_json, read_text: re-exported)

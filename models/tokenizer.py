@@ -8,6 +8,7 @@ import datetime
 import json
 import pathlib
 import warnings
+import weakref
 from typing import Any
 
 import tokenizers
@@ -330,3 +331,22 @@ def _bos_eos_processor(bos: str | None, bos_id: int | None, eos: str | None, eos
     special = {t: i for t, i in ((bos, bos_id), (eos, eos_id)) if t is not None}
     return processors.TemplateProcessing(single=" ".join(single), pair=" ".join(pair),
                                          special_tokens=list(special.items()))
+
+
+_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> the tokenizer it was loaded with
+
+
+def attach(model: Any, tok: Any) -> Any:
+    """Remember that `model` reads `tok`'s ids (the loaders call this; `tokenizer_of` reads it,
+    e.g. the Engine for kvzip's repeat prompts); returns the model."""
+    if tok is not None:
+        _OF[model] = tok
+    return model
+
+
+def tokenizer_of(model: Any) -> Any:
+    """The tokenizer `model` was loaded with (`attach`), or None."""
+    try:
+        return _OF.get(model)
+    except TypeError:  # not weak-referenceable: nothing attached
+        return None

@@ -19,6 +19,7 @@ from kvpolicies.compat import kvpress
 from models.engine import Engine
 from models.llama import Llama
 from models.loading import load_hf
+from models.tokenizer import ByteTokenizer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 REF = ROOT / ".venv" / "kvpress-ref"
@@ -28,7 +29,11 @@ pytestmark = [pytest.mark.ref, pytest.mark.kvpress, pytest.mark.skipif(not (REF 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512)
 EXACT = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPress", "ExpectedAttentionPress",
-         "ObservedAttentionPress", "TOVAPress", "AdaKVPress")
+         "ObservedAttentionPress", "TOVAPress", "AdaKVPress", "KVzipPress", "DuoAttentionPress")
+# DuoAttentionPress given a head pattern (kvpress downloads the authors' for six checkpoints) and
+# streaming sizes that the 320-token context exceeds
+FIELDS = {"DuoAttentionPress": {"head_scores": [[0.9, 0.1], [0.2, 0.7], [0.4, 0.6]], "sink_size": 16,
+                                "recent_size": 64}}
 RATIOS = (0.5, 0.75)
 N_CTX, N_Q, N_NEW = 320, 8, 6
 
@@ -53,15 +58,15 @@ def tiny_run(request, tmp_path_factory):
     job = {"checkpoint": None, "save_to": str(tmp / "ckpt"),
            "tiny": {"kind": request.param, "seed": 0, "config": config},
            "context": ctx.tolist(), "question": question.tolist(), "n_new": N_NEW,
-           "presses": [[p, r, {}] for p in EXACT for r in RATIOS]}
+           "presses": [[p, r, FIELDS.get(p, {})] for p in EXACT for r in RATIOS], "tokenizer": "ascii"}
     ref = run_kvpress(job, tmp)
     cfg, params = load_hf(tmp / "ckpt")
     return Llama(cfg, params), ctx, question, ref
 
 
 def ours(model: Llama, press: str, ratio: float, ctx: np.ndarray, question: np.ndarray):
-    pol = kvpress(press, ratio, n_layers=model.cfg.n_layers, max_new=64)
-    eng = Engine(model, pol, max_len=N_CTX + N_Q + N_NEW)
+    pol = kvpress(press, ratio, n_layers=model.cfg.n_layers, max_new=64, **FIELDS.get(press, {}))
+    eng = Engine(model, pol, max_len=N_CTX + N_Q + N_NEW, repeat=ByteTokenizer())  # kvzip: the ASCII ids kvpress used
     state = eng.compress(eng.prompt(ctx[None]))
     kept = [[p.tolist() for p in layer] for layer in eng.kept_positions(state)]
     return kept, eng.continue_generate(state, question[None], N_NEW)[0].tolist()
@@ -84,6 +89,12 @@ def test_kept_positions_and_answers_equal_kvpress(tiny_run, press, ratio):
     if press == "AdaKVPress":
         assert all(sum(map(len, layer)) == len(layer) * n_kept for layer in want["kept"])
         assert any(len(h) != n_kept for layer in want["kept"] for h in layer)  # the heads' shares differ
+    elif press == "KVzipPress":  # int(L K n r) removed over all layers: the layers' counts differ
+        sizes = [sum(map(len, layer)) for layer in want["kept"]]
+        total = len(sizes) * model.cfg.n_kv_heads * N_CTX
+        assert sum(sizes) == total - int(total * ratio) and len(set(sizes)) > 1
+    elif press == "DuoAttentionPress":  # round(L K r) heads stream: sink + recent tokens, the others all
+        assert sorted({len(h) for layer in want["kept"] for h in layer}) == [16 + 64, N_CTX]
     elif press != "PyramidKVPress":
         assert all(len(h) == n_kept for layer in want["kept"] for h in layer)
     pairs = [(g, w) for got_l, want_l in zip(kept, want["kept"], strict=True) for g, w in zip(got_l, want_l, strict=True)]
@@ -109,7 +120,8 @@ def smollm2_run(tmp_path_factory):
     question = np.asarray(tok.encode("\nQuestion: What is the secret passphrase?\nAnswer:"), np.int32)
     path = smollm2_gguf_path()
     job = {"checkpoint": str(path.parent), "gguf_file": path.name, "context": ctx.tolist(),
-           "question": question.tolist(), "n_new": 12, "presses": [[p, r, {}] for p, r in SLOW_CASES]}
+           "question": question.tolist(), "n_new": 12,
+           "presses": [[p, r, SLOW_FIELDS.get(p, {})] for p, r in SLOW_CASES]}
     return model, ctx, question, run_kvpress(job, tmp_path_factory.mktemp("smollm2"), timeout=3600)
 
 
@@ -117,7 +129,9 @@ def smollm2_run(tmp_path_factory):
 # budgets compile 30 layer steps: ~100 s; the tiny models check it); KVP_KVPRESS_FULL=1 runs both
 # ratios for every press (kvpress's own runs dominate). docs/guide/kvpress.md quotes the full grid.
 SLOW = ("SnapKVPress", "KnormPress", "StreamingLLMPress", "ExpectedAttentionPress", "ObservedAttentionPress",
-        "TOVAPress", "AdaKVPress", "PyramidKVPress")
+        "TOVAPress", "AdaKVPress", "PyramidKVPress", "KVzipPress", "DuoAttentionPress")
+# a fixed head pattern for SmolLM2's 30 layers x 3 kv heads (no DuoAttention pattern exists for it)
+SLOW_FIELDS = {"DuoAttentionPress": {"head_scores": np.random.default_rng(0).random((30, 3)).round(3).tolist()}}
 FULL_GRID = bool(os.environ.get("KVP_KVPRESS_FULL"))
 SLOW_CASES = [(p, r) for p in SLOW for r in RATIOS
               if FULL_GRID or (r == 0.5 and p != "PyramidKVPress")]
@@ -137,8 +151,8 @@ def test_smollm2_real_text_equals_kvpress(smollm2_run, press, ratio):
     if "error" in want:  # kvpress 0.5.5's PyramidKVPress at 0.5 (docs/guide/kvpress.md)
         assert press == "PyramidKVPress" and ratio == 0.5, want
         pytest.skip(f"kvpress 0.5.5 raised: {want['error']}")
-    pol = kvpress(press, ratio, n_layers=model.cfg.n_layers, max_new=64)
-    eng = Engine(model, pol, max_len=len(ctx) + len(question) + 12)
+    pol = kvpress(press, ratio, n_layers=model.cfg.n_layers, max_new=64, **SLOW_FIELDS.get(press, {}))
+    eng = Engine(model, pol, max_len=len(ctx) + len(question) + 12)  # kvzip: the tokenizer the model was loaded with
     state = eng.compress(eng.prompt(ctx[None]))
     kept = eng.kept_positions(state)
     js = [jaccard(g.tolist(), w) for gl, wl in zip(kept, want["kept"], strict=True) for g, w in zip(gl, wl, strict=True)]

@@ -1,0 +1,93 @@
+"""`kvpolicies.compat.kvpress` without kvpress: its errors, kvpress's DuoAttention head rule and
+KVzip's model-wide choice against numpy re-simulations of kvpress 0.5.5's code
+(`DuoAttentionPress.post_init_from_model`, `KVzipPress.compress_post`), and the head pool's
+layout for heads that do not keep the newest token. The presses themselves run beside kvpress
+in tests/test_kvpress_parity.py."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvpolicies.adakv import head_of
+from kvpolicies.compat import duo_heads, kvpress
+from kvpolicies.kvzip import KVzip, model_scope_keep
+
+
+def test_duo_needs_a_head_pattern_and_refuses_on_the_fly_scoring():
+    with pytest.raises(ValueError, match="head_scores"):
+        kvpress("DuoAttentionPress", 0.5)
+    with pytest.raises(NotImplementedError, match="BookSum"):
+        kvpress("DuoAttentionPress", 0.5, on_the_fly_scoring=True)
+
+
+def test_duo_heads_are_kvpress_lowest_scores():
+    rng = np.random.default_rng(3)
+    scores = rng.random((5, 4)) * 1.4 - 0.2  # some outside [0, 1]: kvpress clips
+    for r in (0.0, 0.25, 0.5, 0.9):
+        clipped = np.clip(scores, 0, 1)
+        n_pruned = round(clipped.size * r)
+        want = np.ones((5, 4), int)
+        for i in np.argsort(clipped.reshape(-1))[:n_pruned]:  # kvpress: argsort(axis=None)[:n_pruned] stream
+            want[i // 4, i % 4] = 0
+        assert np.array_equal(np.asarray(duo_heads(tuple(map(tuple, scores)), r)), want)
+    layers = kvpress("DuoAttentionPress", 0.5, head_scores=scores, n_layers=5, sink_size=8, recent_size=16, max_new=32)
+    assert [p.heads for p in layers] == [tuple(r) for r in duo_heads(tuple(map(tuple, scores)), 0.5)]
+    assert {(p.sink, p.recent, p.appended, p.prompt) for p in layers} == {(8, 16, 32, "dense")}
+
+
+def test_kvzip_fields_and_errors():
+    pol = kvpress("KVzipPress", 0.5)
+    assert (pol.scope, pol.keep_last, pol.prompts, pol.repeat_chunk, pol.n_sink) == ("model", False, "kvpress", 2048, 4)
+    assert kvpress("KVzipPress", 0.5, layerwise=True).scope == "layer"
+    with pytest.raises(NotImplementedError, match="kvzip_plus"):
+        kvpress("KVzipPress", 0.5, kvzip_plus_normalization=True)
+    with pytest.raises(ValueError, match="ratio"):
+        KVzip(scope="model")
+    with pytest.raises(ValueError, match="n_sink"):
+        KVzip(keep_last=False, n_sink=0)
+    with pytest.raises(ValueError, match="unknown field"):
+        kvpress("KVzipPress", 0.5, window_size=3)
+
+
+def kvpress_compress_post(scores: np.ndarray, ratio: float, n_sink: int) -> np.ndarray:
+    """kvpress 0.5.5's `KVzipPress.compress_post` (layerwise=False) in numpy: [L, K, n] scores ->
+    kept mask (sinks scored max + 1, the int(L K n r) lowest removed, then per layer its count's
+    lowest across heads)."""
+    s = scores.copy()
+    s[..., :n_sink] = s.max() + 1.0
+    n_layers, kh, n = s.shape
+    pruned = np.argsort(s.reshape(-1), kind="stable")[:int(s.size * ratio)]
+    per_layer = np.bincount(pruned // (kh * n), minlength=n_layers)
+    kept = np.ones_like(s, bool)
+    for layer in range(n_layers):
+        drop = np.argsort(s[layer].reshape(-1), kind="stable")[:per_layer[layer]]
+        kept[layer].reshape(-1)[drop] = False
+    return kept
+
+
+@pytest.mark.parametrize("ratio", [0.3, 0.5, 0.75])
+def test_model_scope_keep_is_kvpress_compress_post(ratio):
+    rng = np.random.default_rng(int(ratio * 100))
+    n_layers, kh, n, m = 4, 3, 50, 64  # 50 context tokens in 64 slots
+    scores = rng.random((n_layers, kh, n)).astype(np.float32)
+    pos = np.full((n_layers, 1, 1, m), -1, np.int32)
+    pos[..., :n] = np.arange(n)
+    full = np.zeros((n_layers, 1, kh, m), np.float32)
+    full[:, 0, :, :n] = scores
+    got = np.asarray(model_scope_keep(jnp.asarray(full), jnp.asarray(pos), ratio, 4))[:, 0]
+    assert not got[..., n:].any()
+    want = kvpress_compress_post(scores, ratio, 4)
+    assert np.array_equal(got[..., :n], want)
+    sizes = want.sum(axis=(1, 2))
+    assert sizes.sum() == n_layers * kh * n - int(n_layers * kh * n * ratio) and len(set(sizes)) > 1
+
+
+def test_head_of_reads_heads_that_do_not_keep_the_newest_token():
+    # head 0 keeps 0..2 and 7, head 1 keeps 0, 1, 9 (the newest), head 2 keeps 0 and 4; then empty slots
+    pos = jnp.asarray([[[0, 1, 2, 7, 0, 1, 9, 0, 4, -1, -1]]], jnp.int32)
+    assert np.asarray(head_of(pos, 3)).tolist() == [[[0, 0, 0, 0, 1, 1, 1, 2, 2, 3, 3]]]
+    # adakv's layout: every head ends at the newest token
+    pos = jnp.asarray([[[3, 5, 9, 2, 9, 8, 9, -1]]], jnp.int32)
+    assert np.asarray(head_of(pos, 3)).tolist() == [[[0, 0, 0, 1, 1, 2, 2, 3]]]
