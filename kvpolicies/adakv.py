@@ -49,6 +49,14 @@ class HeadPool(Accumulated):
     K rows of one flat pool of P slots, grouped by head (rows are not heads).
     """
 
+    def held(self, row, kv_heads, policy):
+        """Each head's segment of the pool (`head_of`'s rule: a head starts where the position
+        stops growing); heads past the last segment hold nothing."""
+        flat = np.asarray(self.pos[row]).reshape(-1)  # [K * S]
+        flat = flat[flat >= 0]
+        heads = np.split(flat, np.flatnonzero(np.diff(flat) <= 0) + 1) if flat.size else []
+        return [np.sort(h).astype(np.int64) for h in heads] + [np.zeros(0, np.int64)] * (kv_heads - len(heads))
+
 
 def snapkv_scores(pol: "AdaKV", window: Float[Array, "B K V"], pos: Int[Array, "B K V"],
                   cand: Bool[Array, "B K V"]) -> tuple[Float[Array, "B K V"], Float[Array, "B K V"]]:

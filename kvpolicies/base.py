@@ -62,6 +62,25 @@ class SlotState:
     def slots(self) -> int:
         return self.pos.shape[-1]
 
+    # -- what the engine asks a state (one layer's, numpy leaves; or a run's, stacked) ------------
+    def held(self, row: int, kv_heads: int, policy: Any) -> list[np.ndarray]:
+        """The sorted positions this layer's state holds for batch row `row`, per kv head
+        (`Engine.kept_positions`): Kp = 1 position rows are shared by the heads."""
+        pos = np.asarray(self.pos[row])  # [Kp, S]
+        sets = [held_sorted(p) for p in (pos[None] if pos.ndim == 1 else pos)]
+        return sets * kv_heads if len(sets) == 1 else sets
+
+    @staticmethod
+    def join_rows(states: list) -> Any:
+        """A run's states of single prompts (leaves [L, 1, ...]) as one batch (the engine's ragged
+        generation): concatenated along the batch axis."""
+        return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *states)
+
+
+def held_sorted(pos: np.ndarray) -> np.ndarray:
+    """The distinct filled positions of `pos`, sorted (int64)."""
+    return np.unique(pos[pos >= 0]).astype(np.int64)
+
 
 class RopePositions(NamedTuple):
     """Which positions RoPE sees for queries and keys.

@@ -35,7 +35,7 @@ import numpy as np
 from jaxtyping import Array, Int
 
 from kvpolicies.base import (EMPTY, Policy, RopePositions, SlotState, View, check_choice, check_int, empty_slots, flat,
-                             keys_rotated, scatter, tree_nbytes)
+                             held_sorted, keys_rotated, scatter, tree_nbytes)
 from kvpolicies.codecs import Codec, Identity
 from kvpolicies.full import Full
 from kvpolicies.limits import Bounded
@@ -54,6 +54,11 @@ class DuoState(SlotState):
     """
 
     stream_pos: Int[Array, "B 1 W"]
+
+    def held(self, row, kv_heads, policy):
+        """The retrieval slots for retrieval heads (`policy.heads`), the streaming ring for the others."""
+        full, stream = held_sorted(np.asarray(self.pos[row])), held_sorted(np.asarray(self.stream_pos[row]))
+        return [full if h else stream for h in policy.heads]
 
 
 def load_pattern(pattern: str | tuple) -> np.ndarray:

@@ -256,3 +256,21 @@ def model_scope_keep(scores: Float[Array, "L B K M"], pos: Int[Array, "L B 1 M"]
     order = jnp.lexsort((jnp.broadcast_to(jnp.arange(flat.shape[1]), flat.shape), flat), axis=-1)  # lowest first
     pruned = jnp.argsort(order, axis=-1) < n_pruned
     return filled & ~jnp.moveaxis(pruned.reshape(b, n_layers, kh, m), 0, 1)
+
+
+def recon_policy(p: Policy) -> Policy:
+    """A layer's policy in the reconstruction pass (the engine's prompt-phase policy `p`): a kvzip
+    layer scores; a dense layer (full, another compressor's prompt phase) is read without
+    writing; any other policy runs as it is (its writes are discarded)."""
+    from kvpolicies.full import Full
+
+    if isinstance(p, PromptPhase) and p.of is not None and p.of.reconstructs:
+        return p.of.reconstruction()
+    if isinstance(p, (PromptPhase, Full)):
+        return Reconstruct(codec=p.codec, rotated=p.rotated_keys, phase=p)  # runs as the prompt cache's
+    return p
+
+
+def scores_in_pass(p: Policy) -> bool:
+    """Whether a reconstruction-pass policy (`recon_policy`) scores its layer."""
+    return isinstance(p, Reconstruct) and p.of is not None

@@ -68,8 +68,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from kvpolicies.base import EMPTY, Policy, SlotState, View, check_choice, check_int, concat, encode_new, tree_nbytes, \
-    view_of
+from kvpolicies.base import (EMPTY, Policy, SlotState, View, check_choice, check_int, concat, encode_new, held_sorted,
+                             tree_nbytes, view_of)
 from kvpolicies.codecs import Codec, Identity
 from kvpolicies.limits import Bounded
 
@@ -86,6 +86,15 @@ class PagedState:
     table: Int[Array, "B M"]
     refs: Int[Array, "NB"]
     overflow: Int[Array, "1"]
+
+    def held(self, row: int, kv_heads: int, policy: Any) -> list[np.ndarray]:
+        """The positions in the blocks row `row`'s table points at (shared by the kv heads)."""
+        ids = np.asarray(self.table[row])
+        return [held_sorted(np.asarray(self.pos)[ids[ids >= 0]].reshape(-1))] * kv_heads
+
+    @staticmethod
+    def join_rows(states: list) -> "PagedState":
+        return concat_rows(states)  # pools joined, tables re-based
 
 
 @dataclasses.dataclass(frozen=True)

@@ -136,3 +136,30 @@ def query_sums(q: Float[Array, "B K G T D"], pos: Int[Array, "B T"], n_sink: int
             "q_sq": jnp.einsum("BKGTI,BKGTJ->BKGIJ", q, q),  # [B, K, G, D, D]
             "q_n": use.sum(axis=1).astype(jnp.float32)}  # [B]
     return {n: x + sums[n] if n in sums else x for n, x in step.items()}
+
+
+# -- what the engine asks about prompt phases (staged prompts shared between engines) -------------
+def prompt_key(p: Policy) -> Policy:
+    """What determines a prompt phase's state: a `PromptPhase` stores the same thing whatever
+    prompt compressor it serves (`of`)."""
+    return dataclasses.replace(p, of=None) if isinstance(p, PromptPhase) else p
+
+
+def reads_prompt_state(mine: Policy, theirs: Policy) -> bool:
+    """Whether a layer whose prompt phase is `mine` can take the prompt state of `theirs`: the
+    same state (`prompt_key`), or `full` over a dense PromptPhase (its slots are full's)."""
+    from kvpolicies.full import Full
+
+    if prompt_key(mine) == prompt_key(theirs):
+        return True
+    return type(mine) is Full and isinstance(theirs, PromptPhase) and mine.codec == theirs.codec
+
+
+def adopt(policy: Policy, state: Any) -> tuple[Any, bool]:
+    """Another engine's prompt state for a layer of `policy`: (the state, whether its keys must
+    be rotated) — `full` takes a PromptPhase's dense slots, whose keys are stored un-rotated."""
+    from kvpolicies.full import Full
+
+    if isinstance(policy, Full) and isinstance(state, PromptState):
+        return SlotState(state.k, state.v, state.pos), policy.rotated_keys
+    return state, False

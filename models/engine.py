@@ -59,22 +59,17 @@ from tqdm.auto import tqdm
 
 from kvpolicies import limits
 from kvpolicies.attend import Deferred, recording, write_deferred
-from kvpolicies.base import Policy, SlotState
-from kvpolicies.full import Full
-from kvpolicies.adakv import HeadPool
-from kvpolicies.duo import DuoState
-from kvpolicies.kvzip import Reconstruct, model_scope_keep
-from kvpolicies.paged import PagedState, concat_rows
-from kvpolicies.prompt import PromptPhase, PromptState
+from kvpolicies.base import Policy
+from kvpolicies.kvzip import recon_policy
+from kvpolicies.prompt import adopt, reads_prompt_state
 from kvpolicies.attention.tuning import Tuning
 from models.llama import Cache, Llama, policy_runs
-from models.reconstruct import RepeatPrompts, repeat_inputs, repeat_prompts
+from models.reconstruct import RepeatPrompts, engine_prompts, reconstruct
 from models.tokenizer import tokenizer_of
 
 
 MAX_LEN = 2**31 - 2**16  # positions are int32 (and kvzip feeds up to ~2K repeat tokens past a context)
 REACH_MIN = 1024  # the smallest length bucket (slots)
-RECON_BUCKET = 128  # kvzip's repeat inputs are padded to a multiple of this (one reconstruction trace per bucket)
 
 
 def reach_of(end: int, max_len: int, fine: bool = True) -> int | None:
@@ -160,49 +155,6 @@ def _rotate_keys(k: Float[Array, "L B K S D"], pos: Int[Array, "L B Kp S"], tabl
     if len(set(local)) == 1:
         return tables["local" if local[0] else "global"].apply(k, pos)
     return jnp.stack([tables["local" if x else "global"].apply(k[i], pos[i]) for i, x in enumerate(local)])
-
-
-def _prompt_key(p: Policy) -> Policy:
-    """What determines a prompt phase's state: a `PromptPhase` stores the same thing whatever
-    prompt compressor it serves (`of`), and full's slots are a dense prompt phase's slots."""
-    if isinstance(p, PromptPhase):
-        return dataclasses.replace(p, of=None)
-    return p
-
-
-def _recon_policy(p: Policy) -> Policy:
-    """A layer's policy in kvzip's reconstruction pass: a kvzip layer scores; a dense layer (full,
-    another compressor's prompt phase) is read without writing; any other policy runs as it is
-    (its writes are discarded)."""
-    if isinstance(p, PromptPhase) and p.of is not None and p.of.reconstructs:
-        return p.of.reconstruction()
-    if isinstance(p, (PromptPhase, Full)):
-        return Reconstruct(codec=p.codec, rotated=p.rotated_keys, phase=p)  # runs as the prompt cache's
-    return p
-
-
-def _layer_positions(pol: Policy, st: Any, row: int, kv_heads: int) -> list[np.ndarray]:
-    """One layer's kept positions per kv head (`Engine.kept_positions`; numpy leaves, batch first)."""
-    srt = lambda x: np.unique(x[x >= 0]).astype(np.int64)  # noqa: E731  (multires: a summary per span)
-    if isinstance(st, PagedState):
-        ids = st.table[row]
-        held = srt(st.pos[ids[ids >= 0]].reshape(-1))
-        return [held] * kv_heads
-    if isinstance(st, HeadPool):  # a pool shared by the heads: segments of sorted positions, one per head
-        flat = st.pos[row].reshape(-1)  # [K * S]
-        flat = flat[flat >= 0]
-        starts = np.flatnonzero(np.diff(flat) <= 0) + 1  # a head's segment ends at its newest token
-        heads = np.split(flat, starts)
-        return [np.sort(h).astype(np.int64) for h in heads] + [np.zeros(0, np.int64)] * (kv_heads - len(heads))
-    if isinstance(st, DuoState):
-        heads = np.asarray(pol.heads, bool)
-        full, stream = srt(st.pos[row].reshape(-1)), srt(st.stream_pos[row].reshape(-1))
-        return [full if h else stream for h in heads]
-    pos = st.pos[row]  # [Kp, S]
-    if pos.ndim == 1:
-        pos = pos[None]
-    sets = [srt(p) for p in pos]
-    return sets * kv_heads if len(sets) == 1 else sets
 
 
 def _check_int(name: str, value: Any, lo: int) -> int:
@@ -316,10 +268,10 @@ class Engine:
         self._compresses = self.prompt_policies != self.policies
         # kvzip: a reconstruction pass between the prompt phase and after_prompt (models.reconstruct)
         self._zippers = tuple(dict.fromkeys(p for p in self.policies if p.reconstructs))
-        self.repeat = self._repeat_prompts(repeat if repeat is not None else tokenizer_of(model))
-        self.recon_policies = tuple(_recon_policy(p) for p in self.prompt_policies)
+        self.repeat = engine_prompts(self._zippers, repeat if repeat is not None else tokenizer_of(model))
+        self.recon_policies = tuple(recon_policy(p) for p in self.prompt_policies)
         self.reconstruct_tokens = 0  # repeat-input tokens fed by reconstruction passes
-        self.reconstruct_pad_tokens = 0  # and the pads that bucket their lengths (RECON_BUCKET)
+        self.reconstruct_pad_tokens = 0  # and the pads that bucket their lengths (models.reconstruct.RECON_BUCKET)
         self.prompts_compressed = 0  # how many times after_prompt ran (once per fresh prompt)
         self.prefills = 0  # fresh prompts prefilled (prefill, generate, prompt)
         self.prefills_shared = 0  # prompt states another engine prefilled for this one (evals.prefills)
@@ -481,84 +433,17 @@ class Engine:
         _, cache = m.hidden(tokens, pos, cache, self.recon_policies, tables)
         return cache
 
-    def _repeat_prompts(self, repeat: Any) -> RepeatPrompts | None:
-        """kvzip's repeat prompts: given, or in a tokenizer's ids (the engine's `repeat`, else the
-        tokenizer the model was loaded with, `models.tokenizer.tokenizer_of`) in the style of the kvzip layers."""
-        if not self._zippers:
-            return None
-        if repeat is None or isinstance(repeat, RepeatPrompts):
-            return repeat
-        if not hasattr(repeat, "encode"):
-            raise ValueError(f"Engine repeat={type(repeat).__name__}: give models.reconstruct.RepeatPrompts or a "
-                             "tokenizer (with encode)")
-        styles = {p.prompts for p in self._zippers}
-        if len(styles) > 1:
-            raise ValueError(f"kvzip layers with different repeat-prompt styles {sorted(styles)}: one pass serves all")
-        return repeat_prompts(repeat, styles.pop())
-
     def _check_repeat(self):
         if self._zippers and self.repeat is None:
             raise ValueError("kvzip scores a prompt by reconstructing it: give the engine the tokenizer or the repeat "
                              "prompts, Engine(..., repeat=tokenizer) or repeat=models.reconstruct.repeat_prompts(tokenizer)")
 
     def _reconstruct(self, cache: Cache, tokens: np.ndarray) -> Cache:
-        """KVzip's context reconstruction over a prompt-phase cache holding `tokens` [B, T]: each
-        chunk's repeat input runs after the context (positions T..), the cache is read, not written;
-        returns the cache with every kvzip layer's scores (`extra["zip"]` [B, K, M])."""
+        """kvzip's reconstruction pass (`models.reconstruct.reconstruct`) over a prompt-phase cache."""
         if not self._zippers:
             return cache
         self._check_repeat()
-        chunks = {(p.repeat_chunk, p.repeat_tail) for p in self._zippers}
-        if len(chunks) > 1:
-            raise ValueError(f"kvzip layers with different repeat_chunk/repeat_tail {sorted(chunks)}: one pass serves all")
-        (chunk, tail), = chunks
-        runs = policy_runs(self.recon_policies, self.cfg.n_layers)
-        if len(runs) != len(cache):
-            raise ValueError("reconstruct: the cache does not have this engine's prompt-phase layout")
-        scored = [isinstance(p, Reconstruct) and p.of is not None for _, _, p in runs]
-        b, t = tokens.shape
-
-        def with_range(st, lo, hi, end):
-            n = st.pos.shape[0]  # layers in the run
-            zip0 = st.extra.get("zip", jnp.zeros(st.pos.shape[:2] + (jax.tree.leaves(st.k)[0].shape[2], st.slots),
-                                                  jnp.float32))  # [L, B, K, M]
-            rng = jnp.broadcast_to(jnp.asarray([lo, hi, end], jnp.int32), (n, b, 3))
-            return dataclasses.replace(st, extra={**st.extra, "zip": zip0, "zip_range": rng})
-
-        for lo, hi, ids in repeat_inputs(tokens, self.repeat, chunk, tail):
-            # pads at the end, to a multiple of RECON_BUCKET (at most max_len tokens, as a layer of
-            # another policy may write the input into its slots): one trace per bucket, not per
-            # prompt length; no real repeat query sees them (causal), their own queries score nothing
-            r = ids.shape[1]
-            padded = np.pad(ids, ((0, 0), (0, min(-r % RECON_BUCKET, max(self.max_len - r, 0)))))
-            cache = tuple(with_range(st, lo, hi, t + r) if z else st for st, z in zip(cache, scored))
-            pos = jnp.broadcast_to(jnp.arange(t, t + padded.shape[1], dtype=jnp.int32), padded.shape)
-            new = self._recon_step(self.params, cache, jnp.asarray(padded), pos)
-            cache = tuple(n if z else st for st, n, z in zip(cache, new, scored))
-            self.reconstruct_tokens += ids.size
-            self.reconstruct_pad_tokens += padded.size - ids.size
-        return self._model_scope(cache, scored)
-
-    def _model_scope(self, cache: Cache, scored: list[bool]) -> Cache:
-        """kvzip layers with scope="model" (kvpress's default): one choice over all their layers'
-        scores, stored as each layer's `extra["zip_kept"]` [B, K, M] for `after_prompt`."""
-        wide = {(p.ratio, p.n_sink) for p in self._zippers if p.scope == "model"}
-        if not wide:
-            return cache
-        if len(wide) > 1 or len(wide) < len({(p.ratio, p.n_sink, p.scope) for p in self._zippers}):
-            raise ValueError("kvzip scope='model': every kvzip layer must share scope, ratio and n_sink")
-        (ratio, n_sink), = wide
-        runs = [st for st, z in zip(cache, scored) if z]
-        kept = model_scope_keep(jnp.concatenate([st.extra["zip"] for st in runs]),
-                                jnp.concatenate([st.pos for st in runs]), ratio, n_sink)  # [L, B, K, M]
-        out, i = [], 0
-        for st, z in zip(cache, scored):
-            if z:
-                n = st.pos.shape[0]
-                st = dataclasses.replace(st, extra={**st.extra, "zip_kept": kept[i:i + n]})
-                i += n
-            out.append(st)
-        return tuple(out)
+        return reconstruct(self, cache, tokens, policy_runs(self.recon_policies, self.cfg.n_layers))
 
     def _after_prompt_impl(self, cache):
         """Each run's prompt state -> its decode state (stacked over the run's layers)."""
@@ -700,12 +585,7 @@ class Engine:
         if other._model is not self._model or other.max_len != self.max_len or other.cache_dtype != self.cache_dtype:
             return False
 
-        def ok(mine: Policy, theirs: Policy) -> bool:
-            if _prompt_key(mine) == _prompt_key(theirs):
-                return True
-            return type(mine) is Full and isinstance(theirs, PromptPhase) and mine.codec == theirs.codec
-
-        return all(ok(a, b) for a, b in zip(self.prompt_policies, other.prompt_policies))
+        return all(reads_prompt_state(a, b) for a, b in zip(self.prompt_policies, other.prompt_policies))
 
     def _adopt(self, cache: Cache) -> Cache:
         """A prompt-phase cache in this engine's prompt-phase runs (full's runs take the dense
@@ -716,12 +596,11 @@ class Engine:
                              f"{len(runs)}: it comes from an engine that does not share the prompt (shares_prompt)")
         out = []
         for (a, b, pol), st in zip(runs, cache):
-            if isinstance(pol, Full) and isinstance(st, PromptState):
-                st = SlotState(st.k, st.v, st.pos)
-                if pol.rotated_keys:  # a prompt phase stores keys un-rotated; full stores them rotated
-                    tables = self.params[1] or self._model.rope_tables(self.max_len)
-                    local = tuple(bool(x) for x in np.asarray(self.cfg.local_layers)[a:b])
-                    st = SlotState(_rotate_keys(st.k, st.pos, tables, local), st.v, st.pos)
+            st, rotate = adopt(pol, st)
+            if rotate:  # a prompt phase stores keys un-rotated; e.g. full stores them rotated
+                tables = self.params[1] or self._model.rope_tables(self.max_len)
+                local = tuple(bool(x) for x in np.asarray(self.cfg.local_layers)[a:b])
+                st = dataclasses.replace(st, k=_rotate_keys(st.k, st.pos, tables, local))
             out.append(st)
         return tuple(out)
 
@@ -760,7 +639,7 @@ class Engine:
         for (a, b, pol), run in zip(policy_runs(self.policies if state.compressed else self.prompt_policies,
                                                 self.cfg.n_layers), state.cache):
             for i in range(b - a):
-                out.append(_layer_positions(pol, jax.tree.map(lambda x: np.asarray(x[i]), run), row, k))
+                out.append(jax.tree.map(lambda x: np.asarray(x[i]), run).held(row, k, pol))
         return out
 
     def continue_generate(self, state: Prompted, tokens, n: int, chunk: int | None = None) -> np.ndarray:
@@ -834,9 +713,7 @@ class Engine:
             return np.zeros((len(rows), 0), np.int32)
         done = [self.prefill(r[None], chunk) for r in rows]  # (logits [1, V], cache) per row
         logits = jnp.concatenate([lg for lg, _ in done], axis=0)  # [B, V]
-        cache = tuple(concat_rows(run) if isinstance(run[0], PagedState)  # paged: pools joined, tables re-based
-                      else jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *run)  # batch: axis 1
-                      for run in zip(*[c for _, c in done]))
+        cache = tuple(type(run[0]).join_rows(list(run)) for run in zip(*[c for _, c in done]))  # one batch
         first = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B]
         if n == 1:
             return np.asarray(first)[:, None]

@@ -276,8 +276,8 @@ def test_committed_surrogates_beat_their_initialisation(stem):
 
 def test_prompt_phases_share_only_with_the_same_surrogate():
     """One prefill may serve kvzap at any budget or rule (the phase stores the same scores), never
-    another surrogate's (`models.engine._prompt_key`)."""
-    from models.engine import _prompt_key
+    another surrogate's (`kvpolicies.prompt.prompt_key`)."""
+    from kvpolicies.prompt import prompt_key as _prompt_key
 
     a = KVzap(budget=256, surrogate="random").prompt_policy()
     b = KVzap(budget=512, rule="threshold", surrogate="random").prompt_policy()

@@ -182,7 +182,7 @@ def test_repeat_inputs_are_padded_to_a_bucket_and_their_pads_score_nothing(tiny_
     of 30 and 27 tokens (repeat inputs of 17, 19, 13 and 17, 19, 10 tokens) compile one
     reconstruction step, not three; the scores equal those of unpadded inputs (rounding only: the
     shapes differ) and the authors' rule above; pads are counted apart from the real tokens."""
-    import models.engine as E
+    import models.reconstruct as R
     from models.engine import Engine
 
     _, ours = tiny_qwen
@@ -191,7 +191,7 @@ def test_repeat_inputs_are_padded_to_a_bucket_and_their_pads_score_nothing(tiny_
     ctxs = [rng.integers(12, 64, (B, n)).astype(np.int32) for n in (30, 27)]
 
     def scores(bucket):
-        monkeypatch.setattr(E, "RECON_BUCKET", bucket)
+        monkeypatch.setattr(R, "RECON_BUCKET", bucket)
         eng = Engine(ours, pol, max_len=40, repeat=REPEAT)
         out = []
         for ctx in ctxs:

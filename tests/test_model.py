@@ -200,10 +200,12 @@ def test_rope_table_rotates_like_the_trigonometry(rope, dtype):
                                np.asarray(rope.apply(x, inside), np.float32), atol=tol)
     np.testing.assert_array_equal(np.asarray(apply(table, x, past)), np.asarray(jax.jit(rope.apply)(x, past)))
     assert table.inv_freq().tolist() == rope.inv_freq().tolist()
-    # the cond around cos/sin only (layer-by-layer decoding) rotates exactly as the cond around the rotation
+    # the cond around cos/sin only (layer-by-layer decoding) rotates as the cond around the rotation,
+    # to the last bit but for XLA's fusion choices (a fused multiply-add may round once instead of twice)
     angles = dataclasses.replace(table, cond_angles=True)
     for p in (inside, past):
-        np.testing.assert_array_equal(np.asarray(apply(angles, x, p)), np.asarray(apply(table, x, p)))
+        got, want = np.asarray(apply(angles, x, p), np.float32), np.asarray(apply(table, x, p), np.float32)
+        np.testing.assert_allclose(got, want, rtol=0, atol=4 * float(jnp.finfo(dtype).eps) * np.abs(want).max())
 
 
 RAGGED = {  # a per-token evictor, a prompt compressor (head-wise), a sparse reader over a dense cache

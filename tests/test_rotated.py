@@ -21,7 +21,8 @@ from kvpolicies.full import Full
 from kvpolicies.kvzip import KVzip
 from kvpolicies.rope import Rope
 from models.config import LlamaConfig
-from models.engine import Engine, _recon_policy
+from kvpolicies.kvzip import recon_policy as _recon_policy
+from models.engine import Engine
 from models.llama import Llama
 
 ROPE = Rope(8)
