@@ -1,12 +1,8 @@
 import json
-import os
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-
-sys.path.insert(0, os.path.dirname(__file__))
 
 # Test files run longest first, by the durations recorded in tests/durations.json (a file's tests
 # summed, per stage of scripts/test.sh: "unit" or "slow"), so that the two pytest-xdist workers

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import kvpolicies
-from helpers import run_policy
-from test_policies import REFERENCES, ROPE, qkv
+from tests.refs.helpers import run_policy
+from tests.refs.registry import REFERENCES, ROPE, qkv
 
 from kvpolicies.attention import Tuning
 

@@ -15,7 +15,7 @@ from models.config import LlamaConfig, gemma3_layer_types
 from models.engine import Engine, layer_weights
 from models.llama import Llama
 from models.stacks import model_stack
-from sharding_check import MAX_LEN, decode, instances, max_diff, per_layer
+from tests.refs.sharding_check import MAX_LEN, decode, instances, max_diff, per_layer
 
 
 def _both(eng: Engine, state, n: int):

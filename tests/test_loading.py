@@ -18,6 +18,7 @@ import transformers
 from models.config import smollm2_135m
 from models.loading import expected_shapes, load_gguf, load_hf, smollm2_gguf_path
 from models.tokenizer import Tokenizer
+from tests.refs.texts import TEXTS
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -37,17 +38,6 @@ LAYER_KEYS = {
     "w_down": ("mlp.down_proj.weight", True),
 }
 
-TEXTS = [
-    "The quick brown fox jumps over the lazy dog. Isn't it? \"Yes\" -- she said; (really!) [ok] {fine}",
-    "Numbers: 12345, 3.14159, -42, 1e-10, $1,000.00, 2024-01-01 and 007.",
-    "multiple   spaces\n\n\nnewlines\ttabs\t\tand  \r\n crlf   ",
-    "   leading spaces and trailing ones  ",
-    "Unicode: café naïve résumé Ærøskøbing Straße, 日本語のテキスト, 中文测试, 한국어, Ελληνικά, Привет",
-    "emoji 😀👍🏽🇫🇷 and symbols ½ x² ٣٤ → ∑ ∞ ©",
-    "def f(x):\n    return x**2  # square\n\nprint({'a': [1, 2]}, end='')\n",
-    "<|im_start|>user\nhello<|im_end|>\n<|endoftext|>",
-    "",
-]
 
 CHAT = [
     {"role": "system", "content": "You are terse."},

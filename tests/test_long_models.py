@@ -399,7 +399,7 @@ def test_sentencepiece_tokenizer_matches_transformers(tmp_path):
     ours = Tokenizer.from_gguf(tmp_path / "tok.gguf")
     ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="tok.gguf", local_files_only=True)
     from evals.data import default_text
-    from test_loading import TEXTS
+    from tests.refs.texts import TEXTS
 
     texts = TEXTS + [default_text()[:5000], "<start_of_turn>user\nhi<end_of_turn>\n", "  x   y    z\t\t", "ÿ 🦀 ∑"]
     for text in texts:

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvpolicies
-from helpers import run_policy
+from tests.refs.helpers import run_policy
 from kvpolicies import Rope
 from evals.planner import live_blocks
 from kvpolicies.memory import closed_form_bytes, state_bytes

@@ -11,13 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvpolicies
-from kvpolicies import Rope
-from oracle import VISIBLE, default_inv_freq, dense_attention
-from helpers import run_policy
-from test_baselines import pyramid_ref, stream_ref
+from tests.refs.helpers import run_policy
+from tests.refs.registry import REFERENCES, ROPE, qkv, reference
 
-B, N, K, D, THETA = 2, 4, 2, 16, 10000.0
-ROPE = Rope(D, THETA)
 
 # Policies checked exactly against the oracle: registry name -> instances (small windows so
 # that the test lengths cross them). Every registered policy must appear here.
@@ -26,88 +22,6 @@ EXACT = {
     "window": [kvpolicies.get("window", window=8), kvpolicies.get("window", window=1)],
     "sink": [kvpolicies.get("sink", n_sink=3, window=8), kvpolicies.get("sink", n_sink=3, window=8, positions="original"),
              kvpolicies.get("sink", n_sink=1, window=5), kvpolicies.get("sink", n_sink=0, window=6)],
-}
-
-
-def qkv(t, seed=0):
-    rng = np.random.default_rng(seed)
-    return tuple(rng.standard_normal((B, t, h, D)).astype(np.float32) for h in (N, K, K))
-
-
-def reference(name, pol, q, k, v):
-    t = q.shape[1]
-    vis = [VISIBLE[name](p, pol) for p in range(t)]
-    cache_ranks = isinstance(pol, kvpolicies.Sink) and pol.positions == "cache"
-    return dense_attention(q, k, v, vis, cache_ranks, default_inv_freq(D, THETA))
-
-
-# ---------------------------------------------------------------------------------------------
-# The registry matrix: every registered policy is run against an independent reference. A policy
-# added to the registry without an entry here fails `test_registered_policy_matches_reference`.
-# References: the dense oracle (tests/oracle.py) for position-based policies; step-by-step
-# simulations of the papers' rules written independently of the library for the others.
-# ---------------------------------------------------------------------------------------------
-
-
-def _scored_ref(pol, q, k, v, chunks):
-    from test_scored import simulate
-
-    return simulate(pol, q, k, v, [1])[0]  # evicts after every token, whatever the chunk
-
-
-def _hier_ref(pol, q, k, v, chunks):
-    from test_hier_quest import hier_oracle
-
-    return hier_oracle(q, k, v, pol)[0]
-
-
-def _quest_ref(pol, q, k, v, chunks):
-    from test_hier_quest import quest_oracle
-
-    return quest_oracle(q, k, v, pol)[0]
-
-
-def _kivi_ref(pol, q, k, v, chunks):
-    from test_codecs import np_kivi_attention
-
-    return np_kivi_attention(q, k, v, [1], pol.bits, pol.group, pol.residual, pol.after_rope)  # token by token, any chunk
-
-
-def _paged_ref(pol, q, k, v, chunks):  # paged storage: the dense oracle of full / window / sink
-    vis = [VISIBLE["paged"](p, pol) for p in range(q.shape[1])]
-    ranks = pol.n_sink > 0 and pol.positions == "cache"
-    return dense_attention(q, k, v, vis, ranks, default_inv_freq(D, THETA))
-
-
-def _dense_ref(name):
-    return lambda pol, q, k, v, chunks: reference(name, pol, q, k, v)
-
-
-# registry name -> (instances small enough that 24 tokens cross their limits, reference)
-REFERENCES = {
-    "full": ([kvpolicies.get("full")], _dense_ref("full")),
-    "window": ([kvpolicies.get("window", window=6)], _dense_ref("window")),
-    "sink": ([kvpolicies.get("sink", n_sink=2, window=5)], _dense_ref("sink")),
-    "h2o": ([kvpolicies.get("h2o", heavy=4, recent=3)], _scored_ref),
-    "tova": ([kvpolicies.get("tova", budget=6), kvpolicies.get("tova", budget=6, scope="head")], _scored_ref),
-    "snapkv": ([kvpolicies.get("snapkv", budget=5, obs_window=3, kernel=3, max_new=4)], _scored_ref),
-    "pyramidkv": ([kvpolicies.get("pyramidkv", budget=5, obs_window=3, kernel=3, max_new=4)], pyramid_ref),
-    "knorm": ([kvpolicies.get("knorm", budget=6, max_new=3)], stream_ref),  # tests/test_baselines.py
-    "random": ([kvpolicies.get("random", budget=6, max_new=3, seed=1)], stream_ref),
-    "observed": ([kvpolicies.get("observed", budget=6, max_new=3)], stream_ref),
-    "expected": ([kvpolicies.get("expected", budget=6, max_new=3, n_sink=2, n_future_positions=8)], stream_ref),
-    "adakv": ([kvpolicies.get("adakv", budget=5, obs_window=3, kernel=3, max_new=4)],
-              lambda *a: __import__("test_headwise").adakv_reference(*a)),  # tests/test_headwise.py
-    "kvzip": ([kvpolicies.get("kvzip", budget=5, max_new=3, n_sink=2)],
-              lambda *a: __import__("test_kvzip").stream_reference(*a)),  # tests/test_kvzip.py
-    "kvzap": ([kvpolicies.get("kvzap", budget=5, max_new=3, window=2, surrogate="random")],
-              lambda *a: __import__("test_kvzap").stream_reference(*a)),  # tests/test_kvzap.py
-    "duo": ([kvpolicies.get("duo", sink=2, recent=5, heads=(1, 0))],
-            lambda *a: __import__("test_headwise").duo_reference(*a)),
-    "multires": ([kvpolicies.get("multires", window=3, branch=2, slots_per_level=2, levels=3)], _hier_ref),
-    "quest": ([kvpolicies.get("quest", page=4, top_k=2, window=5)], _quest_ref),
-    "kivi": ([kvpolicies.get("kivi", bits=2, group=4, residual=8)], _kivi_ref),
-    "paged": ([kvpolicies.get("paged", block=4), kvpolicies.get("paged", block=3, window=5, n_sink=2)], _paged_ref),
 }
 
 

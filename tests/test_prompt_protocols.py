@@ -236,7 +236,7 @@ def test_kivi_after_prompt_leaves_the_per_token_rules_state(n, after_rope):
     import jax
     import jax.numpy as jnp
 
-    from helpers import run_policy
+    from tests.refs.helpers import run_policy
     from kvpolicies import Rope
 
     rng = np.random.default_rng(n)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import run_policy
+from tests.refs.helpers import run_policy
 from kvpolicies import Rope, attend, offload, record_visible
 from kvpolicies.attend import Gather
 from kvpolicies.quest import Quest, quest_stack

@@ -15,32 +15,7 @@ from evals import ruler
 from evals.common import TaskContext
 from models.config import LlamaConfig
 from models.llama import Llama
-
-TEXT = "\n\n".join(
-    f"Paragraph {i}. It was a bright cold day in April, and the clocks were striking {i % 13}. "
-    f"Mr. Bennet said nothing! Did she know? The rain fell on the {i}th house.\n" for i in range(400)
-)
-
-
-class ByteChat:
-    """Token = UTF-8 byte, with a chat template: a stand-in for a real tokenizer in fast tests."""
-
-    eos_id = 0  # NUL ends an answer
-    vocab_size = 256
-    chat_template = "fake"
-
-    def encode(self, text, add_special_tokens=False):
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids):
-        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
-
-    def apply_chat_template(self, messages, add_generation_prompt=True):
-        body = "".join(f"<{m['role']}>{m['content']}</{m['role']}>\n" for m in messages)
-        return "<system>Be helpful.</system>\n" + body + ("<assistant>" if add_generation_prompt else "")
-
-
-TOK = ByteChat()
+from tests.refs.texts import TEXT, TOK
 
 
 # -- answers --------------------------------------------------------------------------------

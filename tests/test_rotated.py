@@ -135,7 +135,7 @@ def test_full_adopts_a_prompt_phase_state_rotating_its_keys(mixed):
 
 def test_kvzip_reconstruction_reads_a_rotated_full_layer(tiny_qwen):
     """kvzip's scores in layer 1 behind a `full` layer 0 do not depend on how layer 0 stores its keys."""
-    from test_kvzip import REPEAT
+    from tests.refs.kvzip import REPEAT
 
     _, ours = tiny_qwen
     zipper = KVzip(budget=9, max_new=4, n_sink=2, repeat_chunk=12, repeat_tail=3)
@@ -154,7 +154,7 @@ def test_after_rope_int8_full_in_the_engine(mixed):
     0's stored codes are the int8 codes of the keys `full` stores rotated (float32), chunked prefill
     equals token by token, and generation from its own prompt state is the same layer by layer and
     as the fused scan."""
-    from test_codecs import np_int8
+    from tests.refs.quant import np_int8
 
     ids = np.random.default_rng(4).integers(0, CFG.vocab_size, (2, 21)).astype(np.int32)
     eng = Engine(mixed, kvpolicies.get("full", codec="int8_after_rope"), 40)

@@ -18,7 +18,7 @@ from evals.common import TaskContext
 from models.config import LlamaConfig
 from models.engine import Engine
 from models.llama import Llama
-from test_retrieval import TEXT, TOK  # the byte tokenizer with a chat template
+from tests.refs.texts import TEXT, TOK  # the byte tokenizer with a chat template
 
 
 # -- scoring and intervals --------------------------------------------------------------------------

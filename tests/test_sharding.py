@@ -154,12 +154,12 @@ def test_engine_on_a_mesh_too_large_fails_before_compiling():
 
 
 def eight_devices(mode: str) -> dict:
-    """tests/sharding_check.py `mode` in a process with 8 CPU devices; its JSON."""
+    """tests/refs/sharding_check.py `mode` in a process with 8 CPU devices; its JSON."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     # -O0: XLA's CPU backend compiles faster, same results (scripts/test.sh)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
                         " --xla_backend_optimization_level=0").strip()
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "sharding_check.py"), mode], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "tests.refs.sharding_check", mode], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -250,7 +250,7 @@ def test_two_processes_joined_by_jax_distributed_run_the_same_code_path():
     data=2 x model=4 mesh over both; every process reads back the one-device numbers."""
     import socket
 
-    from sharding_check import MAX_LEN, host_inputs, run
+    from tests.refs.sharding_check import MAX_LEN, host_inputs, run
 
     with socket.socket() as sock:  # a free port for the coordinator
         sock.bind(("localhost", 0))
@@ -258,7 +258,7 @@ def test_two_processes_joined_by_jax_distributed_run_the_same_code_path():
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
                         " --xla_backend_optimization_level=0").strip()
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "sharding_check.py"), "host", str(i), "2", str(port)],
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.refs.sharding_check", "host", str(i), "2", str(port)],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]
     outs = []

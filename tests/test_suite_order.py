@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
-import conftest
+from tests import conftest
 
 
 def item(name: str, i: int, slow: bool = False):

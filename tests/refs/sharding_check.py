@@ -3,8 +3,8 @@ CPU 8 devices before jax is imported): a tiny random Llama with 4 kv heads on on
 data=2 x model=4 mesh, the same inputs, the largest differences and the mesh run's layouts printed
 as one JSON object for the test to check.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/sharding_check.py all|quick
-    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/sharding_check.py host I 2 PORT
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.refs.sharding_check all|quick
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m tests.refs.sharding_check host I 2 PORT
 
 all: every registered policy, one per layer (one compile serves them all; ~2 min of CPU).
 quick: snapkv and h2o in a 2-layer model, then the fallback: 2 kv heads on model=4 and a batch of 1
@@ -39,15 +39,15 @@ MAX_LEN = 40
 
 
 def instances(kv_heads: int) -> dict[str, kvpolicies.Policy]:
-    """Every registered policy as tests/test_policies.py's registry matrix builds it (limits that 24-32
+    """Every registered policy as the registry matrix (tests/refs/registry.py) builds it (limits that 24-32
     tokens cross), duo's head pattern widened to `kv_heads` heads (half retrieval, half streaming)."""
-    from test_policies import REFERENCES
+    from tests.refs.registry import REFERENCES
 
     out = {}
     for name in sorted(kvpolicies.POLICIES):
         if name not in REFERENCES:
-            raise SystemExit(f"tests/sharding_check.py: registered policy {name!r} has no instance in "
-                             "tests/test_policies.py REFERENCES")
+            raise SystemExit(f"tests/refs/sharding_check.py: registered policy {name!r} has no instance in "
+                             "tests/refs/registry.py REFERENCES")
         pol = REFERENCES[name][0][0]
         if name == "duo":
             pol = dataclasses.replace(pol, heads=tuple(int(h % 3 == 0) for h in range(kv_heads)))
@@ -191,4 +191,4 @@ if __name__ == "__main__":
     elif sys.argv[1:] in (["all"], ["quick"]):
         main(sys.argv[1])
     else:
-        raise SystemExit("usage: python tests/sharding_check.py all|quick|host PROCESS PROCESSES PORT")
+        raise SystemExit("usage: python -m tests.refs.sharding_check all|quick|host PROCESS PROCESSES PORT")
