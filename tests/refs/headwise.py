@@ -1,6 +1,7 @@
 """References for head-varying memory (`adakv`, `duo`, and the head-wise `kvzip` / `kvzap`): attention
 recomputed per kv head over that head's own kept positions in float64 numpy, Ada-KV's allocation
-and DuoAttention's split re-simulated (moved from tests/test_headwise.py)."""
+and DuoAttention's split re-simulated (tests/kvpolicies/test_adakv.py, test_duo.py, test_kvzip.py,
+test_kvzap.py and the registry matrix)."""
 
 from __future__ import annotations
 
@@ -128,7 +129,7 @@ def kept_by_head(state):
 
 
 def adakv_reference(pol, q, k, v, chunks=None):
-    """The registry reference (tests/test_policies.py): a stream, token by token."""
+    """The registry reference (tests/kvpolicies/test_policies.py): a stream, token by token."""
     return simulate_adakv(pol, q, k, v)[0]
 
 

@@ -1,5 +1,5 @@
-"""References for `kvzap`: its streaming extension re-simulated per kv head in float64 numpy (moved from
-tests/test_kvzap.py)."""
+"""References for `kvzap`: its streaming extension re-simulated per kv head in float64 numpy
+(tests/kvpolicies/test_kvzap.py and the registry matrix)."""
 
 from __future__ import annotations
 
@@ -54,5 +54,5 @@ def simulate_stream(pol, q, k, v, max_len=MAX_LEN):
 
 
 def stream_reference(pol, q, k, v, chunks=None):
-    """The registry reference (tests/test_policies.py)."""
+    """The registry reference (tests/kvpolicies/test_policies.py)."""
     return simulate_stream(pol, q, k, v)[0]

@@ -1,5 +1,5 @@
 """References for `kvzip`: its streaming extension re-simulated per kv head in float64 numpy, and the
-repeat prompts the tests use (moved from tests/test_kvzip.py)."""
+repeat prompts the tests use (tests/kvpolicies/test_kvzip.py, test_rotated.py and the registry matrix)."""
 
 from __future__ import annotations
 
@@ -63,5 +63,5 @@ def simulate_stream(pol, q, k, v, max_len=MAX_LEN):
 
 
 def stream_reference(pol, q, k, v, chunks=None):
-    """The registry reference (tests/test_policies.py)."""
+    """The registry reference (tests/kvpolicies/test_policies.py)."""
     return simulate_stream(pol, q, k, v)[0]

@@ -1,5 +1,5 @@
 """References for `multires` (alias `hier`) and `quest`: numpy oracles written from their definitions,
-token by token (moved from tests/test_hier_quest.py)."""
+token by token (tests/kvpolicies/test_multires_quest.py and the registry matrix)."""
 
 from __future__ import annotations
 

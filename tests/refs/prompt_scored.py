@@ -1,6 +1,6 @@
 """References for the prompt-compression baselines (knorm, random, observed, expected, pyramidkv): float64
-numpy re-simulations of NVIDIA/kvpress's presses and PyramidKV's schedule (moved from
-tests/test_baselines.py)."""
+numpy re-simulations of NVIDIA/kvpress's presses and PyramidKV's schedule
+(tests/kvpolicies/test_prompt_scored.py and the registry matrix)."""
 
 from __future__ import annotations
 
@@ -151,7 +151,7 @@ def simulate(pol, q, k, v, prompt_len=0, max_len=MAX_LEN):
 
 
 # ------------------------------------------------------------------------------------------
-# The registry matrix's references (tests/test_policies.py REFERENCES)
+# The registry matrix's references (tests/kvpolicies/test_policies.py REFERENCES)
 # ------------------------------------------------------------------------------------------
 
 

@@ -1,6 +1,6 @@
 """References for quantized storage (codecs int8 / int4 / fp8 and the `kivi` policy): numpy quantizers,
 packing and KIVI's residual rule written from the module docstrings of kvpolicies/codecs.py and
-kvpolicies/kivi.py (moved from tests/test_codecs.py)."""
+kvpolicies/kivi.py (tests/kvpolicies/test_codecs.py, test_rotated.py and the registry matrix)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The registry matrix: every registered policy, small instances whose limits 24-32 tokens cross, each
-with an independent reference (moved from tests/test_policies.py; tests/refs/sharding_check.py and
-tests/test_blocked.py run the same instances)."""
+with an independent reference (tests/kvpolicies/test_policies.py checks them; tests/refs/sharding_check.py
+and tests/kvpolicies/attention/test_blocked.py run the same instances)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def reference(name, pol, q, k, v):
 # ---------------------------------------------------------------------------------------------
 # The registry matrix: every registered policy is run against an independent reference. A policy
 # added to the registry without an entry here fails `test_registered_policy_matches_reference`.
-# References: the dense oracle (tests/oracle.py) for position-based policies; step-by-step
+# References: the dense oracle (tests/refs/oracle.py) for position-based policies; step-by-step
 # simulations of the papers' rules written independently of the library for the others.
 # ---------------------------------------------------------------------------------------------
 

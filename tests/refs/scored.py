@@ -1,5 +1,6 @@
 """References for the score-based policies (h2o, tova, snapkv, pyramid): a float64 numpy simulation of each
-paper's rule step by step, written independently of the library (moved from tests/test_scored.py)."""
+paper's rule step by step, written independently of the library (tests/kvpolicies/test_scored.py,
+test_prompt_scored.py's pyramidkv and the registry matrix)."""
 
 from __future__ import annotations
 

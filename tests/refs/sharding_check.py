@@ -1,4 +1,4 @@
-"""The 8-device half of tests/test_sharding.py, run in its own process (XLA_FLAGS must give the
+"""The 8-device half of tests/models/test_sharding.py, run in its own process (XLA_FLAGS must give the
 CPU 8 devices before jax is imported): a tiny random Llama with 4 kv heads on one device and on a
 data=2 x model=4 mesh, the same inputs, the largest differences and the mesh run's layouts printed
 as one JSON object for the test to check.

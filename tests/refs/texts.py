@@ -1,6 +1,6 @@
 """Texts and a tokenizer the tests share: a long English text and a byte-level tokenizer with a chat
-template (moved from tests/test_retrieval.py), and short texts that stress a tokenizer (moved from
-tests/test_loading.py)."""
+template (tests/evals/test_retrieval.py, test_ruler.py), and short texts that stress a tokenizer
+(tests/models/test_loading.py, test_long_models.py)."""
 
 from __future__ import annotations
 

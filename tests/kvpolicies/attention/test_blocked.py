@@ -2,7 +2,7 @@
 them block by block into an online softmax instead of materialising its [B, K, G, T, S] logits.
 
 References: every registered policy's independent reference (the registry matrix of
-tests/test_policies.py), the same steps in one piece (blocks larger than any view), the masks'
+tests/kvpolicies/test_policies.py), the same steps in one piece (blocks larger than any view), the masks'
 own count of visible keys, and XLA's memory analysis of the compiled step.
 """
 

@@ -53,7 +53,7 @@ def test_duo_stores_the_closed_form(codec):
 def test_duo_stack_runs_per_layer_patterns_in_the_engine():
     """A pattern with different heads per layer: one state per run of equal layers, exact bytes
     (the sum of the layers' closed forms); the model runs through them (chunk invariance:
-    tests/test_policies.py::test_chunk_never_changes_a_result)."""
+    tests/kvpolicies/test_policies.py::test_chunk_never_changes_a_result)."""
     from models.config import LlamaConfig
     from models.engine import Engine
     from models.llama import Llama

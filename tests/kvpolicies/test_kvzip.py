@@ -8,7 +8,7 @@ References written independently of the library:
   and the repeat queries), then the per-layer head-wise choice (sinks and the last token, then
   the best K x budget of all heads' scores) as Python sets;
 - the stream extension token by token in float64 numpy (the most attention each slot received,
-  the same head-wise choice on overflow), as tests/test_headwise.py does for Ada-KV.
+  the same head-wise choice on overflow), as tests/kvpolicies/test_adakv.py does for Ada-KV.
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ def twin_fields(cfg) -> dict:
 
 def test_gpu_shape_twin_of_smollm2_has_the_installed_models_shapes():
     """The random-weight SmolLM2 of benchmarks.gpu (a device without the packages) has the config our
-    loader reads from the GGUF file, and every weight its shape (Qwen's: tests/test_long_models.py)."""
+    loader reads from the GGUF file, and every weight its shape (Qwen's: tests/models/test_long_models.py)."""
     import jax
     from flax import nnx
 
@@ -131,7 +131,7 @@ def test_gpu_check_script_runs_benchmarks_gpu_from_a_bare_python(tmp_path):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PY=sys.executable, PYTHONPATH="")
     proc = subprocess.run(["bash", str(root / "scripts" / "gpu_check.sh"), str(tmp_path), "--dry-run", "--policies",
                            "full", "--skip-quest", "--skip-kernels"], cwd="/", env=env, capture_output=True,
@@ -147,7 +147,7 @@ def test_gpu_test_subset_runs_in_workers_and_is_stopped_at_its_time(monkeypatch)
     return code; past its time it is stopped and the row says so."""
     from benchmarks import gpu
 
-    monkeypatch.setattr(gpu, "TEST_SUBSET", ["tests/test_benchmarks.py", "-k", "read_bandwidth_is_bytes", "-q",
+    monkeypatch.setattr(gpu, "TEST_SUBSET", ["tests/benchmarks/test_benchmarks.py", "-k", "read_bandwidth_is_bytes", "-q",
                                              "-p", "no:cacheprovider"])
     calls, real = [], gpu.subprocess.call
     monkeypatch.setattr(gpu.subprocess, "call", lambda cmd, env, timeout: (calls.append(env), real(cmd, env=env,
@@ -356,7 +356,7 @@ def test_speed_table_is_the_saved_run_s_table():
 
     from benchmarks.decode_speed import markdown_table
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     run = root / "docs" / "results" / "runs" / "decode_speed_run_2026-12-02k.jsonl"
     page = (root / "docs" / "results" / "speed.md").read_text()
     assert run.name in page
@@ -372,7 +372,7 @@ def test_int4_basis_codec_ranges_are_the_saved_runs():
     import json
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     rows = [json.loads(line) for line in (root / "docs" / "results" / "runs" / "decode_speed_codec_2026-12-02b.jsonl").read_text().splitlines()]
     assert len(rows) == 3 and all(r["impl"] == "codec" and r["context"] == 4096 for r in rows)
     names = ("int8", "int8_after_rope", "int4", "int4_after_rope")
@@ -389,7 +389,7 @@ def test_attention_kernels_cpu_table_is_the_saved_run():
     (docs/results/runs/attention_kernels_cpu_2026-12-02.jsonl), and its outputs agreed with ours."""
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     rows = [json.loads(x) for x in (root / "docs" / "results" / "runs" / "attention_kernels_cpu_2026-12-02.jsonl").read_text().splitlines()]
     by = {(r["phase"], r["context"], r["impl"]): r for r in rows}
     readme = (root / "docs" / "results" / "speed.md").read_text()

@@ -20,7 +20,7 @@ from models.loading import expected_shapes, load_gguf, load_hf, smollm2_gguf_pat
 from models.tokenizer import Tokenizer
 from tests.refs.texts import TEXTS
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 # canonical per-layer name -> (torch state_dict suffix, transpose to x @ W)
 LAYER_KEYS = {

@@ -1,6 +1,6 @@
 """Retrieval tasks: exact prompt lengths, needles where asked, answer parsing, scoring through the
 task functions (with an oracle engine and a tiny random Llama; the recall task on the trained recall
-model is in tests/test_train.py, beside its fixture) and one SmolLM2 passkey check (slow)."""
+model is in tests/evals/test_recall_model.py, beside its fixture) and one SmolLM2 passkey check (slow)."""
 
 from __future__ import annotations
 

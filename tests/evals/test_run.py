@@ -249,7 +249,7 @@ def test_chunked_perplexity_equals_token_by_token(sink_run, text_file):
 
 
 def test_mesh_option_shards_every_engine_and_keeps_the_run_key(sink_run, tmp_path, monkeypatch):
-    """mesh=[1,1] (this process has one device; tests/test_sharding.py runs 8): each engine the task
+    """mesh=[1,1] (this process has one device; tests/models/test_sharding.py runs 8): each engine the task
     builds is sharded, the numbers are the unsharded run's, and the resume key ignores the mesh
     (a layout, not a result)."""
     from models.engine import Engine

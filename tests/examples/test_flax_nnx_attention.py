@@ -24,7 +24,7 @@ from flax import nnx
 
 import kvpolicies
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 B, T, E, N, K = 2, 20, 32, 4, 2  # D = E // N = 8, G = 2
 N_SINK, WINDOW = 2, 6
 ATOL = 1e-5

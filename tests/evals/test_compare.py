@@ -235,7 +235,7 @@ def test_accuracy_cells_carry_their_wilson_interval():
 def test_jobs_share_one_prefill_per_context_with_the_answers_of_unshared_runs(tmp_path):
     """A RULER compare prefills each context once: the snapkv job prefills, full (run last)
     compresses that state; rows, answers and scores equal those of a run with share_gb=0, where
-    every job prefills its own. (Which engines can share: tests/test_ruler.py.)"""
+    every job prefills its own. (Which engines can share: tests/evals/test_ruler.py.)"""
     def run(share, folder):
         argv = ["model=tiny_random", "model.max_position=1024", "task=ruler_niah_single", "task.lengths=[420]",
                 "task.trials=2", "task.gen=4", "task.protocol=query_agnostic", "policies=[snapkv]",

@@ -23,7 +23,7 @@ from evals import run as evrun
 from evals import table, zoo
 from evals.common import TaskResult
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TOKENS = 32
 
 

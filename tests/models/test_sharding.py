@@ -2,7 +2,7 @@
 the 8-device checks: on a data=2 x model=4 mesh, every registered policy equals one device to 1e-5
 (streaming NLL and cache, prompt logits, the compressed cache, greedy ids) with arrays really split.
 
-The 8 CPU devices need XLA_FLAGS before jax is imported, so that half runs tests/sharding_check.py
+The 8 CPU devices need XLA_FLAGS before jax is imported, so that half runs tests/refs/sharding_check.py
 in a subprocess: `quick` (snapkv and h2o in a 2-layer model, then the fallback where neither the kv
 heads nor a batch of 1 split) in the unit tests, `all` (one model with one layer per registered
 policy: one compile serves them all, ~1.5 min of CPU) also in the unit tests (its subprocess runs
@@ -29,7 +29,7 @@ from models.config import LlamaConfig
 from models.engine import Engine
 from models.llama import Llama
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-5
 
 SMOLLM2 = LlamaConfig(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, d_ff=1536,

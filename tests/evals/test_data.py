@@ -15,7 +15,7 @@ import rdata
 
 from evals import data
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def flat(text: str) -> str:

@@ -2,7 +2,7 @@
 
 Every reference here is numpy written from the definitions in the module docstrings of
 kvpolicies/codecs.py and kvpolicies/kivi.py (quantizers, packing, KIVI's residual rule),
-plus scipy's Hadamard matrix; attention goes through tests/oracle.py's dense float64 oracle.
+plus scipy's Hadamard matrix; attention goes through tests/refs/oracle.py's dense float64 oracle.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Layer-by-layer generation (`Engine(decode_loop="layers")`, the default) against the fused
 layer scan (`decode_loop="scan"`): the same ids and the same per-layer states, for every
-kind of write a decode step makes (every registered policy: tests/test_sharding.py), for a
+kind of write a decode step makes (every registered policy: tests/models/test_sharding.py), for a
 Gemma-style stack of local and global layers and for `full`'s length buckets; the prompt state
 stays usable; compiles stay one per (policy, RoPE kind)."""
 
@@ -34,7 +34,7 @@ MIXED = ("sink", "quest", "h2o", "paged", "kivi")
 
 
 def test_layers_equal_the_scan_for_each_kind_of_write():
-    """(Every registered policy, one per layer, is checked the same way by tests/test_sharding.py:
+    """(Every registered policy, one per layer, is checked the same way by tests/models/test_sharding.py:
     its one-device engine decodes layer by layer, the mesh's through the scan.)"""
     pols = instances(2)
     cfg = LlamaConfig(vocab_size=128, d_model=32, n_layers=len(MIXED), n_heads=4, n_kv_heads=2, head_dim=8,

@@ -20,7 +20,7 @@ from models.engine import Engine
 from models.llama import Llama
 from models.loading import load_hf
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 REF = ROOT / ".venv" / "kvpress-ref"
 pytestmark = [pytest.mark.ref, pytest.mark.kvpress, pytest.mark.skipif(not (REF / "kvpress").is_dir(),
                                                       reason="kvpress not installed (bash scripts/setup.sh test)")]

@@ -15,7 +15,7 @@ from evals import recall_model as T
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
-    # shared with tests/test_retrieval.py (the session's base temp dir), so a session trains once
+    # shared with tests/evals/test_retrieval.py (the session's base temp dir), so a session trains once
     return tmp_path_factory.getbasetemp() / "recall-cache"
 
 
@@ -57,7 +57,7 @@ def test_task_sequences_are_consistent():
 
 def test_training_reaches_high_recall(trained):
     """meta["accuracy"]: full cache, 512 held-out prompts of 32 pairs, measured after training
-    (tests/test_retrieval.py measures it again through the recall task)."""
+    (tests/evals/test_retrieval.py measures it again through the recall task)."""
     model, meta = trained
     assert meta["accuracy"] >= 0.9
     assert meta["final_train_accuracy"] >= 0.9

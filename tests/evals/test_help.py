@@ -51,7 +51,7 @@ def test_sigint_is_one_line(tmp_path):
            "tokens=20000", "chunk=1", "policy=h2o", f"results={tmp_path / 'r.jsonl'}", "progress=false",
            f"hydra.run.dir={tmp_path / 'h'}"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                         cwd=os.path.dirname(os.path.dirname(__file__)))
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     for line in p.stdout:  # wait for the run to start
         if line.startswith("[evals.run] perplexity"):
             break

@@ -1,7 +1,7 @@
 """Score-based eviction (h2o, tova, snapkv) and per-layer budgets (pyramid).
 
 The oracle below simulates each policy step by step in float64 numpy: it recomputes every
-attention probability itself (dense softmax with complex-number RoPE from tests/oracle.py) and
+attention probability itself (dense softmax with complex-number RoPE from tests/refs/oracle.py) and
 applies its own reading of each paper's eviction rule to Python sets of positions, one set per
 kv head (or per layer). The library's outputs and final kept positions must match it.
 """
