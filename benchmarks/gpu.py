@@ -14,7 +14,7 @@ wherever JAX has a device): `python -m benchmarks.gpu [--out results/gpu.jsonl]`
    top 16) and `full` with the int8 codec (keys encoded before RoPE, and after: `int8_after_rope`)
    at 4K / 16K / 32K tokens, each decode step as a fraction
    of its roofline ((weights + the filled cache) / bandwidth; `benchmarks.decode_speed`), and
-   where README's CPU run has the same SmolLM2 row (4K: full, sink, int8, int8 after RoPE), its
+   where docs/results/speed.md's CPU run has the same SmolLM2 row (4K: full, sink, int8, int8 after RoPE), its
    float32 tokens/s and the GPU's ratio to them (`vs_cpu_prefill`, `vs_cpu_layers_decode`).
 
 4. Quest's gathered decode read and its host tier (`kvpolicies.offload`), rows with
@@ -41,7 +41,7 @@ it measured); a measurement that raises is a row with "error", and the run goes 
 1 for section 5, estimated, never run. `--budget-s` (default 480) bounds the whole run: the test
 subset gets at most a third of it (then it is stopped, its row saying so), and each later
 measurement starts only while time is left (a skipped one is a row with "skipped": "budget").
-No result of it is in README until a GPU has run it.
+No result of it is in docs/results until a GPU has run it.
 """
 
 from __future__ import annotations

@@ -201,7 +201,7 @@ def test_pyramid_whose_top_layers_round_to_nothing_is_an_error():
 
 
 def test_the_readme_table_command(capsys):
-    """README's table is `python -m kvpolicies.budgets --budget 0.25` (SmolLM2 dims, bf16, 4,096)."""
+    """docs/guide/budgets.md's table is `python -m kvpolicies.budgets --budget 0.25` (SmolLM2 dims, bf16, 4,096)."""
     _main(["--budget", "0.25"])
     out = capsys.readouterr().out
     assert "budget=0.25: 790,528 bytes per layer" in out

@@ -358,7 +358,7 @@ def test_smollm2_perplexity_with_budget_128():
     (float32): full 16.141, window-128 35.495 (its first token, the attention sink, is gone),
     h2o 64+64 16.635, tova 128 16.822, snapkv 112 + 16 (streaming rule, max_new=0) 16.619.
     The claim tested is the ordering, which has wide margins on the window side; all three
-    keep the early tokens the window drops. (README's 256-slot row over 1,024 tokens is
+    keep the early tokens the window drops. (docs/results/quality.md's 256-slot row over 1,024 tokens is
     `python -m benchmarks.policy_zoo`; this is the same claim at half the cost.)
     """
     from evals.data import default_text
