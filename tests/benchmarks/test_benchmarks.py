@@ -5,6 +5,7 @@ positions, in closed form."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -331,22 +332,38 @@ def test_torch_matmul_rate_counts_the_same_flops(monkeypatch):
     assert torch_matmul_rate(rows=64, shapes=[(48, 96), (96, 32)], repeats=2) == flops / 0.25 and not clock.ticks
 
 
-def test_alternated_step_ratios_run_on_a_tiny_model():
+def test_alternated_step_ratios_run_on_a_tiny_model(monkeypatch):
     """The codec row (int8 before and after RoPE over full, layer by layer) and the host-loop step times behind the
-    scaling rows, on a tiny random model: positive times, their ratio."""
+    scaling rows, on a tiny random model. The times are read from a fake clock, so the arithmetic is checked, never
+    the machine's speed: a codec step is (long call - 1-step call) / (steps - 1), or the long call's mean when the
+    1-step call took longer (noise), its median over the rounds, and its ratio to full's; a host-loop step is the best
+    round's time over its steps."""
+    from benchmarks import decode_speed
     from benchmarks.decode_speed import bench_codec, step_ms
 
+    ticks, t = [], 0.0
+    # bench_codec reads the clock 3 times per engine and round (before the long call, between, after the short):
+    # (long, short) seconds for none, int8, int8_after_rope in round 1, then round 2
+    for long, short in [(0.050, 0.010), (0.070, 0.010), (0.060, 0.020), (0.050, 0.010), (0.070, 0.010), (0.030, 0.050)]:
+        ticks += [t, t + long, t + long + short]
+        t += long + short + 1.0
+    # step_ms twice per engine and round: full then sink, round 1 then round 2
+    for span in (0.006, 0.003, 0.009, 0.0015):
+        ticks += [t, t + span]
+        t += span + 1.0
+    monkeypatch.setattr(decode_speed, "time", SimpleNamespace(perf_counter=lambda: ticks.pop(0)))
     model = Llama(CFG)
     tokens = np.arange(40, dtype=np.int32) % 97
     row = bench_codec(model, tokens, ctx=32, steps=3, chunk=16, rounds=2, codecs=("int8", "int8_after_rope"))
-    assert row["context"] == 32 and min(row["ms"]) > 0 and np.isclose(row["ratio"], row["ms"][1] / row["ms"][0])
-    assert row["codecs"] == ["none", "int8", "int8_after_rope"] and len(row["ms"]) == 3
-    assert row["ratios"] == {"int8": row["ratio"], "int8_after_rope": row["ms"][2] / row["ms"][0]}
+    # none: (50 - 10) / 2 = 20 ms; int8: 30 ms; int8_after_rope: 20 ms, then 10 ms (the long call's mean): median 15
+    assert row["context"] == 32 and row["codecs"] == ["none", "int8", "int8_after_rope"]
+    assert np.allclose(row["ms"], [20.0, 30.0, 15.0]) and np.isclose(row["ratio"], 1.5)
+    assert row["ratios"].keys() == {"int8", "int8_after_rope"} and np.isclose(row["ratios"]["int8_after_rope"], 0.75)
     full, int8, rot = row["kv_read_bytes"]  # the same codes and scales, stored rotated or not
     assert int8 == rot < full / 2
     times = step_ms(model, [(kvpolicies.get("full"), 48, 8), (kvpolicies.get("sink", n_sink=2, window=8), 48, 8)],
                     steps=3, rounds=2)
-    assert len(times) == 2 and min(times) > 0
+    assert np.allclose(times, [2.0, 0.5]) and not ticks  # the best round of 3 steps: 6 / 3 ms, 1.5 / 3 ms
 
 
 def test_speed_table_is_the_saved_run_s_table():
