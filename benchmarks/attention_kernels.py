@@ -22,7 +22,7 @@ Qwen2.5-Coder-0.5B (14 / 2 / 64), batch 1. Each variant does a step's whole atte
 Every row: median ms over interleaved rounds, its ratio to `ours` (below 1: the kernel is faster),
 and the largest |difference| of its outputs from ours. A variant that cannot run (cuDNN without a
 GPU, an unsupported shape) is a row with "error"; the others still run. `--dry-run`: small
-contexts in float32 on any backend (tests/test_benchmarks.py checks that every available kernel
+contexts in float32 on any backend (tests/benchmarks/test_benchmarks.py checks that every available kernel
 computes our attention). Wall-clock on a shared machine: read the ratios within one run.
 """
 

@@ -16,7 +16,7 @@ at a full window, its costliest ops with their shapes (`sink_chunk`).
 
     python -m benchmarks.decode_profile --layers 4096 --policy full
 
-instead profiles the layer-by-layer generation that README's speed table reports (`layer_steps`):
+instead profiles the layer-by-layer generation that docs/results/speed.md's table reports (`layer_steps`):
 `continue_generate` after a C-token prompt, ms per decode step (median over rounds of the
 difference of a long and a 2-token call), the step's fraction of its roofline with the read
 bandwidth measured in this process, and its costliest ops per step with their compiled shapes.
@@ -179,7 +179,7 @@ def main(argv=None):
     ap.add_argument("--sink-chunk", type=int, default=0, metavar="WINDOW",
                     help="instead: a steady-state 512-token chunk of sink 4 + WINDOW (the default command: 4096)")
     ap.add_argument("--layers", type=int, nargs="+", default=[], metavar="CONTEXT",
-                    help="instead: layer-by-layer generation after prompts of these lengths (README's decode rows)")
+                    help="instead: layer-by-layer generation after prompts of these lengths (docs/results/speed.md's decode rows)")
     ap.add_argument("--out", default=None, help="append the rows here, one JSON object per line")
     args = ap.parse_args(argv)
     model, _ = load_default_model()

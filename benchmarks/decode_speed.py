@@ -43,7 +43,7 @@ keys stored rotated), over `full`'s at the largest context, the five engines alt
 rounds (`--rounds`; medians; the per-policy rows above are measured one policy after the other, so
 the machine's drift enters their ratio). `--codec-only` runs only this row.
 
-At its end the run prints README's speed table from its rows (`markdown_table`; the rows of a
+At its end the run prints docs/results/speed.md's table from its rows (`markdown_table`; the rows of a
 saved run: `markdown_table([json.loads(line) for line in open(path)])`).
 
 Scaling rows (`impl: scaling`): the ratio of two host-loop step times (the best of 5 rounds, the
@@ -325,7 +325,7 @@ DECODE_X, PREFILL_X = 3, 2  # issue 12's targets: decode 3x, prefill 2x transfor
 
 
 def markdown_table(rows: list[dict], sink_window: int = 1020) -> str:
-    """README's speed table from a run's rows (`--out` or `main`'s return): per policy, decode
+    """docs/results/speed.md's table from a run's rows (`--out` or `main`'s return): per policy, decode
     tokens/s (host loop / layers / scan) and roofline fractions per context, the transformers
     ratios and ceilings at the largest context, cache bytes, prefill rates and compile times."""
     ours = {(r["policy"], r["context"]): r for r in rows if r["impl"] == "kvpolicies"}
@@ -463,7 +463,7 @@ def main(argv=None):
     if args.out:  # one JSON object per line, with the fractions over the better rates
         with open(args.out, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
-    print(markdown_table(rows, args.sink_window), flush=True)  # README's table, from the rows
+    print(markdown_table(rows, args.sink_window), flush=True)  # docs/results/speed.md's table, from the rows
     return rows
 
 

@@ -2,7 +2,7 @@
 wherever JAX has a device): `python -m benchmarks.gpu [--out results/gpu.jsonl]`.
 
 1. the test subset that runs every registered policy and every codec through the model on the
-   device (`tests/test_policies.py tests/test_codecs.py -m "not slow"`), in a subprocess (xdist
+   device (`tests/kvpolicies/test_policies.py tests/kvpolicies/test_codecs.py -m "not slow"`), in a subprocess (xdist
    workers over up to 8 host cores, GPU memory allocated on demand);
 2. the device's read bandwidth, measured in this process (a jitted sum over 512 MB: HBM on a GPU);
 3. for the default model (SmolLM2-135M) and `model=qwen`, in bfloat16 (where a model or its
@@ -14,7 +14,7 @@ wherever JAX has a device): `python -m benchmarks.gpu [--out results/gpu.jsonl]`
    top 16) and `full` with the int8 codec (keys encoded before RoPE, and after: `int8_after_rope`)
    at 4K / 16K / 32K tokens, each decode step as a fraction
    of its roofline ((weights + the filled cache) / bandwidth; `benchmarks.decode_speed`), and
-   where README's CPU run has the same SmolLM2 row (4K: full, sink, int8, int8 after RoPE), its
+   where docs/results/speed.md's CPU run has the same SmolLM2 row (4K: full, sink, int8, int8 after RoPE), its
    float32 tokens/s and the GPU's ratio to them (`vs_cpu_prefill`, `vs_cpu_layers_decode`).
 
 4. Quest's gathered decode read and its host tier (`kvpolicies.offload`), rows with
@@ -36,12 +36,12 @@ wherever JAX has a device): `python -m benchmarks.gpu [--out results/gpu.jsonl]`
 
 `--dry-run` does the same on a tiny random model at 64 tokens (section 5: float32 at 256 tokens,
 Pallas through its interpreter) and skips the test subset: it is what the CPU test suite runs
-(`tests/test_benchmarks.py`). `--out` gets each row as it is measured (a run cut short keeps what
+(`tests/benchmarks/test_benchmarks.py`). `--out` gets each row as it is measured (a run cut short keeps what
 it measured); a measurement that raises is a row with "error", and the run goes on. Budget: about 8 minutes on an H200 (sections 1-3), about 1 more for section 4 and
 1 for section 5, estimated, never run. `--budget-s` (default 480) bounds the whole run: the test
 subset gets at most a third of it (then it is stopped, its row saying so), and each later
 measurement starts only while time is left (a skipped one is a row with "skipped": "budget").
-No result of it is in README until a GPU has run it.
+No result of it is in docs/results until a GPU has run it.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ POLICIES = {
     "int8": lambda: kvpolicies.get("full", codec="int8"),
     "int8_after_rope": lambda: kvpolicies.get("full", codec="int8_after_rope"),
 }
-TEST_SUBSET = ["tests/test_policies.py", "tests/test_codecs.py", "-m", "not slow", "-q", "-p", "no:cacheprovider"]
+TEST_SUBSET = ["tests/kvpolicies/test_policies.py", "tests/kvpolicies/test_codecs.py", "-m", "not slow", "-q", "-p", "no:cacheprovider"]
 
 
 # The two models' shapes, as our loader reads them from their GGUF files (tests check them against

@@ -22,7 +22,7 @@ from kvpolicies.memory import bytes_read_per_step, state_bytes
 from models.engine import Engine, perplexity
 from models.loading import load_default_model
 
-# The published settings (README's tables). A registered policy without a row here is run once with
+# The published settings (the tables of docs/results/quality.md). A registered policy without a row here is run once with
 # its dataclass defaults (`rows()`), so a new policy appears without editing this file.
 ROWS = [
     ("full", {}),

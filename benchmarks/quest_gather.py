@@ -19,7 +19,7 @@ paths read every slot), so model caches are left empty and the step runs at `con
 `benchmarks.decode_profile`; the attention states hold random keys with their page bounds.
 The ratio the issue asks for is quest / full_budget (target <= 1.3) at both levels. Wall-clock on
 a shared machine: compare the ratios within one run. `--dry-run`: a tiny model and small sizes,
-no SmolLM2 (tested in tests/test_quest_gather.py).
+no SmolLM2 (tested in tests/kvpolicies/attention/test_gathered.py).
 """
 
 from __future__ import annotations

@@ -50,8 +50,8 @@ from models.llama import Llama, init_params
 BOS = 0
 FORMAT = 1  # bump when the task or training code changes what a config trains (it is in the cache key)
 # XLA options for the training step. Compiling it dominates a one-minute training on a small,
-# shared CPU: LLVM at -O1 without its expensive passes compiles ~3x faster (measured: 23 s vs
-# 75 s on 2 busy cores) and runs the step only ~15% slower.
+# shared CPU: LLVM at -O1 without its expensive passes compiles much faster and runs the step a
+# little slower (docs/results/speed.md, "Numbers behind comments in the code").
 COMPILER_OPTIONS = {"xla_backend_optimization_level": 1, "xla_llvm_disable_expensive_passes": True}
 
 

@@ -5,7 +5,7 @@ library versions, device), the task's metrics / grid / curves, the cache memory 
 arrays (e.g. per-token NLL) are saved as `.npy` files in `<results>.arrays/` and referenced
 by relative path.
 
-Guarantees (tested in tests/test_hostile.py):
+Guarantees (tested in tests/evals/test_hostile.py):
 - A row is appended with ONE `os.write` on an O_APPEND descriptor, under an exclusive `flock`
   on `<results>.lock`: rows never interleave, and a process killed at any byte leaves the
   complete rows before it intact. Rewriting the whole file through temp-then-rename would also

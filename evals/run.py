@@ -9,9 +9,8 @@ one JSON line per run to a results file.
     python -m evals.table results/results.jsonl --out results/table
     python -m evals.plots results/results.jsonl --out results/plots
 
-The default stream, tokens=12288, goes past SmolLM2's 8192-token training context; `sink` over
-it took 332 s of CPU time (model load included) on a shared 2-core machine: about 3 minutes of
-wall time on two idle cores (estimated from the CPU time, not measured on an idle machine).
+The default stream, tokens=12288, goes past SmolLM2's 8192-token training context (its time on
+this project's machine: docs/results/speed.md, "The default command").
 
 This module is the command line and one run; the configuration (Hydra groups, the policy
 options derived from the registry, validation) is `evals.config`, the models `evals.zoo`.

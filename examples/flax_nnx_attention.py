@@ -5,7 +5,7 @@ Shapes: B batch, T new tokens, E model width, N query heads = K kv heads x G gro
 The layer keeps its projections; the cache is the policy's state, passed in and returned
 explicitly (a pytree of arrays, so the step jits and compiles once). `dense` is the same layer
 written as plain causal softmax attention over a whole sequence, the reference the policy path
-is checked against (tests/test_example_flax.py). Run: `python examples/flax_nnx_attention.py`.
+is checked against (tests/examples/test_flax_nnx_attention.py). Run: `python examples/flax_nnx_attention.py`.
 """
 
 from __future__ import annotations

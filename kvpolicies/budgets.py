@@ -19,7 +19,7 @@ already holds every token up to max_len. Policies without a token budget (`budge
 None: full, quest, kivi, hier) cannot be sized and raise ValueError saying so.
 
 `python -m kvpolicies.budgets --budget 0.25` prints what each registered policy keeps under
-one budget (the README's table).
+one budget (the table of docs/guide/budgets.md).
 
 **Token budgets** (`from_ratio`, `uniform`, `pyramid`). The older interface: a number of tokens
 written to the *budget field*. A policy's budget is fixed at construction (so its state has a
@@ -236,7 +236,7 @@ def sized_bytes(name: str, nbytes: int, /, *, max_len: int, kv_heads: int, head_
     plus positions and bookkeeping) fits, then returns the smallest n storing those same bytes
     (so a policy already holding max_len slots gets no larger budget field than it uses).
     Stored bytes are non-decreasing in n for every policy (more tokens, more slots); a binary
-    search then costs ~2 log2(max_len) `jax.eval_shape` calls (~1 ms each), nothing allocated.
+    search then costs ~2 log2(max_len) `jax.eval_shape` calls, nothing allocated.
 
     ValueError: `name` has no budget_field ("cannot be sized"), `fields` set the budget field
     (a conflicting size), or even the smallest valid policy does not fit.

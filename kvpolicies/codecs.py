@@ -28,8 +28,7 @@ the values as y and rotates each output by H once (sum_s p_s H y_s = H sum_s p_s
 encoded after RoPE likewise, with each query rotated into the basis (q . H y = (H q) . y). Keys
 encoded before RoPE must be decoded in full (RoPE, applied after decoding, does not commute with
 H). The same numbers up to float32 rounding; H then multiplies one query and one output per
-step instead of every slot read (a 4K int4 decode step after RoPE: 4.6x -> 1.2x `full`'s;
-before RoPE, with H as a matmul too, 4.8x -> 1.5x; README, Speed).
+step instead of every slot read (measured: docs/results/speed.md, "Codecs after RoPE").
 
 What these are not:
     int4 is not QuaRot's KV cache (Ashkboos et al. 2024). QuaRot rotates each head's keys by a
@@ -54,17 +53,11 @@ Bytes per slot and kv head (keys or values), sb = itemsize(scale_dtype):
     int8 D + sb,    int4 D/2 + (D/group) sb,    fp8 D + sb.
 
 Why symmetric int4 with a rotation: SmolLM2's un-rotated keys have outlier channels, and a
-group scale that follows an outlier wastes the 15 levels of the other channels. Perplexity on
-1,024 tokens of Pride & Prejudice (SmolLM2-135M, float32 cache: 18.20), group 32: plain
-symmetric 20.81 (+14%; keys alone +12.8%, values alone +1.5%), asymmetric min/max 19.41
-(+6.6%, and twice the metadata), Hadamard over the whole head then groups 18.93 (+4.0%),
-Hadamard within each group (this codec) 18.94 (+4.0%; 18.71 when H is applied as a float32
-matmul instead of butterflies: at 4 bits, last-ulp differences flip codes and the flips
-compound over 30 layers, so these numbers carry about +-1% of rounding noise; measured when H
-was applied as butterflies: since 2026-12-02 it is a matmul and the codec row reads 18.61,
-+2.2%, in README's Quality table). After rotation
-a group is close to symmetric, so a zero point buys little. (`kivi`, kvpolicies/kivi.py,
-handles key outliers the other way: per-channel scales.)
+group scale that follows an outlier wastes the 15 levels of the other channels; rotating each
+group spreads an outlier over it, and a rotated group is close to symmetric, so a zero point
+(twice the metadata) buys little. A rotation within groups of 32 did as well as one over the
+whole head (the perplexities of the variants: docs/results/quality.md, "Codecs"). (`kivi`,
+kvpolicies/kivi.py, handles key outliers the other way: per-channel scales.)
 """
 
 from __future__ import annotations
@@ -207,9 +200,8 @@ def hadamard_matrix(n: int) -> np.ndarray:
 def hadamard(x: Float[Array, "... N"]) -> Float[Array, "... N"]:
     """x @ H for the orthonormal Sylvester Walsh-Hadamard matrix H (N a power of two), as one
     float32 matmul (exact products at any precision setting: `highest`, so no TF32 on a GPU).
-    log2(N) butterfly stages do N log N work instead of N^2, but XLA:CPU writes each stage out:
-    an int4 decode over 4,096 slots x 30 layers of SmolLM2 ran its five stages in ~3.7 ms per
-    layer's keys or values, the matmul 3.6x faster (README, Speed)."""
+    log2(N) butterfly stages do N log N work instead of N^2, but XLA:CPU writes each stage out,
+    and the one matmul was the faster (measured: docs/results/speed.md, "Codecs after RoPE")."""
     h = jnp.asarray(hadamard_matrix(x.shape[-1]))  # float32: computed in float32 whatever x's dtype
     return jnp.einsum("...i,ij->...j", x.astype(jnp.float32), h, precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
 

@@ -4,7 +4,7 @@ into summary slots in levels whose reach grows geometrically (fixed capacity, re
 This library's own baseline, not a published method: no paper's protocol is reproduced and none
 should be cited for it. Its parts have precedents: mean-pooling merged tokens, and the log(count)
 logit bias of a merged token, ToMe's proportional attention (Bolya et al. 2023, "Token Merging:
-Your ViT But Faster"). Measured on SmolLM2 it is far behind `sink` at equal memory (README).
+Your ViT But Faster"). Measured on SmolLM2 it is far behind `sink` at equal memory (docs/results/quality.md).
 
 Shapes: B batch, T new tokens, K kv heads, S slots, D head dim, L levels, M slots per level,
 b branch factor, E summaries one step creates, C b children of a summary, R raw ring slots.

@@ -189,8 +189,8 @@ class Quest(Bounded, Policy):
         lo, hi = kmin.astype(jnp.float32), kmax.astype(jnp.float32)
         q = q_rot.astype(jnp.float32)  # [B, K, G, T, D]
         # the bounds as the matmuls' left operand, pages first in the output: XLA:CPU then reads
-        # them as stored instead of first copying them transposed (SmolLM2 at 16K, 30 layers of
-        # ranking: 19.5 -> 16 ms per decode step)
+        # them as stored instead of first copying them transposed (docs/results/speed.md,
+        # "Numbers behind comments in the code")
         bound = (jnp.einsum("BKCD,BKGTD->BKCGT", hi, jnp.maximum(q, 0), preferred_element_type=jnp.float32)
                  + jnp.einsum("BKCD,BKGTD->BKCGT", lo, jnp.minimum(q, 0), preferred_element_type=jnp.float32))
         score = jnp.moveaxis(bound.max(axis=-2), 2, -1)  # [B, K, T, C]

@@ -4,11 +4,12 @@ Shapes: L positions, D head dim (rotate-half layout: channel i pairs with i + D/
 positions.
 
 `Rope.apply` computes cos/sin of the angles at every call: on XLA's CPU backend that trigonometry
-was most of a decode step's cache cost (every layer rotates every slot's key at every step:
-about 20 ms of a 4K-slot SmolLM2 layer). `RopeTable` is the same rotation with cos/sin read from a
-table of positions [0, n) computed once on the host (`Rope.table`) and passed to the step as an
-array; the angles are the same float32 products, so results agree with `Rope.apply` to the last
-bit or so (numpy's float32 cos/sin vs XLA's). Positions outside the table take `Rope.apply`.
+was most of a decode step's cache cost (every layer rotates every slot's key at every step;
+measured: docs/results/speed.md, "Numbers behind comments in the code"). `RopeTable` is the same
+rotation with cos/sin read from a table of positions [0, n) computed once on the host
+(`Rope.table`) and passed to the step as an array; the angles are the same float32 products, so
+results agree with `Rope.apply` to the last bit or so (numpy's float32 cos/sin vs XLA's).
+Positions outside the table take `Rope.apply`.
 """
 
 from __future__ import annotations
@@ -83,11 +84,10 @@ class RopeTable:
 
     `cond_angles` (static; the same numbers either way) places that cond. False: the cond holds
     the rotation, which is faster inside the layer `lax.scan` (otherwise XLA:CPU fuses the
-    rotation with the slice of the stacked cache into one slow loop: a host-loop int8 step at 4K,
-    87 vs 114 ms). True: the cond picks cos/sin and the rotation follows it, which is faster in a
-    straight-line program such as one layer's decode step (`models.engine`'s layer-by-layer
-    generation), where a cond holding the rotation copies x in and the rotated x out (30 layers of
-    4K int8 keys: 26 vs 19 ms; an int8 layer-by-layer step at 4K, 86 vs 72 ms)."""
+    rotation with the slice of the stacked cache into one slow loop). True: the cond picks cos/sin
+    and the rotation follows it, which is faster in a straight-line program such as one layer's
+    decode step (`models.engine`'s layer-by-layer generation), where a cond holding the rotation
+    copies x in and the rotated x out (both measured: docs/results/speed_history.md, RoPE tables)."""
 
     cos: Float[Array, "n H"]
     sin: Float[Array, "n H"]

@@ -204,8 +204,9 @@ class GGUFTensorInfo:
 
 class GGUFFile:
     """A GGUF file's metadata (every key, arrays included, as Python values) and tensors, read
-    with bulk reads: a few hundred ms where `gguf.GGUFReader` takes 30-40 s on a 150k-262k-token
-    vocabulary (it builds a numpy view per string). `field(key, default)` reads a key."""
+    with bulk reads: `gguf.GGUFReader` builds a numpy view per string, which is slow on a
+    150k-262k-token vocabulary (docs/results/speed.md, "Numbers behind comments in the code").
+    `field(key, default)` reads a key."""
 
     def __init__(self, path: str | pathlib.Path):
         from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType

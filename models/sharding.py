@@ -6,7 +6,7 @@ width, F MLP width, V vocab, S cache slots, Kp = 1 or K (slot positions shared o
 
 Sharding is a layout, never a semantics: under `jax.jit` a sharded step computes the same
 function as on one device (XLA inserts the collectives), so every policy runs unchanged and
-only reduction orders differ (results equal to ~1e-6; tests/test_sharding.py holds them to 1e-5).
+only reduction orders differ (results equal to ~1e-6; tests/models/test_sharding.py holds them to 1e-5).
 
 Weights (the canonical layout of models/config.py) carry logical axes, mapped to mesh axes by
 `axis_rules`:

@@ -42,7 +42,7 @@ if [ "$want_long" = 1 ]; then
   .venv/bin/python -c "from models.packages import qwen_gguf_path, gemma3_gguf_path; print('[setup]', qwen_gguf_path()); print('[setup]', gemma3_gguf_path())"
 fi
 if [ "$want_test" = 1 ] && [ ! -f .venv/kvpress-ref/kvpress/__init__.py ]; then
-  # kvpress 0.5.5 (the reference of tests/test_kvpress_parity.py) requires transformers < 5.3,
+  # kvpress 0.5.5 (the reference of tests/kvpolicies/test_kvpress_parity.py) requires transformers < 5.3,
   # the main environment has a newer one: it lives in its own directory, with transformers 5.2.0
   # and the hub/tokenizers versions that one accepts, and runs in a subprocess with
   # PYTHONPATH=.venv/kvpress-ref (torch, numpy, pandas... from .venv). --no-deps: only what

@@ -10,8 +10,8 @@ if [ "$#" -gt 0 ]; then
   exec "${PYTEST[@]}" "$@"
 fi
 # The unit tests (not `slow`) are dominated by XLA compiling many small steps (about 70 % of a
-# tests/test_policies.py case is XLA's backend compile). Its CPU backend compiles them faster at
-# -O0 (tests/test_policies.py: 107 s -> 74 s, same results) and faster again with the older loop
+# tests/kvpolicies/test_policies.py case is XLA's backend compile). Its CPU backend compiles them faster at
+# -O0 (tests/kvpolicies/test_policies.py: 107 s -> 74 s, same results) and faster again with the older loop
 # emitters instead of the fusion emitters and without LLVM's expensive passes (three score
 # steps of a 2-layer model: 2.5 s -> 0.9 s of compile; the whole unit stage on the 2 idle cores: 673 s -> 418 s, the
 # same tests passing). A compile runs on one core, so two pytest-xdist workers (a test file per

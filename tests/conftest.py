@@ -1,15 +1,11 @@
 import json
-import os
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-
 # Test files run longest first, by the durations recorded in tests/durations.json (a file's tests
-# summed, per stage of scripts/test.sh: "unit" or "slow"), so that the two pytest-xdist workers
+# summed, per stage of scripts/test.sh: "unit" or "slow"; keyed "stage:path under tests/"), so that the two pytest-xdist workers
 # (`--dist loadfile --no-loadscope-reorder`: a file per worker, taken in this order) finish
 # together. A file with no recorded duration (a new one) goes first, as if it were the longest.
 # `KVP_RECORD_DURATIONS=1 bash scripts/test.sh` (pytest's `--record-durations`) rewrites the
@@ -27,6 +23,13 @@ def stage_of(item) -> str:
     return "slow" if item.get_closest_marker("slow") is not None else "unit"
 
 
+def file_key(nodeid: str) -> str:
+    """A test file's name in tests/durations.json: its path under tests/ (`kvpolicies/test_paged.py`),
+    from a node id (relative to the repository, where pyproject.toml puts pytest's rootdir)."""
+    path = nodeid.split("::")[0]
+    return path.removeprefix("tests/")
+
+
 def recorded() -> dict[str, float]:
     return json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
 
@@ -34,7 +37,7 @@ def recorded() -> dict[str, float]:
 def order_by_duration(items, durations: dict[str, float]) -> None:
     """Sort `items` in place: files with the longest recorded duration in their stage first, files
     never recorded before them all; stable, so each file's tests keep their order."""
-    items.sort(key=lambda item: -durations.get(f"{stage_of(item)}:{item.path.name}", float("inf")))
+    items.sort(key=lambda item: -durations.get(f"{stage_of(item)}:{file_key(item.nodeid)}", float("inf")))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -47,7 +50,7 @@ _SPENT: dict[str, float] = {}
 def pytest_runtest_logreport(report):
     """Sum each file's setup + call + teardown time (on the xdist controller, from the workers' reports)."""
     stage = "slow" if "slow" in report.keywords else "unit"
-    key = f"{stage}:{Path(report.fspath).name}"
+    key = f"{stage}:{file_key(report.nodeid)}"
     _SPENT[key] = _SPENT.get(key, 0.0) + report.duration
 
 

@@ -44,24 +44,26 @@ RUN_BY = {
     "bash scripts/test.sh": ".ci/run",
     "bash scripts/setup.sh": ".ci/run (scripts/test.sh runs `bash scripts/setup.sh test`)",
     "bash scripts/setup.sh test": ".ci/run (scripts/test.sh)",
-    "python -m kvpolicies.budgets --budget 0.25": "tests/test_budgets.py::test_the_readme_table_command",
-    "python examples/flax_nnx_attention.py": "tests/test_example_flax.py::test_example_main_runs",
+    "python -m kvpolicies.budgets --budget 0.25": "tests/kvpolicies/test_budgets.py::test_the_readme_table_command",
+    "python examples/flax_nnx_attention.py": "tests/examples/test_flax_nnx_attention.py::test_example_main_runs",
     "mkdocs build --strict": "tests/test_docs.py::test_site_builds_with_warnings_as_errors",
     "mkdocs serve": "tests/test_docs.py::test_site_builds_with_warnings_as_errors (the same site, served)",
     "python -m evals.run --help": "tests/test_docs.py::test_help_and_cfg_job_commands",
     "python -m evals.run policy=h2o budget=0.25 --cfg job": "tests/test_docs.py::test_help_and_cfg_job_commands",
+    "python -m tests.refs.sharding_check all": "tests/models/test_sharding.py::test_every_policy_on_a_data_x_model_mesh_equals_one_device "
+                                               "(in a subprocess with 8 CPU devices)",
     "python -m evals.planner --model llama-3-8b --context 32K --gpu-gb 80 --overhead-gb 12 --policy full "
     "sink:window=4096 window:window=8192 full:codec=int8": "tests/test_docs.py::test_planner_command_prints_the_guide_s_table",
 }
 # inline fragments of prose, not whole commands -> why they are not checked
 NOT_CHECKED = {
     "python -m evals.run ... mesh=[2,4]": "a fragment (any run + mesh=); a 2 x 4 mesh needs 8 devices: "
-                                          "tests/test_sharding.py runs meshes on 8 CPU devices",
+                                          "tests/models/test_sharding.py runs meshes on 8 CPU devices",
     "bash scripts/test.sh ARGS": "ARGS stands for pytest's arguments",
     "python -m evals.run policy=valuenorm budget=0.25": "docs/guide/writing-a-policy.md: valuenorm is registered "
                                                          "by the reader in its step 1 (its class is run by a test)",
     "python -m evals.compare task=perplexity tokens=4096 policies=[sink,h2o,valuenorm]": "the same (step 1 first)",
-    "bash scripts/gpu_check.sh OUT": "OUT stands for a folder; tests/test_benchmarks.py dry-runs benchmarks.gpu",
+    "bash scripts/gpu_check.sh OUT": "OUT stands for a folder; tests/benchmarks/test_benchmarks.py dry-runs benchmarks.gpu",
 }
 
 _START = r"(?:\.venv/bin/)?(?:python|mkdocs)\b|bash scripts/|taskset "

@@ -1,0 +1,163 @@
+"""kvpress 0.5.5 itself beside `kvpolicies.compat.kvpress`: the same tiny random models (Llama,
+Qwen2) and token ids; kvpress's press prefills the context (its pipeline's protocol, run by
+evals/kvpress_worker.py in a subprocess with transformers 5.2.0 from .venv/kvpress-ref),
+ours runs `Engine.prompt` -> `compress` -> `kept_positions` / `continue_generate`. Kept
+positions per (layer, kv head) and greedy answers must be identical."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kvpolicies.compat import kvpress
+from models.engine import Engine
+from models.llama import Llama
+from models.loading import load_hf
+from models.tokenizer import ByteTokenizer
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+REF = ROOT / ".venv" / "kvpress-ref"
+pytestmark = [pytest.mark.ref, pytest.mark.kvpress, pytest.mark.skipif(not (REF / "kvpress").is_dir(),
+                                                      reason="kvpress not installed (bash scripts/setup.sh test)")]
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512)
+EXACT = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPress", "ExpectedAttentionPress",
+         "ObservedAttentionPress", "TOVAPress", "AdaKVPress", "KVzipPress", "DuoAttentionPress")
+# DuoAttentionPress given a head pattern (kvpress downloads the authors' for six checkpoints) and
+# streaming sizes that the 320-token context exceeds
+FIELDS = {"DuoAttentionPress": {"head_scores": [[0.9, 0.1], [0.2, 0.7], [0.4, 0.6]], "sink_size": 16,
+                                "recent_size": 64}}
+RATIOS = (0.5, 0.75)
+N_CTX, N_Q, N_NEW = 320, 8, 6
+
+
+def run_kvpress(job: dict, tmp: pathlib.Path, timeout: int = 600) -> dict:
+    """kvpress's results for `job` (evals/kvpress_worker.py in its own environment)."""
+    (tmp / "job.json").write_text(json.dumps(job))
+    env = {**os.environ, "PYTHONPATH": str(REF), "CUDA_VISIBLE_DEVICES": "", "TRANSFORMERS_VERBOSITY": "error",
+           "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    subprocess.run([sys.executable, str(ROOT / "evals" / "kvpress_worker.py"), str(tmp / "job.json"),
+                    str(tmp / "out.json")], check=True, env=env, cwd=ROOT, timeout=timeout)
+    return json.loads((tmp / "out.json").read_text())
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny_run(request, tmp_path_factory):
+    """(our model, context ids, question ids, kvpress's results) for one tiny architecture."""
+    tmp = tmp_path_factory.mktemp(request.param)
+    rng = np.random.default_rng(1)
+    ctx, question = rng.integers(0, 128, N_CTX), rng.integers(0, 128, N_Q)
+    config = dict(TINY, tie_word_embeddings=request.param == "qwen2")
+    job = {"checkpoint": None, "save_to": str(tmp / "ckpt"),
+           "tiny": {"kind": request.param, "seed": 0, "config": config},
+           "context": ctx.tolist(), "question": question.tolist(), "n_new": N_NEW,
+           "presses": [[p, r, FIELDS.get(p, {})] for p in EXACT for r in RATIOS], "tokenizer": "ascii"}
+    ref = run_kvpress(job, tmp)
+    cfg, params = load_hf(tmp / "ckpt")
+    return Llama(cfg, params), ctx, question, ref
+
+
+def ours(model: Llama, press: str, ratio: float, ctx: np.ndarray, question: np.ndarray):
+    pol = kvpress(press, ratio, n_layers=model.cfg.n_layers, max_new=64, **FIELDS.get(press, {}))
+    eng = Engine(model, pol, max_len=N_CTX + N_Q + N_NEW, repeat=ByteTokenizer())  # kvzip: the ASCII ids kvpress used
+    state = eng.compress(eng.prompt(ctx[None]))
+    kept = [[p.tolist() for p in layer] for layer in eng.kept_positions(state)]
+    return kept, eng.continue_generate(state, question[None], N_NEW)[0].tolist()
+
+
+@pytest.mark.parametrize("ratio", RATIOS)
+@pytest.mark.parametrize("press", EXACT)
+def test_kept_positions_and_answers_equal_kvpress(tiny_run, press, ratio):
+    model, ctx, question, ref = tiny_run
+    want = ref[f"{press}@{ratio}"]
+    kept, answer = ours(model, press, ratio, ctx, question)
+    if press == "PyramidKVPress" and ratio == 0.5:
+        # kvpress 0.5.5 fails here: its layers keep 256 / 160 / 64 tokens, and transformers builds one
+        # causal mask from layer 0's cache length for the question (docs/guide/kvpress.md)
+        assert "size of tensor" in want.get("error", ""), want
+        assert [len(layer[0]) for layer in kept] == [256, 160, 64]
+        return
+    assert "error" not in want, want
+    n_kept = int(N_CTX * (1 - ratio))  # the reference keeps kvpress's n_kept per head (AdaKV: on average)
+    if press == "AdaKVPress":
+        assert all(sum(map(len, layer)) == len(layer) * n_kept for layer in want["kept"])
+        assert any(len(h) != n_kept for layer in want["kept"] for h in layer)  # the heads' shares differ
+    elif press == "KVzipPress":  # int(L K n r) removed over all layers: the layers' counts differ
+        sizes = [sum(map(len, layer)) for layer in want["kept"]]
+        total = len(sizes) * model.cfg.n_kv_heads * N_CTX
+        assert sum(sizes) == total - int(total * ratio) and len(set(sizes)) > 1
+    elif press == "DuoAttentionPress":  # round(L K r) heads stream: sink + recent tokens, the others all
+        assert sorted({len(h) for layer in want["kept"] for h in layer}) == [16 + 64, N_CTX]
+    elif press != "PyramidKVPress":
+        assert all(len(h) == n_kept for layer in want["kept"] for h in layer)
+    pairs = [(g, w) for got_l, want_l in zip(kept, want["kept"], strict=True) for g, w in zip(got_l, want_l, strict=True)]
+    if press == "KnormPress":  # norms of un-rotated (ours) and rotated (kvpress) keys differ by rounding: near ties
+        assert np.mean([len(set(g) & set(w)) / len(set(g) | set(w)) for g, w in pairs]) >= 0.98
+    else:
+        for i, (g, w) in enumerate(pairs):
+            assert g == w, (press, ratio, divmod(i, model.cfg.n_kv_heads), sorted(set(g) ^ set(w))[:10])
+    assert answer == want["answer"]
+
+
+@pytest.fixture(scope="module")
+def smollm2_run(tmp_path_factory):
+    """SmolLM2 (float32) on a ~1K-token real text with a needle, and kvpress's results on it."""
+    from evals.data import default_text
+    from models.loading import load_default_model, smollm2_gguf_path
+
+    model, tok = load_default_model()
+    text = default_text()[20000:24000]
+    cut = len(text) // 2
+    text = text[:cut] + " The secret passphrase is 'purple elephant 42'. " + text[cut:]
+    ctx = np.asarray(tok.encode(text), np.int32)[:1024]
+    question = np.asarray(tok.encode("\nQuestion: What is the secret passphrase?\nAnswer:"), np.int32)
+    path = smollm2_gguf_path()
+    job = {"checkpoint": str(path.parent), "gguf_file": path.name, "context": ctx.tolist(),
+           "question": question.tolist(), "n_new": 12,
+           "presses": [[p, r, SLOW_FIELDS.get(p, {})] for p, r in SLOW_CASES]}
+    return model, ctx, question, run_kvpress(job, tmp_path_factory.mktemp("smollm2"), timeout=3600)
+
+
+# The suite's slow stage runs every press but PyramidKVPress at ratio 0.5 (PyramidKV's per-layer
+# budgets compile 30 layer steps: ~100 s; the tiny models check it); KVP_KVPRESS_FULL=1 runs both
+# ratios for every press (kvpress's own runs dominate). docs/guide/kvpress.md quotes the full grid.
+SLOW = ("SnapKVPress", "KnormPress", "StreamingLLMPress", "ExpectedAttentionPress", "ObservedAttentionPress",
+        "TOVAPress", "AdaKVPress", "PyramidKVPress", "KVzipPress", "DuoAttentionPress")
+# a fixed head pattern for SmolLM2's 30 layers x 3 kv heads (no DuoAttention pattern exists for it)
+SLOW_FIELDS = {"DuoAttentionPress": {"head_scores": np.random.default_rng(0).random((30, 3)).round(3).tolist()}}
+FULL_GRID = bool(os.environ.get("KVP_KVPRESS_FULL"))
+SLOW_CASES = [(p, r) for p in SLOW for r in RATIOS
+              if FULL_GRID or (r == 0.5 and p != "PyramidKVPress")]
+
+
+def jaccard(a, b) -> float:
+    return len(set(a) & set(b)) / max(len(set(a) | set(b)), 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("press", "ratio"), SLOW_CASES)
+def test_smollm2_real_text_equals_kvpress(smollm2_run, press, ratio):
+    """SmolLM2 on 1,024 tokens of Pride & Prejudice with a needle: mean kept-set Jaccard per
+    (layer, kv head) >= 0.98 and the same 12 greedy tokens as kvpress 0.5.5."""
+    model, ctx, question, ref = smollm2_run
+    want = ref[f"{press}@{ratio}"]
+    if "error" in want:  # kvpress 0.5.5's PyramidKVPress at 0.5 (docs/guide/kvpress.md)
+        assert press == "PyramidKVPress" and ratio == 0.5, want
+        pytest.skip(f"kvpress 0.5.5 raised: {want['error']}")
+    pol = kvpress(press, ratio, n_layers=model.cfg.n_layers, max_new=64, **SLOW_FIELDS.get(press, {}))
+    eng = Engine(model, pol, max_len=len(ctx) + len(question) + 12)  # kvzip: the tokenizer the model was loaded with
+    state = eng.compress(eng.prompt(ctx[None]))
+    kept = eng.kept_positions(state)
+    js = [jaccard(g.tolist(), w) for gl, wl in zip(kept, want["kept"], strict=True) for g, w in zip(gl, wl, strict=True)]
+    answer = eng.continue_generate(state, question[None], 12)[0].tolist()
+    print(f"{press} {ratio}: mean Jaccard {np.mean(js):.4f}, min {np.min(js):.4f}, "
+          f"answers equal {answer == want['answer']}")
+    assert np.mean(js) >= 0.98
+    assert answer == want["answer"]

@@ -1,0 +1,237 @@
+"""`kvzap`: a learned surrogate of KVzip's scores, pruned by a threshold (DMS) or a budget.
+
+References written independently of the library:
+- the surrogate's input is taken from transformers' PyTorch Qwen2 (`output_hidden_states`, each
+  layer's `input_layernorm` applied in torch) on a tiny random checkpoint, and its forward pass
+  is numpy (x @ w + b; the MLP with an erf GELU from scipy);
+- the DMS rule re-simulated as Python sets: a kv head keeps its last `window` positions and every
+  older one whose score is >= the threshold;
+- the stream extension token by token in float64 numpy (kvzip's: the most attention each slot
+  received, the head-wise choice on overflow, the last `window` positions kept);
+- training on synthetic data with a known linear map; the committed files' own report.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvpolicies
+from tests.refs.helpers import run_policy
+from kvpolicies.adakv import head_of
+from kvpolicies.kvzap import WEIGHTS_DIR, KVzap, kept_counts, random_surrogate
+from kvpolicies.memory import state_bytes, tree_bytes
+from tests.refs.headwise import B, K, MAX_LEN, ROPE, qkv
+from tests.refs.kvzap import choose, simulate_stream
+
+
+def by_head(pos: np.ndarray) -> list[list[int]]:
+    """[h] sorted positions of one layer's head pool (pos [K, S] rows, batch 1)."""
+    flat = np.asarray(pos).reshape(1, 1, -1)
+    head = np.asarray(head_of(jnp.asarray(flat), K))[0, 0]
+    return [sorted(int(x) for x in flat[0, 0][head == h]) for h in range(K)]
+
+
+@pytest.mark.parametrize("chunks", [[1], [6]], ids=str)
+def test_stream_extension_matches_the_reference(chunks):
+    pol = KVzap(budget=5, max_new=3, window=2, surrogate="random")
+    q, k, v = qkv(27, seed=4, head_scale=(4.0, 0.3))
+    out, state = run_policy(pol, q, k, v, chunks, ROPE, max_len=MAX_LEN)
+    ref, kept = simulate_stream(pol, q, k, v)
+    np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
+    assert [by_head(np.asarray(state.pos)[b]) for b in range(B)] == kept
+
+
+def test_validates_its_fields():
+    for kw, field in [(dict(window=0), "window"), (dict(budget=10, window=20), "budget"), (dict(rule="ratio"), "rule"),
+                      (dict(kind="cnn"), "kind"), (dict(threshold=float("nan")), "threshold")]:
+        with pytest.raises(ValueError, match=f"kvzap.{field}"):
+            KVzap(**kw)
+
+
+# ------------------------------------------------------------------------------------------
+# the prompt protocol against transformers
+# ------------------------------------------------------------------------------------------
+
+
+def reference_inputs(ref, ids: np.ndarray) -> list[np.ndarray]:
+    """[layer] the surrogate's input [T, d]: transformers' layer input after its input_layernorm."""
+    import torch
+
+    with torch.no_grad():
+        out = ref(torch.as_tensor(ids, dtype=torch.long), output_hidden_states=True)
+        return [ref.model.layers[i].input_layernorm(out.hidden_states[i])[0].numpy().astype(np.float64)
+                for i in range(len(ref.model.layers))]
+
+
+def np_surrogate(params: dict, layer: int, x: np.ndarray) -> np.ndarray:
+    from scipy.special import erf
+
+    if "w" in params:
+        return x @ params["w"][layer] + params["b"][layer]
+    z = x @ params["w1"][layer] + params["b1"][layer]
+    z = 0.5 * z * (1 + erf(z / np.sqrt(2)))
+    return z @ params["w2"][layer] + params["b2"][layer]
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_scores_applied_equal_the_surrogates_forward_pass(tiny_qwen, kind):
+    """The log-scores the prompt phase stores for every (layer, kv head, token), prefilled in
+    chunks of 7, equal the surrogate's numpy forward pass on transformers' hidden states."""
+    from models.engine import Engine
+
+    ref, model = tiny_qwen
+    cfg = model.cfg
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (1, 40)).astype(np.int32)
+    pol = kvpolicies.get("kvzap", budget=20, max_new=4, window=4, kind=kind, surrogate="random")
+    eng = Engine(model, pol, max_len=48)
+    zap = np.asarray(eng.prompt(ids, chunk=7).cache[0].extra["zap"])  # [L, B, K, M]
+    params = random_surrogate(kind, cfg.d_model, cfg.n_kv_heads, cfg.n_layers)
+    for layer, x in enumerate(reference_inputs(ref, ids)):
+        want = np_surrogate(params, layer, x)  # [T, K]
+        np.testing.assert_allclose(zap[layer, 0, :, :40].T, want, atol=2e-4, rtol=1e-4)
+        assert (zap[layer, 0, :, 40:] == np.finfo(np.float32).min).all()  # slots past the prompt: unscored
+
+
+def test_kept_sets_at_a_threshold_follow_the_dms_rule(tiny_qwen):
+    """rule=threshold: each kv head keeps its last `window` tokens and every older token scoring
+    >= threshold (DMS), re-simulated as sets on transformers' hidden states; the heads and the
+    layers keep different numbers of tokens; the stored bytes are the pool's closed form."""
+    from models.engine import Engine
+
+    ref, model = tiny_qwen
+    cfg = model.cfg
+    t, window = 40, 4
+    ids = np.random.default_rng(2).integers(0, cfg.vocab_size, (1, t)).astype(np.int32)
+    params = random_surrogate("linear", cfg.d_model, cfg.n_kv_heads, cfg.n_layers)
+    scores = [np_surrogate(params, layer, x) for layer, x in enumerate(reference_inputs(ref, ids))]  # [T, K] each
+    threshold = float(np.median(np.concatenate(scores)))
+    pol = kvpolicies.get("kvzap", budget=t, max_new=4, window=window, rule="threshold", threshold=threshold,
+                         surrogate="random")
+    eng = Engine(model, pol, max_len=48)
+    state = eng.compress(eng.prompt(ids, chunk=16))
+    pool = state.cache[0]
+    counts = kept_counts(pool)[:, 0]  # [L, K]
+    for layer, sc in enumerate(scores):
+        want = [sorted(j for j in range(t) if j > t - 1 - window or sc[j, h] >= threshold) for h in range(K)]
+        assert by_head(np.asarray(pool.pos)[layer, 0]) == want, layer
+        assert counts[layer].tolist() == [len(w) for w in want]
+    assert len(set(counts.ravel().tolist())) > 1, counts  # per-head (and per-layer) counts vary
+    cap = pol.capacity(48)
+    d = cfg.head_dim
+    closed = cfg.n_layers * K * cap * (2 * d * 4 + 4 + 4)  # keys, values, an int32 position, a float32 mass
+    assert tree_bytes(pool).total == closed
+    assert state_bytes(pol, kv_heads=K, head_dim=d, max_len=48, dtype=jnp.float32).total * cfg.n_layers == closed
+    # decoding goes on from the pool (kvzip's stream rule)
+    ids2 = eng.continue_generate(state, np.zeros((1, 0), np.int32), 3)
+    assert ids2.shape == (1, 3)
+
+
+def test_a_budget_keeps_the_layers_best_scores(tiny_qwen):
+    """rule=budget: the window, then the best K x budget of all heads' scores (head-wise)."""
+    from models.engine import Engine
+
+    ref, model = tiny_qwen
+    cfg = model.cfg
+    t, window, budget = 40, 4, 10
+    ids = np.random.default_rng(3).integers(0, cfg.vocab_size, (1, t)).astype(np.int32)
+    params = random_surrogate("linear", cfg.d_model, cfg.n_kv_heads, cfg.n_layers)
+    scores = [np_surrogate(params, layer, x) for layer, x in enumerate(reference_inputs(ref, ids))]
+    pol = kvpolicies.get("kvzap", budget=budget, max_new=4, window=window, surrogate="random")
+    eng = Engine(model, pol, max_len=48)
+    pool = eng.compress(eng.prompt(ids)).cache[0]
+    for layer, sc in enumerate(scores):
+        sets = [set(range(t))] * K
+        want = choose([{j: sc[j, h] for j in range(t)} for h in range(K)], sets, window, t - 1, K * budget)
+        assert by_head(np.asarray(pool.pos)[layer, 0]) == [sorted(w) for w in want], layer
+
+
+# ------------------------------------------------------------------------------------------
+# training
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_training_reduces_held_out_loss(kind):
+    """Synthetic layers whose targets are a linear map of their inputs plus noise: training (optax,
+    standardised inputs folded back into the weights) cuts the held-out loss, and the saved raw
+    weights reproduce the targets (R^2 > 0.8) through the policy's own forward pass."""
+    from evals.train_kvzap import DEFAULTS, evaluate, train
+
+    rng = np.random.default_rng(0)
+    L, n, d, kh = 2, 1200, 12, 2
+    x = (rng.standard_normal((L, n, d)) * rng.uniform(0.2, 5.0, (L, 1, d)) + 3.0).astype(np.float16)
+    w = rng.standard_normal((L, d, kh)) / np.sqrt(d)
+    y = (np.einsum("lnd,ldk->lnk", x.astype(np.float32) - 3.0, w / x.astype(np.float32).std(axis=1)[:, :, None])
+         - 5.0 + 0.1 * rng.standard_normal((L, n, kh))).astype(np.float32)
+    cfg = dict(DEFAULTS, kind=kind, steps=300, batch=256, lr=1e-2, model="synthetic")
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        params, losses = train(cfg, x[:, :1000], y[:, :1000], x[:, 1000:], y[:, 1000:], Path(tmp) / "c.npz", False)
+    assert all(b < 0.2 * a for a, b in zip(losses["heldout_loss_init"], losses["heldout_loss"])), losses
+    _, r2, rho = evaluate(params, x[:, 1000:].astype(np.float32), y[:, 1000:])
+    assert min(r2) > 0.8 and min(rho) > 0.8, (r2, rho)
+
+
+def test_training_resumes_from_its_checkpoint(tmp_path, monkeypatch):
+    """A run stopped right after its step-40 checkpoint and started again ends where an
+    uninterrupted run of 80 steps does (same minibatches, optimiser state restored)."""
+    import evals.train_kvzap as tk
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((1, 300, 6)).astype(np.float16)
+    y = (x.astype(np.float32) @ rng.standard_normal((6, 2))).astype(np.float32)
+    cfg = dict(tk.DEFAULTS, steps=80, batch=32, save_every=40, model="synthetic")
+    data = (x[:, :200], y[:, :200], x[:, 200:], y[:, 200:])
+    whole, _ = tk.train(cfg, *data, tmp_path / "a.npz", False)
+
+    class Stop(Exception):
+        pass
+
+    real = np.savez
+
+    def save_then_stop(path, *a, **kw):
+        real(path, *a, **kw)
+        raise Stop
+
+    monkeypatch.setattr(tk.np, "savez", save_then_stop)
+    with pytest.raises(Stop):
+        tk.train(cfg, *data, tmp_path / "b.npz", False)
+    monkeypatch.setattr(tk.np, "savez", real)
+    (tmp_path / "b.tmp.npz").rename(tmp_path / "b.npz")  # the checkpoint written before the stop
+    assert int(np.load(tmp_path / "b.npz")["step"]) == 40
+    resumed, _ = tk.train(cfg, *data, tmp_path / "b.npz", False)
+    for key in whole:
+        np.testing.assert_allclose(resumed[key], whole[key], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("stem", sorted(p.stem for p in WEIGHTS_DIR.glob("*.json")))
+def test_committed_surrogates_beat_their_initialisation(stem):
+    """Each committed weight file: every trained layer's held-out loss is below its initialisation's
+    (the mean log-score), its held-out Spearman correlation is positive, and the file holds what
+    the policy loads."""
+    rep = json.loads((WEIGHTS_DIR / f"{stem}.json").read_text())
+    assert all(b < a for a, b in zip(rep["heldout_loss_init"], rep["heldout_loss"])), stem
+    assert min(rep["spearman"]) > 0.0
+    pol = KVzap(kind=rep["kind"], surrogate=stem)
+    with np.load(WEIGHTS_DIR / f"{stem}.npz") as z:
+        p = pol.surrogate_params(int(z["d_model"]), int(z["kv_heads"]), int(z["n_layers"]))
+    assert all(np.isfinite(v).all() for k, v in p.items() if k in ("w", "b", "w1", "b1", "w2", "b2"))
+
+
+def test_prompt_phases_share_only_with_the_same_surrogate():
+    """One prefill may serve kvzap at any budget or rule (the phase stores the same scores), never
+    another surrogate's (`kvpolicies.prompt.prompt_key`)."""
+    from kvpolicies.prompt import prompt_key as _prompt_key
+
+    a = KVzap(budget=256, surrogate="random").prompt_policy()
+    b = KVzap(budget=512, rule="threshold", surrogate="random").prompt_policy()
+    c = KVzap(budget=256, surrogate="random", kind="mlp").prompt_policy()
+    d = kvpolicies.get("kvzip", budget=256).prompt_policy()
+    assert _prompt_key(a) == _prompt_key(b)
+    assert _prompt_key(a) != _prompt_key(c) and _prompt_key(a) != _prompt_key(d)

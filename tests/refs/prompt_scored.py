@@ -1,0 +1,168 @@
+"""References for the prompt-compression baselines (knorm, random, observed, expected, pyramidkv): float64
+numpy re-simulations of NVIDIA/kvpress's presses and PyramidKV's schedule
+(tests/kvpolicies/test_prompt_scored.py and the registry matrix)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+import kvpolicies
+from tests.refs.oracle import default_inv_freq, rope_complex
+
+
+B, N, K, D, THETA = 2, 4, 2, 16, 10000.0
+G = N // K
+
+
+T, MAX_LEN = 24, 64
+
+
+# ------------------------------------------------------------------------------------------
+# The reference: kvpress's scores, written independently
+# ------------------------------------------------------------------------------------------
+
+
+def np_hash(seed, head, pos):
+    """RandomKeep's documented draw: murmur3's finalizer of a mix of (seed, head, position)."""
+    m = 0xFFFFFFFF
+    x = ((pos * 0x9E3779B1) & m) ^ ((head * 0x85EBCA77) & m) ^ ((seed * 0xC2B2AE3D) & m)
+    x ^= x >> 16
+    x = (x * 0x85EBCA6B) & m
+    x ^= x >> 13
+    x = (x * 0xC2B2AE35) & m
+    x ^= x >> 16
+    return (x >> 8) / float(1 << 24)
+
+
+def avg_rope_matrix(start, n_future, inv):
+    """kvpress's apply_avg_rope: R = mean_t (cos_t I + sin_t P), P the rotate-half matrix."""
+    h = len(inv)
+    p = np.zeros((2 * h, 2 * h))
+    p[h:, :h], p[:h, h:] = np.eye(h), -np.eye(h)
+    rs = []
+    for t in range(start, start + n_future):
+        ang = np.concatenate([t * inv, t * inv])
+        rs.append(np.cos(ang)[:, None] * np.eye(2 * h) + np.sin(ang)[:, None] * p)
+    return np.mean(rs, axis=0)
+
+
+def expected_scores(pol, qs, keys_rot, vals, js, start, inv):
+    """kvpress's ExpectedAttentionPress.score over the keys at positions js: qs [G', n, D]
+    pre-RoPE queries (one Gaussian per row), keys_rot [J, D] after RoPE, vals [J, D]."""
+    d = keys_rot.shape[-1]
+    r = avg_rope_matrix(start, pol.n_future_positions, inv)
+    sink = np.array([j < pol.n_sink for j in js])
+    k, v = keys_rot[~sink], vals[~sink]
+    per_head = []
+    for qh in qs:
+        mu = qh.mean(0)
+        cen = qh - mu
+        cov = cen.T @ cen / len(qh)
+        mu, cov = mu @ r.T, r @ cov @ r.T
+        lg = k @ mu / np.sqrt(d)
+        if pol.use_covariance:
+            lg = lg + np.einsum("ji,ij->j", k @ cov, k.T) / d / 2
+        w = np.exp(lg - lg.max())
+        per_head.append(w / w.sum())
+    sc = np.mean(per_head, axis=0)
+    if pol.use_vnorm:
+        sc = (sc + pol.epsilon) * np.linalg.norm(v, axis=-1)
+    out = np.full(len(js), np.inf)
+    out[~sink] = sc
+    return dict(zip(js, out))
+
+
+def simulate(pol, q, k, v, prompt_len=0, max_len=MAX_LEN):
+    """Outputs [B, T, N, D] and the final kept positions [b][head] (sorted lists): the prompt
+    (prompt_len > 0) densely, one compression, then token by token (a stream from token 0)."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    b_, t, n, d = q.shape
+    inv = default_inv_freq(d, THETA)
+    at = lambda x: np.broadcast_to(np.arange(t)[None, :, None], x.shape[:3])  # noqa: E731
+    qr, kr = rope_complex(q, at(q), inv), rope_complex(k, at(k), inv)
+    name = type(pol).__name__
+    cap = min(max_len, pol.budget + pol.max_new)
+    n_keep = min(pol.budget, cap)
+    out = np.zeros((b_, t, n, d))
+    kept_all = []
+
+    def top(scores, n_):
+        return set(sorted(scores, key=lambda j: (-scores[j], -j))[:n_])
+
+    def rule(b, h, view, last, mass, qs_pooled):
+        """Stream scores of the view (kvpress's score with what the stream has seen so far)."""
+        js = sorted(view)
+        if name == "Knorm":
+            return {j: -np.linalg.norm(k[b, j, h]) for j in js}
+        if name == "RandomKeep":
+            return {j: np_hash(pol.seed, h, j) for j in js}
+        if name == "Observed":
+            return {j: mass[j] / (last - j + 1) for j in js}
+        return expected_scores(pol, [np.array(qs_pooled)], kr[b, js, h], v[b, js, h], js, last + 1, inv)
+
+    for b in range(b_):
+        kept = [set() for _ in range(K)]
+        mass = [dict() for _ in range(K)]
+        qs = [[] for _ in range(K)]  # expected: pooled pre-RoPE queries at positions >= n_sink
+        if prompt_len:
+            L = prompt_len
+            for h in range(K):
+                probs = np.zeros((G, L, L))
+                for g in range(G):
+                    lg = qr[b, :L, h * G + g] @ kr[b, :L, h].T / np.sqrt(d)
+                    lg = np.where(np.tril(np.ones((L, L), bool)), lg, -np.inf)
+                    w = np.exp(lg - lg.max(-1, keepdims=True))
+                    probs[g] = w / w.sum(-1, keepdims=True)
+                    out[b, :L, h * G + g] = probs[g] @ v[b, :L, h]
+                js = list(range(L))
+                if name == "Knorm":
+                    sc = {j: -np.linalg.norm(k[b, j, h]) for j in js}
+                elif name == "RandomKeep":
+                    sc = {j: np_hash(pol.seed, h, j) for j in js}
+                elif name == "Observed":  # kvpress: attentions.sum(2) / n_tokens_in_sum, mean over the group
+                    col = probs.sum(1) / np.arange(L, 0, -1)  # [G, L]
+                    sc = dict(zip(js, col.mean(0)))
+                else:  # per query head statistics of the queries after the first n_sink
+                    heads = [q[b, pol.n_sink:L, h * G + g] for g in range(G)]
+                    sc = expected_scores(pol, heads, kr[b, :L, h], v[b, :L, h], js, L, inv)
+                kept[h] = top(sc, n_keep) if L > n_keep else set(js)
+                mass[h] = {j: probs.sum((0, 1))[j] for j in kept[h]}
+                qs[h] = [q[b, p, h * G + g] for p in range(pol.n_sink, L) for g in range(G)] \
+                    if name == "Expected" else []
+        for p in range(prompt_len, t):
+            for h in range(K):
+                view = kept[h] | {p}
+                js = np.array(sorted(view))
+                m = np.zeros(t)
+                for g in range(G):
+                    lg = kr[b, js, h] @ qr[b, p, h * G + g] / np.sqrt(d)
+                    w = np.exp(lg - lg.max())
+                    w /= w.sum()
+                    out[b, p, h * G + g] = w @ v[b, js, h]
+                    m[js] += w
+                mass[h] = {j: mass[h].get(j, 0.0) + m[j] for j in view}
+                if name == "Expected" and p >= pol.n_sink:
+                    qs[h] += [q[b, p, h * G + g] for g in range(G)]
+                kept[h] = top(rule(b, h, view, p, mass[h], qs[h]), n_keep) if len(view) > cap else view
+        kept_all.append([sorted(x) for x in kept])
+    return out, kept_all
+
+
+# ------------------------------------------------------------------------------------------
+# The registry matrix's references (tests/kvpolicies/test_policies.py REFERENCES)
+# ------------------------------------------------------------------------------------------
+
+
+def stream_ref(pol, q, k, v, chunks):
+    """A stream from token 0: the stream extension, whatever the chunk (per_token)."""
+    return simulate(pol, q, k, v)[0]
+
+
+def pyramid_ref(pol, q, k, v, chunks):
+    """One layer of pyramidkv is snapkv at its budget (test_scored's SnapKV simulation)."""
+    from tests.refs.scored import simulate as snap_simulate
+
+    fields = {f.name: getattr(pol, f.name) for f in dataclasses.fields(kvpolicies.SnapKV)}
+    return snap_simulate(kvpolicies.SnapKV(**fields), q, k, v, [1])[0]

@@ -1,0 +1,96 @@
+"""The registry matrix: every registered policy, small instances whose limits 24-32 tokens cross, each
+with an independent reference (tests/kvpolicies/test_policies.py checks them; tests/refs/sharding_check.py
+and tests/kvpolicies/attention/test_blocked.py run the same instances)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import kvpolicies
+from kvpolicies import Rope
+from tests.refs.oracle import VISIBLE, default_inv_freq, dense_attention
+from tests.refs.prompt_scored import pyramid_ref, stream_ref
+from tests.refs.headwise import adakv_reference, duo_reference
+from tests.refs.kvzap import stream_reference as kvzap_reference
+from tests.refs.kvzip import stream_reference as kvzip_reference
+from tests.refs.multires_quest import hier_oracle, quest_oracle
+from tests.refs.quant import np_kivi_attention
+from tests.refs.scored import simulate
+
+
+B, N, K, D, THETA = 2, 4, 2, 16, 10000.0
+ROPE = Rope(D, THETA)
+
+
+def qkv(t, seed=0):
+    rng = np.random.default_rng(seed)
+    return tuple(rng.standard_normal((B, t, h, D)).astype(np.float32) for h in (N, K, K))
+
+
+def reference(name, pol, q, k, v):
+    t = q.shape[1]
+    vis = [VISIBLE[name](p, pol) for p in range(t)]
+    cache_ranks = isinstance(pol, kvpolicies.Sink) and pol.positions == "cache"
+    return dense_attention(q, k, v, vis, cache_ranks, default_inv_freq(D, THETA))
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry matrix: every registered policy is run against an independent reference. A policy
+# added to the registry without an entry here fails `test_registered_policy_matches_reference`.
+# References: the dense oracle (tests/refs/oracle.py) for position-based policies; step-by-step
+# simulations of the papers' rules written independently of the library for the others.
+# ---------------------------------------------------------------------------------------------
+
+
+def _scored_ref(pol, q, k, v, chunks):
+    return simulate(pol, q, k, v, [1])[0]  # evicts after every token, whatever the chunk
+
+
+def _hier_ref(pol, q, k, v, chunks):
+    return hier_oracle(q, k, v, pol)[0]
+
+
+def _quest_ref(pol, q, k, v, chunks):
+    return quest_oracle(q, k, v, pol)[0]
+
+
+def _kivi_ref(pol, q, k, v, chunks):
+    return np_kivi_attention(q, k, v, [1], pol.bits, pol.group, pol.residual, pol.after_rope)  # token by token, any chunk
+
+
+def _paged_ref(pol, q, k, v, chunks):  # paged storage: the dense oracle of full / window / sink
+    vis = [VISIBLE["paged"](p, pol) for p in range(q.shape[1])]
+    ranks = pol.n_sink > 0 and pol.positions == "cache"
+    return dense_attention(q, k, v, vis, ranks, default_inv_freq(D, THETA))
+
+
+def _dense_ref(name):
+    return lambda pol, q, k, v, chunks: reference(name, pol, q, k, v)
+
+
+# registry name -> (instances small enough that 24 tokens cross their limits, reference)
+REFERENCES = {
+    "full": ([kvpolicies.get("full")], _dense_ref("full")),
+    "window": ([kvpolicies.get("window", window=6)], _dense_ref("window")),
+    "sink": ([kvpolicies.get("sink", n_sink=2, window=5)], _dense_ref("sink")),
+    "h2o": ([kvpolicies.get("h2o", heavy=4, recent=3)], _scored_ref),
+    "tova": ([kvpolicies.get("tova", budget=6), kvpolicies.get("tova", budget=6, scope="head")], _scored_ref),
+    "snapkv": ([kvpolicies.get("snapkv", budget=5, obs_window=3, kernel=3, max_new=4)], _scored_ref),
+    "pyramidkv": ([kvpolicies.get("pyramidkv", budget=5, obs_window=3, kernel=3, max_new=4)], pyramid_ref),
+    "knorm": ([kvpolicies.get("knorm", budget=6, max_new=3)], stream_ref),  # tests/refs/prompt_scored.py
+    "random": ([kvpolicies.get("random", budget=6, max_new=3, seed=1)], stream_ref),
+    "observed": ([kvpolicies.get("observed", budget=6, max_new=3)], stream_ref),
+    "expected": ([kvpolicies.get("expected", budget=6, max_new=3, n_sink=2, n_future_positions=8)], stream_ref),
+    "adakv": ([kvpolicies.get("adakv", budget=5, obs_window=3, kernel=3, max_new=4)],
+              adakv_reference),  # tests/refs/headwise.py
+    "kvzip": ([kvpolicies.get("kvzip", budget=5, max_new=3, n_sink=2)],
+              kvzip_reference),  # tests/refs/kvzip.py
+    "kvzap": ([kvpolicies.get("kvzap", budget=5, max_new=3, window=2, surrogate="random")],
+              kvzap_reference),  # tests/refs/kvzap.py
+    "duo": ([kvpolicies.get("duo", sink=2, recent=5, heads=(1, 0))],
+            duo_reference),
+    "multires": ([kvpolicies.get("multires", window=3, branch=2, slots_per_level=2, levels=3)], _hier_ref),
+    "quest": ([kvpolicies.get("quest", page=4, top_k=2, window=5)], _quest_ref),
+    "kivi": ([kvpolicies.get("kivi", bits=2, group=4, residual=8)], _kivi_ref),
+    "paged": ([kvpolicies.get("paged", block=4), kvpolicies.get("paged", block=3, window=5, n_sink=2)], _paged_ref),
+}
