@@ -132,8 +132,8 @@ def _take_layer(leaves: list, i) -> list:
 def _split_layers(cache: Cache) -> list:
     """A cache (one stacked state per run, every leaf [n, ...]) -> one state per layer, in
     layer order (copies). One call per layer of a program compiled once per run's leaf shapes:
-    a single program of every layer's slices compiled one kernel per slice (0.8-1.2 s at 4K for
-    SmolLM2, against 0.13-0.17 s; each generate call pays 10-16 ms more dispatch)."""
+    a single program of every layer's slices compiled one kernel per slice, much slower to
+    compile (docs/results/speed.md, "Numbers behind comments in the code")."""
     out = []
     for run in cache:
         leaves, treedef = jax.tree.flatten(run)
