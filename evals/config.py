@@ -26,9 +26,9 @@ length, recorded in the row's `budget.shrunk`; otherwise the error names a value
 
 `ratio` (unset by default; not with `budget`) is kvpress's axis: the fraction of the prompt's
 tokens removed. A prompt compressor (snapkv, pyramidkv, knorm, random, observed, expected,
-adakv) gets its `ratio` field: each prompt of n tokens keeps max(1, int(n (1 - ratio))) tokens
-per kv head, windows and sinks included (`PromptScored.kept_for`). A sizable streaming policy
-(window, sink, h2o, tova, kvzip) is sized by `for_tokens(int(n (1 - ratio)))` for the run's
+adakv, kvzip) gets its `ratio` field: each prompt of n tokens keeps max(1, int(n (1 - ratio))) tokens
+per kv head, windows and sinks included (`PromptScored.kept_for`; kvzip: K n - int(K n ratio) per
+layer, shared by its heads). A sizable streaming policy (window, sink, h2o, tova) is sized by `for_tokens(int(n (1 - ratio)))` for the run's
 longest prompt n (`task_extent`). Others run as configured ("not sized").
 
 `validate` checks what Hydra does not (task and model names, ranges, the task's own keys, the

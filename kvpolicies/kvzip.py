@@ -108,6 +108,11 @@ class KVzip(Policy):
             return min(math.ceil(max_len * (1 - self.ratio)) + 1 + self.max_new, max_len)  # >= K n - int(K n r) / K
         return min(self.budget + self.max_new, max_len)
 
+    def kept_for(self, n: int) -> int:
+        """Context tokens per kv head, on average, kept of an n-token prompt with `ratio` set (a
+        layer keeps K n - int(K n ratio); over the model the same fraction)."""
+        return max(n - int(n * self.ratio), min(self.n_sink, n))
+
     def stream_keep(self, score: Float[Array, "B K V"], pos: Int[Array, "B K V"], s: int) -> Bool[Array, "B K V"]:
         """A full pool of s slots per kv head (streams) cut to K x budget tokens (`ratio`: to its
         slots minus max_new)."""

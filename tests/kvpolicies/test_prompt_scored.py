@@ -26,6 +26,7 @@ from kvpolicies.budgets import pyramid, pyramid_budgets, sized, target_bytes
 from kvpolicies.expected import moments
 from kvpolicies.memory import state_bytes
 from tests.refs.oracle import default_inv_freq
+from tests.refs.scored import kept_positions, qkv
 from tests.refs.prompt_scored import B, D, G, K, MAX_LEN, N, T, THETA, expected_scores, np_hash, simulate
 
 ROPE = Rope(D, THETA)
@@ -38,17 +39,6 @@ POLICIES = {
     "expected_mean_only": kvpolicies.get("expected", budget=5, max_new=0, n_sink=1, n_future_positions=4,
                                          use_covariance=False, use_vnorm=False),
 }
-
-
-def qkv(t, seed=0):
-    rng = np.random.default_rng(seed)
-    q, k, v = (rng.standard_normal((B, t, h, D)).astype(np.float32) for h in (N, K, K))
-    return q, 2.5 * k, v
-
-
-def kept_positions(state):
-    pos = np.asarray(state.pos)
-    return [[sorted(int(x) for x in pos[b, u] if x >= 0) for u in range(pos.shape[1])] for b in range(pos.shape[0])]
 
 
 def run_prompt(pol, q, k, v, prompt_len, prompt_chunks):

@@ -25,24 +25,10 @@ from models.config import LlamaConfig
 from models.engine import Engine
 from models.llama import Llama
 from tests.refs.oracle import default_inv_freq, dense_attention, rope_complex
-from tests.refs.scored import B, D, G, K, MAX_LEN, N, THETA, simulate
+from tests.refs.scored import B, D, G, K, MAX_LEN, N, THETA, kept_positions, qkv, simulate
 
 ROPE = Rope(D, THETA)
 T = 24
-
-
-def qkv(t, seed=0):
-    """Random q, k, v; keys scaled so that attention is peaked and the tokens each head
-    prefers depend on content, not only on age."""
-    rng = np.random.default_rng(seed)
-    q, k, v = (rng.standard_normal((B, t, h, D)).astype(np.float32) for h in (N, K, K))
-    return q, 2.5 * k, v
-
-
-def kept_positions(state):
-    """[b][unit] sorted lists of the positions a state holds."""
-    pos = np.asarray(state.pos)
-    return [[sorted(int(x) for x in pos[b, u] if x >= 0) for u in range(pos.shape[1])] for b in range(pos.shape[0])]
 
 
 # Policies checked against the oracle (small budgets so that T = 24 tokens overflow them).

@@ -99,3 +99,17 @@ def simulate(pol, q, k, v, chunks, max_len=MAX_LEN):
                         obs[u] = {j: obs[u].get(j, 0.0) for j in kept[u]}
         kept_all.append([sorted(x) for x in kept])
     return out, kept_all
+
+
+def qkv(t, seed=0):
+    """Random q, k, v; keys scaled so that attention is peaked and the tokens each head
+    prefers depend on content, not only on age."""
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.standard_normal((B, t, h, D)).astype(np.float32) for h in (N, K, K))
+    return q, 2.5 * k, v
+
+
+def kept_positions(state):
+    """[b][unit] sorted lists of the positions a state holds."""
+    pos = np.asarray(state.pos)
+    return [[sorted(int(x) for x in pos[b, u] if x >= 0) for u in range(pos.shape[1])] for b in range(pos.shape[0])]
