@@ -324,7 +324,8 @@ def plan(argv: Sequence[str]) -> Plan:
     for name in args.policies:
         for b in budgets:
             try:
-                pol, shrunk = size_policy(name, b, gen=gen, codec=codec, fixed=args.fields.get(name, {}), **dims)
+                pol, shrunk = size_policy(name, b, gen=gen, codec=codec, fixed=args.fields.get(name, {}),
+                                          n_layers=mc.n_layers, **dims)
             except ValueError as e:
                 where = " ".join(f"{name}.{k}={v}" for k, v in args.fields.get(name, {}).items())
                 raise ConfigError(f"policies: {name} at budget {b}{' with ' + where if where else ''} "

@@ -334,7 +334,7 @@ def resolve_policy(conf: dict[str, Any]) -> tuple[kvpolicies.Policy, dict[str, A
     kw = dict(max_len=extent[1] + extent[2], kv_heads=mc.n_kv_heads, head_dim=mc.head_dim, dtype=zoo.dtype(conf["model"]))
     try:
         sized, shrunk = size_policy(name, b, gen=extent[2], codec=conf["policy"].get("codec", "none"), fixed=explicit,
-                                    prefix="policy.", **kw)
+                                    prefix="policy.", n_layers=mc.n_layers, **kw)
     except ValueError as e:
         raise ConfigError(f"budget={b}: {e}") from None
     target = budgets.target_bytes(b, **{k: kw[k] for k in ("max_len", "kv_heads", "head_dim", "dtype")})
@@ -347,6 +347,33 @@ SHRINKABLE = ("max_new",)  # fields the sizing may lower to fit a budget, down t
 
 
 def size_policy(name: str, budget: int | float, *, gen: int, fixed: dict[str, Any], codec: Any = "none",
+                prefix: str = "", max_len: int, kv_heads: int, head_dim: int, dtype, n_layers: int | None = None
+                ) -> tuple[kvpolicies.Policy, dict[str, list[int]] | None]:
+    """`_size_layer`, and for a preset whose stack keeps other layers (knorm's dense first layers;
+    given `n_layers`) the compressor's layers sized to what the budget leaves after those layers'
+    stored bytes, so that the model's total stays within n_layers x the per-layer budget."""
+    from kvpolicies import budgets
+    from kvpolicies.memory import state_bytes
+
+    dims = dict(max_len=max_len, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+    args = dict(gen=gen, fixed=fixed, codec=codec, prefix=prefix, **dims)
+    pol, shrunk = _size_layer(name, budget, **args)
+    if n_layers is None:
+        return pol, shrunk
+    stack = pol.stack(n_layers)
+    others = [p for p in stack if p != pol]
+    if not others or len(others) == len(stack):
+        return pol, shrunk
+    target = budgets.target_bytes(budget, **dims)
+    left = n_layers * target - sum(state_bytes(p, **dims).total for p in others)
+    if left <= 0:
+        raise ValueError(f"{name}'s {len(others)} uncompressed layers alone store more than the model's budget of "
+                         f"{n_layers * target:,} bytes: raise the budget")
+    per_layer = left / (len(stack) - len(others)) / budgets.target_bytes(1.0, **dims)
+    return _size_layer(name, per_layer, **args)
+
+
+def _size_layer(name: str, budget: int | float, *, gen: int, fixed: dict[str, Any], codec: Any = "none",
                 prefix: str = "", max_len: int, kv_heads: int, head_dim: int, dtype
                 ) -> tuple[kvpolicies.Policy, dict[str, list[int]] | None]:
     """`kvpolicies.budgets.sized`, and when the budget is too small for the policy's fixed part: a

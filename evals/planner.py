@@ -245,7 +245,7 @@ def sized_policy(spec: str, budget: int | float | None, m: ModelShape, context: 
         return kvpolicies.get(name, codec=codec, **fields), f"not sized: {name} has no token budget"
     pol, shrunk = size_policy(cls.__name__.lower() if name not in kvpolicies.POLICIES else name, budget, gen=0,
                               fixed=fields, codec=codec, max_len=context, kv_heads=m.kv_heads, head_dim=m.head_dim,
-                              dtype=dtype)
+                              dtype=dtype, n_layers=m.n_layers)
     how = "sized" + "".join(f"; {f} {a}->{b}" for f, (a, b) in (shrunk or {}).items())
     return pol, how
 

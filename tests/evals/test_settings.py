@@ -91,3 +91,21 @@ def test_readme_compare_command_plans():
     assert len(p.notes) == 2 and all("max_new lowered" in n for n in p.notes)
     assert all(C.build_policy(j.conf["policy"]) == j.policy_obj for j in p.jobs)
     assert isinstance(p.jobs[0].policy_obj, kvpolicies.Full)
+
+
+@pytest.mark.parametrize("budget", [0.25, 0.5])
+def test_a_preset_with_dense_layers_is_sized_to_the_models_total(budget):
+    """knorm keeps its first two layers dense (the authors'): sized for a model, its compressed
+    layers take what the budget leaves after those layers, so the whole stack stores at most
+    n_layers x the per-layer budget (and within a compressed layer's few slots of it)."""
+    dims = dict(max_len=1036, kv_heads=3, head_dim=64, dtype="float32")
+    target = B.target_bytes(budget, **dims)
+    alone, _ = C.size_policy("knorm", budget, gen=16, fixed={"max_new": 16}, **dims)
+    pol, _ = C.size_policy("knorm", budget, gen=16, fixed={"max_new": 16}, n_layers=30, **dims)
+    stack = pol.stack(30)
+    assert [type(p).__name__ for p in stack[:3]] == ["Full", "Full", "Knorm"]
+    total = sum(state_bytes(p, **dims).total for p in stack)
+    per_slot = state_bytes(pol, **dims).total // pol.capacity(1036)
+    assert 30 * target - 28 * per_slot < total <= 30 * target
+    assert pol.budget < alone.budget  # the layer-wise sizing alone would overshoot by the dense layers
+    assert sum(state_bytes(p, **dims).total for p in alone.stack(30)) > 30 * target
