@@ -25,6 +25,7 @@ Keys (key=value):
     out=results/peer name=<stem>  where the files go; stem default peer_<model>_<task>_<tokens>
     overwrite=false               replace the files of another configuration under that stem (without
                                   it: an error before anything runs)
+    table_only=false              compute nothing: the table of the samples both sides saved so far
     progress=true
 
 Protocol (kvpress's pipeline, query-agnostic): each RULER prompt is split where its question starts;
@@ -71,7 +72,7 @@ WORKER = ROOT / "evals" / "kvpress_worker.py"
 MODELS = ("smollm2", "qwen", "tiny")
 PREFILLS = ("shared", "per_press")
 OWN_KEYS = ("model", "task", "tokens", "samples", "ratios", "presses", "gen", "seed", "chunk", "prefill", "out",
-            "name", "overwrite", "progress")
+            "name", "overwrite", "table_only", "progress")
 DEFAULT_RATIOS = (0.25, 0.5, 0.75)
 # the tiny random Llama of model=tiny (the parity tests' shape, SmolLM2's vocabulary)
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
@@ -99,6 +100,7 @@ class Plan:
     stem: str
     overwrite: bool
     progress: bool
+    table_only: bool = False
     config: str = ""  # the hash of everything that determines the numbers
     contexts: list[np.ndarray] = dataclasses.field(default_factory=list)
     questions: list[np.ndarray] = dataclasses.field(default_factory=list)
@@ -189,7 +191,7 @@ def parse(argv: Sequence[str]) -> Plan:
     return Plan(model, cfg, tokens, samples, ratios, presses, cfg["gen"], _int("seed", own.get("seed", "0"), 0),
                 _int("chunk", own.get("chunk", "512"), 1), prefill, pathlib.Path(own.get("out", "results/peer")),
                 stem, _bool("overwrite", own.get("overwrite", "false")), _bool("progress", own.get("progress", "true")),
-                argv=list(argv))
+                _bool("table_only", own.get("table_only", "false")), argv=list(argv))
 
 
 def check_reference() -> None:
@@ -514,9 +516,9 @@ def command(p: Plan) -> str:
 
 def markdown(p: Plan, rows: Sequence[dict[str, Any]], title: str = "") -> str:
     """The table: one row per (press, ratio), the full cache first; then the notes."""
-    head = ["press", "ratio", "kvpress accuracy", "ours accuracy", "same answer text", "same ids", "same score",
+    head = ["press", "ratio", "samples", "kvpress accuracy", "ours accuracy", "same answer text", "same ids", "same score",
             "kept Jaccard mean (min)"]
-    lines = ([f"**{title}**", ""] if title else []) + ["| " + " | ".join(head) + " |", "|---|---:|" + "---:|" * 6]
+    lines = ([f"**{title}**", ""] if title else []) + ["| " + " | ".join(head) + " |", "|---|---:|---:|" + "---:|" * 6]
     notes = []
     for r in rows:
         n = r["compared"]
@@ -531,9 +533,9 @@ def markdown(p: Plan, rows: Sequence[dict[str, Any]], title: str = "") -> str:
             if r["kvpress_errors"] or r["ours_errors"]:
                 notes.append(f"{r['press']} at {r['ratio']:g}: {r['kvpress_errors']} kvpress / {r['ours_errors']} "
                              f"ours errors left out: {r['error']}")
-        lines.append("| " + " | ".join([r["press"], f"{r['ratio']:g}"] + cells) + " |")
+        lines.append("| " + " | ".join([r["press"], f"{r['ratio']:g}", str(r["samples"])] + cells) + " |")
     lines += ["", f"{p.model}, {p.task['name']} at {p.tokens} tokens (prompt + {p.gen} greedy tokens), "
-              f"{p.samples} samples per row (seed {p.seed}), kvpress's protocol: the context compressed once, "
+              f"samples: the prompts both sides finished (of {p.samples}, seed {p.seed}), kvpress's protocol: the context compressed once, "
               "the question appended. Accuracy: RULER's string_match_all, Wilson 95 % interval in brackets. "
               "Same answer text / ids / score: samples where kvpress 0.5.5 and kvpolicies give the same decoded "
               "answer (cut at EOS) / the same greedy ids / the same score. Kept Jaccard: |A ∩ B| / |A ∪ B| of "
@@ -568,6 +570,8 @@ def run(p: Plan) -> list[dict[str, Any]]:
     from evals import zoo
 
     p.out.mkdir(parents=True, exist_ok=True)
+    if p.table_only:
+        return write(p, zoo.load_tokenizer(model_config(p.model)))
     for s in SIDES:
         repair(p.path(f".{s}.jsonl"))
     todo = {s: pending(p, s) for s in SIDES}

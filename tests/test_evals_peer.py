@@ -112,6 +112,15 @@ class TestTable:
         peer.main(ARGS + [f"out={out}"])
         assert "to run: kvpress 0, ours 0 of 6" in capsys.readouterr().out
 
+    def test_table_only_computes_nothing(self, tiny_run, capsys):
+        out, rows = tiny_run
+        (out / f"{STEM}.md").unlink()
+        before = (out / f"{STEM}.ours.jsonl").read_text()
+        assert peer.main(ARGS + [f"out={out}", "table_only=true", "samples=3"])[1]["samples"] == 2
+        assert "to run" not in capsys.readouterr().out
+        assert (out / f"{STEM}.md").is_file() and (out / f"{STEM}.ours.jsonl").read_text() == before
+        assert "| SnapKVPress | 0.5 | 2 |" in (out / f"{STEM}.md").read_text()
+
     def test_another_configuration_is_refused(self, tiny_run, capsys):
         out, _ = tiny_run
         with pytest.raises(SystemExit) as e:
