@@ -11,12 +11,26 @@ under `press(model)` into a DynamicCache (ObservedAttentionPress: eager attentio
 then the question at positions after the context and greedy tokens, no further compression.
 Out: {name@ratio: {"kept": [layer][kv head] positions, "answer": ids} or {"error": text}}; kept
 positions are read by matching each cached key to the uncompressed cache's keys (exact copies).
+
+Multi-sample form (`evals.peer`): job["samples"] = [{"id": str, "context": [ids], "question": [ids],
+"presses": [[name, ratio, {fields}], ...]}, ...] (a sample without "presses" takes job["presses"]);
+the model loads once. Out is then a JSON-lines file, APPENDED one line per (sample, press) as each
+finishes: {"sample": id, "press": name, "ratio": r, "n": context length, "answer": ids,
+"kept": [layer] base64 of numpy.packbits of the [kv head, n] kept mask} or {..., "error": text}. The
+press "full" (ratio 0) is the uncompressed cache. job["prefill"]: "per_press" runs the pipeline
+above once per press; "shared" (default) prefills each sample once per attention implementation
+and, in a forward hook on every attention module, calls each press's own `forward_hook` with its own
+copy of that layer's cache: kvpress compresses a layer after its attention ran, so every layer's
+input is the same as in a prefill under the press alone (tests/test_evals_peer.py checks that both
+give the same kept positions and answers).
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import sys
+import time
 
 import numpy as np
 import torch
@@ -125,6 +139,8 @@ def run(model, press, ctx, question, n_new, full_keys):
 
 def main(job_path: str, out_path: str) -> None:
     job = json.load(open(job_path))
+    if "samples" in job:
+        return main_samples(job, out_path)
     path = job["checkpoint"] or build_tiny(job["tiny"], job["save_to"])
     if any(name == "KVzipPress" for name, _, _ in job["presses"]):
         use_tokenizer(job)
@@ -150,6 +166,173 @@ def main(job_path: str, out_path: str) -> None:
             if hasattr(layer.self_attn, "masked_key_indices"):
                 layer.self_attn.masked_key_indices = None
     json.dump(result, open(out_path, "w"))
+
+
+# -- the multi-sample form (evals.peer) ---------------------------------------------------------------
+
+
+def key_index(full_keys) -> list[list[dict]]:
+    """Per layer and kv head, {key bytes: position} of the uncompressed keys [K, n, D]."""
+    out = []
+    for full in full_keys:
+        f = full.numpy()
+        out.append([{f[h, t].tobytes(): t for t in range(f.shape[1])} for h in range(f.shape[0])])
+    return out
+
+
+def kept_mask(model, cache, index, n: int) -> list[str]:
+    """Per layer, base64 of np.packbits of the [kv head, n] mask of the context positions `cache`
+    keeps: each cached key is an exact copy of an uncompressed one (`index`, from `key_index`);
+    AdaKV's masked slots are not kept."""
+    import numpy as np
+
+    out = []
+    for layer, heads in enumerate(index):
+        keys = cache.layers[layer].keys[0].numpy()  # [K, m, D]
+        mask = np.zeros((len(heads), n), bool)  # [K, n]
+        masked = getattr(model.model.layers[layer].self_attn, "masked_key_indices", None)
+        for h, where in enumerate(heads):
+            pos = [where.get(row.tobytes(), -1) for row in keys[h]]
+            assert min(pos, default=0) >= 0, "a cached key matches no context key"
+            if masked is not None:
+                drop = set(masked[2][(masked[0] == 0) & (masked[1] == h)].tolist())
+                pos = [t for i, t in enumerate(pos) if i not in drop]
+            mask[h, pos] = True
+        out.append(base64.b64encode(np.packbits(mask).tobytes()).decode())
+    return out
+
+
+@torch.no_grad()
+def greedy(model, cache, question, n: int, n_new: int) -> list[int]:
+    """The question at positions n.. after the (compressed) context in `cache`, then greedy ids."""
+    position_ids = torch.arange(n, n + question.shape[1]).unsqueeze(0)
+    out = model(input_ids=question, past_key_values=cache, position_ids=position_ids, logits_to_keep=1)
+    ids = [int(out.logits[0, -1].argmax())]
+    pid = position_ids[:, -1:] + 1
+    for i in range(n_new - 1):
+        out = model(input_ids=torch.tensor([[ids[-1]]]), past_key_values=cache, position_ids=pid + i)
+        ids.append(int(out.logits[0, -1].argmax()))
+    return ids
+
+
+def _set_masks(model, masks) -> None:
+    for layer, m in zip(model.model.layers, masks):
+        layer.self_attn.masked_key_indices = m
+
+
+def _copy(cache) -> DynamicCache:
+    out = DynamicCache()
+    for i, layer in enumerate(cache.layers):
+        out.update(layer.keys.clone(), layer.values.clone(), i)
+    return out
+
+
+@torch.no_grad()
+def run_shared(model, presses, ctx, question, n_new):
+    """{(name, ratio): result} for every press of one attention implementation from ONE prefill of
+    `ctx`: a hook on each attention module gives every press its own copy of the layer's
+    uncompressed keys and values and calls the press's forward_hook on it (what `press(model)`
+    registers), keeping AdaKV's per-module mask per press; then each press's cache answers."""
+    lm = model.model
+    slots = []
+    for name, ratio, fields in presses:
+        press = None if name == "full" else make_press(name, ratio, dict(fields))
+        if press is not None:
+            press.post_init_from_model(model)
+        slots.append({"key": (name, ratio), "press": press, "cache": DynamicCache(), "masks": [None] * len(lm.layers),
+                      "error": None})
+
+    def hook(module, args, kwargs, output):
+        i = module.layer_idx
+        full = kwargs["past_key_values"].layers[i]
+        for s in slots:
+            if s["press"] is None or s["error"] is not None:
+                continue
+            s["cache"].update(full.keys.clone(), full.values.clone(), i)
+            try:
+                s["press"].forward_hook(module, args, {**kwargs, "past_key_values": s["cache"]}, output)
+            except Exception as e:  # noqa: BLE001  (kvpress failing is a result)
+                s["error"] = f"{type(e).__name__}: {e}"
+            s["masks"][i] = getattr(module, "masked_key_indices", None)
+            module.masked_key_indices = None
+        return output
+
+    hooks = []
+    for layer in lm.layers:
+        layer.self_attn.rotary_emb = lm.rotary_emb  # as press(model) sets it
+        hooks.append(layer.self_attn.register_forward_hook(hook, with_kwargs=True))
+    full = DynamicCache()
+    try:
+        model(input_ids=ctx, past_key_values=full, logits_to_keep=1)
+    finally:
+        for h in hooks:
+            h.remove()
+    index = key_index([full.layers[i].keys[0] for i in range(len(full.layers))])
+    out = {}
+    for s in slots:
+        if s["error"] is not None:
+            out[s["key"]] = {"error": s["error"]}
+            continue
+        cache = _copy(full) if s["press"] is None else s["cache"]
+        try:
+            _set_masks(model, s["masks"])
+            kept = kept_mask(model, cache, index, ctx.shape[1])
+            out[s["key"]] = {"kept": kept, "answer": greedy(model, cache, question, ctx.shape[1], n_new)}
+        except Exception as e:  # noqa: BLE001  (e.g. PyramidKV's uneven layers: the question's mask)
+            out[s["key"]] = {"error": f"{type(e).__name__}: {e}"}
+        finally:
+            _set_masks(model, [None] * len(lm.layers))
+    return out
+
+
+@torch.no_grad()
+def run_per_press(model, presses, ctx, question, n_new):
+    """{(name, ratio): result}, each press in its own prefill under `press(model)` (the pipeline)."""
+    out = {}
+    full = DynamicCache()
+    model(input_ids=ctx, past_key_values=full, logits_to_keep=1)
+    index = key_index([full.layers[i].keys[0] for i in range(len(full.layers))])
+    for name, ratio, fields in presses:
+        try:
+            if name == "full":
+                cache = _copy(full)
+            else:
+                cache = DynamicCache()
+                with make_press(name, ratio, dict(fields))(model):
+                    model(input_ids=ctx, past_key_values=cache, logits_to_keep=1)
+            out[(name, ratio)] = {"kept": kept_mask(model, cache, index, ctx.shape[1]),
+                                  "answer": greedy(model, cache, question, ctx.shape[1], n_new)}
+        except Exception as e:  # noqa: BLE001
+            out[(name, ratio)] = {"error": f"{type(e).__name__}: {e}"}
+        finally:
+            _set_masks(model, [None] * len(model.model.layers))
+    return out
+
+
+def main_samples(job: dict, out_path: str) -> None:
+    """The multi-sample form: every sample's presses, one JSON line appended per (sample, press)."""
+    path = job["checkpoint"] or build_tiny(job["tiny"], job["save_to"])
+    shared = job.get("prefill", "shared") == "shared"
+    models = {}
+    with open(out_path, "a", encoding="utf-8") as f:
+        for sample in job["samples"]:
+            ctx = torch.tensor([sample["context"]])
+            question = torch.tensor([sample["question"]])
+            presses = sample.get("presses", job.get("presses"))
+            for attn in ("sdpa", "eager"):  # ObservedAttentionPress needs the attention weights (eager)
+                group = [p for p in presses if (p[0] == "ObservedAttentionPress") == (attn == "eager")]
+                if not group:
+                    continue
+                if attn not in models:
+                    models[attn] = load(path, attn, job.get("gguf_file"))
+                t0 = time.time()
+                res = (run_shared if shared else run_per_press)(models[attn], group, ctx, question, job["n_new"])
+                secs = round((time.time() - t0) / len(res), 2)  # the group's time, shared out
+                for (name, ratio), r in res.items():
+                    line = {"sample": sample["id"], "press": name, "ratio": ratio, "n": ctx.shape[1],
+                            "seconds": secs} | r
+                    f.write(json.dumps(line) + "\n")
+                    f.flush()
 
 
 if __name__ == "__main__":

@@ -585,6 +585,9 @@ class Engine:
         if other._model is not self._model or other.max_len != self.max_len or other.cache_dtype != self.cache_dtype:
             return False
 
+        bounds = lambda e: [(a, b) for a, b, _ in policy_runs(e.prompt_policies, e.cfg.n_layers)]  # noqa: E731
+        if bounds(self) != bounds(other):
+            return False  # the prompt cache is stacked by runs of equal layers: another grouping is another layout
         return all(reads_prompt_state(a, b) for a, b in zip(self.prompt_policies, other.prompt_policies))
 
     def _adopt(self, cache: Cache) -> Cache:

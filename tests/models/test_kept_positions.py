@@ -76,3 +76,15 @@ def test_kept_positions(name, tiny_model):
         assert all(len(h) == len(layer[0]) and h[-1] == T - 1 for layer in kept for h in layer)
     # the kept keys are the prompt's: continuing from the compressed state equals continuing the state
     assert eng.continue_generate(eng.compress(prompted), tokens[:, :2], 2).shape == (1, 2)
+
+
+def test_shares_prompt_needs_the_same_runs_of_layers(tiny_model):
+    """pyramidkv's layers are each their own run of the prompt cache, snapkv's one run: the same
+    prompt phase per layer, another layout, so neither compresses the other's state."""
+    from models.engine import Engine
+
+    n = tiny_model.cfg.n_layers
+    pyr = Engine(tiny_model, kvpolicies.get("pyramidkv", budget=8, max_new=4), max_len=48)
+    snap = Engine(tiny_model, kvpolicies.get("snapkv", budget=8, max_new=4), max_len=48)
+    assert n > 1 and not pyr.shares_prompt(snap) and not snap.shares_prompt(pyr)
+    assert snap.shares_prompt(Engine(tiny_model, kvpolicies.get("snapkv", budget=6, max_new=4), max_len=48))

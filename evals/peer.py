@@ -1,0 +1,680 @@
+"""`python -m evals.peer`: kvpress 0.5.5 (NVIDIA's reference library, PyTorch) beside kvpolicies on
+the same prompts, press by press: each side's accuracy, how often the two give the same answer,
+and how much of the same context each keeps.
+
+    python -m evals.peer                                   # SmolLM2, ruler_niah_single, 2048 tokens, 20 samples
+    python -m evals.peer presses=[SnapKVPress,TOVAPress] ratios=[0.5] samples=4
+    python -m evals.peer task=ruler_vt gen=16 samples=10
+
+Keys (key=value):
+
+    model=smollm2                 smollm2 (SmolLM2-135M-Instruct), qwen (Qwen2.5-Coder-0.5B-Instruct
+                                  Q4_K_M; `bash scripts/setup.sh long`), or tiny (a random 3-layer
+                                  Llama with SmolLM2's tokenizer, built by the worker: tests)
+    task=ruler_niah_single        a RULER task of evals.ruler: ruler_niah_single, ruler_niah_multikey,
+                                  ruler_niah_multivalue, ruler_niah_multiquery, ruler_vt, ruler_cwe, ruler_fwe
+    tokens=2048                   each prompt + answer (RULER's exact length)
+    samples=20                    prompts per cell (the task's trials, seed `seed`)
+    ratios=[0.25,0.5,0.75]        kvpress compression ratios in (0, 1); the full cache (ratio 0) always runs
+    presses=[...]                 default: PEER_PRESSES (compat's presses but KVzip and Duo)
+    gen=<task's>                  greedy tokens after the question (ruler_niah_single: 32)
+    seed=0  chunk=512             the samples' seed; our prefill chunk (never changes a result)
+    prefill=shared                how the kvpress worker prefills: shared (one prefill per sample, each
+                                  press's own forward hook on its own copy of every layer's cache) or
+                                  per_press (kvpress's pipeline, one prefill per press: slower, same result)
+    out=results/peer name=<stem>  where the files go; stem default peer_<model>_<task>_<tokens>
+    overwrite=false               replace the files of another configuration under that stem (without
+                                  it: an error before anything runs)
+    table_only=false              compute nothing: the table of the samples both sides saved so far
+    progress=true
+
+Protocol (kvpress's pipeline, query-agnostic): each RULER prompt is split where its question starts;
+the context is prefilled and compressed once, then the question is appended at the following
+positions and `gen` greedy tokens are decoded, nothing compressed again. kvpress runs in its own
+environment (`.venv/kvpress-ref`, transformers 5.2.0; `bash scripts/setup.sh test`) through
+`evals/kvpress_worker.py` in a subprocess, in float32 on the CPU, at the same time as ours
+(`kvpolicies.compat.kvpress(press, ratio)` through `models.engine.Engine`: prompt, compress,
+kept_positions, continue_generate; prompt compressors that share a prompt phase share its prefill).
+
+Files (`<out>/<stem>.*`): `.kvpress.jsonl` and `.ours.jsonl`, one line per (sample, press, ratio) as
+each finishes (answer ids, kept-position masks): an interrupted run resumes where it stopped, and a
+re-run computes nothing new; `.jsonl`, one record per (press, ratio, sample) joining both sides (texts,
+scores, same answer, kept-set Jaccard per layer and kv head); `.md` and `.csv`, the table. Per cell:
+each side's accuracy (RULER's string_match_all) with its Wilson 95 % interval; the fraction of
+samples whose answers are the same text (the main number), the same ids, the same score; the kept-set
+Jaccard per (layer, kv head), mean (min) over samples, layers and heads. The full-cache row is a
+sanity check: its answers must be the same text.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from evals.config import ConfigError
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+REF = ROOT / ".venv" / "kvpress-ref"
+WORKER = ROOT / "evals" / "kvpress_worker.py"
+MODELS = ("smollm2", "qwen", "tiny")
+PREFILLS = ("shared", "per_press")
+OWN_KEYS = ("model", "task", "tokens", "samples", "ratios", "presses", "gen", "seed", "chunk", "prefill", "out",
+            "name", "overwrite", "table_only", "progress")
+DEFAULT_RATIOS = (0.25, 0.5, 0.75)
+# the tiny random Llama of model=tiny (the parity tests' shape, SmolLM2's vocabulary)
+TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
+SIDES = ("kvpress", "ours")
+
+
+# -- the command line -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Plan:
+    """A checked command line, the samples built (context and question ids), nothing loaded."""
+
+    model: str
+    task: dict[str, Any]
+    tokens: int
+    samples: int
+    ratios: list[float]
+    presses: list[str]
+    gen: int
+    seed: int
+    chunk: int
+    prefill: str
+    out: pathlib.Path
+    stem: str
+    overwrite: bool
+    progress: bool
+    table_only: bool = False
+    config: str = ""  # the hash of everything that determines the numbers
+    contexts: list[np.ndarray] = dataclasses.field(default_factory=list)
+    questions: list[np.ndarray] = dataclasses.field(default_factory=list)
+    refs: list[tuple[str, ...]] = dataclasses.field(default_factory=list)
+    argv: list[str] = dataclasses.field(default_factory=list)
+
+    def path(self, suffix: str) -> pathlib.Path:
+        return self.out / f"{self.stem}{suffix}"
+
+    @property
+    def cells(self) -> list[tuple[str, float]]:
+        """(press, ratio) of every row, the full cache first."""
+        return [("full", 0.0)] + [(p, r) for p in self.presses for r in self.ratios]
+
+    def sample_id(self, i: int) -> str:
+        """'<config>/<index>/<hash of the sample's ids>': what a saved line belongs to."""
+        h = hashlib.sha256(np.concatenate([self.contexts[i], [-1], self.questions[i]]).astype(np.int64).tobytes())
+        return f"{self.config}/{i}/{h.hexdigest()[:12]}"
+
+
+def _int(key: str, text: str, lo: int) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise ConfigError(f"{key}={text}: expected an integer >= {lo}") from None
+    if v < lo:
+        raise ConfigError(f"{key}={text}: expected an integer >= {lo}")
+    return v
+
+
+def _bool(key: str, text: str) -> bool:
+    if text.lower() not in ("true", "false"):
+        raise ConfigError(f"{key}={text}: expected true or false")
+    return text.lower() == "true"
+
+
+# compat's presses this table runs (KVzip needs the tokenizer handed to kvpress's side, Duo a head
+# pattern: both are checked by tests/kvpolicies/test_kvpress_parity.py, not wired in here yet)
+PEER_PRESSES = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPress", "ExpectedAttentionPress",
+                "ObservedAttentionPress", "TOVAPress", "AdaKVPress")
+
+
+def parse(argv: Sequence[str]) -> Plan:
+    """Check the command line (ConfigError naming the key); the task's samples are built later."""
+    from evals import ruler
+    from evals.compare import _list
+    from evals.config import did_you_mean
+    from kvpolicies.compat import PRESSES
+    supported = PEER_PRESSES
+
+    own: dict[str, str] = {}
+    for item in argv:
+        if "=" not in item or item.startswith("-"):
+            raise ConfigError(f"{item}: expected key=value; the keys: {', '.join(OWN_KEYS)}")
+        key, value = item.split("=", 1)
+        if key not in OWN_KEYS:
+            raise ConfigError(f"{key}: unknown key{did_you_mean(key, OWN_KEYS)}; the keys: {', '.join(OWN_KEYS)}")
+        own[key] = value
+    model = own.get("model", "smollm2")
+    if model not in MODELS:
+        raise ConfigError(f"model={model}: must be one of {list(MODELS)}{did_you_mean(model, MODELS)}")
+    task = own.get("task", "ruler_niah_single")
+    if task not in ruler.RULER_SET:
+        raise ConfigError(f"task={task}: must be a RULER task, one of {list(ruler.RULER_SET)}"
+                          f"{did_you_mean(task, ruler.RULER_SET)}")
+    presses = _list("presses", own["presses"]) if "presses" in own else list(supported)
+    for p in presses:
+        if p in PRESSES and p not in supported:
+            raise ConfigError(f"presses: {p} is not wired into evals.peer yet (KVzip's tokenizer and Duo's head "
+                              f"pattern on kvpress's side; tests/kvpolicies/test_kvpress_parity.py runs both); "
+                              f"choose from {list(supported)}")
+        if p not in supported:
+            raise ConfigError(f"presses: {p!r} is not a kvpress press kvpolicies.compat reproduces"
+                              f"{did_you_mean(p, supported)}; choose from {list(supported)}")
+    ratios = []
+    for r in (_list("ratios", own["ratios"]) if "ratios" in own else [str(x) for x in DEFAULT_RATIOS]):
+        try:
+            v = float(r)
+        except ValueError:
+            raise ConfigError(f"ratios: {r!r} is not a number (a compression ratio in (0, 1))") from None
+        if not 0 <= v < 1:
+            raise ConfigError(f"ratios: {r}: a compression ratio is in (0, 1) (the fraction of the context removed)")
+        if v > 0 and v not in ratios:
+            ratios.append(v)  # 0, the full cache, always runs
+    prefill = own.get("prefill", "shared")
+    if prefill not in PREFILLS:
+        raise ConfigError(f"prefill={prefill}: must be one of {list(PREFILLS)}")
+    tokens = _int("tokens", own.get("tokens", "2048"), 64)
+    try:
+        cfg = ruler.check({"name": task, "lengths": [tokens], "trials": 1, "protocol": "query_agnostic"}
+                          | ({"gen": _int("gen", own["gen"], 1)} if "gen" in own else {}))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    samples = _int("samples", own.get("samples", "20"), 1)
+    cfg["trials"] = cfg["batch"] = samples
+    stem = own.get("name") or f"peer_{model}_{task}_{tokens}"
+    return Plan(model, cfg, tokens, samples, ratios, presses, cfg["gen"], _int("seed", own.get("seed", "0"), 0),
+                _int("chunk", own.get("chunk", "512"), 1), prefill, pathlib.Path(own.get("out", "results/peer")),
+                stem, _bool("overwrite", own.get("overwrite", "false")), _bool("progress", own.get("progress", "true")),
+                _bool("table_only", own.get("table_only", "false")), argv=list(argv))
+
+
+def check_reference() -> None:
+    """kvpress 0.5.5 installed in its own environment, or a ConfigError saying how to install it."""
+    if not (REF / "kvpress").is_dir():
+        raise ConfigError(f"kvpress 0.5.5 is not installed ({REF / 'kvpress'} is missing): install it with "
+                          "`bash scripts/setup.sh test` (its own transformers 5.2.0 in .venv/kvpress-ref)")
+
+
+def model_config(model: str) -> dict[str, Any]:
+    return {"name": "smollm2" if model == "tiny" else model, "dtype": "float32"}
+
+
+def prepare(p: Plan) -> Plan:
+    """The tokenizer, the samples (split into context and question), the config hash; no weights."""
+    from evals import ruler, zoo
+    from evals.results import config_key
+
+    mc = model_config(p.model)
+    try:
+        if p.model != "tiny":
+            zoo.describe(mc)  # the model file is there and whole
+        tok = zoo.load_tokenizer(mc)
+        ruler.check_prompts(p.task, tok, p.seed)
+        samples = ruler.samples(p.task, tok, None, p.tokens, p.seed)
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(str(e)) from None
+    p.contexts = [np.asarray(s.tokens[:s.split], np.int32) for s in samples]
+    p.questions = [np.asarray(s.tokens[s.split:], np.int32) for s in samples]
+    p.refs = [tuple(s.refs) for s in samples]
+    task = {k: v for k, v in p.task.items() if k not in ("trials", "batch")}  # sample i is the same for any count
+    p.config = config_key({"model": mc if p.model != "tiny" else {"tiny": TINY, "vocab": tok.vocab_size},
+                           "task": task, "tokens": p.tokens, "seed": p.seed})
+    return p
+
+
+# -- the saved lines ---------------------------------------------------------------------------------
+
+
+def read_lines(path: pathlib.Path) -> list[dict[str, Any]]:
+    """The JSON objects of a JSON-lines file; a partial or bad line (a writer killed) is skipped."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(obj, dict) and "sample" in obj:
+            out.append(obj)
+    return out
+
+
+def saved(p: Plan, side: str) -> dict[tuple[int, str, float], dict[str, Any]]:
+    """{(sample index, press, ratio): line} of this configuration in a side file."""
+    ids = {p.sample_id(i): i for i in range(p.samples)}
+    return {(ids[x["sample"]], x["press"], float(x["ratio"])): x for x in read_lines(p.path(f".{side}.jsonl"))
+            if x["sample"] in ids}
+
+
+def check_outputs(p: Plan) -> None:
+    """Refuse (ConfigError) files of another configuration under this stem, unless overwrite=true
+    (then they are removed); lines of this configuration are kept (resume)."""
+    files = [p.path(s) for s in (".kvpress.jsonl", ".ours.jsonl", ".jsonl", ".md", ".csv")]
+    foreign = [f for f in files[:2] if any(not x["sample"].startswith(p.config + "/") for x in read_lines(f))]
+    if not foreign and p.path(".csv").is_file():
+        try:
+            with open(p.path(".csv"), newline="", encoding="utf-8") as f:
+                configs = {r.get("config") for r in csv.DictReader(f)}
+        except (OSError, ValueError):
+            configs = {None}
+        if configs - {p.config}:
+            foreign = [p.path(".csv")]
+    if not foreign:
+        return
+    if not p.overwrite:
+        raise ConfigError(f"out={p.out} name={p.stem}: {foreign[0]} holds another configuration (other model, "
+                          "task, tokens, gen or seed); pass name=<another stem> or out=<another folder>, or "
+                          "overwrite=true to replace it")
+    for f in files + [p.path(".kvpress.log"), p.path(".kvpress-job.json")]:
+        if f.exists():
+            f.unlink()
+
+
+def pack(mask: np.ndarray) -> str:
+    """[K, n] bool -> base64 of np.packbits (the worker's format)."""
+    return base64.b64encode(np.packbits(mask).tobytes()).decode()
+
+
+def unpack(text: str, k: int, n: int) -> np.ndarray:
+    return np.unpackbits(np.frombuffer(base64.b64decode(text), np.uint8))[:k * n].reshape(k, n).astype(bool)
+
+
+# -- the two sides -------------------------------------------------------------------------------------
+
+
+def repair(path: pathlib.Path) -> None:
+    """Cut a partial last line (a writer killed mid-line) so that the next line starts on its own."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    data = path.read_bytes()
+    if not data.endswith(b"\n"):
+        path.write_bytes(data[:data.rfind(b"\n") + 1])
+
+
+def pending(p: Plan, side: str) -> list[tuple[int, str, float]]:
+    have = saved(p, side)
+    return [(i, c, r) for i in range(p.samples) for c, r in p.cells if (i, c, r) not in have]
+
+
+def tiny_dir(p: Plan) -> pathlib.Path:
+    return p.out / f"{p.stem}.tiny"
+
+
+def worker_job(p: Plan, todo: Sequence[tuple[int, str, float]]) -> dict[str, Any]:
+    """The worker's multi-sample job for the (sample, press, ratio) items `todo`."""
+    by: dict[int, list] = {}
+    for i, c, r in todo:
+        by.setdefault(i, []).append([c, r, {}])
+    job: dict[str, Any] = {"n_new": p.gen, "prefill": p.prefill,
+                           "samples": [{"id": p.sample_id(i), "context": p.contexts[i].tolist(),
+                                        "question": p.questions[i].tolist(), "presses": ps} for i, ps in by.items()]}
+    if p.model == "tiny":
+        from evals import zoo
+
+        vocab = zoo.load_tokenizer(model_config(p.model)).vocab_size
+        job |= {"checkpoint": None, "save_to": str(tiny_dir(p)),
+                "tiny": {"kind": "llama", "seed": 0, "config": TINY | {
+                    "vocab_size": vocab, "max_position_embeddings": max(p.tokens, 512)}}}
+    else:
+        path = _gguf(p.model)
+        job |= {"checkpoint": str(path.parent), "gguf_file": path.name}
+    return job
+
+
+def _gguf(model: str) -> pathlib.Path:
+    if model == "qwen":
+        from models import packages
+
+        return packages.qwen_gguf_path()
+    from models.loading import smollm2_gguf_path
+
+    return smollm2_gguf_path()
+
+
+def start_worker(p: Plan, todo: Sequence[tuple[int, str, float]]) -> subprocess.Popen:
+    """kvpress's side in a subprocess (its own environment); it appends to <stem>.kvpress.jsonl."""
+    job = p.path(".kvpress-job.json")
+    job.write_text(json.dumps(worker_job(p, todo)), encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": str(REF), "CUDA_VISIBLE_DEVICES": "", "TRANSFORMERS_VERBOSITY": "error",
+           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1"}
+    log = open(p.path(".kvpress.log"), "w", encoding="utf-8")
+    return subprocess.Popen([sys.executable, str(WORKER), str(job), str(p.path(".kvpress.jsonl"))], env=env,
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+
+
+def load_ours(p: Plan):
+    """(our Llama, tokenizer) of the run's model."""
+    from evals import zoo
+
+    if p.model == "tiny":
+        from models.llama import Llama
+        from models.loading import load_hf
+
+        cfg, params = load_hf(tiny_dir(p))
+        return Llama(cfg, params), zoo.load_tokenizer(model_config(p.model))
+    return zoo.load_model(model_config(p.model))
+
+
+def run_ours(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=lambda: None) -> None:
+    """Our side of the items `todo`, one line appended to <stem>.ours.jsonl per item. An engine per
+    (press, ratio), kept across samples (its compiled steps); per sample, prompt compressors with
+    the same prompt phase compress one prefill (full last: it takes any dense prompt state)."""
+    import jax
+
+    from kvpolicies.compat import kvpress
+    from models.engine import Engine
+    from models.llama import policy_runs
+
+    max_len = max(len(c) + len(q) for c, q in zip(p.contexts, p.questions)) + p.gen
+    max_new = max(len(q) for q in p.questions) + p.gen
+    engines: dict[tuple[str, float], Engine] = {}
+    by: dict[int, list[tuple[str, float]]] = {}
+    for i, c, r in todo:
+        by.setdefault(i, []).append((c, r))
+    with open(p.path(".ours.jsonl"), "a", encoding="utf-8") as f, jax.default_matmul_precision("highest"):
+        for i, cells in by.items():
+            ctx, q = p.contexts[i], p.questions[i]
+            states: list = []  # (engine, uncompressed prompt state) of this sample
+            for c, r in sorted(cells, key=lambda x: x[0] == "full"):
+                t0 = time.time()
+                if (c, r) not in engines:
+                    pol = kvpress("SnapKVPress" if c == "full" else c, r, n_layers=model.cfg.n_layers, max_new=max_new)
+                    engines[(c, r)] = Engine(model, pol, max_len=max_len)
+                eng = engines[(c, r)]
+                # shares_prompt compares layer by layer; the state's runs of layers must match too (a
+                # per-layer stack, PyramidKV, has one run per layer: it cannot adopt SnapKV's one run)
+                runs = len(policy_runs(eng.prompt_policies, model.cfg.n_layers))
+                st = next((s for e, s in states if len(s.cache) == runs and eng.shares_prompt(e)), None)
+                if st is None:
+                    st = eng.prompt(ctx[None], chunk=p.chunk)
+                    states.append((eng, st))
+                st = eng.compress(st)
+                mask = np.zeros((model.cfg.n_kv_heads, len(ctx)), bool)
+                kept = []
+                for layer in eng.kept_positions(st):
+                    m = mask.copy()
+                    for h, pos in enumerate(layer):
+                        m[h, np.asarray(pos)] = True
+                    kept.append(pack(m))
+                ids = eng.continue_generate(st, q[None], p.gen, chunk=p.chunk)[0]
+                line = {"sample": p.sample_id(i), "press": c, "ratio": r, "n": len(ctx),
+                        "answer": [int(x) for x in ids], "kept": kept, "seconds": round(time.time() - t0, 2)}
+                f.write(json.dumps(line) + "\n")
+                f.flush()
+                tick()
+
+
+# -- the records and the table -------------------------------------------------------------------------
+
+
+def jaccard(a: np.ndarray, b: np.ndarray) -> float:
+    """|a & b| / |a | b| of two boolean masks (1 for two empty sets)."""
+    union = int((a | b).sum())
+    return int((a & b).sum()) / union if union else 1.0
+
+
+def records(p: Plan, tok) -> list[dict[str, Any]]:
+    """One record per (press, ratio, sample) whose both sides are saved: each side's answer ids,
+    text (cut at EOS), score (or kvpress's error), whether they agree, and the kept-set Jaccard
+    per [layer][kv head]."""
+    from evals import ruler
+
+    sides = {s: saved(p, s) for s in SIDES}
+    out = []
+    for c, r in p.cells:
+        for i in range(p.samples):
+            lines = {s: sides[s].get((i, c, r)) for s in SIDES}
+            if any(v is None for v in lines.values()):
+                continue
+            rec: dict[str, Any] = {"config": p.config, "press": c, "ratio": r, "sample": i,
+                                   "n_context": len(p.contexts[i]), "n_question": len(p.questions[i]),
+                                   "refs": list(p.refs[i])}
+            for s, line in lines.items():
+                if "error" in line:
+                    rec[s] = {"error": line["error"]}
+                    continue
+                text = ruler._text(tok, line["answer"])
+                rec[s] = {"ids": line["answer"], "text": text, "score": ruler.string_match_all(text, p.refs[i])}
+            if any("error" in rec[s] for s in SIDES):
+                out.append(rec)
+                continue
+            k = len(lines["ours"]["kept"])
+            heads = None
+            js = []
+            for a, b in zip(lines["kvpress"]["kept"], lines["ours"]["kept"], strict=True):
+                n = lines["ours"]["n"]
+                heads = heads or len(base64.b64decode(a)) * 8 // n
+                ma, mb = unpack(a, heads, n), unpack(b, heads, n)
+                js.append([jaccard(ma[h], mb[h]) for h in range(heads)])
+            rec |= {"same_text": rec["kvpress"]["text"] == rec["ours"]["text"],
+                    "same_ids": rec["kvpress"]["ids"] == rec["ours"]["ids"],
+                    "same_score": rec["kvpress"]["score"] == rec["ours"]["score"],
+                    "jaccard": js, "jaccard_mean": float(np.mean(js)) if k else 1.0}
+            out.append(rec)
+    return out
+
+
+def summarize(p: Plan, recs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (press, ratio) cell with its samples: accuracies with Wilson intervals,
+    agreement fractions, Jaccard mean and min, and kvpress's errors."""
+    from evals.common import accuracy_record
+
+    rows = []
+    for c, r in p.cells:
+        rs = [x for x in recs if x["press"] == c and x["ratio"] == r]
+        ok = [x for x in rs if "error" not in x["kvpress"] and "error" not in x["ours"]]
+        row: dict[str, Any] = {"press": c, "ratio": r, "samples": len(rs), "compared": len(ok), "config": p.config}
+        for s in SIDES:
+            acc = accuracy_record([x[s]["score"] for x in ok])
+            row |= {f"{s}_accuracy": acc["accuracy"], f"{s}_ci_low": acc["ci_low"], f"{s}_ci_high": acc["ci_high"]}
+        for what in ("same_text", "same_ids", "same_score"):
+            row[what] = sum(x[what] for x in ok) / len(ok) if ok else float("nan")
+        js = [j for x in ok for layer in x["jaccard"] for j in layer]
+        row["jaccard_mean"] = float(np.mean(js)) if js else float("nan")
+        row["jaccard_min"] = float(np.min(js)) if js else float("nan")
+        errs = sorted({x[s]["error"] for x in rs for s in SIDES if "error" in x[s]})
+        row["kvpress_errors"] = sum("error" in x["kvpress"] for x in rs)
+        row["ours_errors"] = sum("error" in x["ours"] for x in rs)
+        row["error"] = errs[0] if errs else ""
+        rows.append(row)
+    return rows
+
+
+CSV_COLUMNS = ("press", "ratio", "samples", "compared", "kvpress_accuracy", "kvpress_ci_low", "kvpress_ci_high",
+               "ours_accuracy", "ours_ci_low", "ours_ci_high", "same_text", "same_ids", "same_score", "jaccard_mean",
+               "jaccard_min", "kvpress_errors", "ours_errors", "error", "config")
+
+
+def csv_text(rows: Sequence[dict[str, Any]]) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(CSV_COLUMNS)
+    for r in rows:
+        w.writerow([r[c] for c in CSV_COLUMNS])
+    return buf.getvalue()
+
+
+def _acc(r: dict[str, Any], s: str) -> str:
+    a = r[f"{s}_accuracy"]
+    return "-" if a != a else f"{a:.2f} [{r[f'{s}_ci_low']:.2f}, {r[f'{s}_ci_high']:.2f}]"
+
+
+def _frac(v: float, n: int) -> str:
+    return "-" if v != v else f"{round(v * n)}/{n}"
+
+
+def command(p: Plan) -> str:
+    return "python -m evals.peer" + "".join(f" {a}" for a in p.argv)
+
+
+def markdown(p: Plan, rows: Sequence[dict[str, Any]], title: str = "") -> str:
+    """The table: one row per (press, ratio), the full cache first; then the notes."""
+    head = ["press", "ratio", "samples", "kvpress accuracy", "ours accuracy", "same answer text", "same ids", "same score",
+            "kept Jaccard mean (min)"]
+    lines = ([f"**{title}**", ""] if title else []) + ["| " + " | ".join(head) + " |", "|---|---:|---:|" + "---:|" * 6]
+    notes = []
+    for r in rows:
+        n = r["compared"]
+        if r["samples"] and not n:
+            cells = [f"kvpress raised ({r['kvpress_errors']}/{r['samples']})" if r["kvpress_errors"] else
+                     f"ours raised ({r['ours_errors']}/{r['samples']})"] + ["-"] * 5
+            notes.append(f"{r['press']} at {r['ratio']:g}: {r['error']}")
+        else:
+            j = "-" if n == 0 else f"{r['jaccard_mean']:.4f} ({r['jaccard_min']:.4f})"
+            cells = [_acc(r, "kvpress"), _acc(r, "ours"), _frac(r["same_text"], n), _frac(r["same_ids"], n),
+                     _frac(r["same_score"], n), j]
+            if r["kvpress_errors"] or r["ours_errors"]:
+                notes.append(f"{r['press']} at {r['ratio']:g}: {r['kvpress_errors']} kvpress / {r['ours_errors']} "
+                             f"ours errors left out: {r['error']}")
+        lines.append("| " + " | ".join([r["press"], f"{r['ratio']:g}", str(r["samples"])] + cells) + " |")
+    lines += ["", f"{p.model}, {p.task['name']} at {p.tokens} tokens (prompt + {p.gen} greedy tokens), "
+              f"samples: the prompts both sides finished (of {p.samples}, seed {p.seed}), kvpress's protocol: the context compressed once, "
+              "the question appended. Accuracy: RULER's string_match_all, Wilson 95 % interval in brackets. "
+              "Same answer text / ids / score: samples where kvpress 0.5.5 and kvpolicies give the same decoded "
+              "answer (cut at EOS) / the same greedy ids / the same score. Kept Jaccard: |A ∩ B| / |A ∪ B| of "
+              "the context positions each keeps, per (layer, kv head), mean (min) over samples, layers and heads."]
+    if notes:
+        lines += [""] + [f"- {x}" for x in notes]
+    return "\n".join(lines) + "\n"
+
+
+def write(p: Plan, tok) -> list[dict[str, Any]]:
+    """The joined records (<stem>.jsonl) and the table (<stem>.md, .csv) from the saved lines."""
+    recs = records(p, tok)
+    rows = summarize(p, recs)
+    p.path(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
+    p.path(".csv").write_text(csv_text(rows), encoding="utf-8")
+    p.path(".md").write_text(f"`{command(p)}`\n\n" + markdown(p, rows), encoding="utf-8")
+    return rows
+
+
+# -- running ----------------------------------------------------------------------------------------
+
+
+def _count(p: Plan, side: str) -> int:
+    return len(saved(p, side))
+
+
+def run(p: Plan) -> list[dict[str, Any]]:
+    """Both sides of every missing item (kvpress in a subprocess while ours runs here), then the
+    records and the table."""
+    from tqdm.auto import tqdm
+
+    from evals import zoo
+
+    p.out.mkdir(parents=True, exist_ok=True)
+    if p.table_only:
+        return write(p, zoo.load_tokenizer(model_config(p.model)))
+    for s in SIDES:
+        repair(p.path(f".{s}.jsonl"))
+    todo = {s: pending(p, s) for s in SIDES}
+    total = p.samples * len(p.cells)
+    print(f"[evals.peer] {len(p.cells)} rows (full + {len(p.presses)} presses x ratios "
+          f"{', '.join(f'{r:g}' for r in p.ratios)}) x {p.samples} samples; to run: kvpress "
+          f"{len(todo['kvpress'])}, ours {len(todo['ours'])} of {total}; files {p.path('.*')}")
+    t0 = time.time()
+    bars = {s: tqdm(total=total, initial=total - len(todo[s]), desc=s, unit="run", position=k,
+                    disable=not p.progress) for k, s in enumerate(SIDES)}
+    worker = None
+    try:
+        if todo["kvpress"] or (p.model == "tiny" and not tiny_dir(p).is_dir()):
+            worker = start_worker(p, todo["kvpress"])
+            if p.model == "tiny":  # our side loads the checkpoint the worker saves
+                _wait(p, worker, bars["kvpress"], total)
+                worker = None
+
+        def tick():
+            bars["ours"].update()
+            bars["kvpress"].n = _count(p, "kvpress")
+            bars["kvpress"].refresh()
+
+        if todo["ours"]:
+            model, _ = load_ours(p)
+            run_ours(p, model, todo["ours"], tick)
+        if worker is not None:
+            _wait(p, worker, bars["kvpress"], total)
+            worker = None
+    except KeyboardInterrupt:  # the table of what both sides saved so far, then the usual one line
+        for b in bars.values():
+            b.close()
+        if worker is not None and worker.poll() is None:
+            worker.terminate()
+        write(p, zoo.load_tokenizer(model_config(p.model)))
+        print(f"[evals.peer] interrupted: {p.path('.md')} holds the samples both sides finished", file=sys.stderr)
+        raise
+    finally:
+        if worker is not None and worker.poll() is None:
+            worker.terminate()
+        for b in bars.values():
+            b.close()
+    rows = write(p, zoo.load_tokenizer(model_config(p.model)))
+    print(f"[evals.peer] done in {time.time() - t0:.0f} s")
+    full = rows[0]
+    if full["compared"] and full["same_text"] < 1:
+        differ = full["compared"] - round(full["same_text"] * full["compared"])
+        print(f"[evals.peer] warning: the full cache's answers differ on {differ} sample(s): the two models "
+              "do not compute the same thing", file=sys.stderr)
+    return rows
+
+
+def _wait(p: Plan, worker: subprocess.Popen, bar, total: int) -> None:
+    while worker.poll() is None:
+        bar.n = _count(p, "kvpress")
+        bar.refresh()
+        time.sleep(2)
+    bar.n = _count(p, "kvpress")
+    bar.refresh()
+    if worker.returncode != 0:
+        log = p.path(".kvpress.log").read_text(encoding="utf-8", errors="replace").strip().splitlines()
+        tail = "\n".join(log[-15:])
+        raise RuntimeError(f"the kvpress worker failed (exit {worker.returncode}); the lines it wrote are kept "
+                           f"(run again to resume); the end of {p.path('.kvpress.log')}:\n{tail}")
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    """Run the command line `argv` (default sys.argv[1:]); returns the table's rows."""
+    from evals.progress import warnings_as_lines
+    from evals.run import interrupt_as_line
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return []
+    with warnings_as_lines("evals.peer"), interrupt_as_line("evals.peer"):
+        try:
+            p = parse(argv)
+            check_reference()
+            prepare(p)
+            check_outputs(p)
+        except ConfigError as e:
+            print(f"evals.peer: error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        try:
+            rows = run(p)
+        except RuntimeError as e:
+            print(f"evals.peer: error: {e}", file=sys.stderr)
+            raise SystemExit(1) from None
+    print(markdown(p, rows))
+    for s in (".md", ".csv", ".jsonl"):
+        print(f"wrote {p.path(s)}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

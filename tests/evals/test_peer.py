@@ -1,0 +1,180 @@
+"""`python -m evals.peer` on a tiny random Llama (SmolLM2's tokenizer): the table's numbers recomputed
+independently from the saved per-sample lines (Wilson from its formula, Jaccard from Python sets,
+agreement counted by hand), resuming, refusing another configuration's files, the command line's
+errors, and the worker's shared prefill against kvpress's own pipeline (one prefill per press)."""
+
+from __future__ import annotations
+
+import base64
+import csv
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from evals import peer
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+REF = ROOT / ".venv" / "kvpress-ref"
+needs_kvpress = [pytest.mark.ref, pytest.mark.kvpress, pytest.mark.skipif(
+    not (REF / "kvpress").is_dir(), reason="kvpress not installed (bash scripts/setup.sh test)")]
+
+ARGS = ["model=tiny", "tokens=320", "samples=2", "presses=[SnapKVPress,ObservedAttentionPress]", "ratios=[0.5]",
+        "gen=4", "progress=false"]
+STEM = "peer_tiny_ruler_niah_single_320"
+
+
+def _lines(path: pathlib.Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def _positions(b64: str, heads: int, n: int) -> list[set[int]]:
+    """The kept positions of each head from a packed [heads, n] bit mask (bit by bit, MSB first)."""
+    raw = base64.b64decode(b64)
+    bits = [(byte >> (7 - j)) & 1 for byte in raw for j in range(8)]
+    return [{t for t in range(n) if bits[h * n + t]} for h in range(heads)]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("peer")
+    rows = peer.main(ARGS + [f"out={out}"])
+    return out, rows
+
+
+class TestTable:
+    pytestmark = needs_kvpress
+
+    def test_rows_and_the_full_sanity_row(self, tiny_run):
+        out, rows = tiny_run
+        assert [(r["press"], r["ratio"]) for r in rows] == [("full", 0.0), ("SnapKVPress", 0.5),
+                                                           ("ObservedAttentionPress", 0.5)]
+        assert rows[0]["same_text"] == 1 and rows[0]["jaccard_min"] == 1
+        for f in (".md", ".csv", ".jsonl", ".kvpress.jsonl", ".ours.jsonl"):
+            assert (out / f"{STEM}{f}").is_file()
+        assert (out / f"{STEM}.md").read_text().startswith("`python -m evals.peer model=tiny")
+
+    def test_numbers_recomputed_from_the_saved_lines(self, tiny_run):
+        out, _ = tiny_run
+        recs = _lines(out / f"{STEM}.jsonl")
+        kv = {(x["sample"].split("/")[1], x["press"], x["ratio"]): x for x in _lines(out / f"{STEM}.kvpress.jsonl")}
+        ours = {(x["sample"].split("/")[1], x["press"], x["ratio"]): x for x in _lines(out / f"{STEM}.ours.jsonl")}
+        assert len(kv) == len(ours) == len(recs) == 6
+        with open(out / f"{STEM}.csv", newline="") as f:
+            table = {(r["press"], float(r["ratio"])): r for r in csv.DictReader(f)}
+        z = 1.959963984540054
+        for (press, ratio), row in table.items():
+            cell = [x for x in recs if x["press"] == press and x["ratio"] == ratio]
+            assert int(row["samples"]) == len(cell) == 2
+            for side in ("kvpress", "ours"):
+                s = sum(x[side]["score"] for x in cell)
+                n = len(cell)
+                p = s / n
+                centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+                half = z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+                assert float(row[f"{side}_accuracy"]) == pytest.approx(p)
+                assert float(row[f"{side}_ci_low"]) == pytest.approx(max(0.0, centre - half), abs=1e-12)
+                assert float(row[f"{side}_ci_high"]) == pytest.approx(min(1.0, centre + half), abs=1e-12)
+            same = 0
+            js = []
+            for x in cell:
+                a, b = kv[(str(x["sample"]), press, ratio)], ours[(str(x["sample"]), press, ratio)]
+                assert x["kvpress"]["ids"] == a["answer"] and x["ours"]["ids"] == b["answer"]
+                same += x["kvpress"]["text"] == x["ours"]["text"]
+                n = a["n"]
+                for la, lb in zip(a["kept"], b["kept"], strict=True):
+                    for sa, sb in zip(_positions(la, 2, n), _positions(lb, 2, n), strict=True):
+                        assert sa and sb
+                        js.append(len(sa & sb) / len(sa | sb))
+                        if press == "full":
+                            assert sa == sb == set(range(n))
+                        else:  # kvpress's n_kept per head
+                            assert len(sa) == len(sb) == int(n * (1 - ratio))
+            assert float(row["same_text"]) == same / len(cell)
+            assert len(js) == 2 * 3 * 2  # samples x layers x kv heads
+            assert float(row["jaccard_mean"]) == pytest.approx(sum(js) / len(js))
+            assert float(row["jaccard_min"]) == pytest.approx(min(js))
+
+    def test_rerun_resumes(self, tiny_run, capsys):
+        out, rows = tiny_run
+        side = out / f"{STEM}.ours.jsonl"
+        lines = side.read_text().splitlines(keepends=True)
+        side.write_text("".join(lines[:-1]) + lines[-1][:20])  # the last item lost, a partial line left
+        again = peer.main(ARGS + [f"out={out}"])
+        said = capsys.readouterr().out
+        assert "to run: kvpress 0, ours 1 of 6" in said
+        assert again == rows
+        assert len([x for x in side.read_text().splitlines() if x.startswith("{") and x.endswith("}")]) == 6
+        peer.main(ARGS + [f"out={out}"])
+        assert "to run: kvpress 0, ours 0 of 6" in capsys.readouterr().out
+
+    def test_table_only_computes_nothing(self, tiny_run, capsys):
+        out, rows = tiny_run
+        (out / f"{STEM}.md").unlink()
+        before = (out / f"{STEM}.ours.jsonl").read_text()
+        assert peer.main(ARGS + [f"out={out}", "table_only=true", "samples=3"])[1]["samples"] == 2
+        assert "to run" not in capsys.readouterr().out
+        assert (out / f"{STEM}.md").is_file() and (out / f"{STEM}.ours.jsonl").read_text() == before
+        assert "| SnapKVPress | 0.5 | 2 |" in (out / f"{STEM}.md").read_text()
+
+    def test_another_configuration_is_refused(self, tiny_run, capsys):
+        out, _ = tiny_run
+        with pytest.raises(SystemExit) as e:
+            peer.main(ARGS + [f"out={out}", "seed=1"])
+        assert e.value.code == 2
+        assert "holds another configuration" in capsys.readouterr().err
+        assert len(_lines(out / f"{STEM}.ours.jsonl")) == 6  # nothing removed
+
+    def test_shared_prefill_equals_the_pipeline(self, tiny_run, tmp_path):
+        """The worker's default (one prefill per sample, each press's hook on its own cache copy)
+        keeps the same positions and gives the same ids as one prefill per press under press(model)."""
+        out, _ = tiny_run
+        job = json.loads((out / f"{STEM}.kvpress-job.json").read_text())
+        job |= {"prefill": "per_press", "save_to": str(tmp_path / "ckpt")}
+        (tmp_path / "job.json").write_text(json.dumps(job))
+        env = {**os.environ, "PYTHONPATH": str(REF), "CUDA_VISIBLE_DEVICES": "", "TRANSFORMERS_VERBOSITY": "error"}
+        subprocess.run([sys.executable, str(ROOT / "evals" / "kvpress_worker.py"), str(tmp_path / "job.json"),
+                        str(tmp_path / "out.jsonl")], check=True, env=env, cwd=ROOT, timeout=600)
+        key = lambda x: (x["sample"], x["press"], x["ratio"])  # noqa: E731
+        pipeline = {key(x): x for x in _lines(tmp_path / "out.jsonl")}
+        shared = {key(x): x for x in _lines(out / f"{STEM}.kvpress.jsonl")}
+        assert pipeline.keys() == shared.keys() and len(pipeline) == 6
+        for k, x in pipeline.items():
+            assert x["kept"] == shared[k]["kept"] and x["answer"] == shared[k]["answer"], k
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["presses=[SnapKV]"], "did you mean 'SnapKVPress'"),
+    (["presses=[KVzipPress]"], "not wired into evals.peer"),
+    (["task=ruler_nih_single"], "did you mean 'ruler_niah_single'"),
+    (["task=passkey"], "must be a RULER task"),
+    (["model=llama"], "must be one of"),
+    (["ratios=[1.0]"], "compression ratio is in (0, 1)"),
+    (["ratios=[half]"], "not a number"),
+    (["samples=0"], "samples=0: expected an integer >= 1"),
+    (["prefill=once"], "prefill=once"),
+    (["budget=0.5"], "budget: unknown key"),
+    (["--fast"], "expected key=value"),
+])
+def test_command_line_errors(args, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        peer.main(args)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("evals.peer: error:") and says in err, err
+
+
+def test_kvpress_missing_says_how_to_install(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(peer, "REF", tmp_path / "nothing")
+    with pytest.raises(SystemExit) as e:
+        peer.main(["samples=1"])
+    assert e.value.code == 2 and "bash scripts/setup.sh test" in capsys.readouterr().err
+
+
+def test_help(capsys):
+    assert peer.main(["--help"]) == []
+    assert "python -m evals.peer" in capsys.readouterr().out
