@@ -126,15 +126,7 @@ def run(model, press, ctx, question, n_new, full_keys):
                 pos = pos[~torch.isin(torch.arange(len(pos)), drop)]
             heads.append(sorted(int(p) for p in pos))
         kept.append(heads)
-    n = ctx.shape[1]
-    position_ids = torch.arange(n, n + question.shape[1]).unsqueeze(0)
-    out = model(input_ids=question, past_key_values=cache, position_ids=position_ids, logits_to_keep=1)
-    ids = [int(out.logits[0, -1].argmax())]
-    pid = position_ids[:, -1:] + 1
-    for i in range(n_new - 1):
-        out = model(input_ids=torch.tensor([[ids[-1]]]), past_key_values=cache, position_ids=pid + i)
-        ids.append(int(out.logits[0, -1].argmax()))
-    return {"kept": kept, "answer": ids}
+    return {"kept": kept, "answer": greedy(model, cache, question, ctx.shape[1], n_new)}
 
 
 def main(job_path: str, out_path: str) -> None:
