@@ -21,8 +21,10 @@ press "full" (ratio 0) is the uncompressed cache. job["prefill"]: "per_press" ru
 above once per press; "shared" (default) prefills each sample once per attention implementation
 and, in a forward hook on every attention module, calls each press's own `forward_hook` with its own
 copy of that layer's cache: kvpress compresses a layer after its attention ran, so every layer's
-input is the same as in a prefill under the press alone (tests/test_evals_peer.py checks that both
-give the same kept positions and answers).
+input is the same as in a prefill under the press alone (tests/evals/test_peer.py checks that both
+give the same kept positions and answers). KVzipPress always runs the pipeline (`group_of`).
+job["tokenizer_from"] = {"checkpoint": dir, "gguf_file": name}: the tokenizer KVzipPress reads when the
+checkpoint has none (a tiny model's).
 """
 
 from __future__ import annotations
@@ -77,9 +79,10 @@ def use_tokenizer(job: dict) -> None:
 
     if job.get("tokenizer") == "ascii":
         tok = AsciiTokenizer()
-    else:
-        kw = {"gguf_file": job["gguf_file"]} if job.get("gguf_file") else {}
-        tok = transformers.AutoTokenizer.from_pretrained(job["checkpoint"], local_files_only=True, **kw)
+    else:  # the checkpoint's, or job["tokenizer_from"] = {"checkpoint": dir, "gguf_file": name} (a tiny model's)
+        src = job.get("tokenizer_from") or job
+        kw = {"gguf_file": src["gguf_file"]} if src.get("gguf_file") else {}
+        tok = transformers.AutoTokenizer.from_pretrained(src["checkpoint"], local_files_only=True, **kw)
 
     class Given:
         @staticmethod
@@ -301,24 +304,34 @@ def run_per_press(model, presses, ctx, question, n_new):
     return out
 
 
+def group_of(name: str, shared: bool = True) -> tuple[str, bool]:
+    """(attention implementation, shared prefill) a press runs with: ObservedAttentionPress needs
+    the attention weights (eager); KVzipPress compresses after the prefill, in its own context
+    manager's exit (a second pass reconstructing the context), so it runs kvpress's pipeline
+    (`run_per_press`), never a shared prefill's forward hook."""
+    if name == "KVzipPress":
+        return "sdpa", False
+    return ("eager" if name == "ObservedAttentionPress" else "sdpa"), shared
+
+
 def main_samples(job: dict, out_path: str) -> None:
     """The multi-sample form: every sample's presses, one JSON line appended per (sample, press)."""
     path = job["checkpoint"] or build_tiny(job["tiny"], job["save_to"])
     shared = job.get("prefill", "shared") == "shared"
+    if any(p[0] == "KVzipPress" for s in job["samples"] for p in s.get("presses", job.get("presses", []))):
+        use_tokenizer(job)
     models = {}
     with open(out_path, "a", encoding="utf-8") as f:
         for sample in job["samples"]:
             ctx = torch.tensor([sample["context"]])
             question = torch.tensor([sample["question"]])
             presses = sample.get("presses", job.get("presses"))
-            for attn in ("sdpa", "eager"):  # ObservedAttentionPress needs the attention weights (eager)
-                group = [p for p in presses if (p[0] == "ObservedAttentionPress") == (attn == "eager")]
-                if not group:
-                    continue
+            for attn, how in dict.fromkeys(group_of(p[0], shared) for p in presses):
+                group = [p for p in presses if group_of(p[0], shared) == (attn, how)]
                 if attn not in models:
                     models[attn] = load(path, attn, job.get("gguf_file"))
                 t0 = time.time()
-                res = (run_shared if shared else run_per_press)(models[attn], group, ctx, question, job["n_new"])
+                res = (run_shared if how else run_per_press)(models[attn], group, ctx, question, job["n_new"])
                 secs = round((time.time() - t0) / len(res), 2)  # the group's time, shared out
                 for (name, ratio), r in res.items():
                     line = {"sample": sample["id"], "press": name, "ratio": ratio, "n": ctx.shape[1],

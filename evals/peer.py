@@ -16,7 +16,8 @@ Keys (key=value):
     tokens=2048                   each prompt + answer (RULER's exact length)
     samples=20                    prompts per cell (the task's trials, seed `seed`)
     ratios=[0.25,0.5,0.75]        kvpress compression ratios in (0, 1); the full cache (ratio 0) always runs
-    presses=[...]                 default: PEER_PRESSES (compat's presses but KVzip and Duo)
+    presses=[...]                 default: PEER_PRESSES (every press of kvpolicies.compat; DuoAttentionPress
+                                  with a seeded random head pattern on both sides, `duo_pattern`)
     gen=<task's>                  greedy tokens after the question (ruler_niah_single: 32)
     seed=0  chunk=512             the samples' seed; our prefill chunk (never changes a result)
     prefill=shared                how the kvpress worker prefills: shared (one prefill per sample, each
@@ -137,10 +138,35 @@ def _bool(key: str, text: str) -> bool:
     return text.lower() == "true"
 
 
-# compat's presses this table runs (KVzip needs the tokenizer handed to kvpress's side, Duo a head
-# pattern: both are checked by tests/kvpolicies/test_kvpress_parity.py, not wired in here yet)
+# every press kvpolicies.compat reproduces
 PEER_PRESSES = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPress", "ExpectedAttentionPress",
-                "ObservedAttentionPress", "TOVAPress", "AdaKVPress")
+                "ObservedAttentionPress", "TOVAPress", "AdaKVPress", "KVzipPress", "DuoAttentionPress")
+DUO_SEED = 0  # the head pattern both sides get for DuoAttentionPress (`duo_pattern`)
+
+
+def duo_pattern(model: str) -> list[list[float]]:
+    """DuoAttentionPress's head pattern, [layers][kv heads] gate values, the same on both sides:
+    kvpress downloads the authors' trained gates for six 7-8B checkpoints (none for these models)
+    or scores BookSum on the fly (not reachable offline), so both get numpy's default_rng(0)
+    uniform values, rounded to 3 digits (tests/kvpolicies/test_kvpress_parity.py's SmolLM2
+    pattern). A parity check of the rule that picks and trims the streaming heads, not a trained
+    pattern: its accuracy says nothing of DuoAttention's."""
+    from evals import zoo
+
+    if model == "tiny":
+        shape = (TINY["num_hidden_layers"], TINY["num_key_value_heads"])
+    else:
+        cfg = zoo.describe(model_config(model))
+        shape = (cfg.n_layers, cfg.n_kv_heads)
+    return np.random.default_rng(DUO_SEED).random(shape).round(3).tolist()
+
+
+def press_fields(model: str, press: str) -> dict[str, Any]:
+    """The fields both sides give `press` beyond kvpress's defaults: Duo's head pattern (and on the
+    tiny model, whose prompts are shorter than kvpress's sink 128 + recent 256, sink 16 + recent 64)."""
+    if press != "DuoAttentionPress":
+        return {}
+    return {"head_scores": duo_pattern(model)} | ({"sink_size": 16, "recent_size": 64} if model == "tiny" else {})
 
 
 def parse(argv: Sequence[str]) -> Plan:
@@ -148,7 +174,6 @@ def parse(argv: Sequence[str]) -> Plan:
     from evals import ruler
     from evals.compare import _list
     from evals.config import did_you_mean
-    from kvpolicies.compat import PRESSES
     supported = PEER_PRESSES
 
     own: dict[str, str] = {}
@@ -168,10 +193,6 @@ def parse(argv: Sequence[str]) -> Plan:
                           f"{did_you_mean(task, ruler.RULER_SET)}")
     presses = _list("presses", own["presses"]) if "presses" in own else list(supported)
     for p in presses:
-        if p in PRESSES and p not in supported:
-            raise ConfigError(f"presses: {p} is not wired into evals.peer yet (KVzip's tokenizer and Duo's head "
-                              f"pattern on kvpress's side; tests/kvpolicies/test_kvpress_parity.py runs both); "
-                              f"choose from {list(supported)}")
         if p not in supported:
             raise ConfigError(f"presses: {p!r} is not a kvpress press kvpolicies.compat reproduces"
                               f"{did_you_mean(p, supported)}; choose from {list(supported)}")
@@ -319,8 +340,9 @@ def tiny_dir(p: Plan) -> pathlib.Path:
 def worker_job(p: Plan, todo: Sequence[tuple[int, str, float]]) -> dict[str, Any]:
     """The worker's multi-sample job for the (sample, press, ratio) items `todo`."""
     by: dict[int, list] = {}
+    fields = {c: press_fields(p.model, c) for c in dict.fromkeys(c for _, c, _ in todo)}
     for i, c, r in todo:
-        by.setdefault(i, []).append([c, r, {}])
+        by.setdefault(i, []).append([c, r, fields[c]])
     job: dict[str, Any] = {"n_new": p.gen, "prefill": p.prefill,
                            "samples": [{"id": p.sample_id(i), "context": p.contexts[i].tolist(),
                                         "question": p.questions[i].tolist(), "presses": ps} for i, ps in by.items()]}
@@ -331,6 +353,8 @@ def worker_job(p: Plan, todo: Sequence[tuple[int, str, float]]) -> dict[str, Any
         job |= {"checkpoint": None, "save_to": str(tiny_dir(p)),
                 "tiny": {"kind": "llama", "seed": 0, "config": TINY | {
                     "vocab_size": vocab, "max_position_embeddings": max(p.tokens, 512)}}}
+        tok = _gguf("smollm2")  # KVzipPress's repeat prompts: the tokenizer the tiny model's ids come from
+        job["tokenizer_from"] = {"checkpoint": str(tok.parent), "gguf_file": tok.name}
     else:
         path = _gguf(p.model)
         job |= {"checkpoint": str(path.parent), "gguf_file": path.name}
@@ -366,8 +390,11 @@ def load_ours(p: Plan):
         from models.llama import Llama
         from models.loading import load_hf
 
+        from models.tokenizer import attach
+
         cfg, params = load_hf(tiny_dir(p))
-        return Llama(cfg, params), zoo.load_tokenizer(model_config(p.model))
+        tok = zoo.load_tokenizer(model_config(p.model))
+        return attach(Llama(cfg, params), tok), tok  # kvzip's repeat prompts read the model's tokenizer
     return zoo.load_model(model_config(p.model))
 
 
@@ -394,7 +421,8 @@ def run_ours(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=lambda
             for c, r in sorted(cells, key=lambda x: x[0] == "full"):
                 t0 = time.time()
                 if (c, r) not in engines:
-                    pol = kvpress("SnapKVPress" if c == "full" else c, r, n_layers=model.cfg.n_layers, max_new=max_new)
+                    pol = kvpress("SnapKVPress" if c == "full" else c, r, n_layers=model.cfg.n_layers, max_new=max_new,
+                                  **press_fields(p.model, c))
                     engines[(c, r)] = Engine(model, pol, max_len=max_len)
                 eng = engines[(c, r)]
                 # shares_prompt compares layer by layer; the state's runs of layers must match too (a

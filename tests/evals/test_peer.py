@@ -149,7 +149,7 @@ class TestTable:
 
 @pytest.mark.parametrize(("args", "says"), [
     (["presses=[SnapKV]"], "did you mean 'SnapKVPress'"),
-    (["presses=[KVzipPress]"], "not wired into evals.peer"),
+    (["presses=[KVzip]"], "did you mean 'KVzipPress'"),
     (["task=ruler_nih_single"], "did you mean 'ruler_niah_single'"),
     (["task=passkey"], "must be a RULER task"),
     (["model=llama"], "must be one of"),
@@ -178,3 +178,30 @@ def test_kvpress_missing_says_how_to_install(monkeypatch, tmp_path, capsys):
 def test_help(capsys):
     assert peer.main(["--help"]) == []
     assert "python -m evals.peer" in capsys.readouterr().out
+
+
+def test_kvzip_and_duo_reach_both_sides_alike(tmp_path):
+    """The worker's job and our side get the same Duo head pattern (numpy's default_rng(0) values,
+    [layers][kv heads], rounded to 3 digits: the parity tests' SmolLM2 pattern), KVzip the
+    tokenizer of the ids (a tiny model's: SmolLM2's GGUF), and the worker runs KVzipPress through
+    kvpress's pipeline (its compression is its context manager's exit), the others as before."""
+    import numpy as np
+
+    p = peer.parse(["model=tiny", "tokens=320", "samples=1", "presses=[KVzipPress,DuoAttentionPress,SnapKVPress]",
+                    "ratios=[0.5]", f"out={tmp_path}"])
+    p = peer.prepare(p)
+    job = peer.worker_job(p, peer.pending(p, "kvpress"))
+    fields = {c: f for c, _, f in job["samples"][0]["presses"]}
+    want = np.random.default_rng(0).random((3, 2)).round(3).tolist()
+    assert fields["DuoAttentionPress"] == {"head_scores": want, "sink_size": 16, "recent_size": 64}
+    assert fields["DuoAttentionPress"] == peer.press_fields("tiny", "DuoAttentionPress")
+    assert fields["KVzipPress"] == fields["SnapKVPress"] == fields["full"] == {}
+    assert job["tokenizer_from"]["gguf_file"].endswith(".gguf")
+    assert len(peer.duo_pattern("smollm2")) == 30 and len(peer.duo_pattern("smollm2")[0]) == 3
+    if (REF / "kvpress").is_dir():  # the worker imports kvpress: its own environment, in a subprocess
+        env = {**os.environ, "PYTHONPATH": f"{REF}:{ROOT / 'evals'}", "CUDA_VISIBLE_DEVICES": ""}
+        code = "import kvpress_worker as w; print([w.group_of(c) for c in ('KVzipPress', 'ObservedAttentionPress', " \
+               "'SnapKVPress')], w.group_of('SnapKVPress', shared=False))"
+        out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                             timeout=300)
+        assert out.stdout.strip() == ("[('sdpa', False), ('eager', True), ('sdpa', True)] ('sdpa', False)"), out.stderr
