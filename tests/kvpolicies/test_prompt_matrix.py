@@ -23,7 +23,8 @@ tests/refs/prompt_protocol.py:
     numpy forward of transformers' weights over transformers' cached keys / values restricted to
     the kept sets (logits after the question to 1e-4, the ids exactly), decoding by the method's
     rule: append-only for the kvpress-style compressors, h2o's and tova's per-token eviction,
-    duo's streaming mask, Quest's page selection (its kernels' rule), KIVI's quantized cache.
+    duo's streaming mask, Quest's page selection (its kernels' rule, the same read as
+    tests/refs/multires_quest.quest_oracle: checked here on one layer), KIVI's quantized cache.
 
 tests/kvpolicies/test_kvpress_parity.py checks the `kvpolicies.compat.kvpress` forms against
 kvpress itself; this matrix checks the registry defaults.
@@ -38,7 +39,9 @@ import pytest
 
 import kvpolicies
 from models.engine import Engine
-from tests.refs.prompt_protocol import Decode, NpQwen, decode, entries, hf_tensors
+from tests.refs.multires_quest import INV, quest_oracle
+from tests.refs.oracle import rope_complex
+from tests.refs.prompt_protocol import Decode, NpQwen, QuestDecode, decode, entries, hf_tensors
 
 T = 48  # prompt tokens
 MAX_LEN = 64
@@ -109,3 +112,25 @@ def test_prompt_protocol_matches_the_authors_rule(run, name):
     logits, _ = eng.step(jax.tree.map(jnp.copy, comp.cache), np.array([question]), T)
     np.testing.assert_allclose(np.asarray(logits)[0], ref_logits[q - 1], atol=1e-4, rtol=0)
     assert eng.continue_generate(comp, np.array([question]), N_NEW)[0].tolist() == ref_ids
+
+
+def test_quest_decode_reads_what_quest_oracle_reads():
+    """The matrix's Quest read (QuestDecode) is tests/refs/multires_quest.quest_oracle's rule: one
+    attention layer of random q, k, v after a dense prompt, the same outputs."""
+    pol = kvpolicies.get("quest", page=4, top_k=3)
+    rng = np.random.default_rng(5)
+    t, prompt, kh, g, d = 30, 12, 2, 2, 16
+    q, k, v = (rng.standard_normal((1, t, h, d)) for h in (kh * g, kh, kh))
+    want, _ = quest_oracle(q, k, v, pol, prompt=prompt)
+    at = np.arange(t)[:, None]
+    qr, kr = (rope_complex(x[0], np.broadcast_to(at, x.shape[1:3]), INV) for x in (q, k))  # [T, ., D]
+    rule, sparse = QuestDecode(pol), False
+    for p in range(prompt, t):
+        for h in range(kh):
+            js = rule.visible(0, h, p, qr[p, h * g:(h + 1) * g], kr[:p + 1, h])
+            sparse |= len(js) < p + 1
+            for j in range(g):
+                lg = kr[js, h] @ qr[p, h * g + j] / np.sqrt(d)
+                w = np.exp(lg - lg.max())
+                np.testing.assert_allclose((w / w.sum()) @ v[0, js, h], want[0, p, h * g + j], atol=1e-12)
+    assert sparse  # some queries read fewer pages than they could

@@ -59,11 +59,11 @@ class NpQwen:
 
     def qkv(self, layer, x, pos):
         """x [T, d] (the layer's input) at positions [T] -> q pre-RoPE [T, H, D], q and k after RoPE, v."""
-        hn = self.norm(x, self.lw(layer, "input_layernorm.weight"))
-        proj = lambda n: hn @ self.lw(layer, f"self_attn.{n}_proj.weight").T + self.lw(layer, f"self_attn.{n}_proj.bias")  # noqa: E731
-        q = proj("q").reshape(len(x), self.h, self.d)
-        k = proj("k").reshape(len(x), self.k, self.d)
-        v = proj("v").reshape(len(x), self.k, self.d)
+        hn = self.norm(x, self.lw(layer, "input_layernorm.weight"))  # [T, d]
+        q, k, v = (hn @ self.lw(layer, f"self_attn.{n}_proj.weight").T + self.lw(layer, f"self_attn.{n}_proj.bias")
+                   for n in "qkv")
+        q = q.reshape(len(x), self.h, self.d)  # [T, H, D]
+        k, v = (a.reshape(len(x), self.k, self.d) for a in (k, v))  # [T, K, D]
         at = np.asarray(pos)[:, None]
         return q, rope_complex(q, np.broadcast_to(at, q.shape[:2]), self.inv), \
             rope_complex(k, np.broadcast_to(at, k.shape[:2]), self.inv), v
@@ -445,8 +445,8 @@ class Entry:
     """A prompt compressor's matrix entry: `policy`, what the engine runs (the policy, or a tuple per
     layer), the kept-set reference kept(pol, t, m, ctx) (ctx: {"ref", "ids"}), the decode rule."""
 
-    def __init__(self, policy, kept, rule=Decode, engine=None, note=""):
-        self.policy, self.kept, self.rule, self.engine, self.note = policy, kept, rule, engine, note
+    def __init__(self, policy, kept, rule=Decode, engine=None):
+        self.policy, self.kept, self.rule, self.engine = policy, kept, rule, engine
 
     def engine_policies(self, n_layers):
         return (self.policy,) * n_layers if self.engine == "every_layer" else self.policy
