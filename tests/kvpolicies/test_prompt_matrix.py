@@ -1,0 +1,136 @@
+"""The registry matrix of the prompt protocol (issue 35, item 4): every registered prompt compressor
+(a policy whose prompt phase is another policy) runs prompt -> compress -> decode through `Engine`
+on the tiny Qwen2 (`tiny_qwen`: transformers' eager Qwen2 and our port of its weights), at its
+registry defaults but a budget that compresses the 48-token prompt, and is checked against
+tests/refs/prompt_protocol.py:
+
+(a) the prompt's last logits equal transformers' (the prompt phase attends densely);
+(b) `kept_positions` after `compress` equal, per (layer, kv head), the method's rule re-simulated in
+    numpy on transformers' tensors (attention weights, cached keys / values, layer inputs):
+    h2o: FMInference/H2O `H2OKVCache_LayerWise`; tova: TOVA `TOVACache.reduce`; snapkv: SnapKV
+    `snapkv_utils.py`; pyramidkv: SnapKV at PyramidKV's per-layer schedule; knorm: l2compress /
+    kvpress KnormPress; random: the documented seeded hash (tests/refs/prompt_scored.np_hash, the
+    policy's own draw: checks the protocol, not a rule); observed: kvpress ObservedAttentionPress;
+    expected: kvpress ExpectedAttentionPress (tests/refs/prompt_scored.expected_scores, queries
+    from transformers' hidden states); adakv: kvpress AdaKVPress over SnapKV scores
+    (tests/refs/headwise.adakv_allocate); kvzip: KVzip's scores from transformers' attention over
+    the one-chunk reconstruction sequence, head-wise choice (tests/refs/kvzip.choose); kvzap: the
+    policy's surrogate weights (random: no trained file fits this model) applied in numpy to
+    transformers' normalised layer inputs, the head-wise choice with its window
+    (tests/refs/kvzap.choose); duo: the authors' trim of streaming heads; quest and kivi keep
+    every token;
+(c) the decode: a 3-token question then greedy tokens through `continue_generate` equal a float64
+    numpy forward of transformers' weights over transformers' cached keys / values restricted to
+    the kept sets (logits after the question to 1e-4, the ids exactly), decoding by the method's
+    rule: append-only for the kvpress-style compressors, h2o's and tova's per-token eviction,
+    duo's streaming mask, Quest's page selection (its kernels' rule, the same read as
+    tests/refs/multires_quest.quest_oracle: checked here on one layer), KIVI's quantized cache.
+
+tests/kvpolicies/test_kvpress_parity.py checks the `kvpolicies.compat.kvpress` forms against
+kvpress itself; this matrix checks the registry defaults.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvpolicies
+from models.engine import Engine
+from tests.refs.multires_quest import INV, quest_oracle
+from tests.refs.oracle import rope_complex
+from tests.refs.prompt_protocol import Decode, NpQwen, QuestDecode, decode, entries, hf_tensors
+
+T = 48  # prompt tokens
+MAX_LEN = 64
+N_NEW = 4  # greedy tokens after the question
+ENTRIES = entries()
+
+
+def prompt_compressors() -> list[str]:
+    """Registered policies whose prompt phase (at their defaults) is another policy."""
+    return sorted(n for n, p in ((n, kvpolicies.get(n)) for n in kvpolicies.POLICIES) if p.prompt_policy() is not p)
+
+
+def test_every_prompt_compressor_has_an_entry():
+    assert prompt_compressors() == sorted(ENTRIES)
+    for name, entry in ENTRIES.items():
+        assert type(entry.policy) is kvpolicies.POLICIES[name]
+
+
+@pytest.fixture(scope="module")
+def run(tiny_qwen):
+    """(our model, ids [1, T], question [Q], transformers' tensors of the prompt, the numpy model, ctx;
+    ctx["full"]: the reference decode over every prompt token)."""
+    ref, ours = tiny_qwen
+    rng = np.random.default_rng(11)
+    ids = rng.integers(0, ref.config.vocab_size, (1, T))
+    question = rng.integers(0, ref.config.vocab_size, 3).tolist()
+    t, m = hf_tensors(ref, ids), NpQwen(ref)
+    every = [[list(range(T))] * m.k for _ in range(m.n_layers)]
+    return ours, ids, question, t, m, {"ref": ref, "ids": ids, "full": decode(m, t, every, Decode(), question, N_NEW)}
+
+
+def test_numpy_decoder_equals_transformers(run, tiny_qwen):
+    """The reference decoder over every prompt token is transformers' forward over the whole sequence."""
+    ref, _ = tiny_qwen
+    _, ids, question, t, m, ctx = run
+    logits, out = ctx["full"]
+    whole = hf_tensors(ref, np.concatenate([ids, [question + out[:-1]]], axis=1))["logits"][T:]
+    np.testing.assert_allclose(logits, whole, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", sorted(ENTRIES))
+def test_prompt_protocol_matches_the_authors_rule(run, name):
+    model, ids, question, t, m, ctx = run
+    entry = ENTRIES[name]
+    pol = entry.policy
+    kw = {}
+    if name == "kvzip":
+        from tests.refs.kvzip import REPEAT
+
+        kw["repeat"] = REPEAT
+    eng = Engine(model, entry.engine_policies(m.n_layers), max_len=MAX_LEN, **kw)
+    st = eng.prompt(ids)
+    # (a) the prompt is dense
+    np.testing.assert_allclose(np.asarray(st.logits)[0], t["logits"][-1], atol=1e-4, rtol=0)
+    comp = eng.compress(st)
+    # (b) the kept sets
+    want = entry.kept(pol, t, m, ctx)
+    got = [[h.tolist() for h in layer] for layer in eng.kept_positions(comp)]
+    for layer in range(m.n_layers):
+        for h in range(m.k):
+            assert got[layer][h] == want[layer][h], f"{name}: layer {layer} kv head {h}"
+    if name not in ("quest", "kivi"):  # the budget compresses (quest and kivi keep every token)
+        assert min(len(x) for layer in want for x in layer) < T
+    # (c) the decode: the question's last logits and the greedy ids
+    ref_logits, ref_ids = decode(m, t, want, entry.rule(pol), question, N_NEW)
+    q = len(question)
+    assert np.abs(ref_logits[:q] - ctx["full"][0][:q]).max() > 1e-3  # the method's cache changes the decode
+    logits, _ = eng.step(jax.tree.map(jnp.copy, comp.cache), np.array([question]), T)
+    np.testing.assert_allclose(np.asarray(logits)[0], ref_logits[q - 1], atol=1e-4, rtol=0)
+    assert eng.continue_generate(comp, np.array([question]), N_NEW)[0].tolist() == ref_ids
+
+
+def test_quest_decode_reads_what_quest_oracle_reads():
+    """The matrix's Quest read (QuestDecode) is tests/refs/multires_quest.quest_oracle's rule: one
+    attention layer of random q, k, v after a dense prompt, the same outputs."""
+    pol = kvpolicies.get("quest", page=4, top_k=3)
+    rng = np.random.default_rng(5)
+    t, prompt, kh, g, d = 30, 12, 2, 2, 16
+    q, k, v = (rng.standard_normal((1, t, h, d)) for h in (kh * g, kh, kh))
+    want, _ = quest_oracle(q, k, v, pol, prompt=prompt)
+    at = np.arange(t)[:, None]
+    qr, kr = (rope_complex(x[0], np.broadcast_to(at, x.shape[1:3]), INV) for x in (q, k))  # [T, ., D]
+    rule, sparse = QuestDecode(pol), False
+    for p in range(prompt, t):
+        for h in range(kh):
+            js = rule.visible(0, h, p, qr[p, h * g:(h + 1) * g], kr[:p + 1, h])
+            sparse |= len(js) < p + 1
+            for j in range(g):
+                lg = kr[js, h] @ qr[p, h * g + j] / np.sqrt(d)
+                w = np.exp(lg - lg.max())
+                np.testing.assert_allclose((w / w.sum()) @ v[0, js, h], want[0, p, h * g + j], atol=1e-12)
+    assert sparse  # some queries read fewer pages than they could
