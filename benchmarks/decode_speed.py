@@ -137,7 +137,7 @@ def prefill_flops(cfg, ctx: int, span: int | None = None) -> int:
 def step_read_bytes(model, cache, ctx: int) -> dict[str, int]:
     """What a decode step at context `ctx` must read: every weight, and the filled cache slots
     (a policy's whole state once it holds fewer slots than the context)."""
-    from kvpolicies.base import tree_nbytes
+    from kvpolicies.memory import tree_nbytes
 
     weights = tree_nbytes(nnx_state(model))
     slots = int(cache[0].pos.shape[-1])

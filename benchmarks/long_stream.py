@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kvpolicies
-from kvpolicies.base import tree_nbytes
+from kvpolicies.memory import tree_nbytes
 from models.config import LlamaConfig
 from models.engine import Engine
 from models.llama import Llama

@@ -19,6 +19,7 @@ import numpy as np
 import kvpolicies
 from evals.data import default_text
 from kvpolicies.memory import bytes_read_per_step, state_bytes
+from kvpolicies.presets import stack_of
 from models.engine import Engine, perplexity
 from models.loading import load_default_model
 
@@ -82,7 +83,7 @@ def main(argv=None):
             continue
         dt = time.perf_counter() - t0
         base = ppl if base is None else base
-        layers = pol.stack(cfg.n_layers)  # what the engine runs (a model-level preset's layers)
+        layers = stack_of(pol, cfg.n_layers)  # what the engine runs (a model-level preset's layers)
         one = dict(dims, n_layers=1)
         per = {p: (state_bytes(p, max_len=args.tokens, **one).total,
                    bytes_read_per_step(p, max_len=args.tokens, context=args.tokens - 1, **one).read.total)

@@ -72,7 +72,7 @@ MB = 1e6
 # -- the command line -------------------------------------------------------------------------------
 
 
-def _list(key: str, value: str) -> list[str]:
+def list_value(key: str, value: str) -> list[str]:
     """'[a, b]' or 'a,b' or 'a' -> ['a', 'b']."""
     inner = value.strip()
     if inner.startswith("[") != inner.endswith("]"):
@@ -155,7 +155,7 @@ def parse_args(argv: Sequence[str]) -> Args:
             fields.setdefault(head, {})[bare.split(".", 1)[1]] = _scalar(value)
         else:
             passthrough.append(item)
-    policies = _list("policies", own["policies"]) if "policies" in own else list(DEFAULT_POLICIES)
+    policies = list_value("policies", own["policies"]) if "policies" in own else list(DEFAULT_POLICIES)
     for p in policies:
         if p not in kvpolicies.POLICIES:
             from evals.config import did_you_mean
@@ -172,7 +172,7 @@ def parse_args(argv: Sequence[str]) -> Args:
                           f"compare sizes one of {sorted(budgeted())}")
     if not policies:
         raise ConfigError("policies: name at least one policy besides full (full always runs, as the reference)")
-    budgets = ([_budget(f"budgets={own['budgets']}", b) for b in _list("budgets", own["budgets"])]
+    budgets = ([_budget(f"budgets={own['budgets']}", b) for b in list_value("budgets", own["budgets"])]
                if "budgets" in own else list(DEFAULT_BUDGETS))
     budgets = list(dict.fromkeys(budgets))
     for p in fields:
@@ -274,7 +274,7 @@ def policy_overrides(name: str, policy: kvpolicies.Policy) -> list[str]:
     return out
 
 
-def _compose(overrides: list[str]) -> dict[str, Any]:
+def compose_run(overrides: list[str]) -> dict[str, Any]:
     from evals.config import compose, validate
 
     try:
@@ -303,7 +303,7 @@ def plan(argv: Sequence[str]) -> Plan:
     from kvpolicies import budgets as B
 
     args = parse_args(argv)
-    base = _compose(args.passthrough + ["policy=full"])
+    base = compose_run(args.passthrough + ["policy=full"])
     mc = model_dims(base["model"])
     max_len, dtype = run_length(base), zoo.dtype(base["model"])
     extent = task_extent(base)
@@ -334,7 +334,7 @@ def plan(argv: Sequence[str]) -> Plan:
                 notes.append(f"{name} at budget {b}: {field} lowered from {was} to {now} to fit (the run generates "
                              f"{gen} tokens after its prompt; set {name}.{field}=... to hold it)")
             overrides = args.passthrough + policy_overrides(name, pol)
-            conf = _compose(overrides)
+            conf = compose_run(overrides)
             built = build_policy(conf["policy"])
             if built != pol:
                 raise ConfigError(f"{name} at budget {b}: evals.run builds {built} from {overrides}, not the sized "
@@ -561,7 +561,7 @@ def plot(recs: Sequence[dict[str, Any]], out: Path, stem: str, title: str = "") 
     fig.suptitle(title or "quality vs cache bytes", fontsize=10)
     from evals import plots
 
-    return plots._save(fig, out, stem)
+    return plots.save_figure(fig, out, stem)
 
 
 def title(p: Plan) -> str:

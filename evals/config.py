@@ -6,7 +6,7 @@ Groups (`configs/`): model/ (smollm2, gguf, hf, tiny_random, tiny_recall; built 
 multiquery of evals/ruler.py; run by the functions of `TASKS`), data/ (austen, mobydick, pg, path), and policy/, which has no files: `register_configs`
 derives one option per registered policy (`kvpolicies.POLICIES`) from its dataclass fields, so a
 new policy needs no config file. `policy_config` says what an option holds: every field at its
-dataclass default, except the fields of the class's `run_keys`, which follow the run-level key
+dataclass default, except the fields of its `RUN_KEYS` entry, which follow the run-level key
 they name (sink's `window: ${window}` and `n_sink: ${n_sink}`), and
 `codec`, which follows the run's `${codec}`. So `window=1024` reaches whichever policy uses it and
 `policy.<field>=x` sets any field. A file `configs/policy/<name>.yaml`, if one is added, replaces
@@ -53,6 +53,9 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 import kvpolicies
+from kvpolicies.budgets import budget_field_of
+from kvpolicies.presets import stack_of
+from kvpolicies.prompt import prompt_policy_of
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 GROUPS = ("model", "policy", "task", "data")
@@ -116,18 +119,34 @@ def did_you_mean(word: Any, choices: Any) -> str:
 # -- config store and composition ---------------------------------------------------------------
 
 
+# registry name -> {field: the run-level config key it follows in `python -m evals.run`}: `window=1024`
+# reaches sink's and window's `window`; every other field takes its dataclass default, and `codec`
+# always follows the run's codec. A CLI concern, so it lives here rather than on the policy classes.
+RUN_KEYS: dict[str, dict[str, str]] = {
+    "window": {"window": "window"},
+    "sink": {"window": "window", "n_sink": "n_sink"},
+    "multires": {"window": "window"},
+}
+
+
+def run_keys(name: str) -> dict[str, str]:
+    """{field: run-level key} of policy `name` (or an alias): the fields that follow a run-level key."""
+    return RUN_KEYS.get(kvpolicies.ALIASES.get(name, name), {})
+
+
 def policy_config(name: str) -> dict[str, Any]:
     """The `policy=<name>` option, derived from the registered class: `name`, each field at its
-    default or `${key}` for a field of `run_keys`, then `codec: ${codec}`. A field without a
+    default or `${key}` for a field of `run_keys(name)`, then `codec: ${codec}`. A field without a
     default is required (`???`); one whose default is not a scalar (bool, int, float, str) is left
     out (it keeps its default and cannot be set from the command line)."""
     cls = kvpolicies.POLICIES[name]
+    follows = run_keys(name)
     node: dict[str, Any] = {"name": name}
     for f in dataclasses.fields(cls):
         if f.name == "codec" or not f.init:
             continue
-        if f.name in cls.run_keys:
-            node[f.name] = "${" + cls.run_keys[f.name] + "}"
+        if f.name in follows:
+            node[f.name] = "${" + follows[f.name] + "}"
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             node[f.name] = MISSING
         elif isinstance(f.default, (bool, int, float, str)):
@@ -207,13 +226,12 @@ def _given_overrides(cfg: Any) -> list[str] | None:
 def overridden_fields(name: str, overrides: list[str]) -> list[str]:
     """The fields of policy `name` set by `overrides`: `policy.<field>=...`, or a run-level key that
     the field follows (`window=...` for sink's and window's `window`), whatever the value."""
-    cls = kvpolicies.POLICIES[kvpolicies.ALIASES.get(name, name)]
     out = []
     for o in overrides:
         key = o.lstrip("+~").split("=", 1)[0]
         if key.startswith("policy."):
             out.append(key[len("policy."):])
-        out += [f for f, k in cls.run_keys.items() if k == key]
+        out += [f for f, k in run_keys(name).items() if k == key]
     return sorted(set(out) - {"name", "codec"})
 
 
@@ -316,7 +334,8 @@ def resolve_policy(conf: dict[str, Any]) -> tuple[kvpolicies.Policy, dict[str, A
         return policy, None
     name = conf["policy"]["name"]
     cls = kvpolicies.POLICIES[name]
-    if cls.budget_field is None:
+    field = budget_field_of(cls)
+    if field is None:
         return policy, {"budget": b, "sized": False, "why": f"{name} has no token budget (it cannot be sized)"}
     extent = task_extent(conf)
     try:
@@ -327,9 +346,9 @@ def resolve_policy(conf: dict[str, Any]) -> tuple[kvpolicies.Policy, dict[str, A
         raise ConfigError(f"budget={b}: task={conf['task']['name']} with model={conf['model']['name']} declares no "
                           "length or dimensions to size a cache for")
     explicit = explicit_fields(conf)
-    if cls.budget_field in explicit:
-        via = f" (set by {cls.run_keys[cls.budget_field]}=)" if cls.budget_field in cls.run_keys else ""
-        raise ConfigError(f"budget={b} and {name}.{cls.budget_field}={explicit[cls.budget_field]}{via} both size the "
+    if field in explicit:
+        via = f" (set by {run_keys(name)[field]}=)" if field in run_keys(name) else ""
+        raise ConfigError(f"budget={b} and {name}.{field}={explicit[field]}{via} both size the "
                           "cache: give one of them")
     kw = dict(max_len=extent[1] + extent[2], kv_heads=mc.n_kv_heads, head_dim=mc.head_dim, dtype=zoo.dtype(conf["model"]))
     try:
@@ -360,7 +379,7 @@ def size_policy(name: str, budget: int | float, *, gen: int, fixed: dict[str, An
     pol, shrunk = _size_layer(name, budget, **args)
     if n_layers is None:
         return pol, shrunk
-    stack = pol.stack(n_layers)
+    stack = stack_of(pol, n_layers)
     others = [p for p in stack if p != pol]
     if not others or len(others) == len(stack):
         return pol, shrunk
@@ -411,7 +430,7 @@ def _size_layer(name: str, budget: int | float, *, gen: int, fixed: dict[str, An
                 v //= 2
     # no automatic way out: name a field value that fits, else the budget it needs
     for field, default in defaults.items():
-        if field == cls.budget_field:
+        if field == budget_field_of(cls):
             continue
         v = fixed.get(field, default) // 2
         while v >= (max(gen, 1) if field in SHRINKABLE else 1):
@@ -461,7 +480,7 @@ def ratio_policy(conf: dict[str, Any], policy: kvpolicies.Policy) -> tuple[kvpol
         sized = dataclasses.replace(policy, ratio=r)
         return sized, {"ratio": r, "sized": True, "rule": "per prompt: max(1, int(n (1 - ratio))) per kv head",
                        "prompt_tokens": n, "kept_per_head": context_kept(sized, n) if n else None}
-    if cls.budget_field is None:
+    if budget_field_of(cls) is None:
         return policy, {"ratio": r, "sized": False, "why": f"{name} has no token budget (it cannot be sized)"}
     if n is None:
         raise ConfigError(f"ratio={r}: task={conf['task']['name']} declares no prompt length to size {name} for")
@@ -613,9 +632,9 @@ def memory_estimate(mc, policy: kvpolicies.Policy, max_len: int, batch: int, chu
         return km.state_bytes(p, kv_heads=mc.n_kv_heads, head_dim=mc.head_dim, max_len=max_len, batch=batch,
                               dtype=dtype).total
 
-    per_layer = {p: max(nbytes(p), nbytes(p.prompt_policy())) for p in set(layers)}
+    per_layer = {p: max(nbytes(p), nbytes(prompt_policy_of(p))) for p in set(layers)}
     cache = sum(per_layer[p] for p in layers)
-    slots = max(max(p.capacity(max_len), p.prompt_policy().capacity(max_len)) for p in set(layers))
+    slots = max(max(p.capacity(max_len), prompt_policy_of(p).capacity(max_len)) for p in set(layers))
     d, L = mc.d_model, mc.n_layers
     params = mc.vocab_size * d * (1 if mc.tie_embeddings else 2) + L * (
         d * mc.head_dim * 2 * (mc.n_heads + mc.n_kv_heads) + 3 * d * mc.d_ff)

@@ -40,7 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from kvpolicies.base import Policy, SlotState, check_int, empty_slots, encode_new, view_of, write_at
+from kvpolicies.base import Policy, SlotState, empty_slots
+from kvpolicies.checks import check_int
+from kvpolicies.slots import encode_new, view_of, write_at
 
 
 @jax.tree_util.register_dataclass

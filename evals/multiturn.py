@@ -50,9 +50,9 @@ def check(task: dict) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"task multiturn: unknown key(s) {unknown}; its keys are {sorted(set(DEFAULTS) | {'name'})}")
     cfg = {"name": "multiturn"} | {k: task.get(k, v) for k, v in DEFAULTS.items()}
-    cfg["lengths"] = R._ints(cfg, "lengths", None, lo=2)
+    cfg["lengths"] = R.int_list(cfg, "lengths", None, lo=2)
     for k in ("trials", "turns", "gen"):
-        cfg[k] = R._ints(cfg, k, None)[0]
+        cfg[k] = R.int_list(cfg, k, None)[0]
     if cfg["mode"] not in MODES:
         raise ValueError(f"task.mode={cfg['mode']!r}: must be one of {list(MODES)}")
     if cfg["value_kind"] not in ruler.VALUE_KINDS:
@@ -73,7 +73,7 @@ def next_turn(tok: Any, question: str, prefix: str) -> list[int]:
     """Token ids that close an assistant answer and ask the next question: the chat template's
     end of turn, a user turn and the assistant header, then the answer prefix."""
     mark = "\x00ANSWER\x00"
-    if R._has_template(tok):
+    if R.has_chat_template(tok):
         text = tok.apply_chat_template([{"role": "user", "content": "c"}, {"role": "assistant", "content": mark},
                                         {"role": "user", "content": question}], add_generation_prompt=True)
         tail = text.split(mark, 1)[1]
@@ -91,8 +91,8 @@ def samples(tok: Any, hay: ruler.Haystack, length: int, trials: int, seed: int, 
     instruction = ruler.NIAH_INSTRUCTION.format(kind=plural)
     out = []
     for _ in range(trials):
-        keys = ruler._words_key(rng, turns)
-        values = ruler._values(rng, turns, value_kind)
+        keys = ruler.word_keys(rng, turns)
+        values = ruler.needle_values(rng, turns, value_kind)
         at = list(np.sort(rng.choice(ruler.DEPTH_GRID, turns, replace=False)))
         head, _ = R.frame(tok, instruction, "", "")
         qs = []
@@ -139,7 +139,7 @@ def conversation(engine, tok: Any, context: np.ndarray, turns: list[tuple[np.nda
             state = engine.extend_prompt(state, q[None], chunk)
             ids = engine.continue_generate(engine.compress(state), [], gen)
         at.append(state.length)
-        text = ruler._text(tok, ids[0])
+        text = ruler.ids_text(tok, ids[0])
         texts.append(text)
         said = np.asarray(tok.encode(cut_answer(text)), np.int32)  # the answer as the next turn sees it
         if said.size:

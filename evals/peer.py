@@ -172,7 +172,7 @@ def press_fields(model: str, press: str) -> dict[str, Any]:
 def parse(argv: Sequence[str]) -> Plan:
     """Check the command line (ConfigError naming the key); the task's samples are built later."""
     from evals import ruler
-    from evals.compare import _list
+    from evals.compare import list_value
     from evals.config import did_you_mean
     supported = PEER_PRESSES
 
@@ -191,13 +191,13 @@ def parse(argv: Sequence[str]) -> Plan:
     if task not in ruler.RULER_SET:
         raise ConfigError(f"task={task}: must be a RULER task, one of {list(ruler.RULER_SET)}"
                           f"{did_you_mean(task, ruler.RULER_SET)}")
-    presses = _list("presses", own["presses"]) if "presses" in own else list(supported)
+    presses = list_value("presses", own["presses"]) if "presses" in own else list(supported)
     for p in presses:
         if p not in supported:
             raise ConfigError(f"presses: {p!r} is not a kvpress press kvpolicies.compat reproduces"
                               f"{did_you_mean(p, supported)}; choose from {list(supported)}")
     ratios = []
-    for r in (_list("ratios", own["ratios"]) if "ratios" in own else [str(x) for x in DEFAULT_RATIOS]):
+    for r in (list_value("ratios", own["ratios"]) if "ratios" in own else [str(x) for x in DEFAULT_RATIOS]):
         try:
             v = float(r)
         except ValueError:
@@ -477,7 +477,7 @@ def records(p: Plan, tok) -> list[dict[str, Any]]:
                 if "error" in line:
                     rec[s] = {"error": line["error"]}
                     continue
-                text = ruler._text(tok, line["answer"])
+                text = ruler.ids_text(tok, line["answer"])
                 rec[s] = {"ids": line["answer"], "text": text, "score": ruler.string_match_all(text, p.refs[i])}
             if any("error" in rec[s] for s in SIDES):
                 out.append(rec)

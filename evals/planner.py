@@ -56,12 +56,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import kvpolicies
-from kvpolicies.base import Policy, tree_nbytes
+from kvpolicies.base import Policy
+from kvpolicies.budgets import budget_field_of
 from kvpolicies.full import Full
+from kvpolicies.memory import state_bytes, tree_nbytes
 from kvpolicies.paged import Paged
 from kvpolicies.sink import Sink
 from kvpolicies.window import Window
-from kvpolicies.memory import state_bytes
 from models.config import LlamaConfig, smollm2_135m
 from models.loading import expected_shapes
 
@@ -241,7 +242,7 @@ def sized_policy(spec: str, budget: int | float | None, m: ModelShape, context: 
         budget = b
     if budget is None:
         return kvpolicies.get(name, codec=codec, **fields), ""
-    if cls.budget_field is None:
+    if budget_field_of(cls) is None:
         return kvpolicies.get(name, codec=codec, **fields), f"not sized: {name} has no token budget"
     pol, shrunk = size_policy(cls.__name__.lower() if name not in kvpolicies.POLICIES else name, budget, gen=0,
                               fixed=fields, codec=codec, max_len=context, kv_heads=m.kv_heads, head_dim=m.head_dim,

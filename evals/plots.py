@@ -97,7 +97,7 @@ def warn_single_points(what: str, lines: dict[str, int], hint: str) -> None:
         warnings.warn(f"{what}: a single point per line ({shown}); {hint}", stacklevel=2)
 
 
-def _save(fig, out: Path, stem: str) -> list[Path]:
+def save_figure(fig, out: Path, stem: str) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{stem}.{ext}" for ext in ("png", "pdf")]
     for p in paths:
@@ -134,7 +134,7 @@ def plot_perplexity(rows: Sequence[dict[str, Any]], out: Path) -> list[Path]:
     ax.set_title(f"Perplexity vs position ({', '.join(d for d in data if d)})")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(fig, out, "perplexity_vs_position")
+    return save_figure(fig, out, "perplexity_vs_position")
 
 
 def accuracy_grid(row: dict[str, Any]) -> tuple[list[int], list[float], np.ndarray] | None:
@@ -207,7 +207,7 @@ def _heatmap_figure(panels, out: Path, stem: str, title: str) -> list[Path]:
         ax.set_title(label(r) + (f" (n={trials[0]}/cell)" if len(trials) == 1 else ""), fontsize=8)
     fig.colorbar(im, ax=axes, shrink=0.8, label="accuracy")
     fig.suptitle(title)
-    return _save(fig, out, stem)
+    return save_figure(fig, out, stem)
 
 
 def plot_heatmaps(rows: Sequence[dict[str, Any]], out: Path) -> list[Path]:
@@ -251,7 +251,7 @@ def plot_pareto(rows: Sequence[dict[str, Any]], out: Path) -> list[Path]:
         metric, lower = pts[0][1][0], pts[0][1][2]
         pts = [(r, q) for r, q in pts if q[0] == metric]
         fig, _ = pareto_figure(task, pts, metric, lower)
-        paths += _save(fig, out, f"pareto_{_stem(task)}")
+        paths += save_figure(fig, out, f"pareto_{_stem(task)}")
     return paths
 
 

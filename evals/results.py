@@ -60,6 +60,7 @@ import numpy as np
 
 from kvpolicies.base import Policy
 from kvpolicies.codecs import Codec
+from kvpolicies.prompt import prompt_policy_of
 
 REPO = Path(__file__).resolve().parent.parent
 ARRAY_DIR = "arrays"
@@ -96,14 +97,14 @@ def file_digest(path: str | os.PathLike) -> str:
     return h.hexdigest()[:16]
 
 
-def _clean(x: Any) -> Any:
+def json_safe(x: Any) -> Any:
     """JSON-safe: numpy scalars/arrays to Python, non-finite floats to None (strict JSON)."""
     if isinstance(x, dict):
-        return {str(k): _clean(v) for k, v in x.items()}
+        return {str(k): json_safe(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
+        return [json_safe(v) for v in x]
     if isinstance(x, np.ndarray):
-        return _clean(x.tolist())
+        return json_safe(x.tolist())
     if isinstance(x, np.generic):
         x = x.item()
     if isinstance(x, float) and not math.isfinite(x):
@@ -216,7 +217,7 @@ def append(path: str | os.PathLike, row: dict[str, Any]) -> None:
     """Append `row` as one JSON line: under the exclusive lock, repair a partial last line, then
     one write on an O_APPEND descriptor (see the module docstring)."""
     path = Path(path)
-    data = (json.dumps(_clean(row), allow_nan=False, separators=(",", ":")) + "\n").encode()
+    data = (json.dumps(json_safe(row), allow_nan=False, separators=(",", ":")) + "\n").encode()
     try:
         _append(path, data)
     except OSError as e:  # a full disk, a file gone read-only: name the path
@@ -476,7 +477,7 @@ def memory(policies: Sequence[Policy], *, kv_heads: int, head_dim: int, max_len:
             for p in policies))
     read = int(sum(km.bytes_read_per_step(p, context=max_len - 1, **kw).read.total for p in policies))
     read = read if read < sb.total else None
-    prompt = tuple(p.prompt_policy() for p in policies)
+    prompt = tuple(prompt_policy_of(p) for p in policies)
     prompt_bytes = km.stack_bytes(prompt, **kw).total if prompt != tuple(policies) else None
     return {
         "max_len": max_len, "dtype": dtype.name, "layers": len(policies),

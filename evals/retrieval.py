@@ -102,7 +102,7 @@ class Prompt:
     depths: tuple[float, ...]
 
 
-def _has_template(tok: Any) -> bool:
+def has_chat_template(tok: Any) -> bool:
     return getattr(tok, "chat_template", None) is not None and hasattr(tok, "apply_chat_template")
 
 
@@ -111,7 +111,7 @@ def frame(tok: Any, instruction: str, question: str, answer_prefix: str) -> tupl
     header + answer prefix). The chat template is rendered once around a sentinel and split."""
     sentinel = "\x00HAYSTACK\x00"
     content = f"{instruction}\n\n{sentinel}\n\n{question}"
-    if _has_template(tok):
+    if has_chat_template(tok):
         text = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
     else:
         text = content + "\n"
@@ -218,7 +218,7 @@ def generate(engine, prompts: Sequence[np.ndarray], n: int, batch: int, chunk: i
     return out
 
 
-def _decode(tok: Any, ids: list[int]) -> str:
+def decode_until_eos(tok: Any, ids: list[int]) -> str:
     eos = getattr(tok, "eos_id", None)
     if eos is not None and eos in ids:
         ids = ids[:ids.index(eos)]
@@ -233,7 +233,7 @@ KEYS = {
 }
 
 
-def _ints(task: dict, key: str, default: Any, lo: int = 1) -> list[int]:
+def int_list(task: dict, key: str, default: Any, lo: int = 1) -> list[int]:
     v = task.get(key, default)
     vals = [v] if isinstance(v, (int, str)) or not hasattr(v, "__iter__") else list(v)
     if not vals or any(not isinstance(x, int) or isinstance(x, bool) or x < lo for x in vals):
@@ -253,18 +253,18 @@ def check(task: dict, name: str | None = None) -> dict[str, Any]:
         raise ValueError(f"task {name}: unknown key(s) {unknown}; its keys are {sorted(KEYS[name])}")
     out: dict[str, Any] = {"name": name}
     if name == "recall":
-        out["n_pairs"] = _ints(task, "n_pairs", 32)
-        out["trials"] = _ints(task, "trials", 256)[0]
+        out["n_pairs"] = int_list(task, "n_pairs", 32)
+        out["trials"] = int_list(task, "trials", 256)[0]
         for k in ("n_keys", "n_values"):
             if k in task:
-                out[k] = _ints(task, k, None)[0]
+                out[k] = int_list(task, k, None)[0]
         return out
-    out["lengths"] = _ints(task, "lengths", [512], lo=2)
+    out["lengths"] = int_list(task, "lengths", [512], lo=2)
     out["extrapolate"] = task.get("extrapolate", False)
     if not isinstance(out["extrapolate"], bool):
         raise ValueError(f"task.extrapolate={out['extrapolate']!r}: must be true or false")
-    out["trials"] = _ints(task, "trials", 4)[0]
-    out["batch"] = min(_ints(task, "batch", 4)[0], out["trials"])
+    out["trials"] = int_list(task, "trials", 4)[0]
+    out["batch"] = min(int_list(task, "batch", 4)[0], out["trials"])
     out["protocol"] = task.get("protocol", "query_aware")
     if out["protocol"] not in ("query_aware", "query_agnostic"):
         raise ValueError(f"task.protocol={out['protocol']!r}: must be query_aware or query_agnostic")
@@ -280,7 +280,7 @@ def check(task: dict, name: str | None = None) -> dict[str, Any]:
         if out["haystack"] not in ("filler", "text"):
             raise ValueError(f"task.haystack={out['haystack']!r}: must be 'filler' or 'text'")
     if name == "multikey":
-        out["n_keys"] = _ints(task, "n_keys", 4)[0]
+        out["n_keys"] = int_list(task, "n_keys", 4)[0]
         out["key_kind"] = task.get("key_kind", "words")
         if out["key_kind"] not in ("words", "uuid"):
             raise ValueError(f"task.key_kind={out['key_kind']!r}: must be 'words' or 'uuid'")
@@ -387,7 +387,7 @@ def needle_prompts(tok: Any, length: int, depths: Sequence[float] | None, n_keys
     return out
 
 
-def _text_haystack(tok: Any, text: str, max_len: int):
+def text_haystack_ids(tok: Any, text: str, max_len: int):
     ids = text_tokens(tok, text, max_len)
     ends = sentence_ends(tok, ids)
     starts = _paragraph_starts(tok, ids, max(len(ids) - max_len - SNAP, 1))
@@ -412,7 +412,7 @@ def _score(ctx: TaskContext, cells: list[tuple[dict, list[Prompt]]], n_gen: int,
             samples = [Sample(p.tokens, (p.answer,), p.haystack[1]) for p in prompts]
             ids = [x for b in range(0, len(samples), batch)
                    for x in answer(engine, samples[b:b + batch], n_gen, protocol, ctx.chunk)]
-        texts = [_decode(ctx.tokenizer, x) for x in ids]
+        texts = [decode_until_eos(ctx.tokenizer, x) for x in ids]
         ok = [score(t, p.answer) for t, p in zip(texts, prompts)]
         lo, hi = wilson(float(np.sum(ok)), len(ok))
         grid.append(rec | {"accuracy": float(np.mean(ok)), "trials": len(prompts), "ci_low": lo, "ci_high": hi})
@@ -431,7 +431,7 @@ def passkey(ctx: TaskContext) -> TaskResult:
     _need_text_model(ctx, "passkey", cfg["haystack"] == "text")
     tok = ctx.tokenizer
     if cfg["haystack"] == "text":
-        ids, ends, starts = _text_haystack(tok, ctx.text, max(cfg["lengths"]))
+        ids, ends, starts = text_haystack_ids(tok, ctx.text, max(cfg["lengths"]))
     else:
         ids = filler_haystack(tok, max(cfg["lengths"]))
         ends, starts = sentence_ends(tok, ids), None
@@ -447,7 +447,7 @@ def niah(ctx: TaskContext) -> TaskResult:
     cfg = check(ctx.task, "niah")
     _need_text_model(ctx, "niah", True)
     tok = ctx.tokenizer
-    ids, ends, starts = _text_haystack(tok, ctx.text, max(cfg["lengths"]))
+    ids, ends, starts = text_haystack_ids(tok, ctx.text, max(cfg["lengths"]))
     cells = [({"length": n, "depth": d},
               needle_prompts(tok, n, [d], 1, "names", cfg["trials"], ctx.seed, ids, ends, starts, multi=False))
              for n in cfg["lengths"] for d in cfg["depths"]]
@@ -461,7 +461,7 @@ def multikey(ctx: TaskContext) -> TaskResult:
     cfg = check(ctx.task, "multikey")
     _need_text_model(ctx, "multikey", True)
     tok = ctx.tokenizer
-    ids, ends, starts = _text_haystack(tok, ctx.text, max(cfg["lengths"]))
+    ids, ends, starts = text_haystack_ids(tok, ctx.text, max(cfg["lengths"]))
     cells = [({"length": n, "n_keys": cfg["n_keys"], "key_kind": cfg["key_kind"]},
               needle_prompts(tok, n, None, cfg["n_keys"], cfg["key_kind"], cfg["trials"], ctx.seed, ids, ends,
                              starts, multi=True))

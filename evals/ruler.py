@@ -139,12 +139,12 @@ def _prompt_sample(p: R.Prompt, refs: Sequence[str]) -> Sample:
     return Sample(p.tokens, tuple(refs), p.haystack[1], p.needle_starts, p.depths)
 
 
-def _words_key(rng: np.random.Generator, n: int) -> list[str]:
+def word_keys(rng: np.random.Generator, n: int) -> list[str]:
     pick = rng.choice(len(R.ADJECTIVES) * len(R.NOUNS), n, replace=False)
     return [f"{R.ADJECTIVES[i // len(R.NOUNS)]}-{R.NOUNS[i % len(R.NOUNS)]}" for i in pick]
 
 
-def _values(rng: np.random.Generator, n: int, kind: str) -> list[str]:
+def needle_values(rng: np.random.Generator, n: int, kind: str) -> list[str]:
     if kind == "uuid":
         return [str(uuid.UUID(bytes=rng.bytes(16), version=4)) for _ in range(n)]
     return [str(v) for v in rng.integers(1_000_000, 10_000_000, n)]
@@ -175,7 +175,7 @@ def haystack(tok: Any, kind: str, text: str | None, n: int) -> Haystack:
         text = paul_graham()
     if text is None:
         raise ValueError(f"haystack={kind}: needs the run's text (data=...)")
-    ids, ends, starts = R._text_haystack(tok, text, n)
+    ids, ends, starts = R.text_haystack_ids(tok, text, n)
     return Haystack(ids, ends, starts)
 
 
@@ -192,8 +192,8 @@ def niah_samples(tok: Any, hay: Haystack, length: int, trials: int, seed: int, *
     single = n_queries * n_values == 1
     out = []
     for _ in range(trials):
-        keys = _words_key(rng, n_keys)
-        values = [_values(rng, n_values, value_kind) for _ in keys]
+        keys = word_keys(rng, n_keys)
+        values = [needle_values(rng, n_values, value_kind) for _ in keys]
         needles = [(k, v) for k, vs in zip(keys, values) for v in vs]
         order = rng.permutation(len(needles))  # RULER shuffles the needles
         needles = [needles[i] for i in order]
@@ -385,8 +385,8 @@ def multiquery_samples(tok: Any, hay: Haystack, length: int, trials: int, seed: 
     plural, one = VALUE_KINDS[value_kind]
     out = []
     for _ in range(trials):
-        keys = _words_key(rng, n_queries)
-        values = _values(rng, n_queries, value_kind)
+        keys = word_keys(rng, n_queries)
+        values = needle_values(rng, n_queries, value_kind)
         at = list(np.sort(rng.choice(DEPTH_GRID, n_queries, replace=False)))
         head, _ = R.frame(tok, NIAH_INSTRUCTION.format(kind=plural), "", "")
         questions = []
@@ -417,11 +417,11 @@ def check(task: dict, name: str | None = None) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"task {name}: unknown key(s) {unknown}; its keys are {sorted(set(defaults) | {'name'})}")
     cfg = {"name": name} | {k: task.get(k, v) for k, v in defaults.items()}
-    cfg["lengths"] = R._ints(cfg, "lengths", None, lo=2)
+    cfg["lengths"] = R.int_list(cfg, "lengths", None, lo=2)
     for k in ("trials", "batch", "gen", "n_keys", "n_values", "n_queries", "n_chains", "n_hops", "num_cw",
               "freq_cw", "freq_ucw", "word_len"):
         if k in cfg:
-            cfg[k] = R._ints(cfg, k, None)[0]
+            cfg[k] = R.int_list(cfg, k, None)[0]
     cfg["batch"] = min(cfg["batch"], cfg["trials"])
     if cfg["protocol"] not in PROTOCOLS:
         raise ValueError(f"task.protocol={cfg['protocol']!r}: must be one of {list(PROTOCOLS)}")
@@ -497,8 +497,8 @@ def check_prompts(task: dict, tok: Any, seed: int) -> None:
 
 
 # -- running --------------------------------------------------------------------------------------
-def _text(tok: Any, ids: Sequence[int]) -> str:
-    return R._decode(tok, list(map(int, ids)))
+def ids_text(tok: Any, ids: Sequence[int]) -> str:
+    return R.decode_until_eos(tok, list(map(int, ids)))
 
 
 def _metrics(grid: list[dict], lengths: list[int]) -> dict[str, float]:
@@ -541,7 +541,7 @@ def run(ctx: TaskContext) -> TaskResult:
         ss = samples(cfg, tok, ctx.text, n, ctx.seed, d, hay)
         texts = []
         for b in range(0, len(ss), cfg["batch"]):
-            texts += [_text(tok, x) for x in answer(engine, ss[b:b + cfg["batch"]], cfg["gen"], cfg["protocol"],
+            texts += [ids_text(tok, x) for x in answer(engine, ss[b:b + cfg["batch"]], cfg["gen"], cfg["protocol"],
                                                     ctx.chunk)]
         sc = [string_match_all(t, s.refs) for t, s in zip(texts, ss)]
         rec = {"length": n, "protocol": cfg["protocol"]} | ({"depth": d} if d is not None else {})
@@ -581,7 +581,7 @@ def run_multiquery(ctx: TaskContext, cfg: dict[str, Any]) -> TaskResult:
                 else:
                     ids = engine.continue_generate(engine.compress(engine.extend_prompt(state, q[None], ctx.chunk)),
                                                    [], cfg["gen"])
-                outs[t, i] = _text(tok, ids[0])
+                outs[t, i] = ids_text(tok, ids[0])
                 sc[t, i] = string_match_all(outs[t, i], [ref])
         for i in range(nq):
             grid.append({"length": n, "question": i, "protocol": cfg["protocol"]} | accuracy_record(sc[:, i]))

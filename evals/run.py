@@ -269,7 +269,7 @@ def _run(conf: dict[str, Any], policy: kvpolicies.Policy, key: str, sizing: dict
         **({"failed": failed} if failed else {}),
     }
     R.append(results, row)
-    return R._clean(row)
+    return R.json_safe(row)
 
 
 def run_job(cfg: DictConfig) -> dict[str, Any]:

@@ -54,10 +54,10 @@ def task_set(spec: str) -> tuple[list[str], dict[str, Any]]:
     '[a,b]' -> ([a, b], {})."""
     from omegaconf import OmegaConf
 
-    from evals.compare import _list
+    from evals.compare import list_value
     from evals.config import TASKS
 
-    names = _list("tasks", spec)
+    names = list_value("tasks", spec)
     if len(names) == 1 and names[0] not in TASKS:
         path = CONFIG_DIR / "task" / f"{names[0]}.yaml"
         node = OmegaConf.to_container(OmegaConf.load(path)) if path.is_file() else None
@@ -71,7 +71,7 @@ def task_set(spec: str) -> tuple[list[str], dict[str, Any]]:
 
 
 def parse_args(argv: Sequence[str]) -> SuiteArgs:
-    from evals.compare import _list
+    from evals.compare import list_value
 
     own, rest = {}, []
     for item in argv:
@@ -85,7 +85,7 @@ def parse_args(argv: Sequence[str]) -> SuiteArgs:
     tasks, keys = task_set(own.get("tasks", "ruler"))
     given = {item.split("=", 1)[0].removeprefix("task.") for item in rest if item.startswith("task.")}
     keys = {k: v for k, v in keys.items() if k not in given}
-    extra = _list("extra", own["extra"]) if "extra" in own else []
+    extra = list_value("extra", own["extra"]) if "extra" in own else []
     import kvpolicies
 
     for p in extra:
@@ -166,13 +166,13 @@ def run(argv: Sequence[str]) -> tuple[list[dict[str, Any]], list[Path]]:
     write each task's table (evals.compare) and the averaged one; returns (average, paths)."""
     from evals import compare
     from evals import results as R
-    from evals.compare import _compose
+    from evals.compare import compose_run
     from evals.run import run_config, run_key
     from evals.config import build_policy
 
     a = parse_args(argv)
     plans = {t: compare.plan(task_argv(a, t)) for t in a.tasks}
-    extras = {t: [(p, _compose([f"task={t}"] + [_override(k, v) for k, v in a.task_keys.items()]
+    extras = {t: [(p, compose_run([f"task={t}"] + [_override(k, v) for k, v in a.task_keys.items()]
                                + [x for x in a.compare_argv if not x.startswith(("policies=", "budgets="))]
                                + [f"policy={p}"])) for p in a.extra] for t in a.tasks}
     tables: dict[str, list[dict[str, Any]]] = {}

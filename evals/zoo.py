@@ -96,7 +96,7 @@ def _describe_cached(blob: str, stamp: tuple):
         with warnings.catch_warnings():  # its warnings come again, once, when the model loads
             warnings.simplefilter("ignore")
             try:
-                config = loading._hf_config(cfg, folder.name, has_lm_head=True)
+                config = loading.hf_config(cfg, folder.name, has_lm_head=True)
             except (KeyError, TypeError) as e:
                 raise ValueError(f"{folder / 'config.json'}: missing or bad field {e}") from None
         check_hf_tensors(folder, config)
@@ -126,10 +126,10 @@ def check_hf_tensors(folder: pathlib.Path, config) -> None:
 
     from safetensors import safe_open
 
-    from models.loading import _hf_weight_files
+    from models.loading import hf_weight_files
 
     shapes: dict[str, tuple[int, ...]] = {}
-    for f in _hf_weight_files(folder):
+    for f in hf_weight_files(folder):
         with safe_open(str(f), framework="numpy") as h:
             for key in h.keys():
                 shapes[key] = tuple(h.get_slice(key).get_shape())

@@ -31,11 +31,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from kvpolicies.base import (EMPTY, Policy, RopePositions, View, check_choice, check_int, concat, empty_slots,
-                             encode_new, take_slots)
+from kvpolicies.base import EMPTY, Policy, RopePositions, View, empty_slots
+from kvpolicies.budgets import Budgeted
+from kvpolicies.checks import check_choice, check_int
 from kvpolicies.codecs import Codec, Identity
-from kvpolicies.prompt import PromptPhase, PromptState
+from kvpolicies.prompt import PromptCompressor, PromptPhase, PromptState
 from kvpolicies.scored import LAST_KEY, Accumulated, top_mask
+from kvpolicies.slots import concat, encode_new, take_slots
 from kvpolicies.snapkv import SnapKV
 
 
@@ -83,7 +85,7 @@ def head_of(pos: Int[Array, "B 1 V"], kv_heads: int) -> Int[Array, "B 1 V"]:
 
 
 @dataclasses.dataclass(frozen=True)
-class AdaKV(Policy):
+class AdaKV(Budgeted, PromptCompressor, Policy):
     """SnapKV with head-adaptive budgets: a layer keeps K x budget candidates in all.
 
     Compression (after the prompt, and again on overflow for streams, as `snapkv`): every kv head
@@ -191,7 +193,7 @@ class AdaKV(Policy):
         kept_h = self._compress(jnp.where(per_head, obs, 0.0), jnp.where(per_head, slots.pos, EMPTY), s)
         kept = jnp.where(over, kept_h.any(axis=1, keepdims=True) & filled, filled)  # [B, 1, V]
         slots = dataclasses.replace(slots, mass=jnp.where(over, 0.0, obs))
-        return _map(lambda x: _rows(x, kh), pack_by_head(slots, kept, head, p))
+        return as_rows(pack_by_head(slots, kept, head, p), kh)
 
     def _compress(self, window: Float[Array, "B K V"], pos: Int[Array, "B K V"], s: int, b=None,
                   safe_n=None) -> Bool[Array, "B K V"]:
@@ -270,7 +272,7 @@ def prompt_pool(state: PromptState, kept: Bool[Array, "B K M"], mass: Float[Arra
     flat = lambda x: x.reshape((b, 1, kh * m) + x.shape[3:])  # noqa: E731  head-major [B, 1, K*M, ...]
     slots = HeadPool(jax.tree.map(flat, state.k), jax.tree.map(flat, state.v), flat(pos), mass=flat(mass))
     head = flat(jnp.broadcast_to(jnp.arange(kh, dtype=jnp.int32)[None, :, None], (b, kh, m)))
-    return _map(lambda x: _rows(x, kh), pack_by_head(slots, flat(kept), head, p))
+    return as_rows(pack_by_head(slots, flat(kept), head, p), kh)
 
 
 def _flat(x: Array) -> Array:
@@ -285,6 +287,12 @@ def _rows(x: Array, kv_heads: int) -> Array:
 
 def _map(fn, state: HeadPool) -> HeadPool:
     return HeadPool(*(jax.tree.map(fn, getattr(state, f.name)) for f in dataclasses.fields(state)))
+
+
+def as_rows(pool: HeadPool, kv_heads: int) -> HeadPool:
+    """A flat pool [B, 1, P, ...] stored as its K rows [B, K, S, ...] (a free reshape; row r holds
+    pool slots r*S..r*S+S-1, not head r)."""
+    return _map(lambda x: _rows(x, kv_heads), pool)
 
 
 def pack_by_head(slots: HeadPool, kept: Bool[Array, "B 1 V"], head: Int[Array, "B 1 V"], p: int) -> HeadPool:

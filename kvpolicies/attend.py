@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from kvpolicies.attention import Block, Gather, Tuning, attend, attend_step, causal, record_visible, recording
 from kvpolicies.attention.tuning import DEFAULT
-from kvpolicies.base import Deferred, Policy, Seen, SlotState, View, check_codec, take_slots, write_deferred
+from kvpolicies.base import Deferred, Policy, Seen, SlotState, View, check_codec
+from kvpolicies.slots import take_slots, write_deferred
 
 __all__ = ["DEFAULT", "Block", "Deferred", "Gather", "Policy", "Seen", "SlotState", "Tuning", "View", "attend",
            "attend_step", "causal", "check_codec", "record_visible", "recording", "take_slots", "write_deferred"]

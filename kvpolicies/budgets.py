@@ -8,6 +8,10 @@ stored bytes per layer, the same for every policy of a comparison:
     budget r (float)    r in (0, 1]: floor(r x the bytes of the `full` cache at max_len)
                         (kvpress's compression ratio is 1 - r).
 
+**The capability** (`Budgeted`): a policy with a token budget inherits `Budgeted` and names its
+budget field; `for_tokens(n)` builds the policy that keeps n tokens in all. Everything below
+sizes such policies (`budget_field_of(policy)` is None for the others).
+
 A policy is sized to the largest argument n of its `for_tokens(n, codec=..., **fields)` whose
 stored state (`kvpolicies.memory.state_bytes(...).total`) fits the budget. Everything stored
 counts: sinks, recent windows, observation windows and decode slots, codec codes *and* scales,
@@ -15,8 +19,8 @@ slot positions and bookkeeping (h2o/snapkv's accumulated attention), so an int4 
 about 3x the tokens of bf16, and h2o (positions and scores per kv head) a few percent fewer
 than window. The sized policy stores at most the budget and within one slot (one token in
 every kv head, with its metadata) of it: one more token would not fit, unless the policy
-already holds every token up to max_len. Policies without a token budget (`budget_field` is
-None: full, quest, kivi, hier) cannot be sized and raise ValueError saying so.
+already holds every token up to max_len. Policies without a token budget (not `Budgeted`: full,
+quest, kivi, hier) cannot be sized and raise ValueError saying so.
 
 `python -m kvpolicies.budgets --budget 0.25` prints what each registered policy keeps under
 one budget (the table of docs/guide/budgets.md).
@@ -24,7 +28,7 @@ one budget (the table of docs/guide/budgets.md).
 **Token budgets** (`from_ratio`, `uniform`, `pyramid`). The older interface: a number of tokens
 written to the *budget field*. A policy's budget is fixed at construction (so its state has a
 fixed shape and one compiled step serves every step). Each budgeted policy declares one
-budget field (`Policy.budget_field`): the tokens its eviction rule chooses; anything it always
+budget field (`Budgeted.budget_field`): the tokens its eviction rule chooses; anything it always
 keeps on top (h2o's `recent` window, snapkv's observation window and decode slots, sink's sinks)
 is a separate field, kept the same in every layer, as PyramidKV keeps its observation window
 in every layer. Today: h2o heavy, tova budget, snapkv / pyramidkv / knorm / random / observed /
@@ -42,17 +46,40 @@ import dataclasses
 import math
 import numbers
 from collections.abc import Callable
+from typing import Any, ClassVar
 
 import jax.numpy as jnp
 
-from kvpolicies.base import Policy, check_choice, check_int
+from kvpolicies.base import Policy
+from kvpolicies.checks import check_choice, check_int
+
+
+class Budgeted:
+    """Capability: a token budget. `budget_field` names the field a number of tokens sets: the
+    tokens the policy's eviction rule chooses (anything it always keeps on top, h2o's recent window,
+    snapkv's observation window, sink's sinks, is a separate field). `for_tokens(n)` is the policy
+    that keeps n tokens in all: by default the budget field set to n; a policy whose kept tokens
+    include other fields overrides it to split n (h2o: recent = n // 2, heavy = the rest)."""
+
+    budget_field: ClassVar[str]
+
+    @classmethod
+    def for_tokens(cls, n: int, **kw) -> Policy:
+        """The policy that keeps n tokens in all (its budget field set to n)."""
+        return cls(**{cls.budget_field: n}, **kw)
+
+
+def budget_field_of(policy: Any) -> str | None:
+    """The field a token budget sets on `policy` (a policy or its class); None without a budget."""
+    cls = policy if isinstance(policy, type) else type(policy)
+    return cls.budget_field if issubclass(cls, Budgeted) else None
 
 
 def budgeted() -> dict[str, type[Policy]]:
-    """Registered policies that declare a budget field."""
+    """Registered policies that have a token budget (`Budgeted`)."""
     from kvpolicies import POLICIES  # the registry imports this package's policies
 
-    return {n: cls for n, cls in POLICIES.items() if cls.budget_field is not None}
+    return {n: cls for n, cls in POLICIES.items() if issubclass(cls, Budgeted)}
 
 
 def _policy_class(name: str) -> type[Policy]:
@@ -201,8 +228,8 @@ def _sizable(name: str, fields: dict, what: str) -> type[Policy]:
     from kvpolicies import check_fields
 
     cls = check_fields(name, fields)
-    if cls.budget_field is None:
-        raise ValueError(f"policy {name!r} cannot be sized: it has no token budget (no budget_field); "
+    if not issubclass(cls, Budgeted):
+        raise ValueError(f"policy {name!r} cannot be sized: it has no token budget (not Budgeted); "
                          f"{what} applies to one of {sorted(budgeted())}")
     if cls.budget_field in fields:
         raise ValueError(f"{name}.{cls.budget_field}={fields[cls.budget_field]!r} conflicts with {what}: "
@@ -238,7 +265,7 @@ def sized_bytes(name: str, nbytes: int, /, *, max_len: int, kv_heads: int, head_
     Stored bytes are non-decreasing in n for every policy (more tokens, more slots); a binary
     search then costs ~2 log2(max_len) `jax.eval_shape` calls, nothing allocated.
 
-    ValueError: `name` has no budget_field ("cannot be sized"), `fields` set the budget field
+    ValueError: `name` is not `Budgeted` ("cannot be sized"), `fields` set the budget field
     (a conflicting size), or even the smallest valid policy does not fit.
     """
     from kvpolicies.codecs import get_codec
@@ -341,7 +368,7 @@ def budget_table(budget: int | float, *, max_len: int, kv_heads: int, head_dim: 
     for codec in codecs:
         for name, cls in POLICIES.items():
             row = dict(policy=name, codec=codec, target=nbytes)
-            if cls.budget_field is None:
+            if not issubclass(cls, Budgeted):
                 rows.append(dict(row, fields="not sized", slots=None, bytes=None))
                 continue
             pol = sized(name, budget, max_len=max_len, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
@@ -391,6 +418,6 @@ def context_kept(policy: Policy, n: int) -> int:
         return min(policy.kept_for(n), n)
     if hasattr(policy, "kept"):  # PromptScored: budget (+ snapkv's window)
         return min(policy.kept(), n)
-    if getattr(policy, "budget_field", None) == "budget" and hasattr(policy, "max_new"):  # adakv, kvzip
+    if budget_field_of(policy) == "budget" and hasattr(policy, "max_new"):  # adakv, kvzip
         return min(policy.capacity(n + policy.max_new) - policy.max_new, n)
     return min(policy.capacity(n), n)

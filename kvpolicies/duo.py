@@ -34,12 +34,16 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
 
-from kvpolicies.base import (EMPTY, Policy, RopePositions, SlotState, View, check_choice, check_int, empty_slots, flat,
-                             held_sorted, keys_rotated, scatter, tree_nbytes)
+from kvpolicies.base import EMPTY, Policy, RopePositions, SlotState, View, empty_slots, held_sorted, keys_rotated
+from kvpolicies.checks import check_choice, check_int
 from kvpolicies.codecs import Codec, Identity
 from kvpolicies.full import Full
 from kvpolicies.limits import Bounded
+from kvpolicies.memory import tree_nbytes
+from kvpolicies.presets import Preset
+from kvpolicies.prompt import PromptCompressor
 from kvpolicies.sink import Sink
+from kvpolicies.slots import flat, scatter
 
 
 @jax.tree_util.register_dataclass
@@ -93,7 +97,7 @@ def heads_from_scores(scores: np.ndarray, threshold: float = 0.5, sparsity: floa
 
 
 @dataclasses.dataclass(frozen=True)
-class Duo(Bounded, Policy):
+class Duo(Preset, PromptCompressor, Bounded, Policy):
     """Retrieval kv heads (heads[h] = 1) see every token; streaming heads (0) see the first `sink`
     tokens and the newest `recent` (the query itself included: key j visible to query p iff
     j < sink or j > p - recent, the authors' streaming mask), at their text positions (the

@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kvpolicies.base import SlotState, check_int
+from kvpolicies.base import SlotState
+from kvpolicies.checks import check_int
 from kvpolicies.codecs import Codec, Identity
 from kvpolicies.prompt import query_sums
 from kvpolicies.prompt_scored import PromptScored, rank_by

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvpolicies.base import Policy, append_view, encode_new, keys_rotated, write_at
+from kvpolicies.base import Policy, keys_rotated
 from kvpolicies.codecs import Codec, Identity
 from kvpolicies.limits import Bounded
+from kvpolicies.slots import PrefixSlots, append_view, encode_new, write_at
 
 
 @dataclasses.dataclass(frozen=True)
-class Full(Bounded, Policy):
-    """The dense baseline: slot i holds token i. New tokens are written in place (any T)."""
+class Full(PrefixSlots, Bounded, Policy):
+    """The dense baseline: slot i holds token i (`PrefixSlots`: a step at positions < n needs only
+    slots [0, n)). New tokens are written in place (any T)."""
 
     codec: Codec = Identity()
-    prefix_slots = True  # slot i holds token i: a step at positions < n needs only slots [0, n)
 
     @property
     def rotated_keys(self):

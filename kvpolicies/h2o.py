@@ -13,14 +13,15 @@ from typing import Literal
 
 import jax.numpy as jnp
 
-from kvpolicies.base import check_choice, check_int
+from kvpolicies.budgets import Budgeted
+from kvpolicies.checks import check_choice, check_int
 from kvpolicies.codecs import Codec, Identity
-from kvpolicies.prompt import PromptPhase
+from kvpolicies.prompt import PromptCompressor, PromptPhase
 from kvpolicies.scored import Accumulated, Scored, newest, pack, top_mask
 
 
 @dataclasses.dataclass(frozen=True)
-class H2O(Scored):
+class H2O(Budgeted, PromptCompressor, Scored):
     """Keeps `heavy` heavy hitters + the `recent` newest tokens (S = heavy + recent slots).
 
     The prompt (`prompt="dense"`, the default: the authors' real-drop path, FMInference/H2O

@@ -61,10 +61,12 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kvpolicies.base import EMPTY, Policy, RopePositions, SlotState, View, check_choice, check_int
+from kvpolicies.base import EMPTY, Policy, RopePositions, SlotState, View
+from kvpolicies.checks import check_choice, check_int
 from kvpolicies.codecs import Identity, check_scale_dtype, pack_bits, round_down, round_up, unpack_bits
 from kvpolicies.full import Full
 from kvpolicies.limits import Bounded
+from kvpolicies.prompt import PromptCompressor
 
 
 class KiviKeys(NamedTuple):
@@ -98,7 +100,7 @@ def _drop_index(i: Int[Array, "..."], keep: Array, size: int) -> Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class Kivi(Bounded, Policy):
+class Kivi(PromptCompressor, Bounded, Policy):
     """KIVI: all tokens kept (capacity max_len); 2- or 4-bit keys per channel, values per token."""
 
     per_token = True

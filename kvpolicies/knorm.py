@@ -10,14 +10,15 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from kvpolicies.base import check_int
+from kvpolicies.checks import check_int
 from kvpolicies.codecs import Codec, Identity
 from kvpolicies.full import Full
+from kvpolicies.presets import Preset
 from kvpolicies.prompt_scored import PromptScored, rank_by
 
 
 @dataclasses.dataclass(frozen=True)
-class Knorm(PromptScored):
+class Knorm(Preset, PromptScored):
     """After the prompt, keep per kv head the `budget` tokens with the lowest key L2 norm.
 
     The score is kvpress's `KnormPress` (NVIDIA/kvpress, score = -||k||) and the authors'

@@ -47,10 +47,12 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from kvpolicies.adakv import HeadPool, head_of, pool_view, prompt_pool
-from kvpolicies.base import Policy, check_choice, check_int, empty_slots
+from kvpolicies.base import Policy, empty_slots
+from kvpolicies.budgets import Budgeted
+from kvpolicies.checks import check_choice, check_int
 from kvpolicies.codecs import Codec, Identity
 from kvpolicies.kvzip import KVzip
-from kvpolicies.prompt import PromptPhase, PromptState
+from kvpolicies.prompt import PromptCompressor, PromptPhase, PromptState
 from kvpolicies.scored import top_mask
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "kvzap_weights"
@@ -108,7 +110,7 @@ def find_surrogate(kind: str, d_model: int, kv_heads: int, n_layers: int) -> str
 
 
 @dataclasses.dataclass(frozen=True)
-class KVzap(Policy):
+class KVzap(Budgeted, PromptCompressor, Policy):
     """Keep each kv head's last `window` tokens and the tokens a learned surrogate of KVzip scores
     highly (above `threshold`, or the layer's K x budget best)."""
 

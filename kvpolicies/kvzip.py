@@ -54,24 +54,25 @@ import numpy as np
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from kvpolicies.adakv import HeadPool, _map, _rows, pack_by_head, pool_view, prompt_pool
-from kvpolicies.base import (EMPTY, Policy, SlotState, check_choice, check_int, concat, empty_slots, encode_new,
-                             view_of)
+from kvpolicies.adakv import HeadPool, as_rows, pack_by_head, pool_view, prompt_pool
+from kvpolicies.base import EMPTY, Policy, SlotState, empty_slots
+from kvpolicies.budgets import Budgeted
+from kvpolicies.checks import check_choice, check_int
 from kvpolicies.codecs import Codec, Identity
-from kvpolicies.prompt import PromptPhase, PromptState
+from kvpolicies.prompt import PromptPhase, PromptState, Reconstructor, reconstructs
 from kvpolicies.scored import top_mask
+from kvpolicies.slots import concat, encode_new, view_of
 
 LOWEST = jnp.finfo(jnp.float32).min
 
 
 @dataclasses.dataclass(frozen=True)
-class KVzip(Policy):
+class KVzip(Budgeted, Reconstructor, Policy):
     """Keep, per layer, the K x budget tokens with the largest context-reconstruction score."""
 
     observes = ("logits",)
     per_token = True
     budget_field = "budget"
-    reconstructs = True
 
     budget: int = 1024  # tokens per kv head on average after compression (sinks and last token included)
     max_new: int = 256  # free slots per kv head on average for the question and the answer
@@ -157,7 +158,7 @@ class KVzip(Policy):
         kept_h = self.stream_keep(jnp.where(per_head, mass, 0.0), jnp.where(per_head, slots.pos, EMPTY), s)
         kept = jnp.where(over, kept_h.any(axis=1, keepdims=True) & filled, filled)  # [B, 1, V]
         slots = dataclasses.replace(slots, mass=mass)
-        return _map(lambda x: _rows(x, kh), pack_by_head(slots, kept, head, p))
+        return as_rows(pack_by_head(slots, kept, head, p), kh)
 
     # -- the paper's protocol ---------------------------------------------------------------------------
     def prompt_policy(self):
@@ -269,7 +270,7 @@ def recon_policy(p: Policy) -> Policy:
     writing; any other policy runs as it is (its writes are discarded)."""
     from kvpolicies.full import Full
 
-    if isinstance(p, PromptPhase) and p.of is not None and p.of.reconstructs:
+    if isinstance(p, PromptPhase) and p.of is not None and reconstructs(p.of):
         return p.of.reconstruction()
     if isinstance(p, (PromptPhase, Full)):
         return Reconstruct(codec=p.codec, rotated=p.rotated_keys, phase=p)  # runs as the prompt cache's

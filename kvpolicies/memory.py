@@ -12,10 +12,23 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from kvpolicies.base import Policy, meta_fields, tree_nbytes
+from kvpolicies.base import Policy, SlotState
+
+
+def tree_nbytes(tree) -> int:
+    """Bytes of all array leaves of a concrete or abstract (`jax.eval_shape`) pytree."""
+    return int(sum(np.prod(x.shape, dtype=np.int64) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
+
+
+def meta_fields(state: SlotState) -> dict[str, Any]:
+    """Everything a state stores besides its encoded keys and values (positions, bookkeeping)."""
+    return {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.name not in ("k", "v")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,10 +100,25 @@ def bytes_read_per_step(
     dtype=jnp.bfloat16,
 ) -> StepBytes:
     """Bytes stored, and bytes read by the decode step of the query at position `context`
-    (the policy's `decode_reads`: every filled slot by default; Quest its selected pages)."""
+    (`decode_reads`: every filled slot by default; Quest its selected pages)."""
     if context < 0 or context >= max_len:
         raise ValueError(f"context={context}: must be in [0, {max_len - 1}] (a query position below max_len)")
     shape = jax.eval_shape(lambda: policy.init(batch, kv_heads, head_dim, dtype, max_len))
-    kv, meta = policy.decode_reads(shape, context)
+    kv, meta = decode_reads(policy, shape, context)
     scale = lambda sb: StateBytes(kv=sb.kv * n_layers, meta=sb.meta * n_layers)  # noqa: E731
     return StepBytes(stored=scale(tree_bytes(shape)), read=scale(StateBytes(kv=kv, meta=meta)))
+
+
+def decode_reads(policy: Policy, state: SlotState, context: int) -> tuple[int, int]:
+    """(kv bytes, meta bytes) of `state` (concrete or abstract) that the decode step of the query at
+    position `context` reads. By default every filled slot: min(S, context + 1) of the S slots. A
+    policy that reads less (quest's selected pages) or stores its slots otherwise (duo's two
+    groups, paged's blocks) says so with a method of the same name, `decode_reads(state, context)`,
+    which this function calls instead."""
+    own = getattr(policy, "decode_reads", None)
+    if own is not None:
+        return own(state, context)
+    s = state.slots
+    filled = min(s, context + 1)
+    kv, meta = tree_nbytes((state.k, state.v)), tree_nbytes(meta_fields(state))
+    return kv * filled // s, meta * filled // s

@@ -41,8 +41,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from kvpolicies.base import Policy, RopePositions, SlotState, check_choice, check_int, concat, encode_new, scatter, view_of
+from kvpolicies.base import Policy, RopePositions, SlotState
+from kvpolicies.checks import check_choice, check_int
 from kvpolicies.codecs import Codec, Identity
+from kvpolicies.slots import concat, encode_new, scatter, view_of
 
 
 def _div(a: Int[Array, "*s"], b) -> Int[Array, "*s"]:
@@ -77,7 +79,6 @@ class MultiRes(Policy):
     distances stay below the cache size; exact for chunks too, with one RoPE segment per level.
     """
 
-    run_keys = {"window": "window"}
 
     window: int = 1024
     branch: int = 4

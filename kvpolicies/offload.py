@@ -38,7 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
 
-from kvpolicies.base import SlotState, tree_nbytes
+from kvpolicies.base import SlotState
+from kvpolicies.memory import tree_nbytes
 
 HOST = jax.memory.Space.Host
 DEVICE = jax.memory.Space.Device

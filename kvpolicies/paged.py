@@ -68,10 +68,12 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from kvpolicies.base import (EMPTY, Policy, SlotState, View, check_choice, check_int, concat, encode_new, held_sorted,
-                             tree_nbytes, view_of)
+from kvpolicies.base import EMPTY, Policy, SlotState, View, held_sorted
+from kvpolicies.checks import check_choice, check_int
 from kvpolicies.codecs import Codec, Identity
 from kvpolicies.limits import Bounded
+from kvpolicies.memory import tree_nbytes
+from kvpolicies.slots import concat, encode_new, view_of
 
 
 @jax.tree_util.register_dataclass

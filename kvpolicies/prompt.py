@@ -1,11 +1,18 @@
-"""The prompt phase of a prompt-compression method (snapkv, pyramidkv, knorm, random,
-observed, expected, ...).
+"""Prompt compression: the capability (`PromptCompressor`, `Reconstructor`) and the prompt phase
+of a prompt-compression method (snapkv, pyramidkv, knorm, random, observed, expected, ...).
 
 Shapes: B batch, K kv heads, G query heads per kv head, T new tokens, S slots (= max_len;
 slot j holds token j), W observation window (rows), D head dim.
 
-Such a method runs dense attention over the whole prompt, then compresses the cache once
-(`Policy.after_prompt`) before decoding. During the prompt every token is kept, as `full`
+A prompt compressor (`PromptCompressor`) holds a fresh prompt in another policy, its prompt
+phase (`prompt_policy()`), and turns that state into its decode state once, after the whole
+prompt (`after_prompt(state)`). The engine asks every policy through `prompt_policy_of(policy)`
+and `after_prompt(policy, state)`, which give the streaming default (the policy itself, the
+state unchanged) to a policy without the capability. A `Reconstructor` (kvzip) also scores its
+prompt with a second model pass between the two (`reconstruction()`; `reconstructs(policy)`).
+
+Most such methods run dense attention over the whole prompt, then compress the cache once
+(`after_prompt`) before decoding. During the prompt every token is kept, as `full`
 does, and the attention rows of the newest W queries (summed over each kv head's G query
 heads) are kept too, so the compression after the prompt sees exactly the last W queries'
 attention — the question's, in a retrieval prompt — whatever the prefill chunk size.
@@ -26,9 +33,52 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kvpolicies.base import (Policy, SlotState, check_int, empty_slots, encode_new, head_slots, put_head, view_of,
-                             write_at)
+from kvpolicies.base import Policy, SlotState, empty_slots
+from kvpolicies.checks import check_int
 from kvpolicies.limits import Bounded
+from kvpolicies.slots import PrefixSlots, encode_new, head_slots, put_head, view_of, write_at
+
+
+class PromptCompressor:
+    """Capability: a fresh prompt is held by another policy, the prompt phase (`prompt_policy`), whose
+    state `after_prompt` turns into this policy's decode state, once, as decoding starts (the
+    engine's `compress`). A policy that compresses only in some settings (h2o's `prompt="stream"`)
+    answers with itself and the state unchanged there, as a policy without the capability does."""
+
+    def prompt_policy(self) -> Policy:
+        """The policy that holds a fresh prompt before `after_prompt`."""
+        raise NotImplementedError
+
+    def after_prompt(self, state: SlotState) -> SlotState:
+        """The decode state from the prompt phase's state after the whole prompt (by default the
+        same state: a prompt phase that builds the decode state itself, quest's)."""
+        return state
+
+
+class Reconstructor(PromptCompressor):
+    """Capability: a prompt compressor that scores its prompt with a second model pass (kvzip's
+    context reconstruction): the engine runs each layer's `reconstruction()` policy over its repeat
+    inputs between the prompt phase and `after_prompt` (`models.reconstruct`)."""
+
+    def reconstruction(self) -> Policy:
+        """The layer's policy while the engine feeds the repeat inputs."""
+        raise NotImplementedError
+
+
+def prompt_policy_of(policy: Policy) -> Policy:
+    """The policy that holds a fresh prompt for `policy`: its prompt phase, or itself (streaming)."""
+    return policy.prompt_policy() if isinstance(policy, PromptCompressor) else policy
+
+
+def after_prompt(policy: Policy, state: SlotState) -> SlotState:
+    """`policy`'s decode state from its prompt phase's state (`prompt_policy_of`) after the whole
+    prompt: a prompt compressor compresses it here, once; unchanged for a streaming policy."""
+    return policy.after_prompt(state) if isinstance(policy, PromptCompressor) else state
+
+
+def reconstructs(policy: Policy) -> bool:
+    """Whether `policy` scores its prompt with a reconstruction pass (`Reconstructor`)."""
+    return isinstance(policy, Reconstructor)
 
 
 @jax.tree_util.register_dataclass
@@ -50,17 +100,16 @@ class PromptState(SlotState):
 
 
 @dataclasses.dataclass(frozen=True)
-class PromptPhase(Bounded, Policy):
+class PromptPhase(PrefixSlots, Bounded, Policy):
     """Dense prompt storage for the prompt compressor `of` (its codec, its observation window,
-    what else it collects: column sums, query statistics)."""
+    what else it collects: column sums, query statistics). Slot j holds token j; rows and column
+    sums of slots past every query are 0: a step at positions < n needs the first n slots
+    (`PrefixSlots`: prefill attention follows the filled length)."""
 
     of: Policy = None
     obs_window: int = 32
     columns: bool = False
     query_sink: int = -1
-    # slot j holds token j; rows and column sums of slots past every query are 0: a step at
-    # positions < n needs the first n slots (length buckets: prefill attention follows the filled length)
-    prefix_slots = True
 
     def __post_init__(self):
         check_int("prompt phase", "obs_window", self.obs_window, 0)

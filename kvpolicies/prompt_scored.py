@@ -35,13 +35,16 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from kvpolicies.base import Pending, SlotState, View, check_int, concat, view_of
-from kvpolicies.prompt import PromptPhase, PromptState
+from kvpolicies.base import SlotState, View
+from kvpolicies.budgets import Budgeted
+from kvpolicies.checks import check_int
+from kvpolicies.prompt import PromptCompressor, PromptPhase, PromptState
 from kvpolicies.scored import Accumulated, Scored, pack, top_mask
+from kvpolicies.slots import Pending, concat, view_of
 
 
 @dataclasses.dataclass(frozen=True)
-class PromptScored(Scored):
+class PromptScored(Budgeted, PromptCompressor, Scored):
     """Keep the `kept()` best-ranked tokens after the prompt, append after; recompress on overflow."""
 
     per_token = True
@@ -87,8 +90,14 @@ class PromptScored(Scored):
     # -- the ranking (subclasses) -----------------------------------------------------------
     def rank(self, slots: SlotState, keys: Float[Array, "B K V D"], stats: Any, seen: Any
              ) -> tuple[Float[Array, "B K V"], Array]:
-        """(priority, tie) of every slot: the top `kept()` by priority survive, ties keep the
-        larger `tie` (by default the position: the newer token). `seen` is None after the prompt."""
+        """The front door of a prompt compressor: write this (and its fields) and inherit the rest,
+        as a kvpress `ScorerPress` writes `score()`. (priority, tie) of every slot [B, K, V]: the top
+        `kept()` by priority survive (-inf never: `rank_by` gives that to empty slots), ties keep
+        the larger `tie` (by default the position: the newer token). `keys` are the slots' keys
+        before RoPE, decoded to float; `stats` what `split` keeps beside the slots; `seen` the
+        step's `Seen` on a stream's overflow, None after the prompt (`prompt_rank` ranks from the
+        prompt phase's state instead, when the ranking needs what it collected). Knorm is one
+        `rank`: the negated L2 norm of the keys."""
         raise NotImplementedError
 
     def prompt_rank(self, state: PromptState, slots: SlotState, keys: Float[Array, "B K V D"], stats: Any):

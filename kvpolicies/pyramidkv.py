@@ -10,11 +10,12 @@ from __future__ import annotations
 import dataclasses
 
 from kvpolicies.budgets import pyramid_budgets
+from kvpolicies.presets import Preset
 from kvpolicies.snapkv import SnapKV
 
 
 @dataclasses.dataclass(frozen=True)
-class PyramidKV(SnapKV):
+class PyramidKV(Preset, SnapKV):
     """A model-level preset: layer i runs `SnapKV` with the i-th of `pyramid_budgets(budget x
     n_layers, n_layers, beta)` (an arithmetic sequence from 2 budget - budget / beta at the
     bottom to budget / beta at the top), every other field (obs_window, kernel, max_new,

@@ -73,11 +73,15 @@ from jaxtyping import Array, Bool, Float
 
 from kvpolicies import offload
 from kvpolicies.attend import Gather
-from kvpolicies.base import (Deferred, Policy, SlotState, append_view, check_int, encode_new, tree_nbytes,
-                             write_deferred)
+from kvpolicies.base import Deferred, Policy, SlotState
+from kvpolicies.checks import check_int
 from kvpolicies.codecs import Codec, Identity
 from kvpolicies.full import Full
 from kvpolicies.limits import Bounded
+from kvpolicies.memory import tree_nbytes
+from kvpolicies.presets import Preset
+from kvpolicies.prompt import PromptCompressor
+from kvpolicies.slots import append_view, encode_new, write_deferred
 
 
 @jax.tree_util.register_dataclass
@@ -93,7 +97,7 @@ class QuestState(SlotState):
 
 
 @dataclasses.dataclass(frozen=True)
-class Quest(Bounded, Policy):
+class Quest(Preset, PromptCompressor, Bounded, Policy):
     """All tokens kept; a decode query reads its own page plus the `top_k - 1` highest-bound pages
     before it (`top_k` pages in all); a fresh prompt is dense (`prompt_policy()`)."""
 

@@ -11,7 +11,7 @@ import dataclasses
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kvpolicies.base import check_int
+from kvpolicies.checks import check_int
 from kvpolicies.codecs import Codec, Identity
 from kvpolicies.prompt_scored import PromptScored, rank_by
 

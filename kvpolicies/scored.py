@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from kvpolicies.base import EMPTY, Pending, Policy, SlotState, concat, empty_slots, encode_new, take_slots, view_of
+from kvpolicies.base import EMPTY, Policy, SlotState, empty_slots
+from kvpolicies.slots import Pending, concat, encode_new, take_slots, view_of
 
 LAST_KEY = jnp.iinfo(jnp.int32).max  # sort key that puts a slot after every kept one
 
@@ -77,7 +78,14 @@ class Scored(Policy):
         return top_mask(prio, slots.pos, s) & (slots.pos >= 0), slots
 
     def priority(self, slots: SlotState, scores: Float[Array, "B K T V"]) -> tuple[Float[Array, "B Kp V"], SlotState]:
-        """Rank of every view slot (higher is kept; -inf never), and the updated slots."""
+        """The front door of a scorer: write this and inherit the rest (as a kvpress press writes
+        `score()`). `slots` are the view's V = S + T slots (old ones, then the step's new tokens,
+        `pos` -1 where empty; with `accumulates`, their `mass`), `scores` the attention each
+        received from each of the step's queries, summed over each kv head's G query heads.
+        Returns the priority of every slot (higher is kept; -inf never, e.g. empty slots; `inf`
+        always, e.g. a recent window) and the slots with their statistics updated (h2o adds the
+        step's attention to `mass`). The top S survive, ties keeping the newer token (`top_mask`),
+        packed in text order (`pack`); h2o and tova are one `priority` each."""
         raise NotImplementedError
 
 

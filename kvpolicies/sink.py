@@ -8,13 +8,16 @@ from typing import Literal
 
 import jax.numpy as jnp
 
-from kvpolicies.base import Policy, RopePositions, check_choice, check_int, keys_rotated, ring_compact, ring_extend
+from kvpolicies.base import Policy, RopePositions, keys_rotated
+from kvpolicies.budgets import Budgeted
+from kvpolicies.checks import check_choice, check_int
 from kvpolicies.codecs import Codec, Identity
 from kvpolicies.limits import Ring
+from kvpolicies.ring import ring_compact, ring_extend
 
 
 @dataclasses.dataclass(frozen=True)
-class Sink(Ring, Policy):
+class Sink(Ring, Budgeted, Policy):
     """Query p sees keys j with j < n_sink or j > p - window (the window includes p itself).
 
     positions="cache" rotates keys by their rank in the cache and the query by its own rank
@@ -29,7 +32,6 @@ class Sink(Ring, Policy):
     """
 
     budget_field = "window"
-    run_keys = {"window": "window", "n_sink": "n_sink"}
 
     n_sink: int = 4
     window: int = 4096

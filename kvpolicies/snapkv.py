@@ -14,11 +14,12 @@ import dataclasses
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from kvpolicies.base import check_int, take_slots
+from kvpolicies.checks import check_int
 from kvpolicies.codecs import Codec, Identity
 from kvpolicies.prompt import PromptPhase, PromptState
 from kvpolicies.prompt_scored import PromptScored
 from kvpolicies.scored import LAST_KEY
+from kvpolicies.slots import take_slots
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,15 +12,16 @@ from typing import Literal
 
 import jax.numpy as jnp
 
-from kvpolicies.base import check_choice, check_int
 from kvpolicies.base import SlotState
+from kvpolicies.budgets import Budgeted
+from kvpolicies.checks import check_choice, check_int
 from kvpolicies.codecs import Codec, Identity
-from kvpolicies.prompt import PromptPhase
+from kvpolicies.prompt import PromptCompressor, PromptPhase
 from kvpolicies.scored import Scored, pack, top_mask
 
 
 @dataclasses.dataclass(frozen=True)
-class TOVA(Scored):
+class TOVA(Budgeted, PromptCompressor, Scored):
     """Keeps the `budget` tokens with the most attention from the step's last query.
 
     scope="layer" (default, the paper's policy): the score of a token is its attention from

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvpolicies.base import Policy, check_int, keys_rotated, ring_compact, ring_extend
+from kvpolicies.base import Policy, keys_rotated
+from kvpolicies.budgets import Budgeted
+from kvpolicies.checks import check_int
 from kvpolicies.codecs import Codec, Identity
 from kvpolicies.limits import Ring
+from kvpolicies.ring import ring_compact, ring_extend
 
 
 @dataclasses.dataclass(frozen=True)
-class Window(Ring, Policy):
+class Window(Ring, Budgeted, Policy):
     """Each query sees the newest `window` tokens, itself included (k_pos > q_pos - window).
 
     RoPE sees text positions. The visible keys are contiguous, so rotating them by rank in the
@@ -19,7 +22,6 @@ class Window(Ring, Policy):
     """
 
     budget_field = "window"
-    run_keys = {"window": "window"}
 
     window: int = 4096
     codec: Codec = Identity()

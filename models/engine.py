@@ -26,7 +26,7 @@ call writing every layer's new slots. On XLA:CPU that reads weights and keys/val
 where the layer scan materialises each layer's slices; `decode_loop="scan"` (and any engine on a
 mesh) runs the fused `lax.scan` instead. `step`, `prefill` and `score` always use the scan.
 
-Length buckets: where a policy stores token i in slot i (`Policy.prefix_slots`: full), a step
+Length buckets: where a policy stores token i in slot i (`kvpolicies.slots.PrefixSlots`: full), a step
 whose positions all lie below n needs only the cache's first n slots. Each step is given the
 smallest bucket of 1024 x 2^k x {1, 1.25, 1.5, 1.75} slots (decode) or 1024 x 2^k x {1, 1.5}
 (chunks) that holds its positions (`reach_of`; static, so one trace per bucket reached), and
@@ -61,7 +61,9 @@ from kvpolicies import limits
 from kvpolicies.attend import Deferred, recording, write_deferred
 from kvpolicies.base import Policy
 from kvpolicies.kvzip import recon_policy
-from kvpolicies.prompt import adopt, reads_prompt_state
+from kvpolicies.presets import stack_of
+from kvpolicies.prompt import adopt, after_prompt, prompt_policy_of, reads_prompt_state, reconstructs
+from kvpolicies.slots import has_prefix_slots
 from kvpolicies.attention.tuning import Tuning
 from models.llama import Cache, Llama, policy_runs
 from models.reconstruct import RepeatPrompts, engine_prompts, reconstruct
@@ -249,7 +251,7 @@ class Engine:
     generation runs its decode steps, "layers" or "scan"; the module docstring).
 
     `policies`: one per layer (or runs of them, `policy_runs`), or one `Policy` for the whole
-    model, which the engine expands with `policy.stack(n_layers)`: itself in every layer, or a
+    model, which the engine expands with `stack_of(policy, n_layers)`: itself in every layer, or a
     model-level preset's layers (pyramidkv's per-depth budgets, quest's and knorm's dense first
     layers, duo's per-layer head pattern). To run a preset's compressor in every layer instead,
     pass the tuple `(policy,) * n_layers`."""
@@ -260,14 +262,14 @@ class Engine:
         self.cfg = model.cfg
         check_policies(policies)
         if isinstance(policies, Policy):  # one policy for the model: its per-layer stack (a model-level
-            policies = policies.stack(model.cfg.n_layers)  # preset: pyramidkv's budgets, quest's and knorm's dense layers)
+            policies = stack_of(policies, model.cfg.n_layers)  # preset: pyramidkv's budgets, quest's and knorm's dense layers)
         self.policies = tuple(p for a, b, p in policy_runs(policies, model.cfg.n_layers) for _ in range(b - a))
         # A fresh prompt is held by each policy's prompt phase, then `after_prompt` (once); the
         # same policies for streaming policies, a dense phase for prompt compressors (snapkv).
-        self.prompt_policies = tuple(p.prompt_policy() for p in self.policies)
+        self.prompt_policies = tuple(prompt_policy_of(p) for p in self.policies)
         self._compresses = self.prompt_policies != self.policies
         # kvzip: a reconstruction pass between the prompt phase and after_prompt (models.reconstruct)
-        self._zippers = tuple(dict.fromkeys(p for p in self.policies if p.reconstructs))
+        self._zippers = tuple(dict.fromkeys(p for p in self.policies if reconstructs(p)))
         self.repeat = engine_prompts(self._zippers, repeat if repeat is not None else tokenizer_of(model))
         self.recon_policies = tuple(recon_policy(p) for p in self.prompt_policies)
         self.reconstruct_tokens = 0  # repeat-input tokens fed by reconstruction passes
@@ -331,10 +333,10 @@ class Engine:
 
     def _reach(self, end: int, t: int = 1, prompt: bool = False) -> int | None:
         """The static length bucket of a step of `t` tokens whose positions are below `end`
-        (None: the whole cache; also when no policy of the step has `prefix_slots`, so that it
+        (None: the whole cache; also when no policy of the step has `PrefixSlots`, so that it
         never splits traces)."""
         pols = self.prompt_policies if prompt else self.policies
-        return reach_of(end, self.max_len, fine=t == 1) if any(p.prefix_slots for p in pols) else None
+        return reach_of(end, self.max_len, fine=t == 1) if any(has_prefix_slots(p) for p in pols) else None
 
     def _logits_impl(self, params, cache, tokens, pos, prompt=False, reach=None):
         """Logits of the last token [B, V] and the new cache (prompt: through the prompt phase)."""
@@ -448,7 +450,7 @@ class Engine:
     def _after_prompt_impl(self, cache):
         """Each run's prompt state -> its decode state (stacked over the run's layers)."""
         runs = policy_runs(self.policies, self.cfg.n_layers)
-        return tuple(jax.vmap(pol.after_prompt)(st) for (_, _, pol), st in zip(runs, cache))
+        return tuple(jax.vmap(functools.partial(after_prompt, pol))(st) for (_, _, pol), st in zip(runs, cache))
 
     # -- public API ---------------------------------------------------------------------------
     def init_cache(self, batch: int = 1, prompt: bool = False) -> Cache:

@@ -314,7 +314,7 @@ def _check_safetensors(path: pathlib.Path) -> None:
         raise _truncated(path, size, need)
 
 
-def _hf_weight_files(folder: pathlib.Path) -> list[pathlib.Path]:
+def hf_weight_files(folder: pathlib.Path) -> list[pathlib.Path]:
     """The safetensors files of a checked folder: the index's shards, or model.safetensors."""
     index = folder / "model.safetensors.index.json"
     if index.exists():
@@ -356,7 +356,7 @@ def check_hf_dir(folder: str | pathlib.Path, *, tokenizer: bool = False) -> dict
     cfg = read_json(config_file)
     if not isinstance(cfg, dict):
         raise ValueError(f"{config_file} is not a JSON object")
-    for f in _hf_weight_files(folder):
+    for f in hf_weight_files(folder):
         _check_safetensors(f)
     if tokenizer:
         if not (folder / "tokenizer.json").exists():

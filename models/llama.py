@@ -15,7 +15,7 @@ tuple with one stacked `SlotState` per run, passed in and returned explicitly. A
 policy only appends in this step (`View.append` with a start: full, a ring's decode step)
 reads its layers' stored slots as scan inputs and returns just the new slots, written into the
 stacked cache after the scan (`attend(..., defer=True)`): no per-layer copy of the cache.
-A run whose policy has `prefix_slots` (full) reads only the first `reach` slots of its cache when
+A run whose policy has `PrefixSlots` (full) reads only the first `reach` slots of its cache when
 the step says all its positions are below `reach` (length buckets, chosen by the engine).
 """
 
@@ -34,6 +34,7 @@ from kvpolicies.base import Policy, SlotState
 from kvpolicies import Rope, attend
 from kvpolicies.attend import Deferred, write_deferred
 from kvpolicies.rope import RopeTable
+from kvpolicies.slots import has_prefix_slots
 from models.config import LlamaConfig
 
 LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
@@ -184,7 +185,7 @@ class Llama(nnx.Module):
     ) -> tuple[Float[Array, "B T d"], Cache]:
         """Final-norm hidden states of the T new tokens, and the updated cache (`tables`: the
         RoPE tables of `rope_tables`, or None to compute cos/sin in the step). `reach` (static):
-        every position of this step is below it, so a run whose policy has `prefix_slots` reads
+        every position of this step is below it, so a run whose policy has `PrefixSlots` reads
         and writes only its first `reach` slots (the step's cost follows the filled length)."""
         cfg = self.cfg
         rope, rope_local = (self.rope, self.rope_local) if tables is None else (tables["global"], tables["local"])
@@ -200,7 +201,7 @@ class Llama(nnx.Module):
             if getattr(pol, "reads_hidden", False):  # its own per-layer weights ride with the layer's
                 wr = {**wr, **pol.hidden_weights(cfg.d_model, cfg.n_kv_heads, cfg.n_layers, a, b)}
             kinds = set(local[a:b].tolist())
-            cut = reach is not None and pol.prefix_slots and reach < state.slots
+            cut = reach is not None and has_prefix_slots(pol) and reach < state.slots
 
             def body(x, inp, pol=pol, kinds=kinds, cut=cut):
                 w, st, is_local = inp
@@ -242,7 +243,7 @@ class Llama(nnx.Module):
         cfg = self.cfg
         kind = "local" if local else "global"
         rope = (self.rope_local if local else self.rope) if tables is None else tables[kind]
-        cut = reach is not None and policy.prefix_slots and reach < state.slots
+        cut = reach is not None and has_prefix_slots(policy) and reach < state.slots
         x, out = block(cfg, policy, rope, w, x, pos, policy.head(state, reach) if cut else state)
         if cut and not isinstance(out, Deferred):
             out = policy.with_head(state, out)

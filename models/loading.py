@@ -67,7 +67,7 @@ def load_default_model(dtype_name: str = "float32") -> tuple[Llama, Tokenizer]:
 
 
 from models.files import (  # noqa: F401  (check_gguf, read_json, read_text: re-exported)
-    GGUFFile, _hf_weight_files, check_gguf, check_hf_dir, gguf_field, open_gguf, read_json, read_text,
+    GGUFFile, hf_weight_files, check_gguf, check_hf_dir, gguf_field, open_gguf, read_json, read_text,
 )
 
 
@@ -347,7 +347,7 @@ def _first_id(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
-def _hf_config(cfg: dict[str, Any], name: str, has_lm_head: bool) -> LlamaConfig:
+def hf_config(cfg: dict[str, Any], name: str, has_lm_head: bool) -> LlamaConfig:
     model_type = cfg.get("model_type")
     if model_type not in _HF_MODEL_TYPES:
         raise ValueError(f"config.json model_type={model_type!r}: supported types are {_HF_MODEL_TYPES}")
@@ -410,13 +410,13 @@ def load_hf(folder: str | pathlib.Path) -> tuple[LlamaConfig, Params]:
     cfg = check_hf_dir(folder)
     with contextlib.ExitStack() as stack:
         # framework="numpy" reads bf16 / fp8 as ml_dtypes arrays, so no torch is needed.
-        handles = [stack.enter_context(safe_open(str(f), framework="numpy")) for f in _hf_weight_files(folder)]
+        handles = [stack.enter_context(safe_open(str(f), framework="numpy")) for f in hf_weight_files(folder)]
         where = {key: h for h in handles for key in h.keys()}
         return _load_hf_tensors(folder, cfg, where)
 
 
 def _load_hf_tensors(folder: pathlib.Path, cfg: dict[str, Any], where: dict[str, Any]) -> tuple[LlamaConfig, Params]:
-    config = _hf_config(cfg, name=folder.name, has_lm_head="lm_head.weight" in where)
+    config = hf_config(cfg, name=folder.name, has_lm_head="lm_head.weight" in where)
 
     used: set[str] = set()
 

@@ -5,13 +5,14 @@ locally by construction, so its local layers need no compression policy: `window
 exactly 512 slots there (gemma's own JAX sampler allocates the full length on local layers).
 The policy under test acts on the global layers only; `local_policy` overrides the local ones
 for those who want to compress them too. For a model without local layers `model_stack` is
-`policy.stack(n_layers)`.
+`stack_of(policy, n_layers)`.
 """
 
 from __future__ import annotations
 
 import kvpolicies
 from kvpolicies.base import Policy
+from kvpolicies.presets import stack_of
 from models.config import LlamaConfig
 
 
@@ -23,10 +24,10 @@ def local_window(cfg: LlamaConfig) -> Policy:
 
 
 def model_stack(cfg: LlamaConfig, policy: Policy, local_policy: Policy | None = None) -> tuple[Policy, ...]:
-    """One policy per layer: `policy.stack(n_layers)` (model-level presets such as quest's dense
+    """One policy per layer: `stack_of(policy, n_layers)` (model-level presets such as quest's dense
     first layers or pyramidkv's per-depth budgets, indexed by the layer's depth) on the global
     layers, `local_policy` (default `window(sliding_window)`) on the local layers."""
-    stack = policy.stack(cfg.n_layers)
+    stack = stack_of(policy, cfg.n_layers)
     if not any(cfg.local_layers):
         if local_policy is not None:
             raise ValueError(f"local_policy={local_policy!r}: {cfg.name} has no local layers")

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
 from kvpolicies import offload
-from kvpolicies.base import View, take_slots
+from kvpolicies.base import View
+from kvpolicies.slots import take_slots
 
 
 @jax.tree_util.register_dataclass

@@ -96,7 +96,7 @@ def test_too_short_length_raises():
 
 @pytest.fixture(scope="module")
 def text_haystack():
-    return R._text_haystack(TOK, TEXT, 1200)
+    return R.text_haystack_ids(TOK, TEXT, 1200)
 
 
 @pytest.mark.parametrize("depth", [0.0, 0.4, 1.0])

@@ -90,16 +90,16 @@ def test_every_registered_policy_has_a_config_that_builds(tmp_path):
 class Wide(kvpolicies.Full):
     """A policy registered by a test: its `policy=wide` option comes from these fields alone."""
 
-    run_keys = {"width": "window"}
     width: int = 3
     depth: int = 5
     mode: str = "a"
 
 
 def test_a_registered_policy_needs_no_config_file(monkeypatch):
-    """Its option: each field at its default, `run_keys` fields follow their run-level key, codec
+    """Its option: each field at its default, its `RUN_KEYS` fields follow their run-level key, codec
     follows `codec`; `policy.<field>=` sets any field."""
     monkeypatch.setitem(kvpolicies.POLICIES, "wide", Wide)
+    monkeypatch.setitem(C.RUN_KEYS, "wide", {"width": "window"})
     assert "wide" in C.group_options("policy")
     assert C.policy_config("wide") == {"name": "wide", "width": "${window}", "depth": 5, "mode": "a",
                                        "codec": "${codec}"}

@@ -16,8 +16,9 @@ import pytest
 
 import kvpolicies
 from kvpolicies.attend import Deferred, attend, write_deferred
-from kvpolicies.base import flat, tree_nbytes
+from kvpolicies.memory import tree_nbytes
 from kvpolicies.rope import Rope
+from kvpolicies.slots import flat
 
 ROPE = Rope(8)
 APPENDING = {
@@ -101,13 +102,13 @@ def test_write_deferred_over_stacked_layers():
     """A run's stacked states [L, ...] take the layers' new slots at the one start of the run."""
     pol = kvpolicies.get("full", codec="int8")
     st = jax.tree.map(lambda x: jnp.stack([x, x + 1]), pol.init(2, 2, 8, jnp.float32, 16))  # [L=2, ...]
-    new = kvpolicies.base.encode_new(pol.codec, *(_qkv(3, 1)[1:]), jnp.array([[5, 6, 7], [2, 3, 4]], jnp.int32))
+    new = kvpolicies.slots.encode_new(pol.codec, *(_qkv(3, 1)[1:]), jnp.array([[5, 6, 7], [2, 3, 4]], jnp.int32))
     new = jax.tree.map(lambda x: x.transpose(0, 2, 1, 3) if x.ndim == 4 else x, new)  # [B, K, T, .]
     layers = jax.tree.map(lambda x: jnp.stack([x, 2 * x if jnp.issubdtype(x.dtype, jnp.floating) else x]), new)
     got = write_deferred(st, Deferred(layers, jnp.array([[5, 2], [5, 2]], jnp.int32)), lead=1)
     for layer in range(2):
         one = jax.tree.map(lambda x: x[layer], st)
-        want = kvpolicies.base.write_at(one, jax.tree.map(lambda x: x[layer], layers), jnp.array([5, 2]))
+        want = kvpolicies.slots.write_at(one, jax.tree.map(lambda x: x[layer], layers), jnp.array([5, 2]))
         for a, b in zip(jax.tree.leaves(jax.tree.map(lambda x: x[layer], got)), jax.tree.leaves(want)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

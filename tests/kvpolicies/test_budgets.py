@@ -14,14 +14,14 @@ import dataclasses
 import pytest
 
 import kvpolicies
-from kvpolicies.budgets import _main, pyramid_budgets, sized, sized_bytes, sized_stack, target_bytes
+from kvpolicies.budgets import _main, budget_field_of, pyramid_budgets, sized, sized_bytes, sized_stack, target_bytes
 from kvpolicies.memory import state_bytes
 
 K, D, MAX_LEN = 2, 64, 8192
 DTYPES = {"bfloat16": 2, "float32": 4}
 CODECS = ("none", "int8", "int4")
 BUDGETS = (600, 0.05)  # an int (tokens) and a float (fraction of full); snapkv needs >= 32 + 256 slots
-BUDGETED = sorted(n for n, c in kvpolicies.POLICIES.items() if c.budget_field is not None)
+BUDGETED = sorted(n for n, c in kvpolicies.POLICIES.items() if budget_field_of(c) is not None)
 UNSIZED = sorted(set(kvpolicies.POLICIES) - set(BUDGETED))
 
 # metadata bytes per slot: int32 positions shared by the kv heads (1) or per head (K), plus a

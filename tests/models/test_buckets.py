@@ -1,4 +1,4 @@
-"""Length buckets: a step of a `prefix_slots` policy (full) reads only the cache's first `reach`
+"""Length buckets: a step of a `PrefixSlots` policy (full) reads only the cache's first `reach`
 slots, the smallest bucket that holds its positions (`models.engine.reach_of`).
 
 References: the same engine with buckets off (every step reads all max_len slots, the path before
@@ -61,7 +61,7 @@ def test_buckets_equal_the_whole_cache(model, monkeypatch):
 
 def test_mixed_stack_cuts_only_prefix_runs(model, monkeypatch):
     """A stack with int8 `full` and `window` layers: only the full runs are cut (their codec's
-    scales with them); the window run (no prefix_slots) reads its own slots as before."""
+    scales with them); the window run (not PrefixSlots) reads its own slots as before."""
     full8 = kvpolicies.get("full", codec="int8")
     stack = (full8, kvpolicies.get("window", window=700), full8)
     ids = np.random.default_rng(1).integers(0, CFG.vocab_size, 1600)

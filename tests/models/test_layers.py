@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import kvpolicies
-from kvpolicies.base import tree_nbytes
+from kvpolicies.memory import tree_nbytes
 from models.config import LlamaConfig, gemma3_layer_types
 from models.engine import Engine, layer_weights
 from models.llama import Llama

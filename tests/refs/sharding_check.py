@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kvpolicies
-from kvpolicies.prompt import PromptPhase
+from kvpolicies.prompt import PromptPhase, prompt_policy_of
 from models.config import LlamaConfig
 from models.engine import Engine
 from models.llama import Llama
@@ -59,7 +59,7 @@ def layer_order(pols: dict[str, kvpolicies.Policy]) -> list[str]:
     """Every policy once, the layers that kvzip's reconstruction pass reads densely (full and the
     dense prompt phases) alternating with the others as far as they go, then side by side (the pass
     keeps layers of different prompt phases in different runs: `Reconstruct.phase`)."""
-    dense = [n for n, p in pols.items() if isinstance(p.prompt_policy(), (PromptPhase, kvpolicies.Full))]
+    dense = [n for n, p in pols.items() if isinstance(prompt_policy_of(p), (PromptPhase, kvpolicies.Full))]
     other = [n for n in pols if n not in dense]
     return [x for pair in zip(dense, other) for x in pair] + dense[len(other):] + other[len(dense):]
 

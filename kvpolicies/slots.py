@@ -1,0 +1,191 @@
+"""Slot helpers: what a policy builds its steps from (writes, views, selections), and the
+prefix-slot layout the engine can bucket (`PrefixSlots`).
+
+Shapes: B batch, T new tokens, S slots, K kv heads, Kp = 1 or K position rows, H = K or Kp (a
+field's head axis), D head dim. Encoded k/v leaves have layout [B, K, S, ...]; pos has
+[B, Kp, S]; any extra field of a state is per slot, [B, K|Kp, S, ...].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Int
+
+from kvpolicies.base import Appended, Deferred, EMPTY, RopePositions, SlotState, View
+from kvpolicies.codecs import Codec
+
+
+def encode_new(codec: Codec, k: Array, v: Array, pos: Int[Array, "B T"]) -> SlotState:
+    """The T new tokens as a state of T slots."""
+    return SlotState(k=codec.encode(k), v=codec.encode(v), pos=pos[:, None, :].astype(jnp.int32))
+
+
+def view_of(codec: Codec, slots: SlotState, pos: Int[Array, "B T"], dtype: Any, carry: Any, **kw) -> View:
+    """A view of `slots` decoded to `dtype`; RoPE at text positions unless `rope` is given."""
+    kw.setdefault("rope", RopePositions(q=pos[..., None], k=slots.pos))
+    k, v = _decoded(codec, slots, dtype)
+    return View(k=k, v=v, pos=slots.pos, carry=carry, basis=codec if codec.basis else None, **kw)
+
+
+def _decoded(codec: Codec, slots: SlotState, dtype: Any) -> tuple[Array, Array]:
+    """Keys and values decoded for attention (`View.basis`): values in the codec's basis where it
+    has one, keys too when it encodes after RoPE (keys before RoPE must be rotated by RoPE first).
+    A codec without a basis is called as `decode(enc, dtype)`, as codecs written before it were."""
+    if not codec.basis:
+        return codec.decode(slots.k, dtype), codec.decode(slots.v, dtype)
+    return codec.decode(slots.k, dtype, in_basis=codec.after_rope), codec.decode(slots.v, dtype, in_basis=True)
+
+
+def _map_fields(fn, *states: SlotState) -> SlotState:
+    """Apply fn(field name, *leaves) to every field of the states (k and v leaf by leaf)."""
+    out = {}
+    for f in dataclasses.fields(states[0]):
+        xs = [getattr(s, f.name) for s in states]
+        if f.name in ("k", "v"):
+            out[f.name] = jax.tree.map(lambda *ys: fn(f.name, *ys), *xs)
+        else:
+            out[f.name] = fn(f.name, *xs)
+    return type(states[0])(**out)
+
+
+def head_slots(state: SlotState, n: int, lead: int = 0) -> SlotState:
+    """The first n slots of every field (`lead` leading axes before B, e.g. a model's layers)."""
+    return _map_fields(lambda name, x: jax.lax.slice_in_dim(x, 0, n, axis=lead + 2), state)
+
+
+def put_head(state: SlotState, head: SlotState, lead: int = 0) -> SlotState:
+    """`state` with its first slots replaced by `head`'s (the inverse of `head_slots`; in place
+    under donation)."""
+    return _map_fields(lambda name, buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), 0,
+                                                                                  axis=lead + 2), state, head)
+
+
+def concat(a: SlotState, b: SlotState) -> SlotState:
+    """Slots of `a` followed by those of `b` (same state class), along the slot axis."""
+
+    def cat(name, x, y):  # [B, H, Sa, ...], [B, H', Sb, ...] -> [B, max(H, H'), Sa + Sb, ...]
+        h = max(x.shape[1], y.shape[1])
+        x = jnp.broadcast_to(x, x.shape[:1] + (h,) + x.shape[2:])
+        y = jnp.broadcast_to(y, y.shape[:1] + (h,) + y.shape[2:])
+        return jnp.concatenate([x, y.astype(x.dtype)], axis=2)
+
+    return _map_fields(cat, a, b)
+
+
+def write_rows(buf: Array, x: Array, start: Int[Array, "B"], lead: int = 0) -> Array:
+    """buf [*lead, B, H, S, ...] with x [*lead, B, H', T, ...] written at index start[b] of axis
+    lead + 2 of row b (in place under donation: one dynamic_update_slice per row, B static)."""
+    x = jnp.broadcast_to(x, x.shape[:lead + 1] + buf.shape[lead + 1:lead + 2] + x.shape[lead + 2:])
+    x = x.astype(buf.dtype)
+    zero = jnp.zeros((), jnp.int32)
+    for b in range(buf.shape[lead]):
+        row = x[(slice(None),) * lead + (slice(b, b + 1),)]
+        idx = (zero,) * lead + (jnp.int32(b), zero, start[b].astype(jnp.int32)) + (zero,) * (buf.ndim - lead - 3)
+        buf = jax.lax.dynamic_update_slice(buf, row, idx)
+    return buf
+
+
+def write_at(state: SlotState, new: SlotState, start: Int[Array, "B"], lead: int = 0) -> SlotState:
+    """Write `new`'s slots contiguously at slot `start[b]` (in place under donation). `lead`:
+    leading axes both states have before B (a model's stacked layers), written alike."""
+    return _map_fields(lambda name, buf, x: write_rows(buf, x, start, lead), state, new)
+
+
+
+def write_deferred(state: SlotState, writes: Deferred, lead: int = 0) -> SlotState:
+    """Apply `Deferred` writes; `lead` leading axes (e.g. stacked layers) share one `start`
+    (the layers of a run hold one policy and see the same positions)."""
+    row = (0,) * lead
+    names = [f.name for f in dataclasses.fields(writes.slots)]
+    part = write_at(type(writes.slots)(**{n: getattr(state, n) for n in names}), writes.slots, writes.start[row], lead)
+    out = {n: getattr(part, n) for n in names}
+    for name, (block, first) in (writes.fields or {}).items():
+        out[name] = write_rows(getattr(state, name), block, first[row], lead)
+    return dataclasses.replace(state, **out)
+
+
+def append_view(codec: Codec, state: SlotState, new: SlotState, pos: Int[Array, "B T"], dtype: Any, carry: Any,
+                start: Int[Array, "B"] | None = None, **kw) -> View:
+    """A view of `state`'s stored slots followed by the T `new` ones (`View.append`): positions,
+    RoPE, masks then cover S + T slots, while the stored keys/values are read in place. With
+    `start` (compact writes the new slots there and does nothing else), the stored slots
+    [start, start + T) are read as empty: the new tokens replace them in this very step."""
+    spos = state.pos  # [B, Kp, S]
+    if start is not None:
+        s = jnp.arange(spos.shape[-1])
+        over = (s >= start[:, None]) & (s < start[:, None] + new.slots)  # [B, S]
+        spos = jnp.where(over[:, None, :], EMPTY, spos)
+    npos = jnp.broadcast_to(new.pos, new.pos.shape[:1] + spos.shape[1:2] + new.pos.shape[2:])  # [B, Kp, T]
+    allpos = jnp.concatenate([spos, npos.astype(spos.dtype)], axis=-1)  # [B, Kp, S + T]
+    kw.setdefault("rope", RopePositions(q=pos[..., None], k=allpos))
+    app = Appended(*_decoded(codec, new, dtype), new, start)
+    k, v = _decoded(codec, state, dtype)
+    return View(k=k, v=v, pos=allpos, carry=carry, append=app, basis=codec if codec.basis else None, **kw)
+
+
+def scatter(state: SlotState, new: SlotState, slots: Int[Array, "B T"]) -> SlotState:
+    """Write new slot t to slot `slots[b, t]`; out-of-range indices are dropped.
+
+    Indices must be distinct among kept tokens (XLA leaves the order of duplicates unspecified).
+    """
+
+    def upd(name, buf, x):  # buf [B, H, S, ...], x [B, H', T, ...]
+        x = jnp.broadcast_to(x, x.shape[:1] + buf.shape[1:2] + x.shape[2:])
+        return jax.vmap(lambda b, y, i: b.at[:, i].set(y.astype(b.dtype), mode="drop"))(buf, x, slots)
+
+    return _map_fields(upd, state, new)
+
+
+def take_slots(x: Array, idx: Int[Array, "B Ki S2"]) -> Array:
+    """x [B, H, S, ...] -> [B, max(H, Ki), S2, ...]: per-head slot selection (H or Ki may be 1)."""
+    h = max(x.shape[1], idx.shape[1])
+    x = jnp.broadcast_to(x, (x.shape[0], h) + x.shape[2:])
+    idx = jnp.broadcast_to(idx, (idx.shape[0], h, idx.shape[2]))
+    return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 3)), axis=2)
+
+
+class Pending(NamedTuple):
+    """The carry of an appending step: the stored slots and the step's new slots (None when
+    the new tokens were already written in place)."""
+
+    old: SlotState
+    new: SlotState | None
+
+
+def flat(view: View) -> View:
+    """`view` with its appended tokens moved into k, v (a copy of every slot): for a policy that
+    composes other policies' views (duo) and needs one slot axis."""
+    if view.append is None:
+        return view
+    return dataclasses.replace(view, k=jnp.concatenate([view.k, view.append.k], axis=2),
+                               v=jnp.concatenate([view.v, view.append.v], axis=2), append=None)
+
+
+
+# -- length buckets: the prefix-slot layout -------------------------------------------------------
+class PrefixSlots:
+    """Capability: slot i holds token i (or is empty), and no field depends on the number of slots:
+    a step whose positions are all below n reads and writes only slots [0, n), and equals the same
+    step over the state cut to its first n slots (`head`). The engine then hands the step only those
+    slots (length buckets, `models.engine.reach_of`): its cost follows the filled length, not
+    max_len (full, a prompt phase). A state whose fields do not all have their slot axis at axis 2
+    overrides `head` and `with_head`."""
+
+    def head(self, state: SlotState, n: int, lead: int = 0) -> SlotState:
+        """`state` cut to its first n slots (`lead` leading axes, e.g. a model's layers); every
+        per-slot field, along its slot axis (by default axis 2 of every field)."""
+        return head_slots(state, n, lead)
+
+    def with_head(self, state: SlotState, head: SlotState, lead: int = 0) -> SlotState:
+        """`state` with its first slots replaced by `head`'s (the inverse of `head`)."""
+        return put_head(state, head, lead)
+
+
+def has_prefix_slots(policy: Any) -> bool:
+    """Whether a step of `policy` at positions below n needs only the state's first n slots
+    (`PrefixSlots`), so that the engine may hand it a length bucket."""
+    return isinstance(policy, PrefixSlots)
