@@ -38,6 +38,7 @@ import numpy as np
 import pytest
 
 import kvpolicies
+from kvpolicies.prompt import prompt_policy_of
 from models.engine import Engine
 from tests.refs.multires_quest import INV, quest_oracle
 from tests.refs.oracle import rope_complex
@@ -51,7 +52,7 @@ ENTRIES = entries()
 
 def prompt_compressors() -> list[str]:
     """Registered policies whose prompt phase (at their defaults) is another policy."""
-    return sorted(n for n, p in ((n, kvpolicies.get(n)) for n in kvpolicies.POLICIES) if p.prompt_policy() is not p)
+    return sorted(n for n, p in ((n, kvpolicies.get(n)) for n in kvpolicies.POLICIES) if prompt_policy_of(p) is not p)
 
 
 def test_every_prompt_compressor_has_an_entry():
