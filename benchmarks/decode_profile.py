@@ -132,7 +132,7 @@ def layer_steps(model, policy, context: int, steps: int, n: int, rounds: int = 5
     HLO, the others from the step that picks the next token: the output head). A step's time is
     a `steps + 1`-token call minus a 2-token call, read from `clock` (tests pass a fake one)."""
     from benchmarks.decode_speed import read_bandwidth, step_read_bytes
-    from models.engine import _split_layers, layer_weights
+    from models.engine import layer_weights, split_layers
 
     ids = np.random.default_rng(5).integers(0, model.cfg.vocab_size, (1, context)).astype(np.int32)
     eng = Engine(model, policy, max_len=context + steps + 2)
@@ -154,7 +154,7 @@ def layer_steps(model, policy, context: int, steps: int, n: int, rounds: int = 5
     tables = {k: dataclasses.replace(t, cond_angles=True) for k, t in eng.params[1].items()}
     x = jnp.zeros((1, 1, model.cfg.d_model), model.dtype)
     pos = jnp.full((1,), context, jnp.int32)
-    layer_hlo = eng._layer_step.lower(layer_weights(model)[0], _split_layers(state.cache)[0], x, pos, tables,
+    layer_hlo = eng._layer_step.lower(layer_weights(model)[0], split_layers(state.cache)[0], x, pos, tables,
                                       policy=eng.policies[0], local=bool(model.cfg.local_layers[0]),
                                       reach=eng._reach(context + steps + 1)).compile().as_text()
     head_hlo = eng._next_step.lower(eng.params, x, pos).compile().as_text()

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 import kvpolicies
-import models.engine as engine_mod
+import models.engine.steps as engine_mod  # reach_of reads REACH_MIN here
 from models.engine import Engine
 
 POLICIES = {

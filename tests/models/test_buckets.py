@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kvpolicies
-import models.engine as engine_mod
+import models.engine.steps as engine_mod  # reach_of reads REACH_MIN here
 from models.config import LlamaConfig
 from models.engine import Engine, reach_of
 from models.llama import Llama

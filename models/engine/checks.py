@@ -1,0 +1,136 @@
+"""Argument checks of `Engine` (on the host, with numpy, before anything is traced): token
+ids, counts, lengths, policies; the `ArgumentChecks` mixin holds the per-engine ones."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvpolicies import limits
+from kvpolicies.base import Policy
+
+MAX_LEN = 2**31 - 2**16  # positions are int32 (and kvzip feeds up to ~2K repeat tokens past a context)
+
+
+def check_int(name: str, value: Any, lo: int) -> int:
+    """`value` as an int >= lo (numpy ints accepted, bools not), or ValueError naming `name`."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and value >= lo:
+        return int(value)
+    raise ValueError(f"{name}={value!r}: must be an int >= {lo}")
+
+
+def check_policies(policies: Any) -> None:
+    """TypeError unless `policies` is a Policy or a sequence of Policy (one per layer)."""
+    seq = isinstance(policies, Sequence) and not isinstance(policies, str)
+    if isinstance(policies, Policy) or (seq and len(policies) and all(isinstance(p, Policy) for p in policies)):
+        return
+    hint = f" (build it with kvpolicies.get({policies!r}))" if isinstance(policies, str) else ""
+    bad = next((p for p in policies if not isinstance(p, Policy)), None) if seq and len(policies) else policies
+    raise TypeError(f"Engine policies: expected a Policy or a sequence of Policy (one per layer), got "
+                    f"{type(bad).__name__} {bad!r}{hint}")
+
+
+def check_pool(cache: Any) -> Any:
+    """`cache`, after a ValueError if a paged pool in it was exhausted (a host sync, only for a
+    cache that can exhaust: a paged one)."""
+    if limits.can_exhaust(cache):
+        limits.check_cache(cache, "Engine: ")
+    return cache
+
+
+def _where(index: tuple[int, ...]) -> str:
+    return f"position {index[0]}" if len(index) == 1 else f"row {index[0]}, position {index[1]}"
+
+
+def _first_bad(arr: np.ndarray, bad: np.ndarray, name: str, what: str) -> ValueError:
+    """One error for the first True of `bad`: its value, where it is, and how many others."""
+    first = tuple(int(i) for i in np.argwhere(bad)[0])
+    more = int(bad.sum()) - 1
+    value = arr[first].item()
+    tail = f" (and {more} more)" if more else ""
+    return ValueError(f"{name}: token id {value!r} at {_where(first)} {what}{tail}")
+
+
+def check_token_ids(tokens: Any, vocab_size: int, name: str = "tokens") -> np.ndarray:
+    """`tokens` as an int32 numpy array, checked on the host: every id a whole number in [0, vocab_size).
+
+    Integer arrays (and lists) are checked for range; float arrays are accepted when every value is
+    a whole number (e.g. `np.zeros(5)`), otherwise the first non-integral id is reported; bool,
+    string and object arrays are rejected. A ragged list of lists (rows of different lengths) is
+    rejected here (`Engine.generate` and `Engine.score` take them before this check). Errors name `name`, the bad id and
+    its position ("row b, position t" for a batch).
+    """
+    try:
+        arr = np.asarray(tokens)
+    except ValueError as e:  # numpy >= 1.24: "inhomogeneous shape"
+        lengths = row_lengths(tokens)
+        if lengths is not None and len(set(lengths)) > 1:
+            raise ValueError(
+                f"{name}: ragged batch (rows of lengths {lengths[:8]}{'...' if len(lengths) > 8 else ''}) is not "
+                "supported here (Engine.generate and Engine.score take one): pad the rows to one length or run "
+                "them separately"
+            ) from None
+        raise ValueError(f"{name}: cannot be read as an array of token ids ({e})") from None
+    kind = arr.dtype.kind
+    if kind == "f":
+        bad = ~np.isfinite(arr) | (arr != np.round(arr))
+        if bad.any():
+            raise _first_bad(arr, bad, name, "is not an integer")
+    elif kind not in "iu":
+        raise ValueError(f"{name}: token ids must be integers, got an array of dtype {arr.dtype}")
+    bad = (arr < 0) | (arr >= vocab_size)
+    if bad.any():
+        raise _first_bad(arr, bad, name, f"is outside the vocabulary [0, {vocab_size})")
+    return arr.astype(np.int32, copy=False)
+
+
+def row_lengths(tokens: Any) -> list[int] | None:
+    """Lengths of the rows of a list of sequences, or None if it is not one."""
+    if not isinstance(tokens, Sequence) or isinstance(tokens, (str, bytes)):
+        return None
+    if not all(isinstance(r, (Sequence, np.ndarray)) and not isinstance(r, (str, bytes)) for r in tokens):
+        return None
+    return [len(r) for r in tokens]
+
+
+def is_ragged(tokens: Any) -> bool:
+    """A list of token rows of different lengths."""
+    lengths = row_lengths(tokens)
+    return lengths is not None and len(set(lengths)) > 1
+
+
+class ArgumentChecks:
+    """The engine's checks of its arguments (`Engine` inherits them)."""
+
+    def _tokens(self, tokens: Any, name: str, ndims: tuple[int, ...]) -> np.ndarray:
+        """Host-side check of a token array: ids, rank and a non-empty batch."""
+        arr = check_token_ids(tokens, self.cfg.vocab_size, name)
+        if arr.ndim not in ndims:
+            want = " or ".join({1: "[T]", 2: "[B, T]"}[d] for d in ndims)
+            raise ValueError(f"{name}: expected token ids of shape {want}, got shape {arr.shape}")
+        if arr.ndim == 2 and arr.shape[0] == 0:
+            raise ValueError(f"{name}: empty batch (shape {arr.shape})")
+        return arr
+
+    def _check_len(self, end: int, what: str):
+        if end > self.max_len:
+            raise ValueError(f"{what} exceeds the engine's max_len={self.max_len}")
+
+    def _chunk(self, chunk: Any, default: int) -> int:
+        return default if chunk is None else check_int("chunk", chunk, 1)
+
+    def _check_repeat(self):
+        if self._zippers and self.repeat is None:
+            raise ValueError("kvzip scores a prompt by reconstructing it: give the engine the tokenizer or the repeat "
+                             "prompts, Engine(..., repeat=tokenizer) or repeat=models.reconstruct.repeat_prompts(tokenizer)")
+
+    def _rows(self, rows: Sequence, name: str) -> list[np.ndarray]:
+        out = []
+        for i, r in enumerate(rows):
+            r = self._tokens(r, f"{name} row {i}", (1,))
+            if r.shape[0] == 0:
+                raise ValueError(f"{name} row {i}: empty")
+            out.append(r)
+        return out

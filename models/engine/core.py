@@ -1,0 +1,103 @@
+"""`Engine`: a `Llama` run through a per-layer policy tuple (the class that joins the jobs:
+checks, steps, staged prompts, generation)."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from flax import nnx
+
+from kvpolicies.base import Policy
+from kvpolicies.kvzip import recon_policy
+from kvpolicies.presets import stack_of
+from kvpolicies.prompt import prompt_policy_of, reconstructs
+from models.llama import Llama, policy_runs
+from models.reconstruct import RepeatPrompts, engine_prompts
+from models.tokenizer import tokenizer_of
+from models.engine.checks import MAX_LEN, ArgumentChecks, check_int, check_policies
+from models.engine.generation import Generation
+from models.engine.staged import Staged
+from models.engine.steps import Steps, write_layers
+
+
+class Engine(ArgumentChecks, Steps, Staged, Generation):
+    """Runs a `Llama` with a fixed per-layer policy tuple and maximum length (`decode_loop`: how
+    generation runs its decode steps, "layers" or "scan"; the module docstring).
+
+    `policies`: one per layer (or runs of them, `policy_runs`), or one `Policy` for the whole
+    model, which the engine expands with `stack_of(policy, n_layers)`: itself in every layer, or a
+    model-level preset's layers (pyramidkv's per-depth budgets, quest's and knorm's dense first
+    layers, duo's per-layer head pattern). To run a preset's compressor in every layer instead,
+    pass the tuple `(policy,) * n_layers`."""
+
+    def __init__(self, model: Llama, policies: Policy | Sequence[Policy], max_len: int, cache_dtype=None,
+                 repeat: RepeatPrompts | Any = None, rope_tables: bool = True, mesh=None,
+                 decode_loop: str = "layers"):
+        self.cfg = model.cfg
+        check_policies(policies)
+        if isinstance(policies, Policy):  # one policy for the model: its per-layer stack (a model-level
+            policies = stack_of(policies, model.cfg.n_layers)  # preset: pyramidkv's budgets, quest's and knorm's dense layers)
+        self.policies = tuple(p for a, b, p in policy_runs(policies, model.cfg.n_layers) for _ in range(b - a))
+        # A fresh prompt is held by each policy's prompt phase, then `after_prompt` (once); the
+        # same policies for streaming policies, a dense phase for prompt compressors (snapkv).
+        self.prompt_policies = tuple(prompt_policy_of(p) for p in self.policies)
+        self._compresses = self.prompt_policies != self.policies
+        # kvzip: a reconstruction pass between the prompt phase and after_prompt (models.reconstruct)
+        self._zippers = tuple(dict.fromkeys(p for p in self.policies if reconstructs(p)))
+        self.repeat = engine_prompts(self._zippers, repeat if repeat is not None else tokenizer_of(model))
+        self.recon_policies = tuple(recon_policy(p) for p in self.prompt_policies)
+        self.reconstruct_tokens = 0  # repeat-input tokens fed by reconstruction passes
+        self.reconstruct_pad_tokens = 0  # and the pads that bucket their lengths (models.reconstruct.RECON_BUCKET)
+        self.prompts_compressed = 0  # how many times after_prompt ran (once per fresh prompt)
+        self.prefills = 0  # fresh prompts prefilled (prefill, generate, prompt)
+        self.prefills_shared = 0  # prompt states another engine prefilled for this one (evals.prefills)
+        self.prefill_tokens = 0  # tokens those prefills and extend_prompt / continue_generate fed
+        self.max_len = check_int("Engine max_len", max_len, 1)
+        if self.max_len > MAX_LEN:
+            raise ValueError(f"Engine max_len={self.max_len}: positions are int32, so a sequence holds at most "
+                             f"MAX_LEN={MAX_LEN} tokens (2^31 - 2^16: room for kvzip's repeat inputs after it)")
+        self.cache_dtype = cache_dtype
+        self.graphdef, state = nnx.split(model)
+        # each step's arguments: the weights and the RoPE cos/sin tables of positions [0, max_len)
+        # (every position this engine feeds, but kvzip's repeat inputs, which fall back to cos/sin)
+        # (rope_tables=False: cos/sin computed in every step, the slower path; benchmarks.decode_profile)
+        self.params = (state, model.rope_tables(self.max_len) if rope_tables else None)
+        self.traces: collections.Counter = collections.Counter()
+        self._model = model
+        donate = dict(donate_argnums=(1,))
+        self._logits_step = jax.jit(self._logits_impl, static_argnames=("prompt", "reach"), **donate)
+        self._after_prompt = jax.jit(self._after_prompt_impl)  # new shapes: nothing to donate into
+        self._nll_step = jax.jit(self._nll_impl, static_argnames=("reach",), **donate)
+        self._decode_n = jax.jit(self._decode_n_impl, static_argnums=(4, 5), **donate)
+        self._recon_step = jax.jit(self._recon_impl)  # the prompt state stays usable: no donation
+        if decode_loop not in ("layers", "scan"):
+            raise ValueError(f"Engine decode_loop={decode_loop!r}: expected 'layers' or 'scan'")
+        self.decode_loop = decode_loop
+        # layer-by-layer generation (`_decode_layers`): each step is one call per layer, then one
+        # call writing every layer's new slots (policy, RoPE kind and bucket static)
+        self._layer_step = jax.jit(self._layer_impl, static_argnames=("policy", "local", "reach"))
+        self._embed_step = jax.jit(self._embed_impl)
+        self._next_step = jax.jit(self._next_impl)
+        self._write_layers = jax.jit(write_layers, donate_argnums=0)
+        self.placement = None  # a models.sharding.Placement once on a mesh (`shard`)
+        if mesh is not None:
+            self.shard(mesh)
+
+    def shard(self, mesh) -> "Engine":
+        """Put this engine on a `jax.sharding.Mesh` with axes (data, model), or [data, model] devices
+        (models.sharding: weights split by their logical axes, batch on data, kv heads on model);
+        every step then places its cache and inputs first. Returns the engine."""
+        from models.sharding import Placement
+
+        if self.placement is not None:
+            raise ValueError(f"Engine.shard: the engine is already on a mesh ({self.placement})")
+        pl = Placement(self.cfg, mesh)
+        self.params = pl.params(self.params)
+        self._logits_step, self._nll_step, self._decode_n = map(pl.step, (self._logits_step, self._nll_step,
+                                                                          self._decode_n))
+        self._recon_step = pl.step(self._recon_step, returns_cache_only=True)
+        self.placement = pl  # (_after_prompt's cache comes from placed steps: jit keeps its shardings)
+        return self

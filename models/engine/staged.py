@@ -1,0 +1,169 @@
+"""Staged prompts (`Prompted`): prompt -> compress -> continue_generate, forks of one state,
+and prompt states shared between engines (the `Staged` mixin of `Engine`).
+
+Shapes: B batch, T tokens, V vocab, n generated tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvpolicies.prompt import adopt, reads_prompt_state
+from models.llama import Cache, policy_runs
+from models.engine.checks import check_int
+from models.engine.steps import fork_cache, rotate_keys
+
+if TYPE_CHECKING:
+    from models.engine.core import Engine
+
+@dataclasses.dataclass(frozen=True)
+class Prompted:
+    """A prompt run so far: the cache, the number of tokens in it (the next position), the last
+    token's logits [B, V], and whether `after_prompt` has run (the cache is the decode state)."""
+
+    cache: Cache
+    length: int
+    logits: jax.Array
+    compressed: bool
+    tokens: np.ndarray | None = None  # [B, length] the ids fed (kvzip reconstructs them)
+
+
+class Staged:
+    """A prompt run in stages: compress a context before the question is known, fork one state."""
+
+    # -- staged prompts: compress before the question, fork one state ---------------------------
+    def prompt(self, tokens, chunk: int | None = None) -> Prompted:
+        """A fresh prompt [B, T] through each policy's prompt phase, not compressed yet (one
+        prefill; `compress` or `extend_prompt` next)."""
+        tokens = self._tokens(tokens, "tokens", (2,))
+        t = tokens.shape[1]
+        if t == 0:
+            raise ValueError(f"tokens: prompt needs at least 1 token, got shape {tokens.shape}")
+        self._check_len(t, f"prompt of {t} tokens")
+        self._check_repeat()
+        cache = self.init_cache(tokens.shape[0], prompt=True)
+        self.prefills += 1
+        empty = np.zeros((tokens.shape[0], 0), np.int32)
+        return self._feed(Prompted(cache, 0, None, False, empty), tokens, self._chunk(chunk, t), prompt=True,
+                          fork=False)
+
+    def _feed(self, state: Prompted, tokens: np.ndarray, chunk: int, prompt: bool, fork: bool = True) -> Prompted:
+        cache, logits, start = fork_cache(state.cache) if fork else state.cache, state.logits, state.length
+        t = tokens.shape[1]
+        for s in range(0, t, chunk):
+            logits, cache = self._step(cache, tokens[:, s:s + chunk], start + s, prompt=prompt)
+        self.prefill_tokens += t * tokens.shape[0]
+        fed = None if state.tokens is None else np.concatenate([state.tokens, tokens], axis=1)
+        return Prompted(cache, start + t, logits, state.compressed, fed)
+
+    def _check_state(self, state: Prompted, tokens, what: str) -> np.ndarray:
+        if not isinstance(state, Prompted):
+            raise ValueError(f"{what}: state must be a Prompted (from Engine.prompt), got {type(state).__name__}")
+        tokens = self._tokens(tokens, "tokens", (2,))
+        if tokens.shape[0] != state.logits.shape[0]:
+            raise ValueError(f"tokens: batch {tokens.shape[0]} does not match the state's batch "
+                             f"{state.logits.shape[0]}")
+        return tokens
+
+    def extend_prompt(self, state: Prompted, tokens, chunk: int | None = None) -> Prompted:
+        """More prompt tokens [B, T] through the prompt phase of an uncompressed state (which stays
+        usable: a fork)."""
+        tokens = self._check_state(state, tokens, "extend_prompt")
+        if state.compressed:
+            raise ValueError("extend_prompt: the state is already compressed; use continue_generate")
+        t = tokens.shape[1]
+        self._check_len(state.length + t, f"prompt of {state.length} + {t} tokens")
+        return self._feed(state, tokens, self._chunk(chunk, max(t, 1)), prompt=True) if t else state
+
+    def shares_prompt(self, other: "Engine") -> bool:
+        """Whether this engine can `compress` the uncompressed states of `other`: same model,
+        max_len and cache dtype, and layer by layer the same prompt-phase state (a PromptPhase
+        whatever compressor it serves), or `full` here over a dense PromptPhase there."""
+        if other._model is not self._model or other.max_len != self.max_len or other.cache_dtype != self.cache_dtype:
+            return False
+
+        bounds = lambda e: [(a, b) for a, b, _ in policy_runs(e.prompt_policies, e.cfg.n_layers)]  # noqa: E731
+        if bounds(self) != bounds(other):
+            return False  # the prompt cache is stacked by runs of equal layers: another grouping is another layout
+        return all(reads_prompt_state(a, b) for a, b in zip(self.prompt_policies, other.prompt_policies))
+
+    def _adopt(self, cache: Cache) -> Cache:
+        """A prompt-phase cache in this engine's prompt-phase runs (full's runs take the dense
+        slots of a PromptPhase state)."""
+        runs = policy_runs(self.prompt_policies, self.cfg.n_layers)
+        if len(runs) != len(cache):
+            raise ValueError(f"compress: the state has {len(cache)} runs of layers, this engine's prompt phase "
+                             f"{len(runs)}: it comes from an engine that does not share the prompt (shares_prompt)")
+        out = []
+        for (a, b, pol), st in zip(runs, cache):
+            st, rotate = adopt(pol, st)
+            if rotate:  # a prompt phase stores keys un-rotated; e.g. full stores them rotated
+                tables = self.params[1] or self._model.rope_tables(self.max_len)
+                local = tuple(bool(x) for x in np.asarray(self.cfg.local_layers)[a:b])
+                st = dataclasses.replace(st, k=rotate_keys(st.k, st.pos, tables, local))
+            out.append(st)
+        return tuple(out)
+
+    def compress(self, state: Prompted) -> Prompted:
+        """`after_prompt` on a prompt-phase state (this engine's, or that of an engine it
+        `shares_prompt` with); the input stays usable. A streaming policy's state is unchanged."""
+        if not isinstance(state, Prompted):
+            raise ValueError(f"compress: state must be a Prompted (from Engine.prompt), got {type(state).__name__}")
+        if state.compressed:
+            raise ValueError("compress: the state is already compressed")
+        cache = self._adopt(state.cache)
+        # the state type of each run (a phase may add statistics after its first step, so not the full structure)
+        want = [type(st) for st in jax.eval_shape(lambda: self.init_cache(state.logits.shape[0], prompt=True))]
+        if [type(st) for st in cache] != want:
+            raise ValueError("compress: the state's cache does not have this engine's prompt-phase layout "
+                             "(another model, max_len or prompt phase; see shares_prompt)")
+        if self._compresses:
+            self.prompts_compressed += 1
+            if self._zippers:
+                if state.tokens is None:
+                    raise ValueError("compress: kvzip needs the prompt's token ids (a state from Engine.prompt)")
+                cache = self._reconstruct(cache, state.tokens)
+            cache = self._after_prompt(cache)
+        return Prompted(cache, state.length, state.logits, True, state.tokens)
+
+    def kept_positions(self, state: Prompted, row: int = 0) -> list[list[np.ndarray]]:
+        """The token positions the cache of `state` holds for batch row `row`: [layer][kv head] ->
+        sorted int array. Per-head token sets (snapkv, h2o...), one set shared by the layer's heads
+        (window, sink, full...), head pools (adakv, kvzip: each head's share of the layer's pool),
+        duo's two head groups and paged block tables. A prompt phase (not yet compressed) holds
+        every prompt token."""
+        if not isinstance(state, Prompted):
+            raise ValueError(f"kept_positions: state must be a Prompted, got {type(state).__name__}")
+        k = self.cfg.n_kv_heads
+        out: list[list[np.ndarray]] = []
+        for (a, b, pol), run in zip(policy_runs(self.policies if state.compressed else self.prompt_policies,
+                                                self.cfg.n_layers), state.cache):
+            for i in range(b - a):
+                out.append(jax.tree.map(lambda x: np.asarray(x[i]), run).held(row, k, pol))
+        return out
+
+    def continue_generate(self, state: Prompted, tokens, n: int, chunk: int | None = None) -> np.ndarray:
+        """Greedy ids [B, n] after feeding `tokens` [B, T] (T >= 0; e.g. a question) through the
+        decode policies of a compressed state (the state stays usable: forks do not interfere)."""
+        if isinstance(tokens, (list, tuple)) and len(tokens) == 0:
+            tokens = np.zeros((state.logits.shape[0], 0), np.int32)
+        tokens = self._check_state(state, tokens, "continue_generate")
+        n = check_int("n", n, 0)
+        if not state.compressed and self._compresses:
+            raise ValueError("continue_generate: the state is not compressed yet (compress it first)")
+        t = tokens.shape[1]
+        self._check_len(state.length + t + n, f"state of {state.length} + {t} tokens + n={n} new tokens")
+        if t:
+            state = self._feed(state, tokens, self._chunk(chunk, t), prompt=False)
+        if n == 0:
+            return np.zeros((tokens.shape[0], 0), np.int32)
+        first = jnp.argmax(state.logits, axis=-1).astype(jnp.int32)  # [B]
+        if n == 1:
+            return np.asarray(first)[:, None]
+        pos = jnp.full(first.shape, state.length, jnp.int32)
+        rest = self._generate_rest(state.cache, first, pos, n - 1, state.length + n - 1, fork=not t)
+        return np.concatenate([np.asarray(first)[:, None], np.asarray(rest)], axis=1)
