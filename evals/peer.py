@@ -19,7 +19,8 @@ Keys (key=value):
     presses=[...]                 default: PEER_PRESSES (every press of kvpolicies.compat; DuoAttentionPress
                                   with a seeded random head pattern on both sides, `duo_pattern`)
     gen=<task's>                  greedy tokens after the question (ruler_niah_single: 32)
-    seed=0  chunk=512             the samples' seed; our prefill chunk (never changes a result)
+    seed=0  chunk=512             the samples' seed; our prefill chunk (never changes a result; the rest
+                                  of a context in power-of-two pieces, `pieces`: shapes compiled once)
     prefill=shared                how the kvpress worker prefills: shared (one prefill per sample, each
                                   press's own forward hook on its own copy of every layer's cache) or
                                   per_press (kvpress's pipeline, one prefill per press: slower, same result)
@@ -398,6 +399,30 @@ def load_ours(p: Plan):
     return zoo.load_model(model_config(p.model))
 
 
+def pieces(n: int, chunk: int) -> list[int]:
+    """Lengths that feed n tokens: chunks of `chunk`, then the rest in decreasing powers of two
+    (1994 at 512: 512, 512, 512, 256, 128, 64, 8, 2): the samples' contexts differ in length by a
+    few tokens, and a step is compiled once per shape, so these shapes recur where a last chunk
+    of n mod chunk tokens would compile anew for every sample (a chunk never changes a result)."""
+    out = [chunk] * (n // chunk)
+    rest = n % chunk
+    while rest:
+        out.append(1 << (rest.bit_length() - 1))
+        rest -= out[-1]
+    return out
+
+
+def prompt_in_pieces(eng, ctx: np.ndarray, chunk: int):
+    """`eng.prompt` of the context [n], fed in `pieces` (extend_prompt after the first)."""
+    sizes = pieces(len(ctx), chunk)
+    st = eng.prompt(ctx[None, :sizes[0]], chunk=sizes[0])
+    at = sizes[0]
+    for m in sizes[1:]:
+        st = eng.extend_prompt(st, ctx[None, at:at + m], chunk=m)
+        at += m
+    return st
+
+
 def run_ours(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=lambda: None) -> None:
     """Our side of the items `todo`, one line appended to <stem>.ours.jsonl per item. An engine per
     (press, ratio), kept across samples (its compiled steps); per sample, prompt compressors with
@@ -430,7 +455,7 @@ def run_ours(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=lambda
                 runs = len(policy_runs(eng.prompt_policies, model.cfg.n_layers))
                 st = next((s for e, s in states if len(s.cache) == runs and eng.shares_prompt(e)), None)
                 if st is None:
-                    st = eng.prompt(ctx[None], chunk=p.chunk)
+                    st = prompt_in_pieces(eng, ctx, p.chunk)
                     states.append((eng, st))
                 st = eng.compress(st)
                 mask = np.zeros((model.cfg.n_kv_heads, len(ctx)), bool)
