@@ -217,3 +217,15 @@ def test_kvzip_and_duo_reach_both_sides_alike(tmp_path):
     assert [worker.group_of(c) for c in ("KVzipPress", "ObservedAttentionPress", "SnapKVPress")] == [
         ("sdpa", False), ("eager", True), ("sdpa", True)]
     assert worker.group_of("SnapKVPress", shared=False) == ("sdpa", False)
+
+
+def test_pieces_cover_the_context_in_recurring_shapes():
+    """Chunks of `chunk`, then decreasing powers of two: every length is fed exactly once, and the
+    shapes come from a set of log2(chunk) + 1 whatever the length."""
+    assert peer.pieces(1994, 512) == [512, 512, 512, 256, 128, 64, 8, 2]
+    shapes = set()
+    for n in range(1, 2000, 7):
+        got = peer.pieces(n, 512)
+        assert sum(got) == n and got == sorted(got, reverse=True)
+        shapes |= set(got)
+    assert shapes <= {512} | {2 ** i for i in range(9)}
