@@ -624,6 +624,26 @@ def _count(p: Plan, side: str) -> int:
     return len(saved(p, side))
 
 
+MAP_COUNT = pathlib.Path("/proc/sys/vm/max_map_count")
+MAP_COUNT_MIN = 262144  # a 31-row grid's compiled steps held by one process: ~1,500 memory maps per row
+
+
+def map_count_note() -> str:
+    """A note when Linux's limit on a process's memory maps is below MAP_COUNT_MIN (XLA's CPU
+    backend maps memory for every compiled step, and our side keeps each row's engine for all
+    samples): past the limit LLVM fails with "Cannot allocate memory" and the run stops (its
+    saved lines resume). Empty where the limit is high enough or unknown."""
+    try:
+        limit = int(MAP_COUNT.read_text())
+    except (OSError, ValueError):
+        return ""
+    if limit >= MAP_COUNT_MIN:
+        return ""
+    return (f"[evals.peer] note: vm.max_map_count is {limit}; a full grid's compiled steps can exhaust it (LLVM: "
+            f"'Cannot allocate memory', the run stops; rerun to resume). Raise it: sudo sysctl -w "
+            f"vm.max_map_count={4 * MAP_COUNT_MIN}")
+
+
 def run(p: Plan) -> list[dict[str, Any]]:
     """Both sides of every missing item (kvpress in a subprocess while ours runs here), then the
     records and the table."""
@@ -641,6 +661,8 @@ def run(p: Plan) -> list[dict[str, Any]]:
     print(f"[evals.peer] {len(p.cells)} rows (full + {len(p.presses)} presses x ratios "
           f"{', '.join(f'{r:g}' for r in p.ratios)}) x {p.samples} samples; to run: kvpress "
           f"{len(todo['kvpress'])}, ours {len(todo['ours'])} of {total}; files {p.path('.*')}")
+    if todo["ours"] and (note := map_count_note()):
+        print(note, file=sys.stderr)
     t0 = time.time()
     bars = {s: tqdm(total=total, initial=total - len(todo[s]), desc=s, unit="run", position=k,
                     disable=not p.progress) for k, s in enumerate(SIDES)}

@@ -229,3 +229,16 @@ def test_pieces_cover_the_context_in_recurring_shapes():
         assert sum(got) == n and got == sorted(got, reverse=True)
         shapes |= set(got)
     assert shapes <= {512} | {2 ** i for i in range(9)}
+
+
+def test_a_low_map_count_is_said_before_the_run(tmp_path, monkeypatch):
+    """XLA maps memory per compiled step: a limit below MAP_COUNT_MIN gets a note naming the
+    sysctl that raises it; a high or unreadable one, none."""
+    limit = tmp_path / "max_map_count"
+    monkeypatch.setattr(peer, "MAP_COUNT", limit)
+    limit.write_text("65530\n")
+    assert "vm.max_map_count is 65530" in peer.map_count_note() and "sysctl -w" in peer.map_count_note()
+    limit.write_text(str(peer.MAP_COUNT_MIN))
+    assert peer.map_count_note() == ""
+    limit.unlink()
+    assert peer.map_count_note() == ""
