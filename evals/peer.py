@@ -20,7 +20,11 @@ Keys (key=value):
                                   with a seeded random head pattern on both sides, `duo_pattern`)
     gen=<task's>                  greedy tokens after the question (ruler_niah_single: 32)
     seed=0  chunk=512             the samples' seed; our prefill chunk (never changes a result; the rest
-                                  of a context in power-of-two pieces, `pieces`: shapes compiled once)
+                                  of a context in power-of-two pieces, `pieces`, and the question in
+                                  chunks of QUESTION_CHUNK: shapes compiled once, not per sample)
+    compile_cache=<out>/.jax-cache  JAX's persistent compilation cache for our side (a resumed run
+                                  loads the steps it compiled before instead of compiling them again;
+                                  `none`: off)
     prefill=shared                how the kvpress worker prefills: shared (one prefill per sample, each
                                   press's own forward hook on its own copy of every layer's cache) or
                                   per_press (kvpress's pipeline, one prefill per press: slower, same result)
@@ -74,7 +78,7 @@ WORKER = ROOT / "evals" / "kvpress_worker.py"
 MODELS = ("smollm2", "qwen", "tiny")
 PREFILLS = ("shared", "per_press")
 OWN_KEYS = ("model", "task", "tokens", "samples", "ratios", "presses", "gen", "seed", "chunk", "prefill", "out",
-            "name", "overwrite", "table_only", "progress")
+            "compile_cache", "name", "overwrite", "table_only", "progress")
 DEFAULT_RATIOS = (0.25, 0.5, 0.75)
 # the tiny random Llama of model=tiny (the parity tests' shape, SmolLM2's vocabulary)
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
@@ -103,6 +107,7 @@ class Plan:
     overwrite: bool
     progress: bool
     table_only: bool = False
+    compile_cache: pathlib.Path | None = None  # JAX's persistent compilation cache for our side
     config: str = ""  # the hash of everything that determines the numbers
     contexts: list[np.ndarray] = dataclasses.field(default_factory=list)
     questions: list[np.ndarray] = dataclasses.field(default_factory=list)
@@ -219,10 +224,13 @@ def parse(argv: Sequence[str]) -> Plan:
     samples = _int("samples", own.get("samples", "20"), 1)
     cfg["trials"] = cfg["batch"] = samples
     stem = own.get("name") or f"peer_{model}_{task}_{tokens}"
+    out = pathlib.Path(own.get("out", "results/peer"))
+    cache_key = own.get("compile_cache", str(out / ".jax-cache"))
+    cache = None if cache_key.strip().lower() in ("none", "") else pathlib.Path(cache_key)
     return Plan(model, cfg, tokens, samples, ratios, presses, cfg["gen"], _int("seed", own.get("seed", "0"), 0),
-                _int("chunk", own.get("chunk", "512"), 1), prefill, pathlib.Path(own.get("out", "results/peer")),
+                _int("chunk", own.get("chunk", "512"), 1), prefill, out,
                 stem, _bool("overwrite", own.get("overwrite", "false")), _bool("progress", own.get("progress", "true")),
-                _bool("table_only", own.get("table_only", "false")), argv=list(argv))
+                _bool("table_only", own.get("table_only", "false")), compile_cache=cache, argv=list(argv))
 
 
 def check_reference() -> None:
@@ -412,6 +420,14 @@ def pieces(n: int, chunk: int) -> list[int]:
     return out
 
 
+# The question goes into a compressed state in chunks of this many tokens: a chunk's step is
+# compiled once per length, and questions differ in length from sample to sample, so one chunk of
+# the whole question compiled a step per sample and engine; in chunks of 4 the lengths are 4 and a
+# ragged last 1-3 (a chunk never changes a result; decode policies that evict per token scan the
+# chunk token by token anyway)
+QUESTION_CHUNK = 4
+
+
 def prompt_in_pieces(eng, ctx: np.ndarray, chunk: int):
     """`eng.prompt` of the context [n], fed in `pieces` (extend_prompt after the first)."""
     sizes = pieces(len(ctx), chunk)
@@ -432,6 +448,7 @@ def run_ours(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=lambda
     from kvpolicies.compat import kvpress
     from models.engine import Engine
     from models.llama import policy_runs
+
 
     max_len = max(len(c) + len(q) for c, q in zip(p.contexts, p.questions)) + p.gen
     max_new = max(len(q) for q in p.questions) + p.gen
@@ -465,7 +482,7 @@ def run_ours(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=lambda
                     for h, pos in enumerate(layer):
                         m[h, np.asarray(pos)] = True
                     kept.append(pack(m))
-                ids = eng.continue_generate(st, q[None], p.gen, chunk=p.chunk)[0]
+                ids = eng.continue_generate(st, q[None], p.gen, chunk=QUESTION_CHUNK)[0]
                 line = {"sample": p.sample_id(i), "press": c, "ratio": r, "n": len(ctx),
                         "answer": [int(x) for x in ids], "kept": kept, "seconds": round(time.time() - t0, 2)}
                 f.write(json.dumps(line) + "\n")
@@ -722,6 +739,17 @@ def _wait(p: Plan, worker: subprocess.Popen, bar, total: int) -> None:
                            f"(run again to resume); the end of {p.path('.kvpress.log')}:\n{tail}")
 
 
+def use_compile_cache(p: Plan, config: Any = None) -> None:
+    """JAX's persistent compilation cache at `p.compile_cache` for this process, unless it is off or
+    a cache is already set (JAX_COMPILATION_CACHE_DIR): a resumed run loads the steps it compiled
+    before (each engine compiles its own, and the run restarts with none)."""
+    import jax
+
+    config = jax.config if config is None else config
+    if p.compile_cache is not None and not config.jax_compilation_cache_dir:
+        config.update("jax_compilation_cache_dir", str(p.compile_cache))
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     """Run the command line `argv` (default sys.argv[1:]); returns the table's rows."""
     from evals.progress import warnings_as_lines
@@ -740,6 +768,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         except ConfigError as e:
             print(f"evals.peer: error: {e}", file=sys.stderr)
             raise SystemExit(2) from None
+        use_compile_cache(p)
         try:
             rows = run(p)
         except RuntimeError as e:

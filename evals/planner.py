@@ -251,7 +251,7 @@ def sized_policy(spec: str, budget: int | float | None, m: ModelShape, context: 
     return pol, how
 
 
-def _label(policy: Policy) -> str:
+def label_of(policy: Policy) -> str:
     """A policy as a spec string: its name, the fields that differ from defaults, and its codec."""
     name = next((k for k, cls in kvpolicies.POLICIES.items() if type(policy) is cls), type(policy).__name__.lower())
     parts = []
@@ -454,7 +454,7 @@ def plan(
     available = gpu - weights - overhead
     rows = []
     for spec in policies:
-        label = spec.strip() if isinstance(spec, str) else _label(spec)
+        label = spec.strip() if isinstance(spec, str) else label_of(spec)
         try:
             if isinstance(spec, str):
                 pol, how = sized_policy(spec, budget, m, context, dtype)
@@ -474,7 +474,7 @@ def plan(
             gpu_bytes=gpu, weight_bytes=weights, overhead_bytes=overhead, available_bytes=available,
             max_requests=int(n), total_bytes=int(n) * one.total,
             batch=batch, batch_bytes=many.total, batch_fits=many.total <= available,
-            headroom_bytes=available - many.total, resolved=_label(pol), sizing=how,
+            headroom_bytes=available - many.total, resolved=label_of(pol), sizing=how,
         ))
         if block is not None:
             pb = paged_bytes(m, context, pol, block, dtype, shared_prefix)

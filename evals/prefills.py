@@ -63,7 +63,7 @@ class Store:
         state = engine.prompt(tokens, chunk=chunk)
         self.prefills += 1
         n = state_bytes(state)
-        if engine._compresses and n <= self.limit_bytes:  # a streaming policy's prompt state serves no other
+        if engine.compresses and n <= self.limit_bytes:  # a streaming policy's prompt state serves no other
             self.entries.setdefault(key, []).append((engine, state, n))
             self.entries.move_to_end(key)
             self.bytes += n

@@ -607,7 +607,7 @@ def shared_prefill(engines: Sequence, prompts: Sequence[Sample], n: int, protoco
     context, every later member compresses its own fork and answers. A streaming policy (sink,
     h2o...) prefills on its own. Returns (answers[engine][prompt],
     {"prefills": done, "prefills_unshared": what one run per policy would do})."""
-    order = sorted(range(len(engines)), key=lambda i: not engines[i]._compresses)  # compressors lead
+    order = sorted(range(len(engines)), key=lambda i: not engines[i].compresses)  # compressors lead
     out: list[list[Any]] = [[None] * len(prompts) for _ in engines]
     with prefills.sharing() as store:
         for i in order:

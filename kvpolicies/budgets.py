@@ -380,7 +380,7 @@ def budget_table(budget: int | float, *, max_len: int, kv_heads: int, head_dim: 
     return rows
 
 
-def _main(argv=None) -> None:
+def main(argv=None) -> None:
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m kvpolicies.budgets",
@@ -407,7 +407,7 @@ def _main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    _main()
+    main()
 
 
 def context_kept(policy: Policy, n: int) -> int:

@@ -99,11 +99,11 @@ def engine_prompts(zippers: tuple, repeat: Any) -> RepeatPrompts | None:
 
 def reconstruct(engine: Any, cache: tuple, tokens: np.ndarray, runs: list) -> tuple:
     """KVzip's context reconstruction over a prompt-phase cache holding `tokens` [B, T], for an
-    engine (`engine.repeat`, `engine._zippers`, its jitted `_recon_step`); `runs`: the
+    engine (`engine.repeat`, `engine.reconstructors`, its jitted `recon_step`); `runs`: the
     reconstruction policies' runs of layers. Each chunk's repeat input runs after the context
     (positions T..); returns the cache with every kvzip layer's scores (`extra["zip"]` [B, K, M])
     and, for scope="model", its kept tokens (`extra["zip_kept"]`)."""
-    chunks = {(p.repeat_chunk, p.repeat_tail) for p in engine._zippers}
+    chunks = {(p.repeat_chunk, p.repeat_tail) for p in engine.reconstructors}
     if len(chunks) > 1:
         raise ValueError(f"kvzip layers with different repeat_chunk/repeat_tail {sorted(chunks)}: one pass serves all")
     (chunk, tail), = chunks
@@ -127,11 +127,11 @@ def reconstruct(engine: Any, cache: tuple, tokens: np.ndarray, runs: list) -> tu
         padded = np.pad(ids, ((0, 0), (0, min(-r % RECON_BUCKET, max(engine.max_len - r, 0)))))
         cache = tuple(with_range(st, lo, hi, t + r) if z else st for st, z in zip(cache, scored))
         pos = jnp.broadcast_to(jnp.arange(t, t + padded.shape[1], dtype=jnp.int32), padded.shape)
-        new = engine._recon_step(engine.params, cache, jnp.asarray(padded), pos)
+        new = engine.recon_step(engine.params, cache, jnp.asarray(padded), pos)
         cache = tuple(n if z else st for st, n, z in zip(cache, new, scored))
         engine.reconstruct_tokens += ids.size
         engine.reconstruct_pad_tokens += padded.size - ids.size
-    return model_scope(engine._zippers, cache, scored)
+    return model_scope(engine.reconstructors, cache, scored)
 
 
 def model_scope(zippers: tuple, cache: tuple, scored: list[bool]) -> tuple:

@@ -122,7 +122,7 @@ class ArgumentChecks:
         return default if chunk is None else check_int("chunk", chunk, 1)
 
     def _check_repeat(self):
-        if self._zippers and self.repeat is None:
+        if self.reconstructors and self.repeat is None:
             raise ValueError("kvzip scores a prompt by reconstructing it: give the engine the tokenizer or the repeat "
                              "prompts, Engine(..., repeat=tokenizer) or repeat=models.reconstruct.repeat_prompts(tokenizer)")
 

@@ -44,10 +44,11 @@ class Engine(ArgumentChecks, Steps, Staged, Generation):
         # A fresh prompt is held by each policy's prompt phase, then `after_prompt` (once); the
         # same policies for streaming policies, a dense phase for prompt compressors (snapkv).
         self.prompt_policies = tuple(prompt_policy_of(p) for p in self.policies)
-        self._compresses = self.prompt_policies != self.policies
-        # kvzip: a reconstruction pass between the prompt phase and after_prompt (models.reconstruct)
-        self._zippers = tuple(dict.fromkeys(p for p in self.policies if reconstructs(p)))
-        self.repeat = engine_prompts(self._zippers, repeat if repeat is not None else tokenizer_of(model))
+        self.compresses = self.prompt_policies != self.policies  # some layer's prompt phase differs
+        # kvzip: a reconstruction pass between the prompt phase and after_prompt (models.reconstruct
+        # reads `reconstructors`, `repeat` and the jitted `recon_step`)
+        self.reconstructors = tuple(dict.fromkeys(p for p in self.policies if reconstructs(p)))
+        self.repeat = engine_prompts(self.reconstructors, repeat if repeat is not None else tokenizer_of(model))
         self.recon_policies = tuple(recon_policy(p) for p in self.prompt_policies)
         self.reconstruct_tokens = 0  # repeat-input tokens fed by reconstruction passes
         self.reconstruct_pad_tokens = 0  # and the pads that bucket their lengths (models.reconstruct.RECON_BUCKET)
@@ -72,7 +73,7 @@ class Engine(ArgumentChecks, Steps, Staged, Generation):
         self._after_prompt = jax.jit(self._after_prompt_impl)  # new shapes: nothing to donate into
         self._nll_step = jax.jit(self._nll_impl, static_argnames=("reach",), **donate)
         self._decode_n = jax.jit(self._decode_n_impl, static_argnums=(4, 5), **donate)
-        self._recon_step = jax.jit(self._recon_impl)  # the prompt state stays usable: no donation
+        self.recon_step = jax.jit(self._recon_impl)  # the prompt state stays usable: no donation
         if decode_loop not in ("layers", "scan"):
             raise ValueError(f"Engine decode_loop={decode_loop!r}: expected 'layers' or 'scan'")
         self.decode_loop = decode_loop
@@ -98,6 +99,6 @@ class Engine(ArgumentChecks, Steps, Staged, Generation):
         self.params = pl.params(self.params)
         self._logits_step, self._nll_step, self._decode_n = map(pl.step, (self._logits_step, self._nll_step,
                                                                           self._decode_n))
-        self._recon_step = pl.step(self._recon_step, returns_cache_only=True)
+        self.recon_step = pl.step(self.recon_step, returns_cache_only=True)
         self.placement = pl  # (_after_prompt's cache comes from placed steps: jit keeps its shardings)
         return self

@@ -35,7 +35,7 @@ class Generation:
             raise ValueError(f"tokens: prefill needs a prompt of at least 1 token, got shape {tokens.shape}")
         chunk = self._chunk(chunk, t)
         self._check_len(t, f"prompt of {t} tokens")
-        fresh = cache is None and self._compresses
+        fresh = cache is None and self.compresses
         if fresh:
             self._check_repeat()
         cache_was_none = cache is None

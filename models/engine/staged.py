@@ -121,9 +121,9 @@ class Staged:
         if [type(st) for st in cache] != want:
             raise ValueError("compress: the state's cache does not have this engine's prompt-phase layout "
                              "(another model, max_len or prompt phase; see shares_prompt)")
-        if self._compresses:
+        if self.compresses:
             self.prompts_compressed += 1
-            if self._zippers:
+            if self.reconstructors:
                 if state.tokens is None:
                     raise ValueError("compress: kvzip needs the prompt's token ids (a state from Engine.prompt)")
                 cache = self._reconstruct(cache, state.tokens)
@@ -153,7 +153,7 @@ class Staged:
             tokens = np.zeros((state.logits.shape[0], 0), np.int32)
         tokens = self._check_state(state, tokens, "continue_generate")
         n = check_int("n", n, 0)
-        if not state.compressed and self._compresses:
+        if not state.compressed and self.compresses:
             raise ValueError("continue_generate: the state is not compressed yet (compress it first)")
         t = tokens.shape[1]
         self._check_len(state.length + t + n, f"state of {state.length} + {t} tokens + n={n} new tokens")

@@ -215,7 +215,7 @@ class Steps:
 
     def _reconstruct(self, cache: Cache, tokens: np.ndarray) -> Cache:
         """kvzip's reconstruction pass (`models.reconstruct.reconstruct`) over a prompt-phase cache."""
-        if not self._zippers:
+        if not self.reconstructors:
             return cache
         self._check_repeat()
         return reconstruct(self, cache, tokens, policy_runs(self.recon_policies, self.cfg.n_layers))

@@ -50,8 +50,11 @@ def test_sigint_is_one_line(tmp_path):
     cmd = [sys.executable, "-m", "evals.run", "model=tiny_random", "data=path", f"data.path={text}",
            "tokens=20000", "chunk=1", "policy=h2o", f"results={tmp_path / 'r.jsonl'}", "progress=false",
            f"hydra.run.dir={tmp_path / 'h'}"]
+    # SIGINT's default action in the child even when this pytest was started in the background (a
+    # shell's `cmd &` ignores SIGINT, and a child inherits that: Python then never raises KeyboardInterrupt)
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     for line in p.stdout:  # wait for the run to start
         if line.startswith("[evals.run] perplexity"):
             break

@@ -42,7 +42,7 @@ def _positions(b64: str, heads: int, n: int) -> list[set[int]]:
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("peer")
-    rows = peer.main(ARGS + [f"out={out}"])
+    rows = peer.main(ARGS + [f"out={out}", "compile_cache=none"])  # no process-wide JAX cache in the tests
     return out, rows
 
 
@@ -242,3 +242,21 @@ def test_a_low_map_count_is_said_before_the_run(tmp_path, monkeypatch):
     assert peer.map_count_note() == ""
     limit.unlink()
     assert peer.map_count_note() == ""
+
+
+def test_compile_cache_defaults_under_out_and_is_set_once(tmp_path):
+    """compile_cache: `<out>/.jax-cache` by default, `none` turns it off; `use_compile_cache` sets
+    JAX's persistent cache directory only where none is set already."""
+    from types import SimpleNamespace
+
+    p = peer.parse(ARGS + [f"out={tmp_path}"])
+    assert p.compile_cache == tmp_path / ".jax-cache"
+    assert peer.parse(ARGS + ["compile_cache=none"]).compile_cache is None
+    assert peer.parse(ARGS + [f"compile_cache={tmp_path / 'c'}"]).compile_cache == tmp_path / "c"
+    calls = []
+    config = SimpleNamespace(jax_compilation_cache_dir=None, update=lambda k, v: calls.append((k, v)))
+    peer.use_compile_cache(p, config)
+    assert calls == [("jax_compilation_cache_dir", str(tmp_path / ".jax-cache"))]
+    config.jax_compilation_cache_dir = "/elsewhere"  # JAX_COMPILATION_CACHE_DIR set: left alone
+    peer.use_compile_cache(p, config)
+    assert len(calls) == 1

@@ -229,9 +229,9 @@ def test_planner_budget_sizes_every_policy_as_evals_run_does(budget):
 
 
 def planner_label(pol):
-    from evals.planner import _label
+    from evals.planner import label_of
 
-    return _label(pol)
+    return label_of(pol)
 
 
 def test_planner_error_rows_unsized_notes_and_spec_budgets(capsys):

@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 
 import kvpolicies
-from kvpolicies.budgets import _main, budget_field_of, pyramid_budgets, sized, sized_bytes, sized_stack, target_bytes
+from kvpolicies.budgets import budget_field_of, main, pyramid_budgets, sized, sized_bytes, sized_stack, target_bytes
 from kvpolicies.memory import state_bytes
 
 K, D, MAX_LEN = 2, 64, 8192
@@ -202,7 +202,7 @@ def test_pyramid_whose_top_layers_round_to_nothing_is_an_error():
 
 def test_the_readme_table_command(capsys):
     """docs/guide/budgets.md's table is `python -m kvpolicies.budgets --budget 0.25` (SmolLM2 dims, bf16, 4,096)."""
-    _main(["--budget", "0.25"])
+    main(["--budget", "0.25"])
     out = capsys.readouterr().out
     assert "budget=0.25: 790,528 bytes per layer" in out
     assert "| sink | none | n_sink=4 window=1020 | 1,024 | 790,528 | 1.0000 |" in out

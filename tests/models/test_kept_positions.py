@@ -53,7 +53,7 @@ def test_kept_positions(name, tiny_model):
     tokens = np.random.default_rng(4).integers(0, 97, (1, T)).astype(np.int32)
     prompted = eng.prompt(tokens)
     assert all(list(h) == list(range(T)) for layer in eng.kept_positions(prompted) for h in layer) or not \
-        eng._compresses  # a prompt phase holds every prompt token
+        eng.compresses  # a prompt phase holds every prompt token
     kept = eng.kept_positions(eng.compress(prompted))
     assert len(kept) == 2 and all(len(layer) == 2 for layer in kept)
     for layer in kept:
