@@ -386,7 +386,7 @@ def size_policy(name: str, budget: int | float, *, gen: int, fixed: dict[str, An
     target = budgets.target_bytes(budget, **dims)
     left = n_layers * target - sum(state_bytes(p, **dims).total for p in others)
     if left <= 0:
-        raise ValueError(f"{name}'s {len(others)} uncompressed layers alone store more than the model's budget of "
+        raise budgets.BudgetTooSmall(f"{name}'s {len(others)} uncompressed layers alone store more than the model's budget of "
                          f"{n_layers * target:,} bytes: raise the budget")
     per_layer = left / (len(stack) - len(others)) / budgets.target_bytes(1.0, **dims)
     return _size_layer(name, per_layer, **args)
@@ -407,7 +407,7 @@ def _size_layer(name: str, budget: int | float, *, gen: int, fixed: dict[str, An
     try:
         return budgets.sized(name, budget, **dims, **fixed), None
     except ValueError as e:
-        if "too small" not in str(e):
+        if not isinstance(e, budgets.BudgetTooSmall):
             raise
         error = str(e)
     cls = kvpolicies.POLICIES[name]
@@ -440,8 +440,8 @@ def _size_layer(name: str, budget: int | float, *, gen: int, fixed: dict[str, An
                 v //= 2
                 continue
             hint = f"{prefix}{field}={v}" if prefix else f"{name}.{field}={v}"
-            raise ValueError(f"{error}; it fits with {hint} (or a larger budget)")
-    raise ValueError(f"{error}; raise the budget (no smaller setting of {name}'s fixed fields fits it)")
+            raise budgets.BudgetTooSmall(f"{error}; it fits with {hint} (or a larger budget)")
+    raise budgets.BudgetTooSmall(f"{error}; raise the budget (no smaller setting of {name}'s fixed fields fits it)")
 
 
 def explicit_fields(conf: dict[str, Any]) -> dict[str, Any]:

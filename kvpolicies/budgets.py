@@ -253,6 +253,11 @@ def _last_true(lo: int, hi: int, pred: Callable[[int], bool]) -> int:
     return lo
 
 
+
+class BudgetTooSmall(ValueError):
+    """The budget cannot hold the policy's smallest sizing (its fixed part: sinks, windows, decode
+    slots); other sizing errors (a bad field) are plain ValueErrors."""
+
 def sized_bytes(name: str, nbytes: int, /, *, max_len: int, kv_heads: int, head_dim: int, dtype,
                 codec="none", **fields) -> Policy:
     """The policy `name` whose stored bytes per layer are at most `nbytes`, and within one slot.
@@ -289,7 +294,7 @@ def sized_bytes(name: str, nbytes: int, /, *, max_len: int, kv_heads: int, head_
     lo = _first_true(1, max_len, lambda n: at(n) is not None)
     smallest, least = at(lo)
     if least > nbytes:
-        raise ValueError(f"budget of {nbytes} bytes is too small for {name}: its smallest sizing "
+        raise BudgetTooSmall(f"budget of {nbytes} bytes is too small for {name}: its smallest sizing "
                          f"({smallest.capacity(max_len)} slots) stores {least} bytes")
     n = _last_true(lo, max_len, lambda m: at(m)[1] <= nbytes)
     n = _first_true(lo, n, lambda m: at(m)[1] >= at(n)[1])

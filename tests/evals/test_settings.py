@@ -81,16 +81,27 @@ def test_run_and_compare_give_the_same_hint(capsys):
 
 
 def test_readme_compare_command_plans():
-    """`python -m evals.compare task=perplexity tokens=1024` (the README's) plans every job: snapkv
-    at 0.125 and 0.25 with max_new lowered, each said in a note; each job's policy is what evals.run
-    builds from its overrides."""
+    """`python -m evals.compare task=perplexity tokens=1024` plans every job of the default grid
+    (32:1 to 4:3) it can size: snapkv at 1/16, 0.125 and 0.25 with max_new lowered, and left out at
+    1/32 (its smallest sizing stores more), each said in a note; the four budgets of the committed
+    table plan all 20 jobs; each job's policy is what evals.run builds from its overrides."""
     p = compare.plan(["task=perplexity", "tokens=1024", "results=/tmp/unused.jsonl"])
-    assert len(p.jobs) == 1 + 5 * 4
+    assert p.budgets == [1 / 32, 1 / 16, 0.125, 0.25, 0.5, 0.75]
+    cells = {(j.policy, j.budget) for j in p.jobs[1:]}
+    assert cells == {(n, b) for n in compare.DEFAULT_POLICIES for b in p.budgets} - {("snapkv", 1 / 32)}
     snap = {j.budget: j.policy_obj for j in p.jobs if j.policy == "snapkv"}
-    assert snap[0.125].max_new == 64 and snap[0.25].max_new == 128 and snap[0.5].max_new == 256
-    assert len(p.notes) == 2 and all("max_new lowered" in n for n in p.notes)
+    assert snap[1 / 16].max_new == 16 and snap[0.125].max_new == 64 and snap[0.25].max_new == 128
+    assert snap[0.5].max_new == 256
+    left_out = [n for n in p.notes if "left out" in n]
+    assert len(left_out) == 1 and left_out[0].startswith("snapkv at budget 0.03125 left out")
+    assert sum("max_new lowered" in n for n in p.notes) == 3
     assert all(C.build_policy(j.conf["policy"]) == j.policy_obj for j in p.jobs)
     assert isinstance(p.jobs[0].policy_obj, kvpolicies.Full)
+    four = compare.plan(["task=perplexity", "tokens=1024", "budgets=[0.125,0.25,0.5,0.75]", "results=/tmp/unused.jsonl"])
+    assert len(four.jobs) == 1 + 5 * 4 and not any("left out" in n for n in four.notes)
+    # a budget given on the command line is sized or refused, not left out
+    with pytest.raises(C.ConfigError, match="snapkv at budget 0.03125"):
+        compare.plan(["task=perplexity", "tokens=1024", "budgets=[0.03125]", "results=/tmp/unused.jsonl"])
 
 
 @pytest.mark.parametrize("budget", [0.25, 0.5])
