@@ -25,6 +25,10 @@ Keys of its own (key=value, as evals.run):
                                             run keys); without it that is an error before any job runs
                                             (the same comparison again rewrites its own files)
     share_gb=4                              memory for prompt states shared between jobs (0: none)
+    protocols=[query_agnostic,query_aware]  a RULER-style task under each protocol in one command
+                                            (kvpress's leaderboard runs both): a comparison per
+                                            protocol, every one planned before any job runs, files
+                                            <stem>-<protocol>.*
 
 Shared prefill. The jobs run in this process inside `evals.prefills.sharing()`: a context is
 prefilled once, by the first prompt compressor that meets it, and every later job whose engine
@@ -71,7 +75,7 @@ DEFAULT_POLICIES = ("window", "sink", "h2o", "tova", "snapkv")
 # budget that a policy cannot be sized to at the run's length is left out ('-', said in a note);
 # budgets given on the command line are sized or refused
 DEFAULT_BUDGETS = (1 / 32, 1 / 16, 0.125, 0.25, 0.5, 0.75)
-OWN_KEYS = ("policies", "budgets", "out", "name", "share_gb", "overwrite")
+OWN_KEYS = ("policies", "budgets", "out", "name", "share_gb", "overwrite", "protocols")
 SET_PER_JOB = ("policy", "window", "n_sink", "budget")  # evals.run keys the sizing sets for each job
 MB = 1e6
 
@@ -311,6 +315,8 @@ def plan(argv: Sequence[str]) -> Plan:
     from evals.run import run_key
     from kvpolicies import budgets as B
 
+    if any(a.split("=", 1)[0] == "protocols" for a in argv):
+        raise ConfigError("protocols: one plan per protocol; `plans` splits the command line")
     args = parse_args(argv)
     base = compose_run(args.passthrough + ["policy=full"])
     mc = model_dims(base["model"])
@@ -360,12 +366,18 @@ def plan(argv: Sequence[str]) -> Plan:
         check_text(base, zoo.load_tokenizer(base["model"]), load_text(base["data"]["spec"]))
     results = base["results"]
     out = Path(args.out) if args.out else Path(results).parent / "compare"
-    stem = args.name or "-".join([base["task"]["name"], base["model"]["name"], str(max_len)]
-                                 + ([codec] if codec != "none" else []))
+    stem = args.name or default_stem(base)
     check_outputs(out, stem, [j.key for j in jobs], args.overwrite or bool(base["force"]))
     return Plan(jobs, args.policies, budgets, base["task"]["name"], base["model"]["name"], _data_name(base),
                 max_len, mc.n_layers, mc.n_kv_heads, mc.head_dim, dtype.name, codec, results, out, stem,
                 bool(base["progress"]), int(args.share_gb * (1 << 30)), notes)
+
+
+def default_stem(conf: dict[str, Any]) -> str:
+    """<task>-<model>-<length>[-<codec>] of a composed run config."""
+    codec = conf["codec"]
+    return "-".join([conf["task"]["name"], conf["model"]["name"], str(run_length(conf))]
+                    + ([codec] if codec != "none" else []))
 
 
 OUTPUTS = (".md", ".tex", ".csv", ".png", ".pdf")
@@ -649,6 +661,32 @@ def run(p: Plan) -> list[dict[str, Any]]:
     return recs
 
 
+def plans(argv: Sequence[str]) -> list[Plan]:
+    """One `Plan` per protocol of `protocols=[...]` (the task's `task.protocol` set, the stem
+    suffixed with it), or the one plan of `argv`; all planned before any job runs."""
+    rest = [a for a in argv if a.split("=", 1)[0] != "protocols"]
+    given = [a.split("=", 1)[1] for a in argv if a.split("=", 1)[0] == "protocols"]
+    if not given:
+        return [plan(rest)]
+    from evals.ruler import PROTOCOLS
+
+    protocols = list_value("protocols", given[-1])
+    bad = [x for x in protocols if x not in PROTOCOLS]
+    if bad:
+        raise ConfigError(f"protocols={given[-1]}: {bad[0]!r} is not a protocol; choose from {list(PROTOCOLS)}")
+    if any(a.lstrip("+~").startswith("task.protocol=") for a in rest):
+        raise ConfigError("task.protocol: set by protocols=[...] for each comparison; give one or the other")
+    passthrough = parse_args(rest).passthrough
+    base = compose_run(passthrough + ["policy=full"])
+    if "protocol" not in base["task"]:
+        raise ConfigError(f"protocols={given[-1]}: task={base['task']['name']} has no protocol "
+                          "(a RULER-style task has: passkey, niah, multikey, ruler_*, multiquery)")
+    named = [a for a in rest if a.split("=", 1)[0] == "name"]
+    stem = named[-1].split("=", 1)[1] if named else default_stem(base)
+    rest = [a for a in rest if a.split("=", 1)[0] != "name"]
+    return [plan(rest + [f"task.protocol={x}", f"name={stem}-{x}"]) for x in protocols]
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     """Run the command line `argv` (default sys.argv[1:]); returns the cells of the table."""
     from evals.progress import warnings_as_lines
@@ -661,24 +699,28 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
     with warnings_as_lines("evals.compare"), interrupt_as_line("evals.compare"):
         try:
-            p = plan(argv)
+            ps = plans(argv)
         except ConfigError as e:
             print(f"evals.compare: error: {e}", file=sys.stderr)
             raise SystemExit(2) from None
-        print(f"[evals.compare] {len(p.jobs)} jobs: full + {', '.join(p.policies)} x budgets "
-              f"{', '.join(map(str, p.budgets))}; {title(p)}; results {p.results}")
-        for note in p.notes:
-            print(f"[evals.compare] note: {note}")
-        recs = run(p)
-        try:
-            paths = write(p, recs)
-        except ValueError as e:
-            print(f"evals.compare: error: {e}", file=sys.stderr)
-            raise SystemExit(1) from None
-    print(markdown(recs, title(p)))
-    for path in paths:
-        print(f"wrote {path}")
-    return recs
+        out = []
+        for p in ps:
+            print(f"[evals.compare] {len(p.jobs)} jobs: full + {', '.join(p.policies)} x budgets "
+                  f"{', '.join(map(str, p.budgets))}; {title(p)}; results {p.results}")
+            for note in p.notes:
+                print(f"[evals.compare] note: {note}")
+            recs = run(p)
+            try:
+                paths = write(p, recs)
+            except ValueError as e:
+                print(f"evals.compare: error: {e}", file=sys.stderr)
+                raise SystemExit(1) from None
+            print(markdown(recs, title(p)))
+            for path in paths:
+                print(f"wrote {path}")
+            protocol = p.jobs[0].conf["task"].get("protocol")
+            out += [r | {"protocol": protocol} for r in recs] if len(ps) > 1 else recs
+    return out
 
 
 if __name__ == "__main__":

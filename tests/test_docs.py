@@ -6,7 +6,7 @@ with `python -m`, `.venv/bin/python`, `bash scripts/` or `mkdocs`. "Checked" mea
 exists and its arguments parse without running the work:
 - `evals.run`: every job of the command line is composed and validated (`evals.run.preflight`:
   config keys, policy fields, model and data files, lengths, memory, results location);
-- `evals.compare`: every job is sized and validated (`evals.compare.plan`), `evals.suite` every
+- `evals.compare`: every job is sized and validated (`evals.compare.plans`), `evals.suite` every
   task's comparison;
 - any other module: its own argparse parser accepts the arguments (its `parse_args` is stopped
   right after parsing, so nothing is computed);
@@ -165,9 +165,9 @@ def check(command: str) -> str:
         assert n_jobs == len(job_overrides(args))
         return f"evals.run.preflight: {n_jobs} job(s) validated"
     if module == "evals.compare":
-        from evals.compare import plan
+        from evals.compare import plans
 
-        return f"evals.compare.plan: {len(plan(args).jobs)} jobs sized and validated"
+        return f"evals.compare.plans: {sum(len(p.jobs) for p in plans(args))} jobs sized and validated"
     if module == "evals.suite":
         from evals import compare, suite
 

@@ -261,3 +261,45 @@ def test_jobs_share_one_prefill_per_context_with_the_answers_of_unshared_runs(tm
             a = np.load(tmp_path / "shared" / r["arrays"][name])
             b = np.load(tmp_path / "alone" / mine["arrays"][name])
             np.testing.assert_array_equal(a, b)
+
+
+PASSKEY = ["model.max_position=512", "task=passkey", "task.lengths=[320]", "task.depths=[0.5]", "task.trials=1",
+           "task.batch=1", "policies=[snapkv]", "budgets=[0.5]", "snapkv.max_new=16", "snapkv.obs_window=4"]
+
+
+def test_protocols_run_both_loops_in_one_command(text_file, tmp_path):
+    """protocols=[query_agnostic,query_aware]: a comparison per protocol (kvpress's leaderboard
+    runs both), each its own rows (the protocol is part of the run key) and files <stem>-<protocol>.*"""
+    argv = [a for a in base_args(text_file, tmp_path / "r.jsonl", snapkv=False) if not a.startswith("tokens=")]
+    argv += PASSKEY + [f"out={tmp_path / 'out'}", "protocols=[query_agnostic,query_aware]"]
+    ps = compare.plans(argv)
+    assert [p.stem for p in ps] == ["passkey-tiny_random-332-query_agnostic", "passkey-tiny_random-332-query_aware"]
+    assert [{j.conf["task"]["protocol"] for j in p.jobs} for p in ps] == [{"query_agnostic"}, {"query_aware"}]
+    assert not {j.key for j in ps[0].jobs} & {j.key for j in ps[1].jobs}
+    cells = compare.main(argv)
+    assert [(c["protocol"], c["policy"]) for c in cells] == [
+        ("query_agnostic", "full"), ("query_agnostic", "snapkv"), ("query_aware", "full"), ("query_aware", "snapkv")]
+    assert all(c["score"] in (0.0, 1.0) for c in cells)
+    for p in ps:
+        assert (tmp_path / "out" / f"{p.stem}.md").is_file() and (tmp_path / "out" / f"{p.stem}.csv").is_file()
+    named = compare.plans(argv + ["name=mine"])
+    assert [p.stem for p in named] == ["mine-query_agnostic", "mine-query_aware"]
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["protocols=[query_aware,nope]"], "'nope' is not a protocol"),
+    (["protocols=[query_aware]", "task.protocol=query_agnostic"], "task.protocol: set by protocols"),
+])
+def test_protocols_errors_name_the_key(extra, says, text_file, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(zoo, "load_model", _no_load)
+    argv = [a for a in base_args(text_file, tmp_path / "r.jsonl", snapkv=False) if not a.startswith("tokens=")]
+    with pytest.raises(SystemExit) as e:
+        compare.main(argv + PASSKEY + extra)
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_protocols_need_a_task_that_has_one(text_file, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(zoo, "load_model", _no_load)
+    with pytest.raises(SystemExit):
+        compare.main(base_args(text_file, tmp_path / "r.jsonl") + ["protocols=[query_aware]"])
+    assert "task=perplexity has no protocol" in capsys.readouterr().err
