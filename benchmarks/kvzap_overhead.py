@@ -9,6 +9,9 @@ and then `--repeats` times interleaved (best time kept; a shared machine's load 
           pass) and `compress` (the head-wise choice into the pool);
   kvzip   its prompt phase and `compress` (the reconstruction pass, then the same choice).
 Reports seconds and the ratio of each to `full`. Wall-clock: read the ratios, measured together.
+`--surrogate random`: seeded random surrogate weights of `--kind` (a model without a trained file:
+the cost does not depend on the weights' values). `--out`: the result as JSON. `--dry-run`: the
+tiny random model on 200 tokens (what the test runs).
 
     python -m benchmarks.kvzap_overhead --model smollm2 --tokens 2048 --thresholds=-8,-7,-6,-5
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -48,21 +52,31 @@ def main(argv=None) -> dict:
     ap.add_argument("--kind", default="linear", choices=["linear", "mlp"])
     ap.add_argument("--thresholds", default=None, help="comma-separated log-score thresholds (kept fractions)")
     ap.add_argument("--offset", type=int, default=0, help="first token of the context in the essays")
+    ap.add_argument("--surrogate", default="auto", help="kvzap.surrogate: auto (the model's trained file) or random")
+    ap.add_argument("--out", default=None, help="write the result here (JSON)")
+    ap.add_argument("--dry-run", action="store_true", help="the tiny random model, 200 tokens")
     a = ap.parse_args(argv)
 
     from evals import zoo
     from evals.data import paul_graham
     from models.stacks import model_stack
 
-    model, tok = zoo.load_model({"name": a.model, "dtype": "float32"})
+    mcfg = {"name": a.model, "dtype": "float32"}
+    if a.dry_run:  # configs/model/tiny_random.yaml's model
+        a.tokens, a.chunk, a.surrogate = 200, 64, "random"
+        mcfg = dict(name="tiny_random", vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                    d_ff=64, max_position=512, seed=0, dtype="float32")
+    model, tok = zoo.load_model(mcfg)
     ids = np.asarray(tok.encode(paul_graham()), np.int32)[a.offset: a.offset + a.tokens][None]
     if a.thresholds:
         return kept_fractions(model, ids, [float(x) for x in a.thresholds.split(",")], a.kind, a.chunk)
-    budget = max(int(a.budget * a.tokens), 128)
+    window = kvpolicies.get("kvzap").window
+    budget = max(int(a.budget * a.tokens), window)
     stack = lambda p: model_stack(model.cfg, p)  # noqa: E731  (gemma3: local layers keep their window)
+    zap = kvpolicies.get("kvzap", budget=budget, kind=a.kind, surrogate=a.surrogate)
     engines = {
         "full": Engine(model, stack(kvpolicies.get("full")), max_len=a.tokens + 64),
-        "kvzap": Engine(model, stack(kvpolicies.get("kvzap", budget=budget, kind=a.kind)), max_len=a.tokens + 64),
+        "kvzap": Engine(model, stack(zap), max_len=a.tokens + 64),
         "kvzip": Engine(model, stack(kvpolicies.get("kvzip", budget=budget)), max_len=a.tokens + 64,
                         repeat=repeat_prompts(tok)),
     }
@@ -75,12 +89,25 @@ def main(argv=None) -> dict:
     for _ in range(a.repeats):
         for k, f in runs.items():
             secs[k] = min(secs[k], timed(f))
-    res = {"model": a.model, "tokens": a.tokens, "budget": budget, "kind": a.kind,
-           **{f"{k}_s": round(v, 3) for k, v in secs.items()},
+    res = {"model": mcfg["name"], "tokens": a.tokens, "budget": budget, "kind": a.kind, "surrogate": a.surrogate,
+           "chunk": a.chunk, "repeats": a.repeats, **{f"{k}_s": round(v, 3) for k, v in secs.items()},
            "kvzap_over_prefill": round(secs["kvzap"] / secs["full"], 3),
            "kvzip_over_prefill": round(secs["kvzip"] / secs["full"], 3)}
     print(json.dumps(res, indent=1))
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
     return res
+
+
+def markdown_table(results: list[dict]) -> str:
+    """The overhead table of saved runs (docs/guide/kvzap.md), one row per run."""
+    rows = ["| model | tokens | surrogate | `full` prefill | kvzap prompt + compress | kvzip prompt + compress |",
+            "|---|---:|---|---:|---:|---:|"]
+    for r in results:
+        rows.append(f"| {r['model']} | {r['tokens']:,} | {r['kind']}, {r['surrogate']} | {r['full_s']:.2f} s | "
+                    f"{r['kvzap_s']:.2f} s ({r['kvzap_over_prefill']:.2f}x) | "
+                    f"{r['kvzip_s']:.2f} s ({r['kvzip_over_prefill']:.2f}x) |")
+    return "\n".join(rows)
 
 
 def kept_fractions(model, ids: np.ndarray, thresholds: list[float], kind: str, chunk: int) -> dict:

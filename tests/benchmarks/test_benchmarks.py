@@ -443,3 +443,27 @@ def test_layer_steps_profile_names_each_layers_ops_with_their_shapes():
     assert calls["f32[2,3,8]"] == CFG.n_layers  # probabilities x values: [K, G, D]
     assert calls[f"f32[1,{2 * CFG.d_ff}]"] == CFG.n_layers  # h @ [w_gate | w_up]
     assert calls[f"f32[1,{CFG.vocab_size}]"] == 1  # the output head, once per step
+
+
+def test_kvzap_overhead_dry_run_times_the_three_prefills(tmp_path):
+    from benchmarks import kvzap_overhead
+
+    res = kvzap_overhead.main(["--dry-run", "--repeats", "1", "--out", str(tmp_path / "o.json")])
+    assert json.loads((tmp_path / "o.json").read_text()) == res
+    assert res["model"] == "tiny_random" and res["surrogate"] == "random" and res["budget"] == 128
+    assert min(res["full_s"], res["kvzap_s"], res["kvzip_s"]) > 0
+    assert res["kvzap_over_prefill"] > 0 and res["kvzip_over_prefill"] > 0  # (ratios of unrounded times)
+
+
+def test_kvzap_overhead_table_is_the_saved_runs():
+    """docs/guide/kvzap.md's overhead table is `markdown_table` of the runs it cites."""
+    from pathlib import Path
+
+    from benchmarks.kvzap_overhead import markdown_table
+
+    root = Path(__file__).resolve().parents[2]
+    page = (root / "docs" / "guide" / "kvzap.md").read_text()
+    names = ["kvzap_overhead_smollm2_2048.json", "kvzap_overhead_qwen_2048.json"]
+    assert all(n in page for n in names)
+    runs = [json.loads((root / "docs" / "results" / "runs" / n).read_text()) for n in names]
+    assert markdown_table(runs) in page
