@@ -407,12 +407,13 @@ def check_outputs(out: Path, stem: str, keys: Sequence[str], overwrite: bool) ->
 
 
 def score_of(row: dict[str, Any]) -> tuple[str, float, bool]:
-    """(metric, value, lower is better): perplexity for perplexity, else accuracy."""
+    """(metric, value, lower is better): perplexity for perplexity, the agreement with full's own
+    generation for longgen (its answers' accuracy stays in the rows), else accuracy."""
     m = row.get("metrics", {})
-    for name, lower in (("ppl", True), ("accuracy", False)):
+    for name, lower in (("ppl", True), ("agreement", False), ("accuracy", False)):
         if m.get(name) is not None:
             return name, float(m[name]), lower
-    raise ValueError(f"row {row.get('key')}: no ppl or accuracy among its metrics {sorted(m)}")
+    raise ValueError(f"row {row.get('key')}: no ppl, agreement or accuracy among its metrics {sorted(m)}")
 
 
 def cells(p: Plan, rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

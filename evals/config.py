@@ -72,6 +72,7 @@ TASKS: dict[str, str] = {
                                              "ruler_niah_multiquery", "ruler_vt", "ruler_cwe", "ruler_fwe",
                                              "multiquery")},
     "multiturn": "evals.multiturn:run",  # one context, N turns of question + answer (evals/multiturn.py)
+    "longgen": "evals.longgen:run",  # long greedy generations against full's own (evals/longgen.py)
 }
 RULER_TASKS = tuple(n for n, f in TASKS.items() if f == "evals.ruler:run")
 
@@ -79,7 +80,7 @@ RULER_TASKS = tuple(n for n, f in TASKS.items() if f == "evals.ruler:run")
 TASK_CHECKS: dict[str, str] = {"perplexity": "evals.perplexity:check", "passkey": "evals.retrieval:check",
                                "niah": "evals.retrieval:check", "multikey": "evals.retrieval:check",
                                "recall": "evals.retrieval:check", **{n: "evals.ruler:check" for n in RULER_TASKS},
-                               "multiturn": "evals.multiturn:check"}
+                               "multiturn": "evals.multiturn:check", "longgen": "evals.longgen:check"}
 
 
 @dataclasses.dataclass
@@ -598,6 +599,11 @@ def task_extent(conf: dict[str, Any]) -> tuple[str, int, int, int] | None:
 
         t = multiturn.check(task)
         return f"task.lengths={_list(task.get('lengths'))}", multiturn.max_len(t) - t["gen"], t["gen"], 1
+    if name == "longgen":
+        from evals import longgen
+
+        prompt, gen = longgen.extent(task)
+        return f"task.lengths={_list(task.get('lengths'))}", prompt, gen, 1
     return None
 
 

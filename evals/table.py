@@ -39,7 +39,8 @@ HIDDEN = ("nll", "score_s")  # derivable from others; kept in the CSV
 # Human column names (Markdown and LaTeX; the CSV keeps the raw metric names).
 LABELS = {"ppl": "perplexity", "ppl_in": "perplexity (within trained length)",
           "ppl_out": "perplexity (past trained length)", "ppl_last": "perplexity (last segment)",
-          "tokens_per_s": "tok/s", "compile_s": "compile (s)", "nll": "NLL (nats/token)", "tokens": "tokens"}
+          "tokens_per_s": "tok/s", "compile_s": "compile (s)", "nll": "NLL (nats/token)", "tokens": "tokens",
+          "agreement": "agreement with full's generation"}
 MEMORY = (("KV cache (MB, 10^6 B)", "state_bytes"), ("closed form (MB, 10^6 B)", "closed_form_bytes"),
           ("read/step (MB, 10^6 B)", "read_bytes_per_step"), ("peak device (MB, 10^6 B)", "peak_device_bytes"))
 ID_COLUMNS = ("model", "data", "policy", "params", "codec", "budget", "KV / full")
