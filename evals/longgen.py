@@ -51,17 +51,7 @@ ANSWER = re.compile(r"Answer:\s*(-?\d+)")
 
 def check(task: dict) -> dict[str, Any]:
     """The validated config (defaults filled in); unknown keys or bad values raise ValueError."""
-    task = dict(task)
-    unknown = sorted(set(task) - set(DEFAULTS) - {"name"})
-    if unknown:
-        raise ValueError(f"task longgen: unknown key(s) {unknown}; its keys are {sorted(set(DEFAULTS) | {'name'})}")
-    cfg = {"name": "longgen"} | {k: task.get(k, v) for k, v in DEFAULTS.items()}
-    cfg["lengths"] = R.int_list(cfg, "lengths", None, lo=2)
-    for k in ("trials", "gen", "steps"):
-        cfg[k] = R.int_list(cfg, k, None)[0]
-    if cfg["haystack"] not in ("pg", "text", "filler"):
-        raise ValueError(f"task.haystack={cfg['haystack']!r}: must be pg, text or filler")
-    return cfg
+    return R.known_task(dict(task), "longgen", DEFAULTS, ("trials", "gen", "steps"))
 
 
 def extent(task: dict) -> tuple[int, int]:
@@ -174,13 +164,8 @@ def run(ctx: TaskContext) -> TaskResult:
     of `compare`); metrics: the same over every trial; arrays: `ids` and `full_ids` [lengths,
     trials, n], `score` [lengths, trials]."""
     cfg = check(ctx.task)
-    tok = ctx.tokenizer
-    if tok is None:
-        raise ValueError("task longgen needs a tokenizer")
-    if cfg["haystack"] == "text" and ctx.text is None:
-        raise ValueError("task longgen with haystack=text needs a text (data=...)")
+    tok, hay = ruler.task_haystack(ctx, cfg, max(cfg["lengths"]))
     max_len = max(cfg["lengths"]) + cfg["gen"]
-    hay = ruler.haystack(tok, cfg["haystack"], ctx.text, max(cfg["lengths"]))
     engine = ctx.engine(max_len)
     reference = Reference(ctx, max_len, engine)
     stops = stop_ids(tok)

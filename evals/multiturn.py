@@ -45,20 +45,11 @@ STOPS = ("\n", "<|", "<end_of_turn>", "</s>")  # an answer ends at the first of 
 
 def check(task: dict) -> dict[str, Any]:
     """The validated config (defaults filled in); unknown keys or bad values raise ValueError."""
-    task = dict(task)
-    unknown = sorted(set(task) - set(DEFAULTS) - {"name"})
-    if unknown:
-        raise ValueError(f"task multiturn: unknown key(s) {unknown}; its keys are {sorted(set(DEFAULTS) | {'name'})}")
-    cfg = {"name": "multiturn"} | {k: task.get(k, v) for k, v in DEFAULTS.items()}
-    cfg["lengths"] = R.int_list(cfg, "lengths", None, lo=2)
-    for k in ("trials", "turns", "gen"):
-        cfg[k] = R.int_list(cfg, k, None)[0]
+    cfg = R.known_task(dict(task), "multiturn", DEFAULTS, ("trials", "turns", "gen"))
     if cfg["mode"] not in MODES:
         raise ValueError(f"task.mode={cfg['mode']!r}: must be one of {list(MODES)}")
     if cfg["value_kind"] not in ruler.VALUE_KINDS:
         raise ValueError(f"task.value_kind={cfg['value_kind']!r}: must be one of {sorted(ruler.VALUE_KINDS)}")
-    if cfg["haystack"] not in ("pg", "text", "filler"):
-        raise ValueError(f"task.haystack={cfg['haystack']!r}: must be pg, text or filler")
     if cfg["turns"] > len(ruler.DEPTH_GRID):
         raise ValueError(f"task.turns={cfg['turns']}: at most {len(ruler.DEPTH_GRID)}")
     return cfg
@@ -152,12 +143,7 @@ def run(ctx: TaskContext) -> TaskResult:
     accuracy overall and accuracy_t<i> (ci_low_t<i>, ci_high_t<i>) per turn; arrays `score`
     [lengths, trials, turns] and the decoded `outputs`."""
     cfg = check(ctx.task)
-    tok = ctx.tokenizer
-    if tok is None:
-        raise ValueError("task multiturn needs a tokenizer")
-    if cfg["haystack"] == "text" and ctx.text is None:
-        raise ValueError("task multiturn with haystack=text needs a text (data=...)")
-    hay = ruler.haystack(tok, cfg["haystack"], ctx.text, max(cfg["lengths"]) + TURN_ROOM)
+    tok, hay = ruler.task_haystack(ctx, cfg, max(cfg["lengths"]) + TURN_ROOM)
     engine = ctx.engine(max_len(cfg))
     nt = cfg["turns"]
     grid, scores, outputs = [], [], []

@@ -241,6 +241,21 @@ def int_list(task: dict, key: str, default: Any, lo: int = 1) -> list[int]:
     return [int(x) for x in vals]
 
 
+def known_task(task: dict, name: str, defaults: dict[str, Any], ints: Sequence[str]) -> dict[str, Any]:
+    """A task config with `defaults` filled in, unknown keys refused, `lengths` a list of ints >= 2,
+    each of `ints` one int >= 1, and `haystack` (when a default) one of pg, text, filler."""
+    unknown = sorted(set(task) - set(defaults) - {"name"})
+    if unknown:
+        raise ValueError(f"task {name}: unknown key(s) {unknown}; its keys are {sorted(set(defaults) | {'name'})}")
+    cfg = {"name": name} | {k: task.get(k, v) for k, v in defaults.items()}
+    cfg["lengths"] = int_list(cfg, "lengths", None, lo=2)
+    for k in ints:
+        cfg[k] = int_list(cfg, k, None)[0]
+    if "haystack" in defaults and cfg["haystack"] not in ("pg", "text", "filler"):
+        raise ValueError(f"task.haystack={cfg['haystack']!r}: must be pg, text or filler")
+    return cfg
+
+
 def check(task: dict, name: str | None = None) -> dict[str, Any]:
     """The validated config of a retrieval task (defaults filled in); unknown keys or bad values
     raise ValueError naming them."""

@@ -179,6 +179,16 @@ def haystack(tok: Any, kind: str, text: str | None, n: int) -> Haystack:
     return Haystack(ids, ends, starts)
 
 
+def task_haystack(ctx: Any, cfg: dict[str, Any], n: int) -> tuple[Any, Haystack]:
+    """(the run's tokenizer, the haystack of `cfg["haystack"]` for prompts up to `n` tokens) of a
+    task that builds its own prompts; a missing tokenizer or text raises ValueError."""
+    if ctx.tokenizer is None:
+        raise ValueError(f"task {cfg['name']} needs a tokenizer")
+    if cfg["haystack"] == "text" and ctx.text is None:
+        raise ValueError(f"task {cfg['name']} with haystack=text needs a text (data=...)")
+    return ctx.tokenizer, haystack(ctx.tokenizer, cfg["haystack"], ctx.text, n)
+
+
 def niah_samples(tok: Any, hay: Haystack, length: int, trials: int, seed: int, *, n_keys: int = 1,
                  n_values: int = 1, n_queries: int = 1, value_kind: str = "numbers",
                  depth: float | None = None, prompt_tokens: int | None = None) -> list[Sample]:
