@@ -11,6 +11,8 @@
     pareto_<task>            quality vs cache MB (exact state bytes), one point per run, the
                              Pareto front drawn (perplexity: lower is better; accuracy: higher);
                              labels nudged apart, a log byte axis with a tick at each run
+    accuracy_per_turn_<task> accuracy per turn of a multi-turn conversation (task multiturn), one
+                             line per run, its Wilson 95 % interval as error bars (`turn_series`)
 
 A plot whose lines would each have one point says so in one warning line. Figures drawn from
 other results files are not overwritten without --force (`check_outputs`: the output folder
@@ -281,6 +283,39 @@ def pareto_figure(task: str, pts: Sequence[tuple[dict[str, Any], tuple]], metric
     return fig, texts
 
 
+def turn_series(row: dict[str, Any]) -> tuple[list[int], np.ndarray] | None:
+    """(turns, [3, turns] accuracy, Wilson low, high) of a multiturn row's accuracy_t<i>, or None."""
+    m = row.get("metrics", {})
+    turns = sorted(int(k[len("accuracy_t"):]) for k in m if k.startswith("accuracy_t") and k[10:].isdigit())
+    if not turns:
+        return None
+    return turns, np.array([[m[f"{k}_t{i}"] for i in turns] for k in ("accuracy", "ci_low", "ci_high")], float)
+
+
+def plot_turns(rows: Sequence[dict[str, Any]], out: Path) -> list[Path]:
+    """Accuracy per turn, one line per run of each multi-turn task (and protocol, mode)."""
+    paths = []
+    for task, rs in by_task(rows).items():
+        series = [(r, s) for r in rs if (s := turn_series(r))]
+        if not series:
+            continue
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for k, (r, (turns, (acc, lo, hi))) in enumerate(series):
+            x = np.asarray(turns) + (k - (len(series) - 1) / 2) * 0.04  # a small offset: bars apart
+            mode = ((r.get("config", {}).get("task") or {}).get("mode"))
+            ax.errorbar(x, acc, yerr=[acc - lo, hi - acc], marker="o", capsize=3,
+                        label=label(r) + (f" ({mode})" if mode else ""))
+        ax.set_xticks(sorted({t for _, (ts, _) in series for t in ts}))
+        ax.set_xlabel("turn (0: the first question after the context)")
+        ax.set_ylabel("accuracy (Wilson 95 % interval)")
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_title(f"{task}: accuracy per turn")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+        paths += save_figure(fig, out, f"accuracy_per_turn_{_stem(task)}")
+    return paths
+
+
 SOURCES = ".plots-sources.json"  # in the output folder: which results (row keys) drew which figures
 
 
@@ -308,7 +343,7 @@ def check_outputs(rows: Sequence[dict[str, Any]], out: str | Path, force: bool) 
 
 def plot_all(rows: Sequence[dict[str, Any]], out: str | Path) -> list[Path]:
     rows, out = R.latest(rows), Path(out)
-    return plot_perplexity(rows, out) + plot_heatmaps(rows, out) + plot_pareto(rows, out)
+    return plot_perplexity(rows, out) + plot_heatmaps(rows, out) + plot_pareto(rows, out) + plot_turns(rows, out)
 
 
 def main(argv: list[str] | None = None) -> None:

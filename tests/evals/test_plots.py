@@ -11,6 +11,7 @@ import matplotlib.pyplot as plt
 import pytest
 
 from evals import compare, plots
+from evals.common import wilson
 from evals.config import ConfigError
 
 
@@ -83,3 +84,25 @@ def test_plots_refuse_figures_of_other_results_without_force(tmp_path, capsys):
         plots.main([str(b), "--out", str(out)])
     assert "pass --force" in capsys.readouterr().err
     plots.main([str(b), "--out", str(out), "--force"])
+
+
+def test_multiturn_rows_draw_accuracy_per_turn_with_their_intervals(tmp_path):
+    def turns(key, name, acc):
+        m = {"accuracy": sum(acc) / len(acc)}
+        for i, a in enumerate(acc):
+            lo, hi = wilson(4 * a, 4)
+            m |= {f"accuracy_t{i}": a, f"ci_low_t{i}": lo, f"ci_high_t{i}": hi}
+        return {"key": key, "task": "multiturn", "policy": {"name": name, "codec": {"name": "none"}}, "params": "",
+                "model": {"name": "smollm2"}, "config": {"task": {"name": "multiturn", "mode": "once"}},
+                "metrics": m, "memory": {"state_bytes": 1000}}
+
+    rows = [turns("a", "full", [1.0, 1.0, 0.75]), turns("b", "snapkv", [1.0, 0.5, 0.25])]
+    got = plots.turn_series(rows[1])
+    assert got[0] == [0, 1, 2]
+    m = rows[1]["metrics"]
+    assert got[1].tolist() == [[1.0, 0.5, 0.25], [m[f"ci_low_t{i}"] for i in range(3)],
+                               [m[f"ci_high_t{i}"] for i in range(3)]]
+    assert plots.turn_series(_row("c", "sink", "", 10, 19.0)) is None  # a perplexity row: no turns
+    paths = plots.plot_all(rows, tmp_path)
+    assert {p.name for p in paths} >= {"accuracy_per_turn_multiturn.png", "accuracy_per_turn_multiturn.pdf"}
+    assert all(p.stat().st_size > 0 for p in paths)
