@@ -18,6 +18,17 @@ tiny random model on 200 tokens (what the test runs).
 `--thresholds`: instead, one kvzap prompt phase over the context, then `rule=threshold` at each
 threshold (the pool's capacity set to the whole context, so nothing caps it): the achieved
 fraction of the context kept, all layers, and the least and most any layer and any head kept.
+
+    python -m benchmarks.kvzap_overhead --model smollm2 --tokens 2048 --thresholds=-7,-6,-5 --fit
+
+`--fit`: at each threshold, the stored bytes (measured: the states' array bytes) of three ways to
+hold the same context with `--max-new` free slots per head: the threshold in a static pool sized
+for the whole context (`rule=threshold`, budget = tokens), the same threshold with each layer
+stored at what it kept (`Engine.fitted`, checked against the closed form), and a fixed ratio at
+the achieved ratio (`rule=budget`, the same tokens per head on average in every layer); each
+layer's fitted bytes; and the cache bytes alive at once while compressing (the dense prompt
+phase plus what compression allocates: all static or uniform pools at once, or, fitted, one
+layer's slice and the fitted pools). These are array sizes, not an allocator's peak.
 """
 
 from __future__ import annotations
@@ -51,6 +62,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--kind", default="linear", choices=["linear", "mlp"])
     ap.add_argument("--thresholds", default=None, help="comma-separated log-score thresholds (kept fractions)")
+    ap.add_argument("--fit", action="store_true", help="with --thresholds: stored bytes fitted / static / fixed ratio")
+    ap.add_argument("--max-new", type=int, default=64, help="--fit: free slots per kv head for decoding")
     ap.add_argument("--offset", type=int, default=0, help="first token of the context in the essays")
     ap.add_argument("--surrogate", default="auto", help="kvzap.surrogate: auto (the model's trained file) or random")
     ap.add_argument("--out", default=None, help="write the result here (JSON)")
@@ -68,6 +81,12 @@ def main(argv=None) -> dict:
                     d_ff=64, max_position=512, seed=0, dtype="float32")
     model, tok = zoo.load_model(mcfg)
     ids = np.asarray(tok.encode(paul_graham()), np.int32)[a.offset: a.offset + a.tokens][None]
+    if a.thresholds and a.fit:
+        res = fit_bytes(model, ids, [float(x) for x in a.thresholds.split(",")], a.kind, a.chunk, a.max_new,
+                        a.surrogate)
+        if a.out:
+            Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+        return res
     if a.thresholds:
         return kept_fractions(model, ids, [float(x) for x in a.thresholds.split(",")], a.kind, a.chunk)
     window = kvpolicies.get("kvzap").window
@@ -131,6 +150,57 @@ def kept_fractions(model, ids: np.ndarray, thresholds: list[float], kind: str, c
     res = {"model": model.cfg.name, "tokens": t, "kind": kind, "rows": rows}
     print(json.dumps(res, indent=1))
     return res
+
+
+def fit_bytes(model, ids: np.ndarray, thresholds: list[float], kind: str, chunk: int, max_new: int,
+              surrogate: str = "auto") -> dict:
+    """Stored bytes of one context at each threshold: static pool, fitted, fixed ratio (`--fit`)."""
+    from kvpolicies.memory import tree_nbytes
+
+    t = ids.shape[1]
+    kh, n_layers = model.cfg.n_kv_heads, model.cfg.n_layers
+    zap = lambda **kw: kvpolicies.get("kvzap", max_new=max_new, kind=kind, surrogate=surrogate, **kw)  # noqa: E731
+    base = Engine(model, zap(budget=t, rule="threshold"), max_len=t + max_new)
+    state = base.prompt(ids, chunk=chunk)
+    dense = tree_nbytes(state.cache)
+    rows = []
+    for thr in thresholds:
+        eng = Engine(model, zap(budget=t, rule="threshold", threshold=thr), max_len=t + max_new)
+        static = eng.compress(state)
+        fe, fitted = eng.fitted(state)
+        kept = [sum(len(h) for h in layer) for layer in fe.kept_positions(fitted)]  # [L] tokens, all heads
+        per_slot = tree_nbytes(static.cache) // (n_layers * kh * eng.policies[0].capacity(eng.max_len))
+        closed = sum(kh * (max(-(-n // kh), eng.policies[0].window) + max_new) * per_slot for n in kept)
+        if tree_nbytes(fitted.cache) != closed:
+            raise SystemExit(f"threshold {thr}: fitted bytes {tree_nbytes(fitted.cache)} != closed form {closed}")
+        per_head = max(round(sum(kept) / (n_layers * kh)), eng.policies[0].window)  # the achieved ratio's budget
+        fixed = Engine(model, zap(budget=per_head), max_len=t + max_new).compress(state)
+        layer_bytes = [tree_nbytes(jax.tree.map(lambda x: x[i], run)) for run in fitted.cache
+                       for i in range(jax.tree.leaves(run)[0].shape[0])]
+        rows.append({"threshold": thr, "kept": round(sum(kept) / (n_layers * kh * t), 4),
+                     "ratio": round(1 - sum(kept) / (n_layers * kh * t), 4),
+                     "static_bytes": tree_nbytes(static.cache), "fitted_bytes": tree_nbytes(fitted.cache),
+                     "fixed_ratio_bytes": tree_nbytes(fixed.cache), "fixed_ratio_budget": per_head,
+                     "fitted_layer_bytes": layer_bytes,
+                     "alive_static": dense + tree_nbytes(static.cache),
+                     "alive_fitted": dense + dense // n_layers + tree_nbytes(fitted.cache),
+                     "alive_fixed_ratio": dense + tree_nbytes(fixed.cache)})
+    res = {"model": model.cfg.name, "tokens": t, "kind": kind, "surrogate": surrogate, "max_new": max_new,
+           "prompt_phase_bytes": dense, "rows": rows}
+    print(json.dumps(res, indent=1))
+    return res
+
+
+def fit_table(res: dict) -> str:
+    """The `--fit` run as a markdown table (docs/guide/kvzap.md)."""
+    mb = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
+    rows = ["| threshold | achieved ratio | static pool (MiB) | fitted (MiB) | fixed ratio (MiB) | "
+            "least / most bytes of a fitted layer (MiB) |", "|---:|---:|---:|---:|---:|---:|"]
+    for r in res["rows"]:
+        lb = r["fitted_layer_bytes"]
+        rows.append(f"| {r['threshold']:g} | {r['ratio']:.3f} | {mb(r['static_bytes'])} | {mb(r['fitted_bytes'])} | "
+                    f"{mb(r['fixed_ratio_bytes'])} | {mb(min(lb))} / {mb(max(lb))} |")
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":

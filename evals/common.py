@@ -29,11 +29,12 @@ class TaskContext:
     seed: int = 0
     chunk: int = 512
     progress: bool = True
+    fit: int = 0  # `Engine(fit=)`: generate stores each prompt's layers at what they kept
 
     def engine(self, max_len: int) -> Engine:
         """An engine for sequences up to max_len tokens (reuse it: it holds the compiled steps);
         kvzip's repeat prompts come from this tokenizer (in its layers' style)."""
-        return Engine(self.model, self.policies, max_len, repeat=self.tokenizer)
+        return Engine(self.model, self.policies, max_len, repeat=self.tokenizer, fit=self.fit)
 
 
 @dataclasses.dataclass

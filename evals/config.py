@@ -103,6 +103,7 @@ class RunConfig:
     progress: bool = True
     force: bool = False
     mesh: Any = None  # [data, model]: run the engines sharded on that many devices (models/sharding.py)
+    fit: int = 0  # n >= 1: store each prompt's layers at what they kept (kvzap's threshold), n tokens per head
 
 
 class ConfigError(ValueError):
@@ -564,8 +565,22 @@ def validate(cfg: DictConfig | dict[str, Any]) -> dict[str, Any]:
     if overrides is not None and conf["policy"].get("name") in kvpolicies.POLICIES:
         conf["_explicit"] = overridden_fields(conf["policy"]["name"], overrides)
     policy, _ = resolve_policy(conf)
+    check_fit(conf, policy)
     check_inputs(conf, policy)
     return conf
+
+
+def check_fit(conf: dict[str, Any], policy: kvpolicies.Policy) -> None:
+    """`fit` is an int >= 0, and a policy that can be fit to what it keeps when it is set."""
+    from kvpolicies.adakv import Fits
+
+    f = conf.get("fit", 0)
+    if isinstance(f, bool) or not isinstance(f, int) or f < 0:
+        raise ConfigError(f"fit={f!r}: must be an int >= 0 (0: off; n: layers stored at what they kept, "
+                          "rounded to n tokens per kv head)")
+    if f and not isinstance(policy, Fits):
+        raise ConfigError(f"fit={f}: policy {type(policy).__name__} is not fit to what it keeps; fit applies to "
+                          "kvzap (policy.rule=threshold)")
 
 
 # -- inputs and outputs, before anything loads --------------------------------------------------

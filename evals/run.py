@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
@@ -73,10 +74,28 @@ class RecordingContext(TaskContext):
     max_len: int = 0
     mesh: list[int] | None = None  # [data, model]: each engine is sharded on that mesh (models.sharding)
 
+    engines: list = dataclasses.field(default_factory=list)  # every engine built (their fit_records)
+
     def engine(self, max_len: int):
         self.max_len = max(self.max_len, max_len)
         eng = super().engine(max_len)
+        self.engines.append(eng)
         return eng if self.mesh is None else eng.shard(self.mesh)
+
+
+def fit_summary(records: list[dict], kv_heads: int) -> dict[str, Any]:
+    """What `fit` stored (`Engine.fit_records`, one per prompt): the mean stored bytes in all and
+    per layer, the largest, and the achieved compression ratio (1 - kept / prompt tokens, over
+    every layer and kv head), mean and range over the prompts."""
+    if not records:
+        return {"prompts": 0}
+    ratio = [1 - sum(r["kept"]) / (len(r["kept"]) * kv_heads * r["tokens"]) for r in records]
+    return {"prompts": len(records),
+            "stored_bytes_mean": float(np.mean([r["stored_bytes"] for r in records])),
+            "stored_bytes_max": int(max(r["stored_bytes"] for r in records)),
+            "layer_bytes_mean": [float(x) for x in np.mean([r["layer_bytes"] for r in records], axis=0)],
+            "achieved_ratio_mean": float(np.mean(ratio)), "achieved_ratio_min": float(min(ratio)),
+            "achieved_ratio_max": float(max(ratio))}
 
 
 def declared_max_len(task: dict[str, Any]) -> int | None:
@@ -95,6 +114,8 @@ def policy_params(record: dict[str, Any]) -> str:
 
 def run_key(conf: dict[str, Any], policy: kvpolicies.Policy) -> str:
     keyed = {k: conf[k] for k in KEY_FIELDS}
+    if conf.get("fit"):  # off (0): rows keyed before `fit` existed keep their keys
+        keyed["fit"] = conf["fit"]
     # task.extrapolate only allows a run (retrieval past the trained length), it changes no number
     keyed["task"] = {k: v for k, v in conf["task"].items() if k != "extrapolate"}
     if keyed["task"].get("protocol") == "query_aware" and keyed["task"]["name"] in ("passkey", "niah", "multikey"):
@@ -225,7 +246,8 @@ def _run(conf: dict[str, Any], policy: kvpolicies.Policy, key: str, sizing: dict
     # (gemma3) keeps window(512) on its local layers, the policy acts on the global ones
     layers = model_stack(mc, policy)
     ctx = RecordingContext(model=model, tokenizer=tokenizer, policies=layers, task=dict(conf["task"]), text=text,
-                           seed=conf["seed"], chunk=conf["chunk"], progress=conf["progress"], mesh=conf.get("mesh"))
+                           seed=conf["seed"], chunk=conf["chunk"], progress=conf["progress"], mesh=conf.get("mesh"),
+                           fit=conf.get("fit", 0))
     t3 = time.perf_counter()
     with kvpolicies.record_visible() as seen:  # the most keys any query attended
         res: TaskResult = fn(ctx)
@@ -240,6 +262,9 @@ def _run(conf: dict[str, Any], policy: kvpolicies.Policy, key: str, sizing: dict
     memory = None
     if max_len:
         memory = R.memory(stack, kv_heads=mc.n_kv_heads, head_dim=mc.head_dim, max_len=max_len, dtype=model.dtype)
+    fitted = fit_summary([r for e in ctx.engines for r in e.fit_records], mc.n_kv_heads) if conf.get("fit") else None
+    if fitted and memory and fitted["prompts"]:
+        memory = {**memory, "fitted_bytes": fitted["stored_bytes_mean"]}
     arrays = {name: R.save_array(results, key, name, a) for name, a in res.arrays.items()}
     failed = failure(res.metrics)
     if failed:
@@ -256,6 +281,7 @@ def _run(conf: dict[str, Any], policy: kvpolicies.Policy, key: str, sizing: dict
         **R.environment(),
         "metrics": res.metrics,
         "memory": memory,
+        **({"fitted": fitted} if fitted else {}),
         "budget": sizing,  # None, or how `budget` sized the policy (per layer), or why it could not
         "slots_per_layer": [p.capacity(max_len) for p in stack] if max_len else None,
         # context tokens each layer keeps per kv head (on average) of the run's longest prompt

@@ -6,7 +6,8 @@ model, data, policy, params, codec, budget (the run's `budget=`, "-" if none; "(
 the policy has no token budget), `KV / full` (the stored cache bytes over the full cache's at the
 same length and dtype: 1 - compression ratio), the task's metrics with human names (`perplexity`,
 `tok/s`, `compile (s)`...), then the cache memory in MB (10^6 bytes): `KV cache (MB, 10^6 B)`
-(exact state bytes, kv + meta), `closed form (MB, 10^6 B)` (2 x layers x kv_heads x head_dim x
+(exact state bytes, kv + meta), `fitted (MB, 10^6 B)` (runs with `fit`: the mean bytes stored
+per prompt, each layer at what it kept; `KV / full` then uses it), `closed form (MB, 10^6 B)` (2 x layers x kv_heads x head_dim x
 slots x bytes, where it applies), `read/step (MB, 10^6 B)` (policies that read less than they
 store) and `peak device (MB, 10^6 B)` (GPU only); a memory column nobody filled is dropped. A row
 recorded as failed (NaN metrics) is marked "(failed)". Markdown goes to stdout (and PREFIX.md);
@@ -41,7 +42,8 @@ LABELS = {"ppl": "perplexity", "ppl_in": "perplexity (within trained length)",
           "ppl_out": "perplexity (past trained length)", "ppl_last": "perplexity (last segment)",
           "tokens_per_s": "tok/s", "compile_s": "compile (s)", "nll": "NLL (nats/token)", "tokens": "tokens",
           "agreement": "agreement with full's generation"}
-MEMORY = (("KV cache (MB, 10^6 B)", "state_bytes"), ("closed form (MB, 10^6 B)", "closed_form_bytes"),
+MEMORY = (("KV cache (MB, 10^6 B)", "state_bytes"), ("fitted (MB, 10^6 B)", "fitted_bytes"),
+          ("closed form (MB, 10^6 B)", "closed_form_bytes"),
           ("read/step (MB, 10^6 B)", "read_bytes_per_step"), ("peak device (MB, 10^6 B)", "peak_device_bytes"))
 ID_COLUMNS = ("model", "data", "policy", "params", "codec", "budget", "KV / full")
 N_TEXT = 5  # the first N_TEXT columns are text (left-aligned), the rest numbers
@@ -74,8 +76,15 @@ def _budget_cell(row: dict[str, Any]) -> str:
     return f"{b['budget']:g}" + ("" if b.get("sized", True) else " (not sized)")
 
 
+def stored_bytes(row: dict[str, Any]) -> Any:
+    """The row's stored cache bytes: measured per prompt when `fit` stored each layer at what it
+    kept (`fitted_bytes`, the mean over prompts), else the state's exact bytes."""
+    mem = row.get("memory") or {}
+    return mem["fitted_bytes"] if mem.get("fitted_bytes") is not None else mem.get("state_bytes")
+
+
 def _ratio_cell(row: dict[str, Any]) -> str:
-    stored, full = (row.get("memory") or {}).get("state_bytes"), full_bytes(row)
+    stored, full = stored_bytes(row), full_bytes(row)
     return "-" if not isinstance(stored, (int, float)) or not full else f"{stored / full:.3f}"
 
 
@@ -84,7 +93,7 @@ def order(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
     def key(r):
         name = str((r.get("policy") or {}).get("name", ""))
-        stored = (r.get("memory") or {}).get("state_bytes")
+        stored = stored_bytes(r)
         return (name != "full", name, stored if isinstance(stored, (int, float)) else float("inf"),
                 str(r.get("params", "")))
 

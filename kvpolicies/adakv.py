@@ -295,6 +295,28 @@ def as_rows(pool: HeadPool, kv_heads: int) -> HeadPool:
     return _map(lambda x: _rows(x, kv_heads), pool)
 
 
+class Fits:
+    """Capability: a head-pool policy whose layers keep numbers of tokens that depend on the
+    content (kvzap's threshold), re-sized to what a prompt kept: `fit(n)` is the same policy with
+    room for n tokens per kv head on average (and its free slots), which keeps the same tokens of
+    that prompt. `models.engine.Engine.fitted` cuts each layer's pool to its fitted capacity
+    (`fit_pool`), so that the stored bytes are what each layer kept, not the static capacity."""
+
+    def fit(self, tokens_per_head: int) -> Policy:
+        raise NotImplementedError
+
+
+def fit_pool(pool: HeadPool, slots: int) -> HeadPool:
+    """A packed head pool (leaves [B, K, S, ...]: kept slots first, grouped by head, as
+    `pack_by_head` leaves them) cut to `slots` slots per row: the first K x slots slots of the
+    flat pool, as K rows [B, K, slots, ...]. Every filled slot must be among them (the caller
+    checks the counts on the host: `Engine.fitted`)."""
+    kh, s = pool.pos.shape[1], pool.pos.shape[2]
+    if not 0 < slots <= s:
+        raise ValueError(f"fit_pool: slots={slots} per row, the pool has {s}")
+    return as_rows(_map(lambda x: _flat(x)[:, :, :kh * slots], pool), kh)
+
+
 def pack_by_head(slots: HeadPool, kept: Bool[Array, "B 1 V"], head: Int[Array, "B 1 V"], p: int) -> HeadPool:
     """The kept slots (at most p) grouped by head, each head's in text order, then empty slots."""
     order = jnp.lexsort((jnp.where(kept, slots.pos, LAST_KEY), jnp.where(kept, head, LAST_KEY)), axis=-1)

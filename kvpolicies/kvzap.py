@@ -29,7 +29,8 @@ Defaults: window 128 (kvpress `DMSPress.sliding_window_size`), the linear surrog
 Deviations, named: (1) the head pool has a static capacity, K x (budget + max_new) slots per
 layer, so a threshold can only keep fewer tokens than `budget` per head on average (when more
 pass it, the best-scored are kept): the stored bytes are the pool's, and a threshold's achieved
-ratio (`kept_counts`) is what it kept of it; (2) the surrogate's targets are our kvzip's scores
+ratio (`kept_counts`) is what it kept of it, unless the engine stores each layer at what it kept
+(`Fits`: `models.engine.Engine.fitted`, `fit=n`); (2) the surrogate's targets are our kvzip's scores
 (max over query heads and repeat queries of the reconstruction softmax), not KVzip+'s
 output-norm-weighted scores; (3) decoding adds no surrogate scores (kvzip's attention mass).
 """
@@ -46,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from kvpolicies.adakv import HeadPool, head_of, pool_view, prompt_pool
+from kvpolicies.adakv import Fits, HeadPool, head_of, pool_view, prompt_pool
 from kvpolicies.base import Policy, empty_slots
 from kvpolicies.budgets import Budgeted
 from kvpolicies.checks import check_choice, check_int
@@ -110,7 +111,7 @@ def find_surrogate(kind: str, d_model: int, kv_heads: int, n_layers: int) -> str
 
 
 @dataclasses.dataclass(frozen=True)
-class KVzap(Budgeted, PromptCompressor, Policy):
+class KVzap(Budgeted, Fits, PromptCompressor, Policy):
     """Keep each kv head's last `window` tokens and the tokens a learned surrogate of KVzip scores
     highly (above `threshold`, or the layer's K x budget best)."""
 
@@ -143,6 +144,12 @@ class KVzap(Budgeted, PromptCompressor, Policy):
     def init(self, batch, kv_heads, head_dim, dtype, max_len):
         st = empty_slots(self.codec, batch, kv_heads, head_dim, dtype, self.capacity(max_len), kv_heads)  # [B, K, S, D]
         return HeadPool(st.k, st.v, st.pos, mass=jnp.zeros(st.pos.shape, jnp.float32))
+
+    def fit(self, tokens_per_head: int) -> "KVzap":
+        """The same rule with room for `tokens_per_head` kept tokens per kv head on average (at
+        least `window`): on a prompt whose layer kept at most K x that many, it keeps the same
+        tokens (`Engine.fitted` stores each layer at its own size)."""
+        return dataclasses.replace(self, budget=min(max(int(tokens_per_head), self.window), self.budget))
 
     # -- the surrogate ---------------------------------------------------------------------------
     def surrogate_params(self, d_model: int, kv_heads: int, n_layers: int) -> dict[str, np.ndarray]:

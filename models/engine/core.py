@@ -10,6 +10,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from kvpolicies.adakv import Fits
 from kvpolicies.base import Policy
 from kvpolicies.kvzip import recon_policy
 from kvpolicies.presets import stack_of
@@ -27,6 +28,9 @@ class Engine(ArgumentChecks, Steps, Staged, Generation):
     """Runs a `Llama` with a fixed per-layer policy tuple and maximum length (`decode_loop`: how
     generation runs its decode steps, "layers" or "scan"; the module docstring).
 
+    `fit` (n >= 1): `generate` stores each fresh prompt at what its layers kept (`fitted`, each
+    layer's policy rounded up to a multiple of n tokens per kv head), for policies that `Fits`.
+
     `policies`: one per layer (or runs of them, `policy_runs`), or one `Policy` for the whole
     model, which the engine expands with `stack_of(policy, n_layers)`: itself in every layer, or a
     model-level preset's layers (pyramidkv's per-depth budgets, quest's and knorm's dense first
@@ -35,7 +39,7 @@ class Engine(ArgumentChecks, Steps, Staged, Generation):
 
     def __init__(self, model: Llama, policies: Policy | Sequence[Policy], max_len: int, cache_dtype=None,
                  repeat: RepeatPrompts | Any = None, rope_tables: bool = True, mesh=None,
-                 decode_loop: str = "layers"):
+                 decode_loop: str = "layers", fit: int = 0):
         self.cfg = model.cfg
         check_policies(policies)
         if isinstance(policies, Policy):  # one policy for the model: its per-layer stack (a model-level
@@ -77,6 +81,13 @@ class Engine(ArgumentChecks, Steps, Staged, Generation):
         if decode_loop not in ("layers", "scan"):
             raise ValueError(f"Engine decode_loop={decode_loop!r}: expected 'layers' or 'scan'")
         self.decode_loop = decode_loop
+        # fit > 0: `generate` stores each fresh prompt's layers at what they kept (`fitted`, rounded
+        # to `fit` tokens per kv head); fit_records: one record per fitted prompt (evals' rows)
+        self.fit = check_int("Engine fit", fit, 0)
+        if self.fit and not any(isinstance(p, Fits) for p in self.policies):
+            raise ValueError(f"Engine fit={fit}: no layer's policy can be fit to what it keeps (kvzap); got "
+                             f"{sorted({type(p).__name__ for p in self.policies})}")
+        self.fit_records: list[dict] = []
         # layer-by-layer generation (`_decode_layers`): each step is one call per layer, then one
         # call writing every layer's new slots (policy, RoPE kind and bucket static)
         self._layer_step = jax.jit(self._layer_impl, static_argnames=("policy", "local", "reach"))

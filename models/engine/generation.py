@@ -54,7 +54,8 @@ class Generation:
     def generate(self, prompt, n: int, chunk: int | None = None) -> np.ndarray:
         """Greedy decoding: prompt ids [B, T] (or [T]) -> n new ids [B, n] (or [n]); n = 0 gives an
         empty int32 array of that shape. A list of rows of different lengths is a ragged batch
-        (`_generate_ragged`: each row prefilled alone, decoded together; [B, n])."""
+        (`_generate_ragged`: each row prefilled alone, decoded together; [B, n]). With the engine's
+        `fit`, a fresh prompt is stored at what each layer kept (`fitted`) before decoding."""
         if is_ragged(prompt):
             return self._generate_ragged(prompt, n, chunk)
         prompt = self._tokens(prompt, "prompt", (1, 2))
@@ -68,6 +69,10 @@ class Generation:
         self._check_len(t + n, f"prompt of {t} tokens + n={n} new tokens = {t + n}")
         if n == 0:
             out = np.zeros((prompt.shape[0], 0), np.int32)
+            return out[0] if squeeze else out
+        if self.fit:  # each layer stored at what it kept, then decoded by the fitted engine
+            engine, state = self.fitted(self.prompt(prompt, chunk), self.fit)
+            out = engine.continue_generate(state, np.zeros((prompt.shape[0], 0), np.int32), n)
             return out[0] if squeeze else out
         logits, cache = self.prefill(prompt, chunk)
         first = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B]
@@ -83,6 +88,9 @@ class Generation:
         """Greedy ids [B, n] for prompts of different lengths: each row is prefilled on its own
         (its policy's prompt phase and compression included), the rows' states are stacked into
         one batch and decoded together, each row at its own positions. Equal to one row at a time."""
+        if self.fit:
+            raise ValueError("generate: fit with prompts of different lengths (each is fitted alone); generate "
+                             "them one at a time")
         rows = self._rows(prompts, "prompt")
         n = check_int("n", n, 0)
         for i, r in enumerate(rows):

@@ -6,16 +6,27 @@ Shapes: B batch, T tokens, V vocab, n generated tokens."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvpolicies.prompt import adopt, reads_prompt_state
+from kvpolicies.memory import tree_nbytes
+from kvpolicies.prompt import adopt, after_prompt, reads_prompt_state
 from models.llama import Cache, policy_runs
 from models.engine.checks import check_int
-from models.engine.steps import fork_cache, rotate_keys
+from models.engine.steps import fork_cache, rotate_keys, split_layers
+
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _after_prompt_layer(policy, run, i):
+    """Layer i of a run of prompt states after `policy`'s `after_prompt` (one compile per policy
+    and run shape; only the layer's slice is copied)."""
+    return after_prompt(policy, jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), run))
+
 
 if TYPE_CHECKING:
     from models.engine.core import Engine
@@ -129,6 +140,81 @@ class Staged:
                 cache = self._reconstruct(cache, state.tokens)
             cache = self._after_prompt(cache)
         return Prompted(cache, state.length, state.logits, True, state.tokens)
+
+    def fitted(self, state: Prompted, round_to: int = 1) -> tuple["Engine", Prompted]:
+        """A state stored at what each layer keeps: (an engine whose layers' policies are re-sized
+        to their kept tokens, the compressed state in it). For every layer whose policy `Fits`
+        (kvzap, whose threshold keeps per-layer numbers that depend on the content), the tokens
+        the layer keeps are read to the host (max over the batch), the policy is `fit` to that
+        many per kv head on average, rounded up to a multiple of `round_to` (fewer distinct
+        shapes, so fewer compilations across prompts), and the layer is stored at that capacity
+        (every kept token, and max_new free slots per head). Other layers are unchanged.
+
+        An uncompressed state (`Engine.prompt`) is counted first (the compression's positions
+        only), then each fitting layer is compressed straight to its size, one layer at a time:
+        the static pool is never built. A compressed state (`Engine.compress`) has its pools cut
+        (`kvpolicies.adakv.fit_pool`). The fitted engine keeps the same tokens and decodes the
+        state as this one would, each layer at its own size; engines are remembered per fitted
+        policy tuple, so prompts that fit alike share their compiled steps. Each call appends a
+        record to `fit_records`: the prompt's tokens, each layer's kept tokens (all heads, the max
+        over the batch), the stored bytes in all and per layer."""
+        from kvpolicies.adakv import Fits, fit_pool
+
+        if not isinstance(state, Prompted):
+            raise ValueError(f"fitted: state must be a Prompted (Engine.prompt), got {type(state).__name__}")
+        round_to = check_int("round_to", round_to, 1)
+        if self.placement is not None:
+            raise ValueError("fitted: not on a mesh (a per-layer size is not sharded yet)")
+        if not any(isinstance(p, Fits) for p in self.policies):
+            raise ValueError(f"fitted: no layer's policy can be fit to what it kept (kvzap); got "
+                             f"{sorted({type(p).__name__ for p in self.policies})}")
+        kh = self.cfg.n_kv_heads
+        if state.compressed:
+            layers = split_layers(state.cache)
+            held = [int(np.asarray((st.pos >= 0).sum(axis=(1, 2))).max()) for st in layers]
+        else:
+            cache = self._adopt(state.cache)
+            if self.reconstructors:
+                cache = self._reconstruct(cache, state.tokens)
+            held = [int(n) for n in np.asarray(self._held_after_prompt(cache)).max(axis=1)]  # [L]
+        policies = []
+        for i, (pol, n) in enumerate(zip(self.policies, held)):
+            if isinstance(pol, Fits):
+                per_head = -(-n // kh)
+                pol = pol.fit(-(-per_head // round_to) * round_to)
+                if kh * pol.capacity(self.max_len) < n:  # a policy whose fit has no room for what it keeps
+                    raise ValueError(f"fitted: layer {i} keeps {n} tokens, {type(pol).__name__}.fit gives "
+                                     f"{kh} x {pol.capacity(self.max_len)} slots")
+            policies.append(pol)
+        policies = tuple(policies)
+        if state.compressed:
+            layers = [fit_pool(st, min(p.capacity(self.max_len), st.pos.shape[2])) if isinstance(p, Fits) else st
+                      for p, st in zip(policies, layers)]
+        else:
+            self.prompts_compressed += 1
+            runs = policy_runs(self.policies, self.cfg.n_layers)
+            layers = [_after_prompt_layer(policies[a + i], run, np.int32(i))
+                      for (a, b, _), run in zip(runs, cache) for i in range(b - a)]
+        memo = self.__dict__.setdefault("_fitted_engines", {})
+        if policies not in memo:
+            memo[policies] = type(self)(self._model, policies, self.max_len, self.cache_dtype, repeat=self.repeat,
+                                        rope_tables=self.params[1] is not None, decode_loop=self.decode_loop)
+        cache = tuple(jax.tree.map(lambda *x: jnp.stack(x), *layers[a:b])
+                      for a, b, _ in policy_runs(policies, self.cfg.n_layers))
+        self.fit_records.append({"tokens": state.length, "kept": held, "stored_bytes": tree_nbytes(cache),
+                                 "layer_bytes": [tree_nbytes(st) for st in layers]})
+        return memo[policies], Prompted(cache, state.length, state.logits, True, state.tokens)
+
+    def _held_after_prompt(self, cache):
+        """[L, B] tokens each layer would hold after `after_prompt` (jitted once per engine: only
+        the positions of the compressed state are computed, its keys and values are dead code)."""
+        if "_held_step" not in self.__dict__:
+            def held(cache):
+                runs = policy_runs(self.policies, self.cfg.n_layers)
+                out = [jax.vmap(functools.partial(after_prompt, pol))(st).pos for (_, _, pol), st in zip(runs, cache)]
+                return jnp.concatenate([(p >= 0).sum(axis=(2, 3)) for p in out])  # [L, B]
+            self._held_step = jax.jit(held)
+        return self._held_step(cache)
 
     def kept_positions(self, state: Prompted, row: int = 0) -> list[list[np.ndarray]]:
         """The token positions the cache of `state` holds for batch row `row`: [layer][kv head] ->

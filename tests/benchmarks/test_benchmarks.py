@@ -467,3 +467,29 @@ def test_kvzap_overhead_table_is_the_saved_runs():
     assert all(n in page for n in names)
     runs = [json.loads((root / "docs" / "results" / "runs" / n).read_text()) for n in names]
     assert markdown_table(runs) in page
+
+
+def test_kvzap_fit_dry_run_stores_less_than_the_static_pool():
+    """`--fit` on the tiny model: at each threshold the fitted bytes (checked against the closed
+    form inside the benchmark) are below the static pool's; the fixed ratio at the achieved ratio
+    is sized from the same kept tokens per head; the layers' bytes add up."""
+    from benchmarks import kvzap_overhead
+
+    res = kvzap_overhead.main(["--dry-run", "--thresholds=-1,0,1", "--fit", "--max-new", "8"])
+    assert [r["threshold"] for r in res["rows"]] == [-1.0, 0.0, 1.0]
+    for r in res["rows"]:
+        assert r["fitted_bytes"] < r["static_bytes"] and sum(r["fitted_layer_bytes"]) == r["fitted_bytes"]
+        assert abs(r["fixed_ratio_bytes"] - r["fitted_bytes"]) < 0.05 * r["fitted_bytes"]
+    assert [r["ratio"] for r in res["rows"]] == sorted(r["ratio"] for r in res["rows"])  # higher threshold, fewer kept
+
+
+def test_kvzap_fit_table_is_the_saved_run():
+    """docs/guide/kvzap.md's fitted-bytes table is `fit_table` of the run it cites."""
+    from pathlib import Path
+
+    from benchmarks.kvzap_overhead import fit_table
+
+    root = Path(__file__).resolve().parents[2]
+    page = (root / "docs" / "guide" / "kvzap.md").read_text()
+    assert "kvzap_fit_smollm2_2048.json" in page
+    assert fit_table(json.loads((root / "docs" / "results" / "runs" / "kvzap_fit_smollm2_2048.json").read_text())) in page

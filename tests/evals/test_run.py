@@ -500,3 +500,29 @@ def test_heatmap_merges_one_policys_runs_at_several_lengths():
     assert lengths == [4096, 8192] and depths == [0.0, 0.5]
     np.testing.assert_array_equal(acc, [[1.0, 0.0], [1.0, 0.0]])
     assert plots.accuracy_grid(merged[1])[0] == [4096]
+
+
+def test_fit_stores_each_prompt_at_what_kvzap_kept_and_reports_it(tmp_path, text_file):
+    """fit=1 (kvzap, rule=threshold): the same answers as the static pool, the row's `fitted`
+    record (stored bytes per layer, the achieved ratio) below the static pool's bytes, its own
+    run key (fit=0 keeps the key it had before `fit` existed); a policy that cannot fit: an
+    error before anything runs."""
+    res = tmp_path / "res.jsonl"
+    args = [a for a in base_args(text_file, res, tmp_path) if not a.startswith("task.segment")]
+    args += ["model.max_position=512", "task=passkey", "task.lengths=[320]", "task.depths=[0.5]", "task.trials=2",
+             "task.batch=1", "policy=kvzap", "policy.rule=threshold", "policy.threshold=0.0", "policy.budget=320",
+             "policy.window=16", "policy.max_new=16", "policy.surrogate=random"]
+    evrun.main(args)
+    evrun.main(args + ["fit=1"])
+    static, fitted = R.read(res)
+    assert fitted["key"] != static["key"] and "fitted" not in static
+    np.testing.assert_array_equal(R.load_array(fitted, "outputs"), R.load_array(static, "outputs"))
+    f = fitted["fitted"]
+    assert f["prompts"] == 2 and 0 < f["achieved_ratio_min"] <= f["achieved_ratio_max"] < 1
+    assert len(f["layer_bytes_mean"]) == 2 and abs(sum(f["layer_bytes_mean"]) - f["stored_bytes_mean"]) < 1e-6
+    assert f["stored_bytes_max"] < static["memory"]["state_bytes"] == fitted["memory"]["state_bytes"]
+    assert fitted["memory"]["fitted_bytes"] == f["stored_bytes_mean"]  # the table's `fitted` column and KV / full
+    md = table.markdown([static, fitted])
+    assert "fitted (MB, 10^6 B)" in md and f"{f['stored_bytes_mean'] / table.full_bytes(fitted):.3f}" in md
+    with pytest.raises(C.ConfigError, match="fit=1: policy Sink"):
+        C.validate(C.compose([a for a in args if not a.startswith("policy")] + ["policy=sink", "fit=1"]))

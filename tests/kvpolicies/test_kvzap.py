@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -23,7 +24,7 @@ import kvpolicies
 from tests.refs.helpers import run_policy
 from kvpolicies.adakv import head_of
 from kvpolicies.kvzap import WEIGHTS_DIR, KVzap, kept_counts, random_surrogate
-from kvpolicies.memory import state_bytes, tree_bytes
+from kvpolicies.memory import state_bytes, tree_bytes, tree_nbytes
 from tests.refs.headwise import B, K, MAX_LEN, ROPE, qkv
 from tests.refs.kvzap import choose, simulate_stream
 
@@ -128,6 +129,47 @@ def test_kept_sets_at_a_threshold_follow_the_dms_rule(tiny_qwen):
     # decoding goes on from the pool (kvzip's stream rule)
     ids2 = eng.continue_generate(state, np.zeros((1, 0), np.int32), 3)
     assert ids2.shape == (1, 3)
+
+
+def test_fitted_layers_store_what_a_threshold_keeps(tiny_qwen):
+    """`Engine.fitted`: each layer's pool cut to the tokens its threshold kept (plus max_new free
+    slots per head): the same kept sets, the same greedy ids while the free slots last, stored
+    bytes equal to the closed form of each layer's own count, below the static pool's."""
+    from models.engine import Engine
+
+    _, model = tiny_qwen
+    cfg = model.cfg
+    t, window, max_new, d = 40, 4, 8, cfg.head_dim
+    ids = np.random.default_rng(2).integers(0, cfg.vocab_size, (1, t)).astype(np.int32)
+    question = np.random.default_rng(5).integers(0, cfg.vocab_size, (1, 3)).astype(np.int32)
+    pol = kvpolicies.get("kvzap", budget=t, max_new=max_new, window=window, rule="threshold", threshold=0.0,
+                         surrogate="random")
+    eng = Engine(model, pol, max_len=t + max_new)
+    state = eng.compress(eng.prompt(ids, chunk=16))
+    fe, fs = eng.fitted(state)
+    kept = [[h.tolist() for h in layer] for layer in eng.kept_positions(state)]
+    listed = lambda e, st: [[h.tolist() for h in layer] for layer in e.kept_positions(st)]  # noqa: E731
+    assert listed(fe, fs) == kept
+    held = [sum(len(h) for h in layer) for layer in kept]
+    assert len(set(held)) > 1, held  # the layers keep different numbers of tokens
+    slots = [max(-(-n // K), window) + max_new for n in held]  # per kv head on average, each layer
+    assert [p.capacity(fe.max_len) for p in fe.policies] == slots
+    per_slot = 2 * d * 4 + 4 + 4  # keys, values (float32), an int32 position, a float32 mass
+    assert tree_nbytes(fs.cache) == sum(K * s * per_slot for s in slots)
+    assert tree_nbytes(fs.cache) < tree_nbytes(state.cache) == cfg.n_layers * K * (t + max_new) * per_slot
+    # 3 question tokens + 5 generated: 7 new tokens per head, within the max_new free slots
+    np.testing.assert_array_equal(fe.continue_generate(fs, question, 5), eng.continue_generate(state, question, 5))
+    # rounded to a multiple of 8 tokens per head (fewer shapes), and an engine per fitted tuple
+    fe8, fs8 = eng.fitted(state, round_to=8)
+    assert [p.budget for p in fe8.policies] == [-(-max(-(-n // K), window) // 8) * 8 for n in held]
+    assert eng.fitted(state, round_to=8)[0] is fe8
+    assert listed(fe8, fs8) == kept
+    # from the uncompressed prompt: counted, then each layer compressed straight to its size
+    fe2, fs2 = eng.fitted(eng.prompt(ids, chunk=16))
+    assert fe2 is fe and listed(fe2, fs2) == kept
+    assert jax.tree.all(jax.tree.map(np.array_equal, fs2.cache, fs.cache))
+    with pytest.raises(ValueError, match="no layer's policy can be fit"):
+        Engine(model, kvpolicies.get("snapkv", budget=8, max_new=4), max_len=t + max_new).fitted(state)
 
 
 def test_a_budget_keeps_the_layers_best_scores(tiny_qwen):
