@@ -28,7 +28,10 @@ stored at what it kept (`Engine.fitted`, checked against the closed form), and a
 the achieved ratio (`rule=budget`, the same tokens per head on average in every layer); each
 layer's fitted bytes; and the cache bytes alive at once while compressing (the dense prompt
 phase plus what compression allocates: all static or uniform pools at once, or, fitted, one
-layer's slice and the fitted pools). These are array sizes, not an allocator's peak.
+layer's slice and the fitted pools; or, with DMS's sparse prefill, `prefill="sparse"`, each layer's pool
+capped at 1.25x what it kept of a calibration context, the next `--tokens` of the text: its pools
+and scores, and the fitted pools). These are array
+sizes, not an allocator's peak.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--thresholds", default=None, help="comma-separated log-score thresholds (kept fractions)")
     ap.add_argument("--fit", action="store_true", help="with --thresholds: stored bytes fitted / static / fixed ratio")
     ap.add_argument("--max-new", type=int, default=64, help="--fit: free slots per kv head for decoding")
+    ap.add_argument("--window", type=int, default=128, help="--fit: kvzap.window (DMSPress's default 128)")
     ap.add_argument("--offset", type=int, default=0, help="first token of the context in the essays")
     ap.add_argument("--surrogate", default="auto", help="kvzap.surrogate: auto (the model's trained file) or random")
     ap.add_argument("--out", default=None, help="write the result here (JSON)")
@@ -76,14 +80,15 @@ def main(argv=None) -> dict:
 
     mcfg = {"name": a.model, "dtype": "float32"}
     if a.dry_run:  # configs/model/tiny_random.yaml's model
-        a.tokens, a.chunk, a.surrogate = 200, 64, "random"
+        a.tokens, a.chunk, a.surrogate, a.window = 200, 64, "random", 16
         mcfg = dict(name="tiny_random", vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                     d_ff=64, max_position=512, seed=0, dtype="float32")
     model, tok = zoo.load_model(mcfg)
     ids = np.asarray(tok.encode(paul_graham()), np.int32)[a.offset: a.offset + a.tokens][None]
     if a.thresholds and a.fit:
-        res = fit_bytes(model, ids, [float(x) for x in a.thresholds.split(",")], a.kind, a.chunk, a.max_new,
-                        a.surrogate)
+        calib = np.asarray(tok.encode(paul_graham()), np.int32)[a.offset + a.tokens: a.offset + 2 * a.tokens][None]
+        res = fit_bytes(model, ids, calib, [float(x) for x in a.thresholds.split(",")], a.kind, a.chunk, a.max_new,
+                        a.surrogate, a.window)
         if a.out:
             Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
         return res
@@ -152,16 +157,18 @@ def kept_fractions(model, ids: np.ndarray, thresholds: list[float], kind: str, c
     return res
 
 
-def fit_bytes(model, ids: np.ndarray, thresholds: list[float], kind: str, chunk: int, max_new: int,
-              surrogate: str = "auto") -> dict:
+def fit_bytes(model, ids: np.ndarray, calib_ids: np.ndarray, thresholds: list[float], kind: str, chunk: int,
+              max_new: int, surrogate: str = "auto", window: int = 128) -> dict:
     """Stored bytes of one context at each threshold: static pool, fitted, fixed ratio (`--fit`)."""
     from kvpolicies.memory import tree_nbytes
 
     t = ids.shape[1]
     kh, n_layers = model.cfg.n_kv_heads, model.cfg.n_layers
-    zap = lambda **kw: kvpolicies.get("kvzap", max_new=max_new, kind=kind, surrogate=surrogate, **kw)  # noqa: E731
+    zap = lambda **kw: kvpolicies.get("kvzap", max_new=max_new, kind=kind, surrogate=surrogate, window=window,  # noqa: E731
+                                      **kw)
     base = Engine(model, zap(budget=t, rule="threshold"), max_len=t + max_new)
     state = base.prompt(ids, chunk=chunk)
+    calib_state = base.prompt(calib_ids, chunk=chunk)
     dense = tree_nbytes(state.cache)
     rows = []
     for thr in thresholds:
@@ -177,6 +184,17 @@ def fit_bytes(model, ids: np.ndarray, thresholds: list[float], kind: str, chunk:
         fixed = Engine(model, zap(budget=per_head), max_len=t + max_new).compress(state)
         layer_bytes = [tree_nbytes(jax.tree.map(lambda x: x[i], run)) for run in fitted.cache
                        for i in range(jax.tree.leaves(run)[0].shape[0])]
+        # the sparse prefill (DMS's): no dense phase; each layer's pool capped at 1.25x what the layer kept of
+        # the calibration context (the next `tokens` of the text), in tokens per head, rounded up to 64
+        eng.fitted(calib_state)
+        cal_kept = eng.fit_records[-1]["kept"]
+        caps = [min(-(-int(1.25 * -(-n // kh)) // 64) * 64, t) for n in cal_kept]
+        caps = [max(c, eng.policies[0].window) for c in caps]
+        sp = Engine(model, tuple(zap(budget=c, rule="threshold", threshold=thr, prefill="sparse") for c in caps),
+                    max_len=t + max_new)
+        sp_state = sp.prompt(ids, chunk=chunk)
+        sp_fe, sp_fitted = sp.fitted(sp_state)
+        sp_kept = sum(sum(len(h) for h in layer) for layer in sp_fe.kept_positions(sp_fitted))
         rows.append({"threshold": thr, "kept": round(sum(kept) / (n_layers * kh * t), 4),
                      "ratio": round(1 - sum(kept) / (n_layers * kh * t), 4),
                      "static_bytes": tree_nbytes(static.cache), "fitted_bytes": tree_nbytes(fitted.cache),
@@ -184,8 +202,11 @@ def fit_bytes(model, ids: np.ndarray, thresholds: list[float], kind: str, chunk:
                      "fitted_layer_bytes": layer_bytes,
                      "alive_static": dense + tree_nbytes(static.cache),
                      "alive_fitted": dense + dense // n_layers + tree_nbytes(fitted.cache),
-                     "alive_fixed_ratio": dense + tree_nbytes(fixed.cache)})
-    res = {"model": model.cfg.name, "tokens": t, "kind": kind, "surrogate": surrogate, "max_new": max_new,
+                     "alive_fixed_ratio": dense + tree_nbytes(fixed.cache),
+                     "sparse_budgets": caps, "sparse_ratio": round(1 - sp_kept / (n_layers * kh * t), 4),
+                     "sparse_phase_bytes": tree_nbytes(sp_state.cache), "sparse_fitted_bytes": tree_nbytes(sp_fitted.cache),
+                     "alive_sparse": tree_nbytes(sp_state.cache) + tree_nbytes(sp_fitted.cache)})
+    res = {"model": model.cfg.name, "tokens": t, "kind": kind, "surrogate": surrogate, "max_new": max_new, "window": window,
            "prompt_phase_bytes": dense, "rows": rows}
     print(json.dumps(res, indent=1))
     return res
@@ -195,11 +216,13 @@ def fit_table(res: dict) -> str:
     """The `--fit` run as a markdown table (docs/guide/kvzap.md)."""
     mb = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
     rows = ["| threshold | achieved ratio | static pool (MiB) | fitted (MiB) | fixed ratio (MiB) | "
-            "least / most bytes of a fitted layer (MiB) |", "|---:|---:|---:|---:|---:|---:|"]
+            "least / most bytes of a fitted layer (MiB) | alive while compressing: fixed ratio / fitted / "
+            "sparse prefill (MiB) | sparse prefill: achieved ratio |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["rows"]:
         lb = r["fitted_layer_bytes"]
         rows.append(f"| {r['threshold']:g} | {r['ratio']:.3f} | {mb(r['static_bytes'])} | {mb(r['fitted_bytes'])} | "
-                    f"{mb(r['fixed_ratio_bytes'])} | {mb(min(lb))} / {mb(max(lb))} |")
+                    f"{mb(r['fixed_ratio_bytes'])} | {mb(min(lb))} / {mb(max(lb))} | {mb(r['alive_fixed_ratio'])} / "
+                    f"{mb(r['alive_fitted'])} / {mb(r['alive_sparse'])} | {r['sparse_ratio']:.3f} |")
     return "\n".join(rows)
 
 

@@ -25,6 +25,11 @@ Keys of its own (key=value, as evals.run):
                                             run keys); without it that is an error before any job runs
                                             (the same comparison again rewrites its own files)
     share_gb=4                              memory for prompt states shared between jobs (0: none)
+    thresholds=[-7,-6,-5]                   kvzap at each log-score threshold (rule=threshold, DMS), each
+                                            prompt's layers stored at what they kept (evals.run fit=64);
+                                            placed on the same axes at the compression ratio it achieved
+                                            (measured: 1 - its mean stored bytes / full's); kvzap.<field>
+                                            sets its other fields (kvzap.kind=mlp)
     protocols=[query_agnostic,query_aware]  a RULER-style task under each protocol in one command
                                             (kvpress's leaderboard runs both): a comparison per
                                             protocol, every one planned before any job runs, files
@@ -61,6 +66,7 @@ the full cache's score as a horizontal line). Numbers come from the results file
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import sys
 from collections.abc import Sequence
@@ -75,9 +81,11 @@ DEFAULT_POLICIES = ("window", "sink", "h2o", "tova", "snapkv")
 # budget that a policy cannot be sized to at the run's length is left out ('-', said in a note);
 # budgets given on the command line are sized or refused
 DEFAULT_BUDGETS = (1 / 32, 1 / 16, 0.125, 0.25, 0.5, 0.75)
-OWN_KEYS = ("policies", "budgets", "out", "name", "share_gb", "overwrite", "protocols")
+OWN_KEYS = ("policies", "budgets", "out", "name", "share_gb", "overwrite", "protocols", "thresholds")
+THRESHOLD_FIT = 64  # threshold jobs run with fit=64: each layer stored at what it kept, 64 tokens per head
 SET_PER_JOB = ("policy", "window", "n_sink", "budget")  # evals.run keys the sizing sets for each job
 MB = 1e6
+THRESHOLD_POLICY = "kvzap (threshold)"  # the line of threshold jobs in the table and the plot
 
 
 # -- the command line -------------------------------------------------------------------------------
@@ -141,6 +149,7 @@ class Args:
     share_gb: float = 4.0
     overwrite: bool = False
     budgets_given: bool = True  # budgets=... on the command line (else DEFAULT_BUDGETS)
+    thresholds: list[float] = dataclasses.field(default_factory=list)  # kvzap rule=threshold jobs
 
 
 def parse_args(argv: Sequence[str]) -> Args:
@@ -187,7 +196,15 @@ def parse_args(argv: Sequence[str]) -> Args:
     budgets = ([_budget(f"budgets={own['budgets']}", b) for b in list_value("budgets", own["budgets"])]
                if "budgets" in own else list(DEFAULT_BUDGETS))
     budgets = list(dict.fromkeys(budgets))
+    thresholds = []
+    for t in list_value("thresholds", own["thresholds"]) if "thresholds" in own else []:
+        v = _scalar(t)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ConfigError(f"thresholds={own['thresholds']}: {t!r} is not a number (a kvzap log-score)")
+        thresholds.append(float(v))
     for p in fields:
+        if p == "kvzap" and thresholds:
+            continue
         if p not in policies:
             raise ConfigError(f"{p}.{next(iter(fields[p]))}: {p} is not in policies=[{','.join(policies)}]")
     share = _scalar(own.get("share_gb", "4"))
@@ -197,7 +214,7 @@ def parse_args(argv: Sequence[str]) -> Args:
     if not isinstance(overwrite, bool):
         raise ConfigError(f"overwrite={own['overwrite']}: expected true or false")
     return Args(policies, budgets, fields, passthrough, own.get("out"), own.get("name"), float(share), overwrite,
-                "budgets" in own)
+                "budgets" in own, thresholds)
 
 
 # -- the plan: every job sized and validated, nothing loaded ----------------------------------------
@@ -214,7 +231,13 @@ class Job:
     conf: dict[str, Any]
     key: str
     target_bytes: int  # the budget over all layers (full: its own stored bytes)
-    compression: float  # 1 - target / full cache bytes (full: 0)
+    compression: float  # 1 - target / full cache bytes (full: 0; a threshold: measured, in `cells`)
+    threshold: float | None = None  # a kvzap threshold job (budget None)
+
+    @property
+    def label(self) -> str:
+        return "full" if self.policy == "full" else f"threshold {self.threshold:g}" if self.threshold is not None \
+            else str(self.budget)
 
 
 @dataclasses.dataclass
@@ -360,6 +383,16 @@ def plan(argv: Sequence[str]) -> Plan:
                                   f"{pol}")
             jobs.append(Job(name, b, pol, tuple(overrides), conf, run_key(conf, built),
                             targets[b] * mc.n_layers, 1.0 - targets[b] / full_layer))
+    for t in args.thresholds:  # kvzap by a threshold: capped at the whole run, stored at what it keeps
+        try:
+            pol = kvpolicies.get("kvzap", **{"max_new": gen, **args.fields.get("kvzap", {}), "budget": max_len,
+                                             "rule": "threshold", "threshold": t})
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"thresholds: kvzap at threshold {t:g}: {e}") from None
+        overrides = args.passthrough + policy_overrides("kvzap", pol) + [f"fit={THRESHOLD_FIT}"]
+        conf = compose_run(overrides)
+        jobs.append(Job(THRESHOLD_POLICY, None, pol, tuple(overrides), conf, run_key(conf, build_policy(conf["policy"])),
+                        full_layer * mc.n_layers, float("nan"), threshold=t))
     if zoo.has_tokenizer(base["model"]):  # the checks that need the tokenizer, still before the weights
         from evals.data import load_text
 
@@ -427,21 +460,30 @@ def cells(p: Plan, rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
     by_key = {r.get("key"): r for r in R.latest(usable(rows))}
     out = []
+    full_bytes = None
     for j in p.jobs:
         row = by_key.get(j.key)
         if row is None:
-            raise ValueError(f"no row with key {j.key} ({j.policy} at budget {j.budget}) in {p.results}")
-        if row.get("failed") and j.budget is not None:
+            raise ValueError(f"no row with key {j.key} ({j.policy} at {j.label}) in {p.results}")
+        if row.get("failed") and j.policy != "full":
             warnings.warn(f"{j.policy} at budget {j.budget}: its run failed ({row['failed']}); its cell is '-'",
                           stacklevel=2)
             continue
         metric, value, lower = score_of(row)
         mem, m = row.get("memory") or {}, row.get("metrics", {})
         ci = (m.get("ci_low"), m.get("ci_high")) if metric == "accuracy" else (None, None)
-        out.append({"policy": j.policy, "budget": j.budget, "compression": j.compression,
+        stored, compression = mem.get("state_bytes"), j.compression
+        if j.policy == "full":
+            full_bytes = stored
+        if j.threshold is not None:  # measured: the mean bytes stored per prompt, each layer at what it kept
+            stored = mem.get("fitted_bytes")
+            if stored is None or not full_bytes:
+                raise ValueError(f"row {j.key} (kvzap at threshold {j.threshold:g}) has no fitted bytes")
+            compression = 1.0 - stored / full_bytes
+        out.append({"policy": j.policy, "budget": j.budget, "threshold": j.threshold, "compression": compression,
                     "params": row.get("params", ""), "metric": metric, "score": value, "lower": lower,
                     "ci_low": ci[0], "ci_high": ci[1],
-                    "state_bytes": mem.get("state_bytes"), "target_bytes": j.target_bytes,
+                    "state_bytes": stored, "target_bytes": j.target_bytes,
                     "max_len": mem.get("max_len"), "key": j.key})
     return out
 
@@ -471,7 +513,7 @@ def grid(recs: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]], st
     every column), then one row per policy; a cell is 'score (stored MB)', an accuracy with its
     Wilson 95 % interval in square brackets."""
 
-    full = next(r for r in recs if r["budget"] is None)
+    full = next(r for r in recs if r["policy"] == "full")
     cols: list[tuple[Any, float]] = []
     for r in recs:
         if r["budget"] is not None and (r["budget"], r["compression"]) not in cols:
@@ -484,12 +526,18 @@ def grid(recs: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[str]], st
                               for b, _ in cols])
     from evals.table import label
 
+    for r in (r for r in recs if r.get("threshold") is not None):  # at its measured ratio, not a budget column
+        body.append([f"{THRESHOLD_POLICY} {r['threshold']:g}: CR {r['compression']:.3g} measured, "
+                     f"{_score(r)} ({_mb(r['state_bytes'])})"] + [""] * len(cols))
     better = "lower" if full["lower"] else "higher"
     caption = (f"{label(full['metric'])} ({better} is better) by policy and budget; a budget is the stored cache bytes "
                f"(a float: that fraction of the full cache's, CR = compression ratio = 1 - it; an int: that many "
                f"full-precision tokens), sinks, windows, scales and positions included; in brackets the stored "
                f"KV cache measured, all layers, in MB (10^6 bytes)"
-               + ("; an accuracy's Wilson 95 % interval in square brackets" if full.get("ci_low") is not None else ""))
+               + ("; an accuracy's Wilson 95 % interval in square brackets" if full.get("ci_low") is not None else "")
+               + ("; kvzap by a threshold keeps what passes it, each layer stored at what it kept: its compression "
+                  "ratio is measured (1 - its mean stored bytes over the prompts / full's), its row holds its score"
+                  if any(r.get("threshold") is not None for r in recs) else ""))
     return header, body, caption
 
 
@@ -511,7 +559,7 @@ def latex(recs: Sequence[dict[str, Any]], title: str = "", label: str = "tab:com
 
 
 CSV_COLUMNS = ("policy", "budget", "compression", "params", "metric", "score", "ci_low", "ci_high", "state_bytes",
-               "target_bytes", "max_len", "key")
+               "target_bytes", "max_len", "key", "threshold")
 
 
 def csv_text(recs: Sequence[dict[str, Any]]) -> str:
@@ -523,7 +571,7 @@ def csv_text(recs: Sequence[dict[str, Any]]) -> str:
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(CSV_COLUMNS)
     for r in recs:
-        w.writerow(["" if r[c] is None else r[c] for c in CSV_COLUMNS])
+        w.writerow(["" if r.get(c) is None else r[c] for c in CSV_COLUMNS])
     return buf.getvalue()
 
 
@@ -546,17 +594,17 @@ def plot(recs: Sequence[dict[str, Any]], out: Path, stem: str, title: str = "") 
     from evals.plots import ticks_at, warn_single_points
     from evals.table import label
 
-    full = next(r for r in recs if r["budget"] is None)
+    full = next(r for r in recs if r["policy"] == "full")
     top = CLIP * full["score"] if full["lower"] and max(r["score"] for r in recs) > CLIP * full["score"] else None
     warn_single_points("evals.compare plot", {n: sum(r["policy"] == n for r in recs) for n in
-                                              dict.fromkeys(r["policy"] for r in recs if r["budget"] is not None)},
+                                              dict.fromkeys(r["policy"] for r in recs if r["policy"] != "full")},
                        "give two or more budgets (budgets=[0.25,0.5]) to draw lines")
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, x, xlabel in ((axes[0], "compression", "compression ratio (1 - stored bytes / full cache's)"),
                           (axes[1], "mb", "stored KV cache, all layers (MB, 10^6 B, measured; log scale)")):
         ax.axhline(full["score"], color="black", linestyle="--", linewidth=1,
                    label=f"full ({full['score']:.4g}, {_mb(full['state_bytes'])})")
-        for i, name in enumerate(dict.fromkeys(r["policy"] for r in recs if r["budget"] is not None)):
+        for i, name in enumerate(dict.fromkeys(r["policy"] for r in recs if r["policy"] != "full")):
             pts = sorted((r for r in recs if r["policy"] == name and r["state_bytes"] is not None),
                          key=lambda r: r["compression"])
             xs = [r["compression"] if x == "compression" else r["state_bytes"] / MB for r in pts]
@@ -574,7 +622,7 @@ def plot(recs: Sequence[dict[str, Any]], out: Path, stem: str, title: str = "") 
                                 fontsize=7, color=f"C{i}")
         if x == "mb":  # a log byte axis, a tick at each measured size (and at the full cache's)
             ax.set_xscale("log")
-            ticks_at(ax.xaxis, [r["state_bytes"] / MB for r in recs if r["state_bytes"] and r["budget"] is not None])
+            ticks_at(ax.xaxis, [r["state_bytes"] / MB for r in recs if r["state_bytes"] and r["policy"] != "full"])
             ax.tick_params(axis="x", labelsize=7)
         if top is not None:
             ax.set_ylim(top=top)
@@ -624,24 +672,25 @@ def run(p: Plan) -> list[dict[str, Any]]:
 
     logging.getLogger("jax").setLevel(logging.WARNING)
     bar = tqdm(total=len(p.jobs), desc="compare", unit="job", position=0, disable=not p.progress)
-    order = sorted(p.jobs, key=lambda j: j.budget is None)  # full last: it can compress any dense prompt state
+    order = sorted(p.jobs, key=lambda j: j.policy == "full")  # full last: it can compress any dense prompt state
     try:
         with prefills.sharing(p.share_bytes) as store:
             for j in order:
-                bar.set_postfix_str(f"{j.policy} @ {'full' if j.budget is None else j.budget}")
+                bar.set_postfix_str(f"{j.policy} @ {j.label}")
                 row, ran = run_config(j.conf)
                 if row.get("failed"):
-                    tqdm.write(f"[evals.compare] {j.policy} @ {j.budget}: the run failed ({row['failed']})")
+                    tqdm.write(f"[evals.compare] {j.policy} @ {j.label}: the run failed ({row['failed']})")
                     bar.update()
                     continue
                 metric, value, _ = score_of(row)
                 mem = (row.get("memory") or {}).get("state_bytes")
                 secs = (row.get("timings") or {}).get("total_s")
                 how = f"ran in {secs:.0f} s" if ran and secs is not None else "ran" if ran else "already there"
-                tqdm.write(f"[evals.compare] {j.policy} {row.get('params', '')} @ "
-                           f"{'full' if j.budget is None else j.budget}: {metric} {value:.4g}, {_mb(mem)} "
-                           f"(budget {_mb(j.target_bytes)}; {how})")
-                if mem is not None and mem > j.target_bytes:
+                fitted = (row.get("memory") or {}).get("fitted_bytes")
+                tqdm.write(f"[evals.compare] {j.policy} {row.get('params', '')} @ {j.label}: {metric} {value:.4g}, "
+                           + (f"{_mb(fitted)} stored on average ({how})" if j.threshold is not None
+                              else f"{_mb(mem)} (budget {_mb(j.target_bytes)}; {how})"))
+                if j.threshold is None and mem is not None and mem > j.target_bytes:
                     tqdm.write(f"[evals.compare] warning: {j.policy} at {j.budget} stores {mem} bytes, over its "
                                f"budget of {j.target_bytes}")
                 bar.update()
@@ -706,8 +755,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             raise SystemExit(2) from None
         out = []
         for p in ps:
+            thr = [f"{j.threshold:g}" for j in p.jobs if j.threshold is not None]
             print(f"[evals.compare] {len(p.jobs)} jobs: full + {', '.join(p.policies)} x budgets "
-                  f"{', '.join(map(str, p.budgets))}; {title(p)}; results {p.results}")
+                  f"{', '.join(map(str, p.budgets))}" + (f" + kvzap at thresholds {', '.join(thr)}" if thr else "")
+                  + f"; {title(p)}; results {p.results}")
             for note in p.notes:
                 print(f"[evals.compare] note: {note}")
             recs = run(p)

@@ -47,8 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from kvpolicies.adakv import Fits, HeadPool, head_of, pool_view, prompt_pool
-from kvpolicies.base import Policy, empty_slots
+from kvpolicies.adakv import Fits, HeadPool, as_rows, fit_pool, head_of, pack_by_head, pool_view, prompt_pool
+from kvpolicies.base import EMPTY, Policy, View, empty_slots
 from kvpolicies.budgets import Budgeted
 from kvpolicies.checks import check_choice, check_int
 from kvpolicies.codecs import Codec, Identity
@@ -126,6 +126,7 @@ class KVzap(Budgeted, Fits, PromptCompressor, Policy):
     window: int = 128  # the newest tokens every head keeps (DMS's sliding window)
     kind: str = "linear"  # the surrogate: "linear" or "mlp"
     surrogate: str = "auto"  # a file stem under kvpolicies/kvzap_weights, a .npz path, "auto" (match the model), "random"
+    prefill: str = "dense"  # "sparse" (rule="threshold"): evict while the prompt is prefilled (DMS's sparse prefill)
     codec: Codec = Identity()
 
     def __post_init__(self):
@@ -134,6 +135,10 @@ class KVzap(Budgeted, Fits, PromptCompressor, Policy):
         check_int("kvzap", "max_new", self.max_new, 0)
         check_choice("kvzap", "rule", self.rule, ("budget", "threshold"))
         check_choice("kvzap", "kind", self.kind, KINDS)
+        check_choice("kvzap", "prefill", self.prefill, ("dense", "sparse"))
+        if self.prefill == "sparse" and self.rule != "threshold":
+            raise ValueError("kvzap.prefill='sparse' evicts by the threshold as the prompt streams in: it needs "
+                             "rule='threshold'")
         if not isinstance(self.threshold, (int, float)) or not np.isfinite(self.threshold):
             raise ValueError(f"kvzap.threshold={self.threshold!r}: must be a finite number (a log-score)")
 
@@ -191,9 +196,15 @@ class KVzap(Budgeted, Fits, PromptCompressor, Policy):
 
     # -- the method's protocol ---------------------------------------------------------------------
     def prompt_policy(self):
+        if self.prefill == "sparse":
+            return ZapSparse(codec=self.codec, of=self, kind=self.kind, surrogate=self.surrogate)
         return ZapPhase(codec=self.codec, of=self, obs_window=0, kind=self.kind, surrogate=self.surrogate)
 
     def after_prompt(self, state: PromptState) -> HeadPool:
+        if isinstance(state, ZapPool):  # the sparse prefill's pool: already what the threshold kept
+            filled = state.pos >= 0
+            pool = HeadPool(state.k, state.v, state.pos, mass=jnp.where(filled, jnp.exp(state.mass), 0.0))
+            return fit_pool(pool, min(self.capacity(state.zap.shape[-1]), state.pos.shape[2]))  # a fitted policy
         if "zap" not in state.extra:
             raise ValueError("kvzap: the prompt has no surrogate scores (its prompt phase runs in models.llama)")
         m = state.slots
@@ -241,6 +252,75 @@ class ZapPhase(PromptPhase):
         zap = jax.vmap(lambda z, x, p: jax.lax.dynamic_update_slice_in_dim(z, x, p, axis=1))(
             state.extra["zap"], score, pos[:, 0])  # [B, K, M]
         return dataclasses.replace(state, extra={**state.extra, "zap": zap})
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ZapPool(HeadPool):
+    """The sparse prefill's state: a head pool of the policy's capacity (`mass`: each slot's
+    predicted log-score) and the log-score of every prompt position per kv head, zap [B, K, M]."""
+
+    zap: Float[Array, "B K M"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ZapSparse(Policy):
+    """KVzap's sparse prefill (`prefill="sparse"`, ours, after DMS's sparse prefill; kvpress's
+    DMSPress is the dense-prefill version): the prompt streams into the head pool and a token is
+    evicted as soon as it leaves the `window` newest positions with a log-score below
+    `threshold`. A query at position p sees the tokens j <= p with p - j <= window or a score >=
+    threshold: exactly the tokens a token-by-token run holds when p arrives, whatever the chunk
+    (the mask, `extend`). The state never holds the dense prompt: its bytes are the pool's (K x
+    (budget + max_new) slots) plus one float32 score per position and kv head. Deviation: when
+    more tokens pass than the pool holds, the best-scored are kept (then chunks can differ)."""
+
+    reads_hidden = True
+    codec: Codec = Identity()
+    of: KVzap | None = None
+    kind: str = "linear"
+    surrogate: str = "auto"
+
+    def capacity(self, max_len):
+        return self.of.capacity(max_len)
+
+    def init(self, batch, kv_heads, head_dim, dtype, max_len):
+        st = self.of.init(batch, kv_heads, head_dim, dtype, max_len)
+        return ZapPool(st.k, st.v, st.pos, mass=st.mass, zap=jnp.full((batch, kv_heads, max_len), LOWEST))
+
+    hidden_weights = ZapPhase.hidden_weights
+
+    def read_hidden(self, state: ZapPool, h: Float[Array, "B T d"], pos: Int[Array, "B T"],
+                    w: dict[str, Any]) -> ZapPool:
+        """The state with the step's tokens' predicted log-scores written at their positions."""
+        params = {k[4:]: v for k, v in w.items() if k.startswith("zap_")}
+        score = jnp.swapaxes(surrogate(params, h), 1, 2)  # [B, K, T]
+        zap = jax.vmap(lambda z, x, p: jax.lax.dynamic_update_slice_in_dim(z, x, p, axis=1))(state.zap, score, pos[:, 0])
+        return dataclasses.replace(state, zap=zap)
+
+    def extend(self, state: ZapPool, k, v, pos) -> View:
+        pool = HeadPool(state.k, state.v, state.pos, mass=state.mass)
+        view = pool_view(self.codec, pool, k, v, pos)
+        slots, head, p = view.carry
+        b, kh, m = state.zap.shape
+        at = jnp.clip(head, 0, kh - 1) * m + jnp.clip(slots.pos, 0, m - 1)  # [B, 1, V]
+        score = jnp.take_along_axis(state.zap.reshape(b, 1, kh * m), at, axis=-1)  # [B, 1, V] log-scores
+        near = pos[:, :, None] - slots.pos <= self.of.window  # [B, T, V]: within the window of the query
+        seen = (near | (score >= self.of.threshold))[:, None]  # [B, 1, T, V]
+        slots = dataclasses.replace(slots, mass=score)
+        v = slots.pos.shape[-1]  # positions per kv head (Kp = K), as the mask's: the blocked path pairs them
+        return dataclasses.replace(view, pos=jnp.broadcast_to(view.pos, (b, kh, v)), mask=view.mask & seen,
+                                   carry=(slots, head, p, state.zap))
+
+    def compact(self, view: View, seen) -> ZapPool:
+        """Each head's `window` newest tokens and every older one scoring >= threshold, packed by
+        head into the pool (at most K x budget: the best-scored)."""
+        slots, head, p, zap = view.carry
+        kh = zap.shape[1]
+        per_head = head == jnp.arange(kh)[None, :, None]  # [B, K, V]
+        kept = self.of.keep(jnp.where(per_head, slots.mass, LOWEST), jnp.where(per_head, slots.pos, EMPTY), p // kh,
+                            self.of.threshold).any(axis=1, keepdims=True)  # [B, 1, V]
+        pool = as_rows(pack_by_head(slots, kept & (slots.pos >= 0), head, p), kh)
+        return ZapPool(pool.k, pool.v, pool.pos, mass=pool.mass, zap=zap)
 
 
 def kept_counts(pool: HeadPool) -> np.ndarray:

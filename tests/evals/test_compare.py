@@ -303,3 +303,28 @@ def test_protocols_need_a_task_that_has_one(text_file, tmp_path, monkeypatch, ca
     with pytest.raises(SystemExit):
         compare.main(base_args(text_file, tmp_path / "r.jsonl") + ["protocols=[query_aware]"])
     assert "task=perplexity has no protocol" in capsys.readouterr().err
+
+
+def test_thresholds_sit_at_the_ratio_they_achieved(text_file, tmp_path):
+    """thresholds=[0,1]: kvzap jobs by a threshold, fit=64 (each layer stored at what it kept), placed
+    at their measured compression ratio (1 - the row's mean stored bytes / full's) beside the budgets;
+    a higher threshold keeps less; the table, csv and plot carry them."""
+    argv = [a for a in base_args(text_file, tmp_path / "r.jsonl", snapkv=False) if not a.startswith("tokens=")]
+    argv += PASSKEY + [f"out={tmp_path / 'out'}", "thresholds=[0,1]", "kvzap.surrogate=random", "kvzap.window=16"]
+    (p,) = compare.plans(argv)
+    assert [(j.policy, j.threshold) for j in p.jobs][-2:] == [(compare.THRESHOLD_POLICY, 0.0),
+                                                               (compare.THRESHOLD_POLICY, 1.0)]
+    assert all(j.conf["fit"] == compare.THRESHOLD_FIT and j.policy_obj.rule == "threshold" for j in p.jobs[-2:])
+    cells = compare.main(argv)
+    rows = {r["key"]: r for r in R.read(tmp_path / "r.jsonl")}
+    full = next(c for c in cells if c["policy"] == "full")
+    thr = [c for c in cells if c.get("threshold") is not None]
+    for c in thr:
+        fitted = rows[c["key"]]["memory"]["fitted_bytes"]
+        assert c["state_bytes"] == fitted and c["compression"] == pytest.approx(1 - fitted / full["state_bytes"])
+    assert 0 < thr[0]["compression"] < thr[1]["compression"] < 1
+    md = (tmp_path / "out" / f"{p.stem}.md").read_text()
+    assert f"{compare.THRESHOLD_POLICY} 1: CR {thr[1]['compression']:.3g} measured" in md
+    table = list(csv.DictReader(io.StringIO((tmp_path / "out" / f"{p.stem}.csv").read_text())))
+    assert [r["threshold"] for r in table] == ["", "", "0.0", "1.0"]
+    assert (tmp_path / "out" / f"{p.stem}.png").is_file()

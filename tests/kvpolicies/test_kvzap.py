@@ -172,6 +172,86 @@ def test_fitted_layers_store_what_a_threshold_keeps(tiny_qwen):
         Engine(model, kvpolicies.get("snapkv", budget=8, max_new=4), max_len=t + max_new).fitted(state)
 
 
+def dms_reference_logits(ref, params: dict, ids: np.ndarray, window: int, threshold: float) -> np.ndarray:
+    """[T, V] logits of transformers' model with DMS's sparse prefill as a mask: in each layer,
+    query p of kv head h sees token j iff j <= p and (p - j <= window or the surrogate's score of
+    (j, h) from the layer's normalised input >= threshold) — an attention function registered
+    with transformers, the scores from a forward pre-hook on each attention module."""
+    import torch
+    from transformers import AttentionInterface
+
+    inputs: dict[int, torch.Tensor] = {}
+
+    def keep_input(module, args, kwargs):
+        inputs[module.layer_idx] = kwargs["hidden_states"]
+
+    def dms_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+        x = inputs[module.layer_idx][0].double().numpy()  # [T, d]
+        score = np_surrogate(params, module.layer_idx, x)  # [T, K]
+        t, g = query.shape[2], query.shape[1] // key.shape[1]
+        p, j = np.arange(t)[:, None], np.arange(t)[None, :]
+        seen = (j <= p)[None] & ((p - j <= window)[None] | (score.T[:, None, :] >= threshold))  # [K, T, T]
+        mask = torch.as_tensor(np.repeat(seen, g, axis=0))[None]  # [1, N, T, T]
+        k, v = (x.repeat_interleave(g, dim=1) for x in (key, value))
+        w = torch.softmax((query @ k.transpose(-1, -2) * scaling).masked_fill(~mask, float("-inf")), dim=-1)
+        return (w @ v).transpose(1, 2).contiguous(), w
+
+    AttentionInterface.register("kvzap_dms", dms_attention)
+    hooks = [layer.self_attn.register_forward_pre_hook(keep_input, with_kwargs=True) for layer in ref.model.layers]
+    was = ref.config._attn_implementation
+    try:
+        ref.set_attn_implementation("kvzap_dms")
+        with torch.no_grad():
+            return ref(torch.as_tensor(ids, dtype=torch.long)).logits[0].numpy()
+    finally:
+        ref.set_attn_implementation(was)
+        for h in hooks:
+            h.remove()
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 40])
+def test_sparse_prefill_is_dms_masked_attention(tiny_qwen, chunk):
+    """prefill="sparse": the prompt's logits equal transformers' with DMS's mask (a query sees
+    its `window` newest tokens and every older one scoring >= threshold) whatever the chunk; the
+    pool after the prompt holds exactly the DMS rule's tokens per head; its state never holds the
+    dense prompt (its bytes are the pool's and one score per position)."""
+    from models.engine import Engine
+
+    ref, model = tiny_qwen
+    cfg = model.cfg
+    t, window, max_new = 40, 4, 4
+    ids = np.random.default_rng(2).integers(0, cfg.vocab_size, (1, t)).astype(np.int32)
+    params = random_surrogate("linear", cfg.d_model, cfg.n_kv_heads, cfg.n_layers)
+    threshold = 0.0
+    pol = kvpolicies.get("kvzap", budget=30, max_new=max_new, window=window, rule="threshold", threshold=threshold,
+                         surrogate="random", prefill="sparse")
+    eng = Engine(model, pol, max_len=t + max_new)
+    state = eng.prompt(ids, chunk=chunk)
+    want = dms_reference_logits(ref, params, ids, window, threshold)
+    np.testing.assert_allclose(np.asarray(state.logits)[0], want[-1], atol=2e-4, rtol=1e-4)
+    causal = dms_reference_logits(ref, params, ids, t, threshold)  # a window of the whole prompt: no eviction
+    assert np.abs(want[-1] - causal[-1]).max() > 1e-2  # the mask evicts: the dense prefill's logits differ
+    zap = np.asarray(state.cache[0].zap)[:, 0]  # [L, K, M]: the scores of the sparse run's own hidden states
+    pool = eng.compress(state).cache[0]
+    for layer in range(cfg.n_layers):
+        keep = [sorted(j for j in range(t) if j > t - 1 - window or zap[layer, h, j] >= threshold) for h in range(K)]
+        assert by_head(np.asarray(pool.pos)[layer, 0]) == keep, layer
+        assert min(map(len, keep)) < max(map(len, keep)) < t, layer  # heads keep different counts, all evict
+    if chunk == 7:  # decoding goes on from the pool; fitted, each layer holds what it kept
+        question = np.random.default_rng(5).integers(0, cfg.vocab_size, (1, 1)).astype(np.int32)
+        fe, fs = eng.fitted(state)
+        assert [[h.tolist() for h in layer] for layer in fe.kept_positions(fs)] == \
+            [[h.tolist() for h in layer] for layer in eng.kept_positions(eng.compress(state))]
+        np.testing.assert_array_equal(fe.continue_generate(fs, question, 3),
+                                      eng.continue_generate(eng.compress(state), question, 3))
+    dense = kvpolicies.get("kvzap", budget=30, max_new=max_new, window=window, rule="threshold",
+                           threshold=threshold, surrogate="random")
+    sparse_bytes, dense_bytes = (tree_nbytes(Engine(model, p, max_len=t + max_new).init_cache(1, prompt=True))
+                                 for p in (pol, dense))
+    assert sparse_bytes == cfg.n_layers * K * (pol.capacity(t + max_new) * (2 * cfg.head_dim * 4 + 8) + (t + max_new) * 4)
+    assert sparse_bytes < dense_bytes
+
+
 def test_a_budget_keeps_the_layers_best_scores(tiny_qwen):
     """rule=budget: the window, then the best K x budget of all heads' scores (head-wise)."""
     from models.engine import Engine
