@@ -103,6 +103,11 @@ def make_press(name: str, ratio: float, fields: dict):
                 return sizes[0], sizes[1], scores
 
         return GivenPattern(head_compression_ratio=ratio, **fields)
+    if "compression_interval" in fields:  # PrefillDecodingPress: `name` on the prefill, DecodingPress(name()) after
+        decoding = kvpress.DecodingPress(getattr(kvpress, name)(), compression_interval=fields.pop("compression_interval"),
+                                         target_size=fields.pop("target_size"))
+        return kvpress.PrefillDecodingPress(prefilling_press=getattr(kvpress, name)(compression_ratio=ratio, **fields),
+                                            decoding_press=decoding)
     if name == "AdaKVPress":
         inner = fields.pop("press", "SnapKVPress")
         return kvpress.AdaKVPress(getattr(kvpress, inner)(compression_ratio=ratio), **fields)
@@ -132,6 +137,67 @@ def run(model, press, ctx, question, n_new, full_keys):
     return {"kept": kept, "answer": greedy(model, cache, question, ctx.shape[1], n_new)}
 
 
+class Tracker:
+    """The text position of every slot of a kvpress cache, per layer and kv head, through compressions:
+    a forward hook after the press's own appends each step's positions (contiguous from 0) and, when
+    the press shortened the layer's cache, reorders them by the top-k kvpress took (ScorerPress.compress:
+    `scores.topk(n_kept).indices`, the same call on the scores the press's `score` returned)."""
+
+    def __init__(self, scorers):
+        self.pos: dict[int, list[list[int]]] = {}
+        self.next: dict[int, int] = {}  # per layer: the next token's position
+        self.scores: dict[int, torch.Tensor] = {}
+        for press in scorers:  # record each score() the presses compute, per layer
+            press.score = self._recording(press.score)
+
+    def _recording(self, score):
+        def wrapped(module, *args, **kwargs):
+            out = score(module, *args, **kwargs)
+            self.scores[module.layer_idx] = out
+            return out
+        return wrapped
+
+    def hook(self, module, args, kwargs, output):
+        layer, q = module.layer_idx, kwargs["hidden_states"].shape[1]
+        cache = kwargs["past_key_values"].layers[layer]
+        heads = self.pos.setdefault(layer, [[] for _ in range(cache.keys.shape[1])])
+        start = self.next.get(layer, 0)
+        self.next[layer] = start + q
+        for h in heads:
+            h.extend(range(start, start + q))
+        m = cache.keys.shape[2]
+        if m < len(heads[0]):  # compressed in this step: kvpress's top-k of the scores it used
+            idx = self.scores.pop(layer).topk(m, dim=-1).indices[0]  # [K, m]
+            self.pos[layer] = [[h[i] for i in idx[k].tolist()] for k, h in enumerate(heads)]
+        assert all(len(h) == m for h in self.pos[layer]), "a cache length the tracker did not follow"
+        return output
+
+    def attach(self, model):
+        return [layer.self_attn.register_forward_hook(self.hook, with_kwargs=True) for layer in model.model.layers]
+
+    def kept(self) -> list[list[list[int]]]:
+        return [[sorted(h) for h in self.pos[i]] for i in sorted(self.pos)]
+
+
+@torch.no_grad()
+def run_decoding(model, press, ctx, question, n_new):
+    """kvpress's pipeline for a PrefillDecodingPress: the context prefilled under the press, then the
+    question and greedy ids under it again (its decoding press compresses every compression_interval
+    steps; no stop at EOS). {"kept": after the prefill, "kept_end": after the last id fed, "answer"}."""
+    tracker = Tracker([press.prefilling_press, press.decoding_press.base_press])
+    cache = DynamicCache()
+    with press(model):
+        hooks = tracker.attach(model)  # after the press's hooks: they run after its compression
+        model(input_ids=ctx, past_key_values=cache, logits_to_keep=1)
+        [h.remove() for h in hooks]
+    kept = tracker.kept()
+    with press(model):
+        hooks = tracker.attach(model)
+        answer = greedy(model, cache, question, ctx.shape[1], n_new)
+        [h.remove() for h in hooks]
+    return {"kept": kept, "kept_end": tracker.kept(), "answer": answer}
+
+
 def main(job_path: str, out_path: str) -> None:
     job = json.load(open(job_path))
     if "samples" in job:
@@ -152,11 +218,15 @@ def main(job_path: str, out_path: str) -> None:
                 models[attn](input_ids=ctx, past_key_values=full, logits_to_keep=1)
             fulls[attn] = [full.layers[i].keys[0] for i in range(len(full.layers))]
         model, full_keys = models[attn], fulls[attn]
+        key = f"{name}@{ratio}" + ("" if "compression_interval" not in fields else
+                                   f"/{fields['compression_interval']}/{fields['target_size']}")
         try:
-            result[f"{name}@{ratio}"] = run(model, make_press(name, ratio, dict(fields)), ctx, question,
-                                            job["n_new"], full_keys)
+            press = make_press(name, ratio, dict(fields))
+            result[key] = (run_decoding(model, press, ctx, question, job["n_new"])
+                           if isinstance(press, kvpress.PrefillDecodingPress) else
+                           run(model, press, ctx, question, job["n_new"], full_keys))
         except Exception as e:  # kvpress itself failing is a result (the docs quote it)
-            result[f"{name}@{ratio}"] = {"error": f"{type(e).__name__}: {e}"}
+            result[key] = {"error": f"{type(e).__name__}: {e}"}
         for layer in model.model.layers:  # AdaKV leaves its mask on the modules
             if hasattr(layer.self_attn, "masked_key_indices"):
                 layer.self_attn.masked_key_indices = None

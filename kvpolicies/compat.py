@@ -34,6 +34,12 @@ sized by their `ratio` field (`PromptScored.kept_for`), with kvpress's defaults:
                             on-the-fly values) trimmed once after the dense prompt, the question
                             and answer appended (`appended=max_new`)
 
+    KnormPress with compression_interval=I, target_size=T: kvpress's PrefillDecodingPress
+                            (KnormPress(compression_ratio) on the prefill, DecodingPress(KnormPress(),
+                            I, T) while decoding): knorm with `interval=I, target=T`, every I decoded
+                            tokens the cache back to T per kv head. The same as kvpress when the
+                            prompt keeps T tokens and each step is one token (kvpress counts steps)
+
 Differences that remain by construction: scores are computed in JAX (float32 sums in another
 order than torch's), so a near tie can fall the other way; kvpress breaks exact ties by
 torch.topk's order, we keep the newer token.
@@ -159,6 +165,9 @@ def kvpress(press: str, compression_ratio: float, *, max_new: int = 256, n_layer
     r = compression_ratio
     if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < 1:
         raise ValueError(f"compression_ratio={r!r}: must be a number in [0, 1)")
+    decoding = {k: fields.pop(k) for k in ("compression_interval", "target_size") if k in fields}
+    if decoding:
+        return _decoding(press, r, max_new, n_layers, decoding, fields)
     if press == "DuoAttentionPress":  # compression_ratio: kvpress's head_compression_ratio
         out = _duo(r, max_new, n_layers, fields)
     elif r == 0:
@@ -171,6 +180,31 @@ def kvpress(press: str, compression_ratio: float, *, max_new: int = 256, n_layer
                     scope="layer" if layerwise else "model", keep_last=False, prompts="kvpress")
     else:
         out = _scored(press, r, max_new, n_layers, fields)
+    if fields:
+        raise ValueError(f"kvpress({press!r}): unknown field(s) {sorted(fields)}")
+    return out
+
+
+def _decoding(press: str, r: float, max_new: int, n_layers: int | None, decoding: dict,
+              fields: dict) -> Policy | tuple[Policy, ...]:
+    """kvpress's `PrefillDecodingPress(prefilling_press=press(r), decoding_press=DecodingPress(press(),
+    compression_interval, target_size))`: the prompt compressed once, then every `compression_interval`
+    decoded tokens the whole cache back to `target_size` per kv head (`PromptScored.interval`, `target`)."""
+    if press != "KnormPress":
+        raise NotImplementedError(
+            f"kvpolicies.compat.kvpress: {press!r} with compression_interval/target_size: only KnormPress (its "
+            "score reads the keys alone). kvpress's DecodingPress re-scores with the base press on up to 256 "
+            "buffered decode hidden states; our prompt scorers rank by their stream rule instead (give a "
+            "policy interval= and target= for that schedule)")
+    if r == 0:
+        raise NotImplementedError(
+            "kvpolicies.compat.kvpress: compression_interval/target_size without a prefill compression (kvpress's "
+            "DecodingPress alone): kvpress counts steps from the end of the prefill, ours compresses when target + "
+            "interval tokens are held, the same only after a prompt that keeps target_size tokens")
+    if set(decoding) != {"compression_interval", "target_size"}:
+        raise ValueError(f"kvpress({press!r}): give compression_interval and target_size together, got {sorted(decoding)}")
+    out = _scored(press, r, max_new, None, fields)
+    out = dataclasses.replace(out, interval=decoding["compression_interval"], target=decoding["target_size"])
     if fields:
         raise ValueError(f"kvpress({press!r}): unknown field(s) {sorted(fields)}")
     return out

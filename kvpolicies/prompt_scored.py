@@ -20,6 +20,16 @@ keeps `kept_for(n)` of the n prompt tokens per kv head, kvpress's n_kept = max(1
 (window and sinks included), whatever n; the state has int(max_len (1 - ratio)) + max_new slots.
 Streams (`Engine.score`) recompress to that many tokens minus max_new.
 
+`interval`, `target` (0: off) are kvpress's `DecodingPress` schedule (compression_interval,
+target_size) for compression while decoding: whenever the cache would hold `target + interval`
+tokens per kv head, it is compressed back to `target` by the same ranking (the state has
+max(kept after the prompt, target + interval - 1) slots; `max_new` is then unused). After a
+prompt that keeps `target` tokens this is kvpress's rule exactly: every `interval` decoded
+tokens, the cache (prompt, question and answer so far) compressed to `target`. kvpress counts
+forward steps from the end of the prefill (a q-token question is one step); we count tokens and
+restart from what the cache holds, so after a prompt that keeps m != target tokens the first
+compression comes after target + interval - m tokens instead of `interval` steps.
+
 A subclass declares its fields (at least `budget` and `max_new`) and writes `rank`; it
 overrides `observe` / `restart` to keep statistics in the state, `prompt_rank` when the prompt
 is ranked from what the prompt phase collected, and `split` / `join` for statistics that are
@@ -55,12 +65,19 @@ class PromptScored(Budgeted, PromptCompressor, Scored):
     collects: ClassVar[dict[str, Any]] = {}
 
     ratio: float = 0.0  # kvpress's compression ratio (fraction of the prompt removed); 0: `budget` sizes
+    interval: int = 0  # kvpress's DecodingPress compression_interval (0: off, the stream rule on overflow)
+    target: int = 0  # kvpress's DecodingPress target_size: tokens per kv head after a decode-time compression
 
     def __post_init__(self):
         check_int(self.label, "budget", self.budget, 0)
         check_int(self.label, "max_new", self.max_new, 0)
         if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or not 0 <= self.ratio < 1:
             raise ValueError(f"{self.label}.ratio={self.ratio!r}: must be a number in [0, 1) (0: off)")
+        check_int(self.label, "interval", self.interval, 0)
+        check_int(self.label, "target", self.target, 0)
+        if bool(self.interval) != bool(self.target):
+            raise ValueError(f"{self.label}: interval={self.interval} and target={self.target} go together "
+                             "(compression while decoding: every `interval` tokens back to `target`; 0 and 0: off)")
 
     def kept(self) -> int:
         """Tokens per kv head after a compression (the budget; snapkv adds its window)."""
@@ -72,13 +89,24 @@ class PromptScored(Budgeted, PromptCompressor, Scored):
         return max(1, int(n * (1 - self.ratio)))
 
     def capacity(self, max_len):
-        if self.ratio:
-            return min(self.kept_for(max_len) + self.max_new, max_len)
-        return min(self.kept() + self.max_new, max_len)
+        prompt = self.kept_for(max_len) if self.ratio else self.kept()
+        if self.interval:
+            return min(max(prompt, self.target + self.interval - 1), max_len)
+        return min(prompt + self.max_new, max_len)
 
     def stream_kept(self, s: int) -> int:
         """Tokens per kv head after a compression on overflow (S = `s` slots)."""
+        if self.interval:
+            return min(self.target, s)
         return max(s - self.max_new, 1) if self.ratio else min(self.kept(), s)
+
+    def overflows(self, count: Int[Array, "B K"], s: int) -> Bool[Array, "B K 1"]:
+        """Where a decode step's view (`count` tokens, the new one included) is compressed: no free
+        slot for the new token, or with `interval`, `target + interval` tokens held."""
+        over = count > s
+        if self.interval:
+            over = over | (count >= self.target + self.interval)
+        return over[..., None]
 
     def n_kept(self, count: Int[Array, "B K"], s: int, max_len: int) -> Array:
         """Tokens per kv head after the prompt's compression ([B, K, 1]; `count` prompt tokens)."""
@@ -139,7 +167,7 @@ class PromptScored(Budgeted, PromptCompressor, Scored):
         filled = slots.pos >= 0  # [B, K, V]
         count = filled.sum(axis=-1)  # [B, K] tokens in the view
         slots, stats = self.observe(slots, stats, view, seen, count, s)
-        over = (count > s)[..., None]  # [B, K, 1]: no free slot for the new token
+        over = self.overflows(count, s)  # [B, K, 1]: no free slot for the new token (or `interval`'s turn)
         prio, tie = self.rank(slots, view.k, stats, seen)
         kept = jnp.where(over, top_mask(prio, tie, self.stream_kept(s)) & filled, filled)
         return self.join(pack(self.restart(slots, over), kept, s), stats)

@@ -232,6 +232,17 @@ class Staged:
                 out.append(jax.tree.map(lambda x: np.asarray(x[i]), run).held(row, k, pol))
         return out
 
+    def feed(self, state: Prompted, tokens, chunk: int | None = None) -> Prompted:
+        """The state after `tokens` [B, T] went through the decode policies of a compressed state
+        (what `continue_generate` does before it generates; `state` stays usable: a fork). With the
+        ids a generation wrote, its cache after them: `kept_positions` reads what it holds."""
+        tokens = self._check_state(state, tokens, "feed")
+        if not state.compressed and self.compresses:
+            raise ValueError("feed: the state is not compressed yet (compress it first)")
+        t = tokens.shape[1]
+        self._check_len(state.length + t, f"state of {state.length} + {t} tokens")
+        return self._feed(state, tokens, self._chunk(chunk, max(t, 1)), prompt=False) if t else state
+
     def continue_generate(self, state: Prompted, tokens, n: int, chunk: int | None = None) -> np.ndarray:
         """Greedy ids [B, n] after feeding `tokens` [B, T] (T >= 0; e.g. a question) through the
         decode policies of a compressed state (the state stays usable: forks do not interfere)."""

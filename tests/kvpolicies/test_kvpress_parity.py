@@ -6,6 +6,7 @@ positions per (layer, kv head) and greedy answers must be identical."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -104,6 +105,65 @@ def test_kept_positions_and_answers_equal_kvpress(tiny_run, press, ratio):
         for i, (g, w) in enumerate(pairs):
             assert g == w, (press, ratio, divmod(i, model.cfg.n_kv_heads), sorted(set(g) ^ set(w))[:10])
     assert answer == want["answer"]
+
+
+# kvpress's PrefillDecodingPress(KnormPress(ratio), DecodingPress(KnormPress(), interval, target)) with
+# target = the prefill's n_kept, a one-token question, then greedy ids: compressed every `interval` steps
+DECODING = ((0.5, 16, 160), (0.75, 8, 80))
+N_DECODE = 48
+
+
+@pytest.fixture(scope="module")
+def decoding_run(tmp_path_factory):
+    """(our model, context ids, question ids, kvpress's results) for the decoding presses (tiny Llama)."""
+    tmp = tmp_path_factory.mktemp("decoding")
+    rng = np.random.default_rng(2)
+    ctx, question = rng.integers(0, 128, N_CTX), rng.integers(0, 128, 1)
+    job = {"checkpoint": None, "save_to": str(tmp / "ckpt"), "tiny": {"kind": "llama", "seed": 0, "config": TINY},
+           "context": ctx.tolist(), "question": question.tolist(), "n_new": N_DECODE,
+           "presses": [["KnormPress", r, {"compression_interval": i, "target_size": t}] for r, i, t in DECODING]}
+    ref = run_kvpress(job, tmp)
+    cfg, params = load_hf(tmp / "ckpt")
+    return Llama(cfg, params), ctx, question, ref
+
+
+@pytest.mark.parametrize(("ratio", "interval", "target"), DECODING)
+def test_compression_while_decoding_equals_kvpress_decoding_press(decoding_run, ratio, interval, target):
+    """Every `interval` decoded tokens the cache (context, question, answer so far) goes back to
+    `target` tokens per kv head: the kept sets after the prefill and after the last id fed, and the
+    greedy ids, equal kvpress's (three compressions while decoding)."""
+    model, ctx, question, ref = decoding_run
+    want = ref[f"KnormPress@{ratio}/{interval}/{target}"]
+    assert "error" not in want, want
+    pol = kvpress("KnormPress", ratio, compression_interval=interval, target_size=target)
+    assert (pol.interval, pol.target, pol.dense_layers) == (interval, target, 0)
+    eng = Engine(model, pol, max_len=N_CTX + 1 + N_DECODE)
+    state = eng.compress(eng.prompt(ctx[None]))
+    answer = eng.continue_generate(state, question[None], N_DECODE)[0]
+    end = eng.feed(state, np.concatenate([question, answer[:-1]])[None])
+    assert end.length == N_CTX + N_DECODE
+    for what, got_state in (("kept", state), ("kept_end", end)):
+        got = [[h.tolist() for h in layer] for layer in eng.kept_positions(got_state)]
+        assert all(len(h) == target for layer in want[what] for h in layer)  # N_DECODE a multiple of interval
+        js = [jaccard(g, w) for gl, wl in zip(got, want[what], strict=True) for g, w in zip(gl, wl, strict=True)]
+        assert np.mean(js) >= 0.98, (what, np.mean(js))  # Knorm: near ties of rotated and un-rotated key norms
+    assert any(p >= N_CTX for layer in want["kept_end"] for h in layer for p in h)  # the answer is compressed too
+    assert answer.tolist() == want["answer"]
+
+
+def test_decoding_compression_keeps_the_bytes_of_target_plus_interval():
+    """The state holds max(kept after the prompt, target + interval - 1) slots; fields are checked."""
+    pol = kvpress("KnormPress", 0.5, compression_interval=16, target_size=160)
+    assert pol.capacity(369) == max(int(369 * 0.5), 160 + 16 - 1)
+    assert dataclasses.replace(pol, target=300).capacity(369) == 315
+    with pytest.raises(ValueError, match="go together"):
+        dataclasses.replace(pol, target=0)
+    with pytest.raises(NotImplementedError, match="only KnormPress"):
+        kvpress("SnapKVPress", 0.5, compression_interval=16, target_size=160)
+    with pytest.raises(NotImplementedError, match="DecodingPress alone"):
+        kvpress("KnormPress", 0.0, compression_interval=16, target_size=160)
+    with pytest.raises(ValueError, match="together"):
+        kvpress("KnormPress", 0.5, compression_interval=16)
 
 
 @pytest.fixture(scope="module")
