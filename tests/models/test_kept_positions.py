@@ -88,3 +88,37 @@ def test_shares_prompt_needs_the_same_runs_of_layers(tiny_model):
     snap = Engine(tiny_model, kvpolicies.get("snapkv", budget=8, max_new=4), max_len=48)
     assert n > 1 and not pyr.shares_prompt(snap) and not snap.shares_prompt(pyr)
     assert snap.shares_prompt(Engine(tiny_model, kvpolicies.get("snapkv", budget=6, max_new=4), max_len=48))
+
+
+DECODING = ("snapkv", "knorm", "random", "observed", "expected")  # the registered PromptScored policies
+
+
+@pytest.mark.parametrize("name", DECODING)
+def test_interval_compresses_back_to_target_every_interval_tokens(name, tiny_model):
+    """kvpress's DecodingPress schedule on every prompt scorer: with `interval` and `target`, a
+    token that makes a head hold target + interval tokens compresses it back to `target` (the
+    count after each fed token follows that arithmetic), the newest token survives only by its
+    rank, and the state has max(kept after the prompt, target + interval - 1) slots."""
+    import dataclasses
+
+    from kvpolicies.prompt_scored import PromptScored
+
+    base = POLICIES[name][0]
+    assert isinstance(base, PromptScored)
+    pol = dataclasses.replace(base, interval=4, target=5)
+    eng = Engine(tiny_model, pol, max_len=64)
+    kept0 = base.kept()
+    assert pol.capacity(64) == max(kept0, 5 + 4 - 1)
+    rng = np.random.default_rng(5)
+    state = eng.compress(eng.prompt(rng.integers(0, 97, (1, T)).astype(np.int32)))
+    count = kept0
+    assert all(len(h) == count for layer in eng.kept_positions(state) for h in layer)
+    fed = rng.integers(0, 97, (1, 14)).astype(np.int32)
+    for j in range(fed.shape[1]):
+        state = eng.feed(state, fed[:, j:j + 1])
+        count += 1
+        if count >= 5 + 4:
+            count = 5
+        layers = eng.kept_positions(state)
+        assert all(len(h) == count for layer in layers for h in layer), (j, count, [len(h) for h in layers[0]])
+        assert all(h.max() < T + j + 1 for layer in layers for h in layer)
