@@ -116,7 +116,6 @@ def collect(model, tok, cfg: dict, progress: bool = True) -> list[Path]:
     need = cfg["offset"] + n * t
     if ids.size < need:
         raise SystemExit(f"train_kvzap: the essays hold {ids.size} tokens, {need} needed (contexts x length + offset)")
-    glob = global_layers(model)
     kvzip = get("kvzip", budget=t, max_new=0)
     zip_eng = Engine(model, model_stack(mc, kvzip), max_len=t, repeat=repeat_prompts(tok))
     rec = Recorder(of=None, d_model=mc.d_model)
@@ -130,7 +129,7 @@ def collect(model, tok, cfg: dict, progress: bool = True) -> list[Path]:
         ys = _gather(model, zc, zip_eng.prompt_policies, lambda st: st.extra["zip"][:, 0])  # [L, K, T]
         y = np.log(np.asarray(ys, np.float32) + EPS).transpose(0, 2, 1)  # [L, T, K]
         tmp = paths[i].with_suffix(".tmp.npz")
-        np.savez(tmp, h=np.asarray(hs, np.float16)[glob], y=y[glob])
+        np.savez(tmp, h=np.asarray(hs, np.float16), y=y)  # the global layers only (`_gather`)
         tmp.rename(paths[i])
     return paths
 

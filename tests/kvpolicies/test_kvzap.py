@@ -357,3 +357,34 @@ def test_prompt_phases_share_only_with_the_same_surrogate():
     d = kvpolicies.get("kvzip", budget=256).prompt_policy()
     assert _prompt_key(a) == _prompt_key(b)
     assert _prompt_key(a) != _prompt_key(c) and _prompt_key(a) != _prompt_key(d)
+
+
+def test_training_data_of_a_model_with_local_layers_holds_its_global_layers(tmp_path, monkeypatch):
+    """`evals.train_kvzap.collect` on a Gemma-3-like model (two sliding-window layers, one global):
+    one file per context, the global layer's hidden states [1, T, d] and kvzip log-scores [1, T, K],
+    the scores those of the registered kvzip's reconstruction pass over that context."""
+    from evals.train_kvzap import DEFAULTS, EPS, collect
+    from models.config import LlamaConfig
+    from models.engine import Engine
+    from models.llama import Llama
+    from models.reconstruct import repeat_prompts
+    from models.stacks import model_stack
+    from models.tokenizer import ByteTokenizer
+
+    monkeypatch.setenv("KVP_DATA", str(tmp_path))
+    cfg = LlamaConfig(vocab_size=260, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48,
+                      layer_types=("local", "local", "global"), sliding_window=8)
+    model, tok = Llama(cfg), ByteTokenizer()
+    conf = dict(DEFAULTS, model="tinylocal", contexts=2, holdout=1, length=24, progress=False)
+    paths = collect(model, tok, conf, False)
+    assert [p.name for p in paths] == ["ctx0_24.npz", "ctx24_24.npz"]
+    z = np.load(paths[1])
+    assert z["h"].shape == (1, 24, 32) and z["y"].shape == (1, 24, 2)
+    from evals.data import paul_graham
+
+    x = np.asarray(tok.encode(paul_graham()), np.int32)[None, 24:48]
+    eng = Engine(model, model_stack(cfg, kvpolicies.get("kvzip", budget=24, max_new=0)), max_len=24,
+                 repeat=repeat_prompts(tok))
+    zc = eng._reconstruct(eng.prompt(x).cache, x)
+    got = [np.asarray(st.extra["zip"])[:, 0] for st in zc if "zip" in getattr(st, "extra", {})]  # global: [1, K, T]
+    np.testing.assert_allclose(z["y"][0], np.log(got[0][0].T + EPS), rtol=1e-5, atol=1e-5)
