@@ -26,8 +26,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -109,10 +107,7 @@ def cut_answer(text: str) -> str:
 
 def append(engine, state, ids: np.ndarray):
     """A compressed state with `ids` [T] fed through the decode policies (the state stays usable)."""
-    from models.engine import Prompted
-
-    logits, cache = engine.step(jax.tree.map(jnp.copy, state.cache), ids[None], state.length)
-    return Prompted(cache, state.length + ids.size, logits, True, None)
+    return engine.feed(state, ids[None], chunk=ids.size)
 
 
 def conversation(engine, tok: Any, context: np.ndarray, turns: list[tuple[np.ndarray, str]], gen: int, mode: str,

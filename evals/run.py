@@ -85,16 +85,19 @@ class RecordingContext(TaskContext):
 
 
 def fit_summary(records: list[dict], kv_heads: int) -> dict[str, Any]:
-    """What `fit` stored (`Engine.fit_records`, one per prompt): the mean stored bytes in all and
-    per layer, the largest, and the achieved compression ratio (1 - kept / prompt tokens, over
-    every layer and kv head), mean and range over the prompts."""
+    """What `fit` stored (`Engine.fit_records`, one per compressed batch): the mean stored bytes of
+    a prompt (a batch's bytes over its rows, each row stored at the batch's largest count) in all
+    and per layer, the largest, and the achieved compression ratio (1 - kept / prompt tokens, over
+    every layer and kv head), mean and range over the records."""
     if not records:
         return {"prompts": 0}
     ratio = [1 - sum(r["kept"]) / (len(r["kept"]) * kv_heads * r["tokens"]) for r in records]
-    return {"prompts": len(records),
-            "stored_bytes_mean": float(np.mean([r["stored_bytes"] for r in records])),
-            "stored_bytes_max": int(max(r["stored_bytes"] for r in records)),
-            "layer_bytes_mean": [float(x) for x in np.mean([r["layer_bytes"] for r in records], axis=0)],
+    rows = [r.get("rows", 1) for r in records]
+    return {"prompts": int(sum(rows)),
+            "stored_bytes_mean": float(np.mean([r["stored_bytes"] / n for r, n in zip(records, rows)])),
+            "stored_bytes_max": int(max(r["stored_bytes"] // n for r, n in zip(records, rows))),
+            "layer_bytes_mean": [float(x) for x in np.mean([np.asarray(r["layer_bytes"]) / n
+                                                            for r, n in zip(records, rows)], axis=0)],
             "achieved_ratio_mean": float(np.mean(ratio)), "achieved_ratio_min": float(min(ratio)),
             "achieved_ratio_max": float(max(ratio))}
 

@@ -41,6 +41,9 @@ class Prompted:
     logits: jax.Array
     compressed: bool
     tokens: np.ndarray | None = None  # [B, length] the ids fed (kvzip reconstructs them)
+    # the engine that stores this state when `compress` fitted it (Engine(fit=n)): its layers' policies
+    # re-sized to what they kept; continue_generate, feed and kept_positions hand the state to it
+    fitted: "Engine | None" = None
 
 
 class Staged:
@@ -69,7 +72,7 @@ class Staged:
             logits, cache = self._step(cache, tokens[:, s:s + chunk], start + s, prompt=prompt)
         self.prefill_tokens += t * tokens.shape[0]
         fed = None if state.tokens is None else np.concatenate([state.tokens, tokens], axis=1)
-        return Prompted(cache, start + t, logits, state.compressed, fed)
+        return dataclasses.replace(state, cache=cache, length=start + t, logits=logits, tokens=fed)
 
     def _check_state(self, state: Prompted, tokens, what: str) -> np.ndarray:
         if not isinstance(state, Prompted):
@@ -121,7 +124,10 @@ class Staged:
 
     def compress(self, state: Prompted) -> Prompted:
         """`after_prompt` on a prompt-phase state (this engine's, or that of an engine it
-        `shares_prompt` with); the input stays usable. A streaming policy's state is unchanged."""
+        `shares_prompt` with); the input stays usable. A streaming policy's state is unchanged.
+        With the engine's `fit`, each layer is stored at what it kept (`fitted`): the state then
+        belongs to the fitted engine (`Prompted.fitted`), to which this engine's
+        `continue_generate`, `feed` and `kept_positions` hand it."""
         if not isinstance(state, Prompted):
             raise ValueError(f"compress: state must be a Prompted (from Engine.prompt), got {type(state).__name__}")
         if state.compressed:
@@ -132,6 +138,9 @@ class Staged:
         if [type(st) for st in cache] != want:
             raise ValueError("compress: the state's cache does not have this engine's prompt-phase layout "
                              "(another model, max_len or prompt phase; see shares_prompt)")
+        if self.fit:
+            engine, fitted = self.fitted(state, self.fit)
+            return dataclasses.replace(fitted, fitted=engine)
         if self.compresses:
             self.prompts_compressed += 1
             if self.reconstructors:
@@ -156,8 +165,8 @@ class Staged:
         (`kvpolicies.adakv.fit_pool`). The fitted engine keeps the same tokens and decodes the
         state as this one would, each layer at its own size; engines are remembered per fitted
         policy tuple, so prompts that fit alike share their compiled steps. Each call appends a
-        record to `fit_records`: the prompt's tokens, each layer's kept tokens (all heads, the max
-        over the batch), the stored bytes in all and per layer."""
+        record to `fit_records`: the prompt's tokens, its batch rows, each layer's kept tokens (all
+        heads, the max over the batch), the stored bytes (all rows) in all and per layer."""
         from kvpolicies.adakv import Fits, fit_pool
 
         if not isinstance(state, Prompted):
@@ -201,7 +210,8 @@ class Staged:
                                         rope_tables=self.params[1] is not None, decode_loop=self.decode_loop)
         cache = tuple(jax.tree.map(lambda *x: jnp.stack(x), *layers[a:b])
                       for a, b, _ in policy_runs(policies, self.cfg.n_layers))
-        self.fit_records.append({"tokens": state.length, "kept": held, "stored_bytes": tree_nbytes(cache),
+        self.fit_records.append({"tokens": state.length, "rows": int(state.logits.shape[0]), "kept": held,
+                                 "stored_bytes": tree_nbytes(cache),
                                  "layer_bytes": [tree_nbytes(st) for st in layers]})
         return memo[policies], Prompted(cache, state.length, state.logits, True, state.tokens)
 
@@ -224,6 +234,8 @@ class Staged:
         every prompt token."""
         if not isinstance(state, Prompted):
             raise ValueError(f"kept_positions: state must be a Prompted, got {type(state).__name__}")
+        if state.fitted is not None and state.fitted is not self:
+            return state.fitted.kept_positions(state, row)
         k = self.cfg.n_kv_heads
         out: list[list[np.ndarray]] = []
         for (a, b, pol), run in zip(policy_runs(self.policies if state.compressed else self.prompt_policies,
@@ -236,6 +248,8 @@ class Staged:
         """The state after `tokens` [B, T] went through the decode policies of a compressed state
         (what `continue_generate` does before it generates; `state` stays usable: a fork). With the
         ids a generation wrote, its cache after them: `kept_positions` reads what it holds."""
+        if isinstance(state, Prompted) and state.fitted is not None and state.fitted is not self:
+            return state.fitted.feed(state, tokens, chunk)
         tokens = self._check_state(state, tokens, "feed")
         if not state.compressed and self.compresses:
             raise ValueError("feed: the state is not compressed yet (compress it first)")
@@ -246,6 +260,8 @@ class Staged:
     def continue_generate(self, state: Prompted, tokens, n: int, chunk: int | None = None) -> np.ndarray:
         """Greedy ids [B, n] after feeding `tokens` [B, T] (T >= 0; e.g. a question) through the
         decode policies of a compressed state (the state stays usable: forks do not interfere)."""
+        if isinstance(state, Prompted) and state.fitted is not None and state.fitted is not self:
+            return state.fitted.continue_generate(state, tokens, n, chunk)
         if isinstance(tokens, (list, tuple)) and len(tokens) == 0:
             tokens = np.zeros((state.logits.shape[0], 0), np.int32)
         tokens = self._check_state(state, tokens, "continue_generate")

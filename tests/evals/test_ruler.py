@@ -232,3 +232,19 @@ def test_suite_expands_the_ruler_set_and_averages_with_a_pooled_interval():
     assert (avg[1]["ci_low"], avg[1]["ci_high"]) == pytest.approx(ruler.wilson(7, 20))
     with pytest.raises(suite.ConfigError, match="not a task"):
         suite.parse_args(["tasks=[ruler_vt,nope]"])
+
+
+def test_query_agnostic_answers_with_fit_store_each_context_at_what_it_kept():
+    """Engine(fit=n) on RULER's query-agnostic path (prompt, compress, continue_generate): the same
+    answers as the static pool, a fit record per compression (the 32-token contexts), below the
+    static pool's bytes."""
+    from kvpolicies.memory import tree_nbytes
+
+    pol = kvpolicies.get("kvzap", budget=40, max_new=24, window=4, rule="threshold", threshold=0.0, surrogate="random")
+    prompts = [ruler.Sample(np.random.default_rng(i).integers(0, 256, 40).astype(np.int32), ("x",), 32)
+               for i in range(2)]
+    plain, fit = Engine(MODEL, pol, 64), Engine(MODEL, pol, 64, fit=8)
+    assert ruler.answer(fit, prompts, 4, "query_agnostic", None) == ruler.answer(plain, prompts, 4, "query_agnostic", None)
+    static = tree_nbytes(plain.init_cache(1))
+    assert len(fit.fit_records) == fit.prompts_compressed == plain.prompts_compressed >= 1  # a record per compression
+    assert all(r["tokens"] == 32 and r["stored_bytes"] < static * len(prompts) for r in fit.fit_records)

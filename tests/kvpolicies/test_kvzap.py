@@ -168,6 +168,16 @@ def test_fitted_layers_store_what_a_threshold_keeps(tiny_qwen):
     fe2, fs2 = eng.fitted(eng.prompt(ids, chunk=16))
     assert fe2 is fe and listed(fe2, fs2) == kept
     assert jax.tree.all(jax.tree.map(np.array_equal, fs2.cache, fs.cache))
+    # Engine(fit=n): compress gives the fitted state (RULER's query-agnostic path: prompt, compress,
+    # continue_generate), which this engine's continue_generate / feed / kept_positions hand to it
+    fit_eng = Engine(model, pol, max_len=t + max_new, fit=8)
+    staged = fit_eng.compress(fit_eng.prompt(ids, chunk=16))
+    assert staged.fitted is not None and staged.fitted is not fit_eng
+    assert jax.tree.all(jax.tree.map(np.array_equal, staged.cache, fs8.cache))
+    assert listed(fit_eng, staged) == kept and fit_eng.fit_records[-1]["stored_bytes"] == tree_nbytes(fs8.cache)
+    np.testing.assert_array_equal(fit_eng.continue_generate(staged, question, 5),
+                                  eng.continue_generate(state, question, 5))
+    assert listed(fit_eng, fit_eng.feed(staged, question)) == listed(eng, eng.feed(state, question))
     with pytest.raises(ValueError, match="no layer's policy can be fit"):
         Engine(model, kvpolicies.get("snapkv", budget=8, max_new=4), max_len=t + max_new).fitted(state)
 
