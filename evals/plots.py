@@ -37,7 +37,7 @@ import numpy as np  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
 from evals import results as R  # noqa: E402
-from evals.table import MB, by_task, usable  # noqa: E402
+from evals.table import MB, by_task, stored_bytes, usable  # noqa: E402
 
 
 def label(row: dict[str, Any]) -> str:
@@ -292,6 +292,17 @@ def turn_series(row: dict[str, Any]) -> tuple[list[int], np.ndarray] | None:
     return turns, np.array([[m[f"{k}_t{i}"] for i in turns] for k in ("accuracy", "ci_low", "ci_high")], float)
 
 
+def turn_label(row: dict[str, Any]) -> str:
+    """'snapkv, 35.9 MB (once)': the policy, its stored bytes and the multi-turn mode (a legend
+    that fits beside the lines; the full parameters are in the results file)."""
+    name = row.get("policy", {}).get("name", "?")
+    codec = row.get("policy", {}).get("codec", {}).get("name", "none")
+    stored = stored_bytes(row)
+    mode = (row.get("config", {}).get("task") or {}).get("mode")
+    return (name + ("" if codec == "none" else f" [{codec}]")
+            + (f", {stored / MB:.1f} MB" if isinstance(stored, (int, float)) else "") + (f" ({mode})" if mode else ""))
+
+
 def plot_turns(rows: Sequence[dict[str, Any]], out: Path) -> list[Path]:
     """Accuracy per turn, one line per run of each multi-turn task (and protocol, mode)."""
     paths = []
@@ -302,14 +313,13 @@ def plot_turns(rows: Sequence[dict[str, Any]], out: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(7, 4))
         for k, (r, (turns, (acc, lo, hi))) in enumerate(series):
             x = np.asarray(turns) + (k - (len(series) - 1) / 2) * 0.04  # a small offset: bars apart
-            mode = ((r.get("config", {}).get("task") or {}).get("mode"))
-            ax.errorbar(x, acc, yerr=[acc - lo, hi - acc], marker="o", capsize=3,
-                        label=label(r) + (f" ({mode})" if mode else ""))
+            ax.errorbar(x, acc, yerr=[acc - lo, hi - acc], marker="o", capsize=3, label=turn_label(r))
         ax.set_xticks(sorted({t for _, (ts, _) in series for t in ts}))
         ax.set_xlabel("turn (0: the first question after the context)")
         ax.set_ylabel("accuracy (Wilson 95 % interval)")
         ax.set_ylim(-0.05, 1.05)
-        ax.set_title(f"{task}: accuracy per turn")
+        models = sorted({str(r.get("model", {}).get("name")) for r, _ in series})
+        ax.set_title(f"{task} ({', '.join(models)}): accuracy per turn")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
         paths += save_figure(fig, out, f"accuracy_per_turn_{_stem(task)}")

@@ -103,6 +103,9 @@ def test_multiturn_rows_draw_accuracy_per_turn_with_their_intervals(tmp_path):
     assert got[1].tolist() == [[1.0, 0.5, 0.25], [m[f"ci_low_t{i}"] for i in range(3)],
                                [m[f"ci_high_t{i}"] for i in range(3)]]
     assert plots.turn_series(_row("c", "sink", "", 10, 19.0)) is None  # a perplexity row: no turns
+    assert plots.turn_label(rows[1]) == "snapkv, 0.0 MB (once)"
+    fitted = dict(rows[1], memory={"state_bytes": 4_000_000, "fitted_bytes": 2_500_000.0})
+    assert plots.turn_label(fitted) == "snapkv, 2.5 MB (once)"  # what the run stored, per prompt
     paths = plots.plot_all(rows, tmp_path)
     assert {p.name for p in paths} >= {"accuracy_per_turn_multiturn.png", "accuracy_per_turn_multiturn.pdf"}
     assert all(p.stat().st_size > 0 for p in paths)
