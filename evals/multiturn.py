@@ -36,7 +36,11 @@ from evals.common import TaskContext, TaskResult
 
 MODES = ("once", "every")
 DEFAULTS = {"lengths": [2048], "trials": 4, "turns": 4, "gen": 24, "mode": "once", "value_kind": "numbers",
-            "haystack": "pg"}
+            "haystack": "pg", "order": "depth"}
+# the order the turns ask for the needles: `depth` (turn i asks for the i-th shallowest: a turn's
+# accuracy mixes its place in the conversation with its needle's depth) or `shuffled` (a random
+# order per conversation, the same contexts: turn and depth vary independently)
+ORDERS = ("depth", "shuffled")
 TURN_ROOM = ruler.QUESTION_ROOM  # the most tokens one turn's question (chat tail included) may take
 STOPS = ("\n", "<|", "<end_of_turn>", "</s>")  # an answer ends at the first of these
 
@@ -46,6 +50,8 @@ def check(task: dict) -> dict[str, Any]:
     cfg = R.known_task(dict(task), "multiturn", DEFAULTS, ("trials", "turns", "gen"))
     if cfg["mode"] not in MODES:
         raise ValueError(f"task.mode={cfg['mode']!r}: must be one of {list(MODES)}")
+    if cfg["order"] not in ORDERS:
+        raise ValueError(f"task.order={cfg['order']!r}: must be one of {list(ORDERS)}")
     if cfg["value_kind"] not in ruler.VALUE_KINDS:
         raise ValueError(f"task.value_kind={cfg['value_kind']!r}: must be one of {sorted(ruler.VALUE_KINDS)}")
     if cfg["turns"] > len(ruler.DEPTH_GRID):
@@ -71,11 +77,13 @@ def next_turn(tok: Any, question: str, prefix: str) -> list[int]:
     return tok.encode(tail + prefix)
 
 
-def samples(tok: Any, hay: ruler.Haystack, length: int, trials: int, seed: int, turns: int, value_kind: str
-            ) -> list[tuple[np.ndarray, list[tuple[np.ndarray, str]]]]:
+def samples(tok: Any, hay: ruler.Haystack, length: int, trials: int, seed: int, turns: int, value_kind: str,
+            order: str = "depth") -> list[tuple[np.ndarray, list[tuple[np.ndarray, str]]]]:
     """Per trial: the context ids (`length` tokens, ending where the first question begins) and
-    per turn (question ids, reference value)."""
+    per turn (question ids, reference value). The contexts do not depend on `order` (its
+    permutations come from a generator of their own)."""
     rng = np.random.default_rng([seed, length, 17, turns, 1 if value_kind == "uuid" else 0])
+    shuffle = np.random.default_rng([seed, length, 29, turns]) if order == "shuffled" else None
     plural, one = ruler.VALUE_KINDS[value_kind]
     instruction = ruler.NIAH_INSTRUCTION.format(kind=plural)
     out = []
@@ -85,7 +93,9 @@ def samples(tok: Any, hay: ruler.Haystack, length: int, trials: int, seed: int, 
         at = list(np.sort(rng.choice(ruler.DEPTH_GRID, turns, replace=False)))
         head, _ = R.frame(tok, instruction, "", "")
         qs = []
-        for i, (k, v) in enumerate(zip(keys, values)):
+        asked = range(turns) if shuffle is None else shuffle.permutation(turns)  # needle index per turn
+        for i, n in enumerate(asked):
+            k, v = keys[n], values[n]
             q = ruler.NIAH_QUESTION_ONE.format(kind_one=one, query=k)
             prefix = ruler.NIAH_PREFIX_ONE.format(kind_one=one, query=k)
             ids = R.frame(tok, instruction, q, prefix)[1] if i == 0 else next_turn(tok, q, prefix)
@@ -145,7 +155,8 @@ def run(ctx: TaskContext) -> TaskResult:
     for n in cfg["lengths"]:
         sc = np.zeros((cfg["trials"], nt))
         outs = np.empty((cfg["trials"], nt), object)
-        for t, (context, turns) in enumerate(tqdm(samples(tok, hay, n, cfg["trials"], ctx.seed, nt, cfg["value_kind"]),
+        for t, (context, turns) in enumerate(tqdm(samples(tok, hay, n, cfg["trials"], ctx.seed, nt, cfg["value_kind"],
+                                                          cfg["order"]),
                                                   desc="multiturn", disable=not ctx.progress, leave=False)):
             texts, _ = conversation(engine, tok, context, turns, cfg["gen"], cfg["mode"], ctx.chunk)
             for i, (text, (_, ref)) in enumerate(zip(texts, turns)):

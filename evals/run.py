@@ -60,6 +60,8 @@ KEY_FIELDS = ("model", "data", "policy", "task", "chunk", "seed")
 LATER_FIELDS = {"ratio": 0.0, "pooling": "max", "safeguard_window": False, "interval": 0, "target": 0}
 POLICY_LATER_FIELDS = {"kvzip": {"scope": "layer", "keep_last": True, "prompts": "authors"}, "duo": {"appended": 0},
                        "kvzap": {"prefill": "dense"}}
+# Task keys added after results were keyed, with their defaults (left out of the key there).
+TASK_LATER_FIELDS = {"multiturn": {"order": "depth"}}
 # Top-level keys that say how to run, not what: left out of the row's "config".
 NOT_IN_ROW = ("results", "progress", "force")
 
@@ -122,6 +124,9 @@ def run_key(conf: dict[str, Any], policy: kvpolicies.Policy) -> str:
         keyed["fit"] = conf["fit"]
     # task.extrapolate only allows a run (retrieval past the trained length), it changes no number
     keyed["task"] = {k: v for k, v in conf["task"].items() if k != "extrapolate"}
+    for field, default in TASK_LATER_FIELDS.get(keyed["task"].get("name"), {}).items():
+        if keyed["task"].get(field, default) == default:
+            keyed["task"].pop(field, None)
     if keyed["task"].get("protocol") == "query_aware" and keyed["task"]["name"] in ("passkey", "niah", "multikey"):
         del keyed["task"]["protocol"]  # the default: rows from before protocols existed keep their keys
     keyed["policy"] = R.policy_record(policy)  # as built: defaults included, interpolations resolved

@@ -98,3 +98,45 @@ def test_shared_prefix_benchmark_counts(tmp_path):
         assert r["bytes_shared"] * r["blocks_separate"] == r["bytes_separate_paged"] * r["blocks_shared"]
         assert r["max_logit_diff_vs_alone"] < 1e-5
     assert rows[0]["bytes_shared"] == rows[0]["bytes_separate_paged"]
+
+
+def test_shuffled_order_asks_the_same_needles_of_the_same_contexts_in_other_orders(tok_and_model):
+    from evals import ruler
+    from evals.multiturn import samples
+
+    tok, _ = tok_and_model
+    hay = ruler.haystack(tok, "filler", None, 600)
+    depth = samples(tok, hay, 512, 4, 0, 4, "numbers")
+    shuffled = samples(tok, hay, 512, 4, 0, 4, "numbers", "shuffled")
+    orders = []
+    for (ctx_d, turns_d), (ctx_s, turns_s) in zip(depth, shuffled, strict=True):
+        assert np.array_equal(ctx_d, ctx_s)  # the same contexts: only the order of the questions moves
+        values_d = [v for _, v in turns_d]
+        assert sorted(values_d) == sorted(v for _, v in turns_s)
+        order = [values_d.index(v) for _, v in turns_s]  # turn -> the needle's depth rank
+        # the needle's value sits in the context at its depth: depth order = order of first occurrence
+        text = tok.decode(ctx_d.tolist())
+        assert [text.index(v) for v in values_d] == sorted(text.index(v) for v in values_d)
+        orders.append(order)
+    assert any(o != sorted(o) for o in orders) and len({tuple(o) for o in orders}) > 1
+
+
+def test_check_takes_an_order_and_its_default_keeps_the_run_keys():
+    from evals import config as C
+    from evals import results as R
+    from evals.multiturn import check
+    from evals.run import run_key
+
+    assert check({"name": "multiturn"})["order"] == "depth"
+    assert check({"name": "multiturn", "order": "shuffled"})["order"] == "shuffled"
+    with pytest.raises(ValueError, match="order"):
+        check({"name": "multiturn", "order": "random"})
+    small = ["task=multiturn", "task.lengths=[64]", "task.turns=1", "task.gen=8", "policy=full", "model=tiny_random"]
+    conf = C.validate(C.compose(small))
+    pol, _ = C.resolve_policy(conf)
+    keyed = {k: conf[k] for k in ("model", "data", "policy", "task", "chunk", "seed")}
+    keyed["task"] = {k: v for k, v in conf["task"].items() if k not in ("extrapolate", "order")}
+    keyed["policy"] = R.policy_record(pol)
+    assert run_key(conf, pol) == R.config_key(keyed)  # rows run before `order` existed keep their keys
+    shuffled = C.validate(C.compose([*small, "task.order=shuffled"]))
+    assert run_key(shuffled, pol) != run_key(conf, pol)
