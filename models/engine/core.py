@@ -93,7 +93,9 @@ class Engine(ArgumentChecks, Steps, Staged, Generation):
         self._layer_step = jax.jit(self._layer_impl, static_argnames=("policy", "local", "reach"))
         self._embed_step = jax.jit(self._embed_impl)
         self._next_step = jax.jit(self._next_impl)
+        self._head_step = jax.jit(self._head_impl)
         self._write_layers = jax.jit(write_layers, donate_argnums=0)
+        self.shares_layer_steps = False  # a fitted engine's: another engine's layer steps (`share_layer_steps`)
         self.placement = None  # a models.sharding.Placement once on a mesh (`shard`)
         if mesh is not None:
             self.shard(mesh)

@@ -17,7 +17,7 @@ from kvpolicies.memory import tree_nbytes
 from kvpolicies.prompt import adopt, after_prompt, reads_prompt_state
 from models.llama import Cache, policy_runs
 from models.engine.checks import check_int
-from models.engine.steps import fork_cache, rotate_keys, split_layers
+from models.engine.steps import fork_cache, rotate_keys, split_layers, stack_layers
 
 
 
@@ -66,10 +66,15 @@ class Staged:
                           fork=False)
 
     def _feed(self, state: Prompted, tokens: np.ndarray, chunk: int, prompt: bool, fork: bool = True) -> Prompted:
-        cache, logits, start = fork_cache(state.cache) if fork else state.cache, state.logits, state.length
+        layered = self.shares_layer_steps and not prompt  # a fitted engine: layer by layer (share_layer_steps)
+        # (the layered feed copies each layer out of the cache: no fork needed)
+        cache, logits, start = fork_cache(state.cache) if fork and not layered else state.cache, state.logits, state.length
         t = tokens.shape[1]
         for s in range(0, t, chunk):
-            logits, cache = self._step(cache, tokens[:, s:s + chunk], start + s, prompt=prompt)
+            if layered:
+                logits, cache = self._feed_layers(cache, tokens[:, s:s + chunk], start + s)
+            else:
+                logits, cache = self._step(cache, tokens[:, s:s + chunk], start + s, prompt=prompt)
         self.prefill_tokens += t * tokens.shape[0]
         fed = None if state.tokens is None else np.concatenate([state.tokens, tokens], axis=1)
         return dataclasses.replace(state, cache=cache, length=start + t, logits=logits, tokens=fed)
@@ -164,7 +169,10 @@ class Staged:
         the static pool is never built. A compressed state (`Engine.compress`) has its pools cut
         (`kvpolicies.adakv.fit_pool`). The fitted engine keeps the same tokens and decodes the
         state as this one would, each layer at its own size; engines are remembered per fitted
-        policy tuple, so prompts that fit alike share their compiled steps. Each call appends a
+        policy tuple, and with `decode_loop="layers"` every fitted engine runs this engine's
+        jitted layer steps (`share_layer_steps`: its feeds and decoding layer by layer), so a
+        layer's step compiles once per (policy, shape) over all prompts, not a whole model per
+        prompt. Each call appends a
         record to `fit_records`: the prompt's tokens, its batch rows, each layer's kept tokens (all
         heads, the max over the batch), the stored bytes (all rows) in all and per layer."""
         from kvpolicies.adakv import Fits, fit_pool
@@ -208,8 +216,9 @@ class Staged:
         if policies not in memo:
             memo[policies] = type(self)(self._model, policies, self.max_len, self.cache_dtype, repeat=self.repeat,
                                         rope_tables=self.params[1] is not None, decode_loop=self.decode_loop)
-        cache = tuple(jax.tree.map(lambda *x: jnp.stack(x), *layers[a:b])
-                      for a, b, _ in policy_runs(policies, self.cfg.n_layers))
+            if self.decode_loop == "layers":  # layer steps compiled per layer shape over all prompts, not per prompt
+                memo[policies].share_layer_steps(self)
+        cache = stack_layers(layers, policies, self.cfg.n_layers)
         self.fit_records.append({"tokens": state.length, "rows": int(state.logits.shape[0]), "kept": held,
                                  "stored_bytes": tree_nbytes(cache),
                                  "layer_bytes": [tree_nbytes(st) for st in layers]})

@@ -182,6 +182,52 @@ def test_fitted_layers_store_what_a_threshold_keeps(tiny_qwen):
         Engine(model, kvpolicies.get("snapkv", budget=8, max_new=4), max_len=t + max_new).fitted(state)
 
 
+def test_fitted_engines_compile_each_layer_step_once_over_prompts(tiny_qwen):
+    """Fitted engines (one per prompt whose layers keep other counts) share their parent's
+    layer-by-layer steps: a question fed to a second prompt's fitted engine compiles only the
+    layers whose fitted policy no earlier engine had, one step per power-of-two piece of the
+    question and one decode step; the feed equals the whole-model step's (logits, kept sets)."""
+    from models.engine import Engine
+    from models.engine.steps import pieces
+
+    _, model = tiny_qwen
+    cfg = model.cfg
+    t, max_new = 40, 16
+    pol = kvpolicies.get("kvzap", budget=t, max_new=max_new, window=4, rule="threshold", threshold=0.0,
+                         surrogate="random")
+    eng = Engine(model, pol, max_len=t + max_new)
+    question = np.random.default_rng(5).integers(0, cfg.vocab_size, (1, 7)).astype(np.int32)  # pieces 4, 2, 1
+    assert pieces(7) == [4, 2, 1] and pieces(8) == [8] and pieces(1) == [1]
+    prompts = [np.random.default_rng(s).integers(0, cfg.vocab_size, (1, t)).astype(np.int32) for s in range(12)]
+    fits = [(ids,) + eng.fitted(eng.compress(eng.prompt(ids, chunk=16)), round_to=2) for ids in prompts]
+    # two prompts whose fitted engines share one layer's policy and differ in the other
+    a, b = next((x, y) for x in fits for y in fits
+                if x[1] is not y[1] and len(set(x[1].policies) & set(y[1].policies)) == 1)
+    for ids, fe, fs in (a, b):
+        assert fe.shares_layer_steps and fe._layer_step is eng._layer_step
+        unfitted = eng.compress(eng.prompt(ids, chunk=16))
+        fed, want = fe.feed(fs, question), eng.feed(unfitted, question)  # layer by layer vs the whole model
+        np.testing.assert_allclose(np.asarray(fed.logits), np.asarray(want.logits), rtol=1e-5, atol=1e-5)
+        assert [[h.tolist() for h in lay] for lay in fe.kept_positions(fed)] == \
+            [[h.tolist() for h in lay] for lay in eng.kept_positions(want)]
+        np.testing.assert_array_equal(fe.continue_generate(fs, question, 4), eng.continue_generate(unfitted, question, 4))
+        assert fe.traces["logits"] == fe.traces["decode"] == 0  # no whole-model step compiled for a fitted engine
+    before = eng.traces["decode_layer"]
+    b[1].continue_generate(b[2], question, 4)  # compiled above: nothing new
+    assert eng.traces["decode_layer"] == before
+    # a fresh parent: the first prompt compiles its layers' distinct policies, the second only its new one
+    eng2 = Engine(model, pol, max_len=t + max_new)
+    per_layer = len(pieces(7)) + 1  # the question's pieces and the decode step
+    seen: set = set()
+    for ids, _, _ in (a, b):
+        fe, fs = eng2.fitted(eng2.compress(eng2.prompt(ids, chunk=16)), round_to=2)
+        before = eng2.traces["decode_layer"]
+        fe.continue_generate(fs, question, 4)
+        assert eng2.traces["decode_layer"] - before == per_layer * len(set(fe.policies) - seen)
+        seen |= set(fe.policies)
+    assert len(seen) == 3  # 2 + 1: the shared layer compiled once
+
+
 def dms_reference_logits(ref, params: dict, ids: np.ndarray, window: int, threshold: float) -> np.ndarray:
     """[T, V] logits of transformers' model with DMS's sparse prefill as a mask: in each layer,
     query p of kv head h sees token j iff j <= p and (p - j <= window or the surrogate's score of
