@@ -33,6 +33,7 @@ from evals import prefills
 from evals import retrieval as R
 from evals import ruler
 from evals.common import TaskContext, TaskResult
+from evals.results import latest, load_array, read
 
 MODES = ("once", "every")
 DEFAULTS = {"lengths": [2048], "trials": 4, "turns": 4, "gen": 24, "mode": "once", "value_kind": "numbers",
@@ -77,24 +78,40 @@ def next_turn(tok: Any, question: str, prefix: str) -> list[int]:
     return tok.encode(tail + prefix)
 
 
+def asked(seed: int, length: int, trials: int, turns: int, order: str = "depth") -> np.ndarray:
+    """[trials, N] the needle each turn asks for, as its depth rank (0 = the shallowest; needles
+    sit at sorted depths): `arange(N)` per trial for `depth`, a seeded permutation per trial for
+    `shuffled` (a generator of its own: the contexts do not depend on the order)."""
+    if order == "depth":
+        return np.tile(np.arange(turns), (trials, 1))
+    shuffle = np.random.default_rng([seed, length, 29, turns])
+    return np.stack([shuffle.permutation(turns) for _ in range(trials)]) if trials else np.zeros((0, turns), int)
+
+
+def by_depth(score: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+    """Scores [..., N] per turn -> per needle depth rank [..., N] (`ranks`: `asked`, same shape)."""
+    out = np.zeros_like(score)
+    np.put_along_axis(out, ranks, score, axis=-1)
+    return out
+
+
 def samples(tok: Any, hay: ruler.Haystack, length: int, trials: int, seed: int, turns: int, value_kind: str,
             order: str = "depth") -> list[tuple[np.ndarray, list[tuple[np.ndarray, str]]]]:
     """Per trial: the context ids (`length` tokens, ending where the first question begins) and
     per turn (question ids, reference value). The contexts do not depend on `order` (its
     permutations come from a generator of their own)."""
     rng = np.random.default_rng([seed, length, 17, turns, 1 if value_kind == "uuid" else 0])
-    shuffle = np.random.default_rng([seed, length, 29, turns]) if order == "shuffled" else None
+    order_of = asked(seed, length, trials, turns, order)
     plural, one = ruler.VALUE_KINDS[value_kind]
     instruction = ruler.NIAH_INSTRUCTION.format(kind=plural)
     out = []
-    for _ in range(trials):
+    for trial in range(trials):
         keys = ruler.word_keys(rng, turns)
         values = ruler.needle_values(rng, turns, value_kind)
         at = list(np.sort(rng.choice(ruler.DEPTH_GRID, turns, replace=False)))
         head, _ = R.frame(tok, instruction, "", "")
         qs = []
-        asked = range(turns) if shuffle is None else shuffle.permutation(turns)  # needle index per turn
-        for i, n in enumerate(asked):
+        for i, n in enumerate(order_of[trial]):
             k, v = keys[n], values[n]
             q = ruler.NIAH_QUESTION_ONE.format(kind_one=one, query=k)
             prefix = ruler.NIAH_PREFIX_ONE.format(kind_one=one, query=k)
@@ -143,6 +160,55 @@ def conversation(engine, tok: Any, context: np.ndarray, turns: list[tuple[np.nda
     return texts, at
 
 
+def per_turn_and_depth(score: np.ndarray, ranks: np.ndarray) -> dict[str, float]:
+    """accuracy_t<i> / ci_low_t<i> / ci_high_t<i> per turn i, and accuracy_d<j> (with its
+    interval) per needle depth rank j (0 = the shallowest), from scores [..., N] and `asked`'s
+    ranks of the same shape: with `order=depth` the two are the same numbers."""
+    out: dict[str, float] = {}
+    for tag, sc in (("t", score), ("d", by_depth(score, ranks))):
+        for i in range(score.shape[-1]):
+            rec = ruler.accuracy_record(sc[..., i].ravel())
+            out |= {f"accuracy_{tag}{i}": rec["accuracy"], f"ci_low_{tag}{i}": rec["ci_low"],
+                    f"ci_high_{tag}{i}": rec["ci_high"]}
+    return out
+
+
+def depth_table(rows: list[dict]) -> str:
+    """A markdown table of multi-turn rows (`evals.results.read`): accuracy per turn and per needle
+    depth rank, recomputed from each row's saved scores and its task's seed and order (runs
+    made before `accuracy_d<j>` was recorded too)."""
+    lines = []
+    for r in rows:
+        task = r["config"]["task"]
+        if task.get("name") != "multiturn":
+            continue
+        sc = load_array(r, "score")  # [lengths, trials, turns]
+        ranks = np.stack([asked(r["config"]["seed"], n, task["trials"], task["turns"], task.get("order", "depth"))
+                          for n in task["lengths"]])
+        m = per_turn_and_depth(sc, ranks)
+        nt = task["turns"]
+        if not lines:
+            head = [f"turn {i}" for i in range(nt)] + [f"depth {j}" for j in range(nt)]
+            lines = ["| policy | order | " + " | ".join(head) + " |", "|---|---|" + "---:|" * (2 * nt)]
+        cells = [f"{m[f'accuracy_{k}{i}']:.2f}" for k in "td" for i in range(nt)]
+        lines.append(f"| {r['policy']['name']} | {task.get('order', 'depth')} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m evals.multiturn RESULTS...`: accuracy per turn and per needle depth rank of
+    the multi-turn rows in the results files (depth 0 = the shallowest needle)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m evals.multiturn", description=main.__doc__.split(":", 1)[1].strip())
+    ap.add_argument("results", nargs="+", help="results .jsonl files of task=multiturn runs")
+    args = ap.parse_args(argv)
+    try:
+        print(depth_table(latest(read(args.results))))
+    except FileNotFoundError as e:
+        ap.error(str(e))
+
+
 def run(ctx: TaskContext) -> TaskResult:
     """grid: one cell per (length, turn) with accuracy, Wilson interval and trials; metrics:
     accuracy overall and accuracy_t<i> (ci_low_t<i>, ci_high_t<i>) per turn; arrays `score`
@@ -168,9 +234,12 @@ def run(ctx: TaskContext) -> TaskResult:
         outputs.append(outs.astype(str))
     all_sc = np.stack(scores)  # [lengths, trials, turns]
     metrics = {k: v for k, v in ruler.accuracy_record(all_sc.ravel()).items() if k != "trials"}
-    for i in range(nt):
-        rec = ruler.accuracy_record(all_sc[:, :, i].ravel())
-        metrics |= {f"accuracy_t{i}": rec["accuracy"], f"ci_low_t{i}": rec["ci_low"], f"ci_high_t{i}": rec["ci_high"]}
+    metrics |= per_turn_and_depth(all_sc, np.stack([asked(ctx.seed, n, cfg["trials"], nt, cfg["order"])
+                                                    for n in cfg["lengths"]]))
     metrics |= ruler.work(engine) | {"contexts": len(cfg["lengths"]) * cfg["trials"]}
     return TaskResult(metrics=metrics, grid=grid, arrays={"score": all_sc.astype(np.float32),
                                                           "outputs": np.stack(outputs)})
+
+
+if __name__ == "__main__":
+    main()

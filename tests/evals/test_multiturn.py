@@ -102,7 +102,7 @@ def test_shared_prefix_benchmark_counts(tmp_path):
 
 def test_shuffled_order_asks_the_same_needles_of_the_same_contexts_in_other_orders(tok_and_model):
     from evals import ruler
-    from evals.multiturn import samples
+    from evals.multiturn import asked, samples
 
     tok, _ = tok_and_model
     hay = ruler.haystack(tok, "filler", None, 600)
@@ -119,6 +119,36 @@ def test_shuffled_order_asks_the_same_needles_of_the_same_contexts_in_other_orde
         assert [text.index(v) for v in values_d] == sorted(text.index(v) for v in values_d)
         orders.append(order)
     assert any(o != sorted(o) for o in orders) and len({tuple(o) for o in orders}) > 1
+    assert asked(0, 512, 4, 4, "shuffled").tolist() == orders  # the order `samples` asked in
+    assert asked(0, 512, 4, 4, "depth").tolist() == [[0, 1, 2, 3]] * 4
+
+
+def test_accuracy_per_depth_rank_regroups_the_turns_by_the_needle_each_asked(tmp_path, capsys):
+    """per_turn_and_depth / depth_table / `python -m evals.multiturn`: a turn's score counts for the
+    depth rank of the needle it asked for (hand-placed scores)."""
+    from evals import results as R
+    from evals.multiturn import asked, by_depth, main, per_turn_and_depth
+
+    score = np.array([[[1, 0, 0, 1], [0, 1, 1, 1], [1, 1, 0, 0]]], float)  # [lengths, trials, turns]
+    ranks = np.array([[[3, 0, 1, 2], [0, 1, 2, 3], [2, 3, 0, 1]]])
+    # trial 0: turn 0 asked depth 3 (1), turn 3 depth 2 (1); trial 2: turns 0, 1 asked depths 2, 3
+    assert by_depth(score, ranks).tolist() == [[[0, 0, 1, 1], [0, 1, 1, 1], [0, 0, 1, 1]]]
+    m = per_turn_and_depth(score, ranks)
+    assert [m[f"accuracy_t{i}"] for i in range(4)] == pytest.approx([2 / 3, 2 / 3, 1 / 3, 2 / 3])
+    assert [m[f"accuracy_d{i}"] for i in range(4)] == pytest.approx([0, 1 / 3, 1, 1])
+    assert m["ci_low_d3"] < 1 == m["accuracy_d3"]
+    # a saved row: its ranks recomputed from its task's seed and order
+    path = tmp_path / "mt.jsonl"
+    task = {"name": "multiturn", "lengths": [512], "trials": 3, "turns": 4, "order": "shuffled"}
+    row = {"key": "k1", "policy": {"name": "sink"}, "config": {"task": task, "seed": 0}}
+    row["arrays"] = {"score": R.save_array(path, "k1", "score", score)}
+    R.append(path, row)
+    main([str(path)])
+    out = capsys.readouterr().out.strip().splitlines()
+    want = per_turn_and_depth(score, asked(0, 512, 3, 4, "shuffled")[None])
+    assert out[0].startswith("| policy | order | turn 0") and out[2].startswith("| sink | shuffled |")
+    cells = [c.strip() for c in out[2].strip("|").split("|")][2:]
+    assert cells == [f"{want[f'accuracy_{k}{i}']:.2f}" for k in "td" for i in range(4)]
 
 
 def test_check_takes_an_order_and_its_default_keeps_the_run_keys():
