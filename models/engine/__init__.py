@@ -40,7 +40,7 @@ all whole numbers), batches rectangular, counts and chunk sizes ints in range, a
 within `max_len`; each violation is one ValueError naming the argument, the bad value and where.
 
 The package, by job: `checks` (argument checks), `steps` (the jitted steps, length buckets,
-layer-by-layer decoding, kvzip's pass), `staged` (`Prompted`: prompt, compress, forks),
+kvzip's pass), `layers` (layer-by-layer decoding and a fitted engine's feeds), `staged` (`Prompted`: prompt, compress, forks),
 `generation` (prefill, generate, score), `core` (`Engine`, which joins them).
 """
 
@@ -48,7 +48,8 @@ from models.engine.checks import MAX_LEN, check_policies, check_token_ids
 from models.engine.core import Engine
 from models.engine.generation import perplexity
 from models.engine.staged import Prompted
-from models.engine.steps import REACH_MIN, layer_weights, reach_of, split_layers
+from models.engine.layers import layer_weights, split_layers
+from models.engine.steps import REACH_MIN, reach_of
 
 __all__ = ["MAX_LEN", "REACH_MIN", "Engine", "Prompted", "check_policies", "check_token_ids", "layer_weights",
            "perplexity", "reach_of", "split_layers"]

@@ -21,10 +21,11 @@ from models.tokenizer import tokenizer_of
 from models.engine.checks import MAX_LEN, ArgumentChecks, check_int, check_policies
 from models.engine.generation import Generation
 from models.engine.staged import Staged
-from models.engine.steps import Steps, write_layers
+from models.engine.layers import LayerSteps, write_layers
+from models.engine.steps import Steps
 
 
-class Engine(ArgumentChecks, Steps, Staged, Generation):
+class Engine(ArgumentChecks, Steps, LayerSteps, Staged, Generation):
     """Runs a `Llama` with a fixed per-layer policy tuple and maximum length (`decode_loop`: how
     generation runs its decode steps, "layers" or "scan"; the module docstring).
 

@@ -17,7 +17,8 @@ from kvpolicies.memory import tree_nbytes
 from kvpolicies.prompt import adopt, after_prompt, reads_prompt_state
 from models.llama import Cache, policy_runs
 from models.engine.checks import check_int
-from models.engine.steps import fork_cache, rotate_keys, split_layers, stack_layers
+from models.engine.layers import split_layers, stack_layers
+from models.engine.steps import fork_cache, rotate_keys
 
 
 

@@ -188,7 +188,7 @@ def test_fitted_engines_compile_each_layer_step_once_over_prompts(tiny_qwen):
     layers whose fitted policy no earlier engine had, one step per power-of-two piece of the
     question and one decode step; the feed equals the whole-model step's (logits, kept sets)."""
     from models.engine import Engine
-    from models.engine.steps import pieces
+    from models.engine.layers import pieces
 
     _, model = tiny_qwen
     cfg = model.cfg
