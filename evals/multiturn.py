@@ -8,7 +8,9 @@ and the model's greedy answer (cut at its first line end or end-of-turn marker) 
 the conversation before the next turn, through the chat template (the end of the assistant turn,
 then a new user turn and the assistant header). Each answer is scored by RULER's string match
 against its needle's value: accuracy per turn, with Wilson intervals, shows whether it falls as
-the conversation grows.
+the conversation grows. Beside it, `value_held` (per turn: `value_held_t<i>`): the fraction of the
+asked value's context tokens the cache holds while the turn is answered, per layer and kv head,
+averaged (`Engine.kept_positions`): 1 for `full`; what a compressor kept of the answer itself.
 
 Modes (`mode`):
   once   the context is prefilled and compressed ONCE (query-agnostic: `Engine.prompt` +
@@ -137,27 +139,50 @@ def append(engine, state, ids: np.ndarray):
     return engine.feed(state, ids[None], chunk=ids.size)
 
 
+def value_positions(pieces: list[str], value: str) -> np.ndarray:
+    """The positions of the tokens (`pieces`: each token's decoded text) that spell the first
+    occurrence of `value` in their joined text (empty when it does not occur)."""
+    ends = np.cumsum([len(p) for p in pieces])
+    at = "".join(pieces).find(value)
+    if at < 0:
+        return np.zeros(0, np.int64)
+    return np.nonzero((ends - np.array([len(p) for p in pieces]) < at + len(value)) & (ends > at))[0]
+
+
+def held_fraction(engine, state, positions: np.ndarray) -> float:
+    """The fraction of `positions` a state holds, averaged over layers and kv heads
+    (`Engine.kept_positions`, batch row 0); NaN for no positions."""
+    if positions.size == 0:
+        return float("nan")
+    return float(np.mean([np.isin(positions, h).mean() for layer in engine.kept_positions(state) for h in layer]))
+
+
 def conversation(engine, tok: Any, context: np.ndarray, turns: list[tuple[np.ndarray, str]], gen: int, mode: str,
-                 chunk: int) -> tuple[list[str], list[int]]:
-    """Each turn's decoded answer and the cache length it was answered at."""
+                 chunk: int) -> tuple[list[str], list[int], list[float]]:
+    """Each turn's decoded answer, the cache length it was answered at, and the fraction of its
+    reference value's context tokens the cache held while it answered (`held_fraction`: per layer
+    and kv head, averaged; NaN when the value is not in the context)."""
     state = prefills.prompted(engine, context[None], chunk)
     if mode == "once":
         state = engine.compress(state)
-    texts, at = [], []
-    for q, _ in turns:
+    pieces = [tok.decode([int(i)]) for i in context]
+    texts, at, held = [], [], []
+    for q, ref in turns:
         if mode == "once":
             state = append(engine, state, q)
-            ids = engine.continue_generate(state, [], gen)
+            answering = state
         else:
             state = engine.extend_prompt(state, q[None], chunk)
-            ids = engine.continue_generate(engine.compress(state), [], gen)
+            answering = engine.compress(state)
+        ids = engine.continue_generate(answering, [], gen)
+        held.append(held_fraction(engine, answering, value_positions(pieces, ref)))
         at.append(state.length)
         text = ruler.ids_text(tok, ids[0])
         texts.append(text)
         said = np.asarray(tok.encode(cut_answer(text)), np.int32)  # the answer as the next turn sees it
         if said.size:
             state = append(engine, state, said) if mode == "once" else engine.extend_prompt(state, said[None], chunk)
-    return texts, at
+    return texts, at, held
 
 
 def per_turn_and_depth(score: np.ndarray, ranks: np.ndarray) -> dict[str, float]:
@@ -217,27 +242,34 @@ def run(ctx: TaskContext) -> TaskResult:
     tok, hay = ruler.task_haystack(ctx, cfg, max(cfg["lengths"]) + TURN_ROOM)
     engine = ctx.engine(max_len(cfg))
     nt = cfg["turns"]
-    grid, scores, outputs = [], [], []
+    grid, scores, helds, outputs = [], [], [], []
     for n in cfg["lengths"]:
         sc = np.zeros((cfg["trials"], nt))
+        hf = np.zeros((cfg["trials"], nt))
         outs = np.empty((cfg["trials"], nt), object)
         for t, (context, turns) in enumerate(tqdm(samples(tok, hay, n, cfg["trials"], ctx.seed, nt, cfg["value_kind"],
                                                           cfg["order"]),
                                                   desc="multiturn", disable=not ctx.progress, leave=False)):
-            texts, _ = conversation(engine, tok, context, turns, cfg["gen"], cfg["mode"], ctx.chunk)
+            texts, _, hf[t] = conversation(engine, tok, context, turns, cfg["gen"], cfg["mode"], ctx.chunk)
             for i, (text, (_, ref)) in enumerate(zip(texts, turns)):
                 outs[t, i] = text
                 sc[t, i] = ruler.string_match_all(text, [ref])
         for i in range(nt):
-            grid.append({"length": n, "turn": i, "mode": cfg["mode"]} | ruler.accuracy_record(sc[:, i]))
+            grid.append({"length": n, "turn": i, "mode": cfg["mode"], "value_held": float(np.mean(hf[:, i]))}
+                        | ruler.accuracy_record(sc[:, i]))
         scores.append(sc)
+        helds.append(hf)
         outputs.append(outs.astype(str))
     all_sc = np.stack(scores)  # [lengths, trials, turns]
     metrics = {k: v for k, v in ruler.accuracy_record(all_sc.ravel()).items() if k != "trials"}
     metrics |= per_turn_and_depth(all_sc, np.stack([asked(ctx.seed, n, cfg["trials"], nt, cfg["order"])
                                                     for n in cfg["lengths"]]))
+    all_held = np.stack(helds)  # [lengths, trials, turns]
+    metrics |= {"value_held": float(all_held.mean())} | {f"value_held_t{i}": float(all_held[..., i].mean())
+                                                        for i in range(nt)}
     metrics |= ruler.work(engine) | {"contexts": len(cfg["lengths"]) * cfg["trials"]}
     return TaskResult(metrics=metrics, grid=grid, arrays={"score": all_sc.astype(np.float32),
+                                                          "value_held": all_held.astype(np.float32),
                                                           "outputs": np.stack(outputs)})
 
 

@@ -47,7 +47,8 @@ def test_full_conversation_equals_generating_from_the_whole_transcript(tok_and_m
     context = rng.integers(0, 49152, 60).astype(np.int32)
     turns = [(np.asarray(tok.encode(f" question {i}?"), np.int32), "x") for i in range(3)]
     eng = Engine(model, kvpolicies.get("full"), max_len=160)
-    texts, at = conversation(eng, tok, context, turns, gen=5, mode=mode, chunk=16)
+    texts, at, held = conversation(eng, tok, context, turns, gen=5, mode=mode, chunk=16)
+    assert all(h == 1.0 for h in held if not np.isnan(h))  # full holds every context token
     transcript = context
     ref = Engine(model, kvpolicies.get("full"), max_len=160)
     for (q, _), text, length in zip(turns, texts, at):
@@ -69,6 +70,32 @@ def test_a_compressor_runs_both_modes_and_compresses_once_or_every_turn(tok_and_
         eng = Engine(model, kvpolicies.get("snapkv", budget=16, obs_window=4, max_new=64), max_len=160)
         conversation(eng, tok, context, turns, gen=4, mode=mode, chunk=16)
         assert eng.prompts_compressed == compressions and eng.prefills == 1
+
+
+def test_value_held_is_the_fraction_of_the_answers_tokens_each_layer_and_head_holds(tok_and_model):
+    """value_positions finds the tokens that spell a value in a context; held_fraction averages,
+    over layers and kv heads, the fraction of them `kept_positions` lists: 1 for full, and for a
+    window that holds only the value's last tokens, the fraction in the window."""
+    from evals.multiturn import held_fraction, value_positions
+    from models.engine import Engine
+
+    tok, model = tok_and_model
+    words = np.asarray(tok.encode("The special magic number is 4008911 and that is all we know today."), np.int32)
+    pieces = [tok.decode([int(i)]) for i in words]
+    pos = value_positions(pieces, "4008911")
+    assert "".join(pieces[pos[0]:pos[-1] + 1]).strip() == "4008911"
+    assert value_positions(pieces, "1234567").size == 0
+    filler = np.random.default_rng(3).integers(0, 49152, 40).astype(np.int32)
+    ctx = np.concatenate([filler, words])
+    at = pos + filler.size
+    full = Engine(model, kvpolicies.get("full"), max_len=128)
+    assert held_fraction(full, full.compress(full.prompt(ctx[None])), at) == 1.0
+    keep = ctx.size - int(at[len(at) // 2])  # a window reaching back to the middle of the value
+    win = Engine(model, kvpolicies.get("window", window=keep), max_len=128)
+    state = win.compress(win.prompt(ctx[None]))
+    assert held_fraction(win, state, at) == pytest.approx(np.mean(at >= ctx.size - keep))
+    assert 0 < held_fraction(win, state, at) < 1
+    assert np.isnan(held_fraction(full, full.compress(full.prompt(ctx[None])), np.zeros(0, int)))
 
 
 def test_check_rejects_bad_keys():

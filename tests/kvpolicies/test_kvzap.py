@@ -327,6 +327,41 @@ def test_a_budget_keeps_the_layers_best_scores(tiny_qwen):
         assert by_head(np.asarray(pool.pos)[layer, 0]) == [sorted(w) for w in want], layer
 
 
+def test_a_conversation_compressed_at_every_turn_keeps_the_rule_of_its_whole_history(tiny_qwen):
+    """evals.multiturn's `every` mode: a context, then turns of (question, answer) fed through
+    `extend_prompt` and compressed at each turn. Each compression keeps what the budget rule keeps
+    of the whole conversation so far, re-simulated on transformers' hidden states of its ids, and
+    what one prompt of those ids compressed keeps: extending never changes a score."""
+    from models.engine import Engine
+
+    ref, model = tiny_qwen
+    cfg = model.cfg
+    window, budget = 4, 12
+    rng = np.random.default_rng(7)
+    ids = lambda n: rng.integers(0, cfg.vocab_size, (1, n)).astype(np.int32)  # noqa: E731
+    params = random_surrogate("linear", cfg.d_model, cfg.n_kv_heads, cfg.n_layers)
+    pol = kvpolicies.get("kvzap", budget=budget, max_new=4, window=window, surrogate="random")
+    eng = Engine(model, pol, max_len=96)
+    seen = ids(30)
+    state = eng.prompt(seen, chunk=16)
+    for turn in range(3):
+        question = ids(5 + turn)
+        state = eng.extend_prompt(state, question, chunk=4)
+        seen = np.concatenate([seen, question], axis=1)
+        kept = [[h.tolist() for h in layer] for layer in eng.kept_positions(eng.compress(state))]
+        once = [[h.tolist() for h in layer] for layer in eng.kept_positions(eng.compress(eng.prompt(seen)))]
+        assert kept == once, turn
+        t = seen.shape[1]
+        for layer, x in enumerate(reference_inputs(ref, seen)):
+            sc = np_surrogate(params, layer, x)  # [T, K]
+            want = choose([{j: sc[j, h] for j in range(t)} for h in range(K)], [set(range(t))] * K, window, t - 1,
+                          K * budget)
+            assert kept[layer] == [sorted(w) for w in want], (turn, layer)
+        answer = eng.continue_generate(eng.compress(state), [], 3)
+        state = eng.extend_prompt(state, answer, chunk=2)
+        seen = np.concatenate([seen, answer], axis=1)
+
+
 # ------------------------------------------------------------------------------------------
 # training
 # ------------------------------------------------------------------------------------------
