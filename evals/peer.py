@@ -468,7 +468,7 @@ def run_ours(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=lambda
                     engines[(c, r)] = Engine(model, pol, max_len=max_len)
                 eng = engines[(c, r)]
                 # shares_prompt compares layer by layer; the state's runs of layers must match too (a
-                # per-layer stack, PyramidKV, has one run per layer: it cannot adopt SnapKV's one run)
+                # stack whose prompt phases differ by layer has a run per layer: it cannot adopt one run)
                 runs = len(policy_runs(eng.prompt_policies, model.cfg.n_layers))
                 st = next((s for e, s in states if len(s.cache) == runs and eng.shares_prompt(e)), None)
                 if st is None:

@@ -194,6 +194,13 @@ def prompt_key(p: Policy) -> Policy:
     return dataclasses.replace(p, of=None) if isinstance(p, PromptPhase) else p
 
 
+def step_phase(p: Policy) -> Policy:
+    """A layer's policy in the engine's prompt steps: `prompt_key` (layers whose compressors differ
+    only in what they keep, like pyramidkv's per-depth budgets, run as one stacked run, compiled
+    once), except a phase whose compressor reconstructs (kvzip: the pass reads `of`)."""
+    return p if isinstance(p, PromptPhase) and reconstructs(p.of) else prompt_key(p)
+
+
 def reads_prompt_state(mine: Policy, theirs: Policy) -> bool:
     """Whether a layer whose prompt phase is `mine` can take the prompt state of `theirs`: the
     same state (`prompt_key`), or `full` over a dense PromptPhase (its slots are full's)."""

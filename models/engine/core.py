@@ -14,7 +14,7 @@ from kvpolicies.adakv import Fits
 from kvpolicies.base import Policy
 from kvpolicies.kvzip import recon_policy
 from kvpolicies.presets import stack_of
-from kvpolicies.prompt import prompt_policy_of, reconstructs
+from kvpolicies.prompt import prompt_policy_of, reconstructs, step_phase
 from models.llama import Llama, policy_runs
 from models.reconstruct import RepeatPrompts, engine_prompts
 from models.tokenizer import tokenizer_of
@@ -48,7 +48,8 @@ class Engine(ArgumentChecks, Steps, LayerSteps, Staged, Generation):
         self.policies = tuple(p for a, b, p in policy_runs(policies, model.cfg.n_layers) for _ in range(b - a))
         # A fresh prompt is held by each policy's prompt phase, then `after_prompt` (once); the
         # same policies for streaming policies, a dense phase for prompt compressors (snapkv).
-        self.prompt_policies = tuple(prompt_policy_of(p) for p in self.policies)
+        # (`step_phase`: a dense phase whatever it serves, so pyramidkv's layers prefill as one run)
+        self.prompt_policies = tuple(step_phase(prompt_policy_of(p)) for p in self.policies)
         self.compresses = self.prompt_policies != self.policies  # some layer's prompt phase differs
         # kvzip: a reconstruction pass between the prompt phase and after_prompt (models.reconstruct
         # reads `reconstructors`, `repeat` and the jitted `recon_step`)

@@ -95,6 +95,7 @@ class Staged:
         tokens = self._check_state(state, tokens, "extend_prompt")
         if state.compressed:
             raise ValueError("extend_prompt: the state is already compressed; use continue_generate")
+        state = self._own(state, "extend_prompt")
         t = tokens.shape[1]
         self._check_len(state.length + t, f"prompt of {state.length} + {t} tokens")
         return self._feed(state, tokens, self._chunk(chunk, max(t, 1)), prompt=True) if t else state
@@ -111,12 +112,18 @@ class Staged:
             return False  # the prompt cache is stacked by runs of equal layers: another grouping is another layout
         return all(reads_prompt_state(a, b) for a, b in zip(self.prompt_policies, other.prompt_policies))
 
-    def _adopt(self, cache: Cache) -> Cache:
+    def _own(self, state: Prompted, what: str) -> Prompted:
+        """An uncompressed state in this engine's prompt-phase layout: another engine's that this
+        one `shares_prompt` with (evals.prefills) is adopted (`full` over a PromptPhase's dense
+        slots: its keys rotated), whatever comes next (compress, more prompt, decoding)."""
+        return state if state.compressed else dataclasses.replace(state, cache=self._adopt(state.cache, what))
+
+    def _adopt(self, cache: Cache, what: str = "compress") -> Cache:
         """A prompt-phase cache in this engine's prompt-phase runs (full's runs take the dense
         slots of a PromptPhase state)."""
         runs = policy_runs(self.prompt_policies, self.cfg.n_layers)
         if len(runs) != len(cache):
-            raise ValueError(f"compress: the state has {len(cache)} runs of layers, this engine's prompt phase "
+            raise ValueError(f"{what}: the state has {len(cache)} runs of layers, this engine's prompt phase "
                              f"{len(runs)}: it comes from an engine that does not share the prompt (shares_prompt)")
         out = []
         for (a, b, pol), st in zip(runs, cache):
@@ -210,9 +217,8 @@ class Staged:
                       for p, st in zip(policies, layers)]
         else:
             self.prompts_compressed += 1
-            runs = policy_runs(self.policies, self.cfg.n_layers)
             layers = [_after_prompt_layer(policies[a + i], run, np.int32(i))
-                      for (a, b, _), run in zip(runs, cache) for i in range(b - a)]
+                      for a, b, _, run in self.decode_runs(cache) for i in range(b - a)]
         memo = self.__dict__.setdefault("_fitted_engines", {})
         if policies not in memo:
             memo[policies] = type(self)(self._model, policies, self.max_len, self.cache_dtype, repeat=self.repeat,
@@ -230,8 +236,7 @@ class Staged:
         the positions of the compressed state are computed, its keys and values are dead code)."""
         if "_held_step" not in self.__dict__:
             def held(cache):
-                runs = policy_runs(self.policies, self.cfg.n_layers)
-                out = [jax.vmap(functools.partial(after_prompt, pol))(st).pos for (_, _, pol), st in zip(runs, cache)]
+                out = [jax.vmap(functools.partial(after_prompt, pol))(st).pos for _, _, pol, st in self.decode_runs(cache)]
                 return jnp.concatenate([(p >= 0).sum(axis=(2, 3)) for p in out])  # [L, B]
             self._held_step = jax.jit(held)
         return self._held_step(cache)
@@ -246,6 +251,7 @@ class Staged:
             raise ValueError(f"kept_positions: state must be a Prompted, got {type(state).__name__}")
         if state.fitted is not None and state.fitted is not self:
             return state.fitted.kept_positions(state, row)
+        state = self._own(state, "kept_positions")
         k = self.cfg.n_kv_heads
         out: list[list[np.ndarray]] = []
         for (a, b, pol), run in zip(policy_runs(self.policies if state.compressed else self.prompt_policies,
@@ -263,6 +269,7 @@ class Staged:
         tokens = self._check_state(state, tokens, "feed")
         if not state.compressed and self.compresses:
             raise ValueError("feed: the state is not compressed yet (compress it first)")
+        state = self._own(state, "feed")
         t = tokens.shape[1]
         self._check_len(state.length + t, f"state of {state.length} + {t} tokens")
         return self._feed(state, tokens, self._chunk(chunk, max(t, 1)), prompt=False) if t else state
@@ -278,6 +285,7 @@ class Staged:
         n = check_int("n", n, 0)
         if not state.compressed and self.compresses:
             raise ValueError("continue_generate: the state is not compressed yet (compress it first)")
+        state = self._own(state, "continue_generate")
         t = tokens.shape[1]
         self._check_len(state.length + t + n, f"state of {state.length} + {t} tokens + n={n} new tokens")
         if t:

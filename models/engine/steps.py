@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -136,8 +137,21 @@ class Steps:
 
     def _after_prompt_impl(self, cache):
         """Each run's prompt state -> its decode state (stacked over the run's layers)."""
-        runs = policy_runs(self.policies, self.cfg.n_layers)
-        return tuple(jax.vmap(functools.partial(after_prompt, pol))(st) for (_, _, pol), st in zip(runs, cache))
+        return tuple(jax.vmap(functools.partial(after_prompt, pol))(st) for _, _, pol, st in self.decode_runs(cache))
+
+    def decode_runs(self, cache: Cache) -> list[tuple[int, int, Any, Any]]:
+        """A prompt-phase cache (a stacked state per run of `prompt_policies`) cut into the runs of
+        `policies`: (start, end, policy, stacked state). Equal policies have equal prompt phases,
+        so each run of `policies` lies inside one run of the prompt phase (pyramidkv: one phase
+        run, a run per layer)."""
+        n = self.cfg.n_layers
+        have = policy_runs(self.prompt_policies, n)
+        out = []
+        for a, b, pol in policy_runs(self.policies, n):
+            i = next(i for i, (c, d, _) in enumerate(have) if c <= a and b <= d)
+            c, d, _ = have[i]
+            out.append((a, b, pol, cache[i] if (c, d) == (a, b) else jax.tree.map(lambda x: x[a - c:b - c], cache[i])))
+        return out
 
     # -- public API ---------------------------------------------------------------------------
     def init_cache(self, batch: int = 1, prompt: bool = False) -> Cache:

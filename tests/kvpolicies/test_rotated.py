@@ -134,6 +134,25 @@ def test_full_adopts_a_prompt_phase_state_rotating_its_keys(mixed):
                                   full.continue_generate(own, [[5], [6]], 6))
 
 
+def test_full_extends_and_decodes_a_prompt_phase_state_as_its_own(mixed):
+    """A snapkv prompt state (un-rotated keys) handed to `full` uncompressed (evals.prefills shares
+    it): extending it (multi-turn's `every` mode), feeding it, decoding from it and reading its
+    positions give what full's own prefill gives."""
+    ids = np.random.default_rng(4).integers(0, CFG.vocab_size, (2, 21)).astype(np.int32)
+    more = np.random.default_rng(5).integers(0, CFG.vocab_size, (2, 5)).astype(np.int32)
+    snap = Engine(mixed, kvpolicies.get("snapkv", budget=8, obs_window=4, kernel=3, max_new=8), 40)
+    full = Engine(mixed, kvpolicies.get("full"), 40)
+    shared, own = snap.prompt(ids, chunk=8), full.prompt(ids, chunk=8)
+    a, b = full.extend_prompt(shared, more), full.extend_prompt(own, more)
+    np.testing.assert_allclose(np.asarray(a.logits), np.asarray(b.logits), atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(full.continue_generate(a, [[], []], 6), full.continue_generate(b, [[], []], 6))
+    np.testing.assert_array_equal(full.continue_generate(shared, [[], []], 6), full.continue_generate(own, [[], []], 6))
+    np.testing.assert_array_equal(full.continue_generate(shared, more, 4), full.continue_generate(own, more, 4))
+    np.testing.assert_allclose(np.asarray(full.feed(shared, more).logits), np.asarray(b.logits), atol=1e-5, rtol=0)
+    assert [[h.tolist() for h in layer] for layer in full.kept_positions(shared)] == \
+        [[h.tolist() for h in layer] for layer in full.kept_positions(own)]
+
+
 def test_kvzip_reconstruction_reads_a_rotated_full_layer(tiny_qwen):
     """kvzip's scores in layer 1 behind a `full` layer 0 do not depend on how layer 0 stores its keys."""
     from tests.refs.kvzip import REPEAT

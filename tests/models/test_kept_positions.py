@@ -79,14 +79,26 @@ def test_kept_positions(name, tiny_model):
 
 
 def test_shares_prompt_needs_the_same_runs_of_layers(tiny_model):
-    """pyramidkv's layers are each their own run of the prompt cache, snapkv's one run: the same
-    prompt phase per layer, another layout, so neither compresses the other's state."""
+    """pyramidkv's layers differ only in their budgets: their prompt phase is snapkv's dense phase,
+    one run of layers (`kvpolicies.prompt.step_phase`: the prompt step compiles one stacked run,
+    not a run per layer), so each engine compresses the other's prefill, and pyramidkv keeps the
+    same tokens from snapkv's prefill as from its own. A stack of another layout (a dense first
+    layer) shares with neither."""
     from models.engine import Engine
 
     n = tiny_model.cfg.n_layers
     pyr = Engine(tiny_model, kvpolicies.get("pyramidkv", budget=8, max_new=4), max_len=48)
     snap = Engine(tiny_model, kvpolicies.get("snapkv", budget=8, max_new=4), max_len=48)
-    assert n > 1 and not pyr.shares_prompt(snap) and not snap.shares_prompt(pyr)
+    assert n > 1 and len(set(pyr.policies)) == n and len(pyr.init_cache(1, prompt=True)) == 1
+    assert pyr.shares_prompt(snap) and snap.shares_prompt(pyr)
+    tokens = np.random.default_rng(5).integers(0, 97, (1, T)).astype(np.int32)
+    as_lists = lambda kept: [[h.tolist() for h in layer] for layer in kept]  # noqa: E731
+    own = as_lists(pyr.kept_positions(pyr.compress(pyr.prompt(tokens))))
+    assert own == as_lists(pyr.kept_positions(pyr.compress(snap.prompt(tokens))))
+    assert len({len(layer[0]) for layer in own}) > 1  # the layers' budgets differ
+    mixed = Engine(tiny_model, (kvpolicies.get("full"),) + (kvpolicies.get("snapkv", budget=8, max_new=4),) * (n - 1),
+                   max_len=48)
+    assert not mixed.shares_prompt(snap) and not snap.shares_prompt(mixed)
     assert snap.shares_prompt(Engine(tiny_model, kvpolicies.get("snapkv", budget=6, max_new=4), max_len=48))
 
 
