@@ -220,16 +220,68 @@ def depth_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def references(row: dict) -> list[list[list[str]]]:
+    """[length][trial][turn] the values a saved row's turns asked for, rebuilt from its config
+    (its model's tokenizer, the haystack, the seed and order: `samples`)."""
+    from evals import zoo
+
+    cfg, task = row["config"], check(row["config"]["task"])
+    if task["haystack"] == "text":
+        raise ValueError("answers: a run with task.haystack=text (rebuilding its prompts needs its data)")
+    tok = zoo.load_tokenizer(cfg["model"])
+    hay = ruler.haystack(tok, task["haystack"], None, max(task["lengths"]) + TURN_ROOM)
+    return [[[v for _, v in turns] for _, turns in samples(tok, hay, n, task["trials"], cfg["seed"], task["turns"],
+                                                           task["value_kind"], task["order"])]
+            for n in task["lengths"]]
+
+
+def echoes(answer: str, earlier: list[str], n: int = 4) -> bool:
+    """Whether `answer` ends with the last `n` characters of an earlier answer (a wrong answer
+    finishing a number the conversation already said)."""
+    tail = answer.rstrip(". ")[-n:]
+    return len(tail) == n and any(a.rstrip(". ").endswith(tail) for a in earlier)
+
+
+def answers_table(rows: list[dict]) -> str:
+    """Per multi-turn row and conversation: each turn's answer (cut), whether it is right, and the
+    fraction of its value's tokens the cache held (`value_held`, for rows that saved it); a wrong
+    answer that ends like an earlier answer of its conversation (`echoes`) is marked "echo"."""
+    lines = []
+    for r in rows:
+        if r["config"]["task"].get("name") != "multiturn":
+            continue
+        refs, outs = references(r), load_array(r, "outputs")  # [lengths, trials, turns]
+        held = load_array(r, "value_held") if "value_held" in r.get("arrays", {}) else None
+        nt = outs.shape[-1]
+        lines += [f"\n{r['policy']['name']}, mode {r['config']['task'].get('mode', 'once')}:\n",
+                  "| length | trial | " + " | ".join(f"turn {i}" for i in range(nt)) + " |", "|---|---|" + "---|" * nt]
+        for li, n in enumerate(r["config"]["task"]["lengths"]):
+            for t in range(outs.shape[1]):
+                said = [cut_answer(str(a)).strip() for a in outs[li, t]]
+                cells = []
+                for i in range(nt):
+                    ok = ruler.string_match_all(str(outs[li, t, i]), [refs[li][t][i]]) == 1
+                    mark = "right" if ok else ("wrong, echo" if echoes(said[i], said[:i]) else "wrong")
+                    kept = "" if held is None else f", held {float(held[li, t, i]):.2f}"
+                    cells.append(f"{said[i][:16]} ({refs[li][t][i]}: {mark}{kept})")
+                lines.append(f"| {n} | {t} | " + " | ".join(cells) + " |")
+    return "\n".join(lines).strip()
+
+
 def main(argv: list[str] | None = None) -> None:
     """`python -m evals.multiturn RESULTS...`: accuracy per turn and per needle depth rank of
-    the multi-turn rows in the results files (depth 0 = the shallowest needle)."""
+    the multi-turn rows in the results files (depth 0 = the shallowest needle); with --answers,
+    each conversation's answers beside the values asked."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m evals.multiturn", description=main.__doc__.split(":", 1)[1].strip())
     ap.add_argument("results", nargs="+", help="results .jsonl files of task=multiturn runs")
+    ap.add_argument("--answers", action="store_true", help="print every answer beside its reference value "
+                    "(rebuilt from the run's tokenizer and seed), right or wrong, and the value's tokens held")
     args = ap.parse_args(argv)
     try:
-        print(depth_table(latest(read(args.results))))
+        rows = latest(read(args.results))
+        print(answers_table(rows) if args.answers else depth_table(rows))
     except FileNotFoundError as e:
         ap.error(str(e))
 

@@ -197,3 +197,31 @@ def test_check_takes_an_order_and_its_default_keeps_the_run_keys():
     assert run_key(conf, pol) == R.config_key(keyed)  # rows run before `order` existed keep their keys
     shuffled = C.validate(C.compose([*small, "task.order=shuffled"]))
     assert run_key(shuffled, pol) != run_key(conf, pol)
+
+
+def test_answers_table_sets_each_answer_beside_the_value_its_turn_asked(tmp_path, capsys):
+    """`python -m evals.multiturn RESULTS --answers`: the references rebuilt from a saved row's
+    config are the values `samples` asked, each answer is marked right, wrong, or wrong and
+    ending like an earlier answer of its conversation (`echoes`), with the value's tokens held."""
+    from evals import results as R
+    from evals import ruler, zoo
+    from evals.multiturn import TURN_ROOM, echoes, main, samples
+
+    assert echoes("7155328.", ["9209605.", "9755328."]) and not echoes("1493177.", ["3931053.", "5803276."])
+    assert not echoes("53.", ["53."])  # shorter than 4 characters: no claim
+    model = {"name": "smollm2", "dtype": "float32"}
+    task = {"name": "multiturn", "lengths": [512], "trials": 2, "turns": 2, "haystack": "filler"}
+    tok = zoo.load_tokenizer(model)
+    refs = [[v for _, v in turns] for _, turns in samples(tok, ruler.haystack(tok, "filler", None, 512 + TURN_ROOM),
+                                                          512, 2, 0, 2, "numbers")]
+    outs = np.array([[[f" {refs[0][0]}.", f" 12{refs[0][0][-5:]}."], [" 1.", f" {refs[1][1]}.\nmore"]]])
+    path = tmp_path / "mt.jsonl"
+    row = {"key": "k1", "policy": {"name": "sink"}, "config": {"task": task, "seed": 0, "model": model}}
+    row["arrays"] = {"outputs": R.save_array(path, "k1", "outputs", outs),
+                     "value_held": R.save_array(path, "k1", "value_held", np.array([[[1.0, 0.5], [0.25, 0.0]]]))}
+    R.append(path, row)
+    main([str(path), "--answers"])
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| 512")]
+    assert lines[0] == (f"| 512 | 0 | {refs[0][0]}. ({refs[0][0]}: right, held 1.00) | "
+                        f"12{refs[0][0][-5:]}. ({refs[0][1]}: wrong, echo, held 0.50) |")
+    assert lines[1] == f"| 512 | 1 | 1. ({refs[1][0]}: wrong, held 0.25) | {refs[1][1]}. ({refs[1][1]}: right, held 0.00) |"
