@@ -201,7 +201,8 @@ def per_turn_and_depth(score: np.ndarray, ranks: np.ndarray) -> dict[str, float]
 def depth_table(rows: list[dict]) -> str:
     """A markdown table of multi-turn rows (`evals.results.read`): accuracy per turn and per needle
     depth rank, recomputed from each row's saved scores and its task's seed and order (runs
-    made before `accuracy_d<j>` was recorded too)."""
+    made before `accuracy_d<j>` was recorded too), and per turn the mean fraction of the asked
+    value's tokens the cache held (its saved `value_held` array; blank for rows without one)."""
     lines = []
     for r in rows:
         task = r["config"]["task"]
@@ -214,9 +215,15 @@ def depth_table(rows: list[dict]) -> str:
         nt = task["turns"]
         if not lines:
             head = [f"turn {i}" for i in range(nt)] + [f"depth {j}" for j in range(nt)]
-            lines = ["| policy | order | " + " | ".join(head) + " |", "|---|---|" + "---:|" * (2 * nt)]
+            lines = ["| policy | mode | order | " + " | ".join(head) + " | value held, per turn |",
+                     "|---|---|---|" + "---:|" * (2 * nt) + "---|"]
         cells = [f"{m[f'accuracy_{k}{i}']:.2f}" for k in "td" for i in range(nt)]
-        lines.append(f"| {r['policy']['name']} | {task.get('order', 'depth')} | " + " | ".join(cells) + " |")
+        held = ""
+        if "value_held" in r.get("arrays", {}):
+            per_turn = load_array(r, "value_held").reshape(-1, nt).mean(axis=0)  # [lengths * trials, turns]
+            held = " / ".join(f"{h:.2f}" for h in per_turn)
+        lines.append(f"| {r['policy']['name']} | {task.get('mode', 'once')} | {task.get('order', 'depth')} | "
+                     + " | ".join(cells) + f" | {held} |")
     return "\n".join(lines)
 
 

@@ -170,12 +170,22 @@ def test_accuracy_per_depth_rank_regroups_the_turns_by_the_needle_each_asked(tmp
     row = {"key": "k1", "policy": {"name": "sink"}, "config": {"task": task, "seed": 0}}
     row["arrays"] = {"score": R.save_array(path, "k1", "score", score)}
     R.append(path, row)
+    # a second row, every mode, with the value's tokens held per (length, trial, turn)
+    held = np.array([[[1.0, 0.5, 0.25, 0.0], [0.5, 0.2, 0.75, 0.3], [0.0, 0.5, 0.5, 0.6]]])
+    row2 = {"key": "k2", "policy": {"name": "kvzap"}, "config": {"task": task | {"mode": "every"}, "seed": 0}}
+    row2["arrays"] = {"score": R.save_array(path, "k2", "score", score),
+                      "value_held": R.save_array(path, "k2", "value_held", held)}
+    R.append(path, row2)
     main([str(path)])
     out = capsys.readouterr().out.strip().splitlines()
     want = per_turn_and_depth(score, asked(0, 512, 3, 4, "shuffled")[None])
-    assert out[0].startswith("| policy | order | turn 0") and out[2].startswith("| sink | shuffled |")
-    cells = [c.strip() for c in out[2].strip("|").split("|")][2:]
-    assert cells == [f"{want[f'accuracy_{k}{i}']:.2f}" for k in "td" for i in range(4)]
+    assert out[0].startswith("| policy | mode | order | turn 0") and out[0].endswith("| value held, per turn |")
+    assert out[2].startswith("| sink | once | shuffled |") and out[3].startswith("| kvzap | every | shuffled |")
+    acc = [f"{want[f'accuracy_{k}{i}']:.2f}" for k in "td" for i in range(4)]
+    cells = [c.strip() for c in out[2].strip("|").split("|")][3:]
+    assert cells == acc + [""]  # no value_held saved: blank
+    cells = [c.strip() for c in out[3].strip("|").split("|")][3:]
+    assert cells == acc + ["0.50 / 0.40 / 0.50 / 0.30"]  # each turn's mean over the 3 trials
 
 
 def test_check_takes_an_order_and_its_default_keeps_the_run_keys():
