@@ -3,10 +3,9 @@ the 8-device checks: on a data=2 x model=4 mesh, every registered policy equals 
 (streaming NLL and cache, prompt logits, the compressed cache, greedy ids) with arrays really split.
 
 The 8 CPU devices need XLA_FLAGS before jax is imported, so that half runs tests/refs/sharding_check.py
-in a subprocess: `quick` (snapkv and h2o in a 2-layer model, then the fallback where neither the kv
-heads nor a batch of 1 split) in the unit tests, `all` (one model with one layer per registered
-policy: one compile serves them all, ~1.5 min of CPU) also in the unit tests (its subprocess runs
-beside the other pytest-xdist worker's files); the two-process `jax.distributed` run is slow.
+in a subprocess, once for the unit tests (`all`: one model with one layer per registered policy, one
+compile serving them all, then the fallback where neither the kv heads nor a batch of 1 split; ~1.5 min
+of CPU, beside the other pytest-xdist worker's files); the two-process `jax.distributed` run is slow.
 """
 
 from __future__ import annotations
@@ -214,34 +213,26 @@ def check_split(r: dict, order: list[str]) -> None:
 
 
 @pytest.fixture(scope="module")
-def quick():
-    return eight_devices("quick")
+def eight():
+    return eight_devices("all")
 
 
-def test_a_hybrid_stack_on_a_data_x_model_mesh_equals_one_device(quick):
-    assert quick["order"] == ["snapkv", "h2o"]
-    check_equal(quick["mesh"], quick["order"])
-    check_split(quick["mesh"], quick["order"])
-    assert quick["mesh"]["warnings"] == []
+def test_every_policy_on_a_data_x_model_mesh_equals_one_device(eight):
+    """Every registered policy, one per layer of one model (~1.5 min of CPU)."""
+    assert sorted(eight["order"]) == sorted(kvpolicies.POLICIES)
+    check_equal(eight["mesh"], eight["order"])
+    check_split(eight["mesh"], eight["order"])
+    assert eight["mesh"]["warnings"] == []
 
 
-def test_heads_that_do_not_split_and_a_batch_of_one_fall_back_to_replication(quick):
-    r = quick["fallback"]
+def test_heads_that_do_not_split_and_a_batch_of_one_fall_back_to_replication(eight):
+    r = eight["fallback"]
     check_equal(r, ["sink"])
     assert len(r["warnings"]) == 1 and "2 kv heads do not divide" in r["warnings"][0]
     params = {e["path"].split("'")[-2]: e for e in r["param_layout"]}
     assert params["wq"]["spec"] == [None, None, None] and params["w_gate"]["spec"] == [None, None, "model"]
     for leaf in r["cache_layout"][0]:
         assert leaf["shard"] == leaf["shape"], leaf  # batch 1, 2 kv heads: whole on every device
-
-
-def test_every_policy_on_a_data_x_model_mesh_equals_one_device():
-    """Every registered policy, one per layer of one model (~1.5 min of CPU)."""
-    out = eight_devices("all")
-    assert sorted(out["order"]) == sorted(kvpolicies.POLICIES)
-    check_equal(out["mesh"], out["order"])
-    check_split(out["mesh"], out["order"])
-    assert out["mesh"]["warnings"] == []
 
 
 @pytest.mark.slow

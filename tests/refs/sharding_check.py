@@ -3,12 +3,11 @@ CPU 8 devices before jax is imported): a tiny random Llama with 4 kv heads on on
 data=2 x model=4 mesh, the same inputs, the largest differences and the mesh run's layouts printed
 as one JSON object for the test to check.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.refs.sharding_check all|quick
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.refs.sharding_check all
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m tests.refs.sharding_check host I 2 PORT
 
-all: every registered policy, one per layer (one compile serves them all; ~2 min of CPU).
-quick: snapkv and h2o in a 2-layer model, then the fallback: 2 kv heads on model=4 and a batch of 1
-on data=2, neither of which splits.
+all: every registered policy, one per layer (one compile serves them all; ~1.5 min of CPU), then the
+fallback: 2 kv heads on model=4 and a batch of 1 on data=2, neither of which splits.
 host: process I of 2, each with 4 CPU devices, joined by `jax.distributed.initialize` into one
 data=2 x model=4 mesh (multi-host on one machine); prints what every process reads back.
 """
@@ -149,18 +148,18 @@ def compare(model: Llama, policies, mesh, batch: int, seed: int) -> dict:
     }
 
 
-def main(mode: str) -> None:
+def main() -> None:
     t0 = time.perf_counter()
     pols = instances(4)
-    order = layer_order(pols) if mode == "all" else ["snapkv", "h2o"]
+    order = layer_order(pols)
     cfg = LlamaConfig(vocab_size=128, d_model=32, n_layers=len(order), n_heads=8, n_kv_heads=4, head_dim=8, d_ff=64,
                       qkv_bias=True)
     mesh = make_mesh(2, 4)
     out = {"devices": len(jax.devices()), "order": order}
     out["mesh"] = compare(Llama(cfg), tuple(pols[n] for n in order), mesh, 2, 0)
-    if mode == "quick":  # 2 kv heads on model=4 and a batch of 1 on data=2: neither splits (a warning)
-        small = dataclasses.replace(cfg, n_layers=2, n_heads=4, n_kv_heads=2)
-        out["fallback"] = compare(Llama(small), pols["sink"], mesh, 1, 1)
+    # 2 kv heads on model=4 and a batch of 1 on data=2: neither splits (a warning)
+    small = dataclasses.replace(cfg, n_layers=2, n_heads=4, n_kv_heads=2)
+    out["fallback"] = compare(Llama(small), pols["sink"], mesh, 1, 1)
     out["seconds"] = time.perf_counter() - t0
     print(json.dumps(out))
 
@@ -188,7 +187,7 @@ def host(pid: int, nproc: int, port: int) -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["host"] and len(sys.argv) == 5:
         host(*map(int, sys.argv[2:]))
-    elif sys.argv[1:] in (["all"], ["quick"]):
-        main(sys.argv[1])
+    elif sys.argv[1:] == ["all"]:
+        main()
     else:
-        raise SystemExit("usage: python -m tests.refs.sharding_check all|quick|host PROCESS PROCESSES PORT")
+        raise SystemExit("usage: python -m tests.refs.sharding_check all|host PROCESS PROCESSES PORT")
