@@ -28,6 +28,16 @@ if ! XLA_FLAGS="${XLA_FLAGS:-} $UNIT_FLAGS" .venv/bin/python -c "import jax; jax
   echo "[test] this jaxlib refuses '$UNIT_FLAGS': the unit tests run at -O0 only"
   UNIT_FLAGS="--xla_backend_optimization_level=0"
 fi
+# One fresh persistent compilation cache for this run, shared by the workers of both stages and
+# the subprocesses tests start: a program compiled a second time is read back (engines of equal
+# policies compile equal steps). No size limit: a limit turns on JAX's file lock and a scan of the
+# folder at every write. KVP_TEST_CACHE=0 turns it off. docs/guide/testing.md has the numbers.
+if [ "${KVP_TEST_CACHE:-1}" != 0 ]; then
+  JAX_COMPILATION_CACHE_DIR=$(mktemp -d -t kvp-xla-cache.XXXXXX)
+  trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
+  export JAX_COMPILATION_CACHE_DIR JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
+    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=-1
+fi
 XDIST=(-n "${KVP_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder)
 # KVP_RECORD_DURATIONS=1: rewrite tests/durations.json from this run (the file order of the workers)
 [ -n "${KVP_RECORD_DURATIONS:-}" ] && XDIST+=(--record-durations)
