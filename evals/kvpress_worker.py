@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import pathlib
 import sys
 import time
 
@@ -55,10 +57,65 @@ def build_tiny(spec: dict, save_to: str):
     return save_to
 
 
+# GGUF checkpoints as transformers loads them, converted once (`converted`)
+CONVERTED = pathlib.Path(__file__).resolve().parents[1] / ".venv" / "kvpress-ref" / "converted"
+
+
+def converted(path: str, gguf: str) -> str:
+    """A folder holding what `from_pretrained(path, gguf_file=gguf)` builds (the model dequantized
+    to float32 safetensors, its config and tokenizer), made on first use under CONVERTED (keyed by
+    the file's name and size) and read from then on: transformers' GGUF import takes 20-60 s a
+    load, the folder well under a second. The weights are those tensors exactly and the logits
+    equal (`python evals/kvpress_worker.py --check-converted FILE.gguf`); `scripts/setup.sh test`
+    converts SmolLM2's."""
+    src = pathlib.Path(path) / gguf
+    out = CONVERTED / f"{src.stem}-{src.stat().st_size}"
+    if not (out / "config.json").is_file():
+        kw = {"gguf_file": gguf, "local_files_only": True}
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
+        tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+        model.save_pretrained(tmp)
+        transformers.AutoTokenizer.from_pretrained(path, **kw).save_pretrained(tmp)
+        try:
+            tmp.rename(out)  # another process may have made it meanwhile: theirs is the same
+        except OSError:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)
+
+
+def check_converted(gguf_path: str) -> None:
+    """The converted folder against the GGUF import itself: the same tensors, ids and logits."""
+    src = pathlib.Path(gguf_path).resolve()
+    folder = converted(str(src.parent), src.name)
+    kw = {"gguf_file": src.name, "local_files_only": True}
+    a = transformers.AutoModelForCausalLM.from_pretrained(str(src.parent), dtype=torch.float32, **kw).eval()
+    b = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ta = transformers.AutoTokenizer.from_pretrained(str(src.parent), **kw)
+    tb = transformers.AutoTokenizer.from_pretrained(folder)
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa), "tensors differ"
+    texts = ["The secret passphrase is 'purple elephant 42'.\nQuestion: What is the secret passphrase?",
+             "  Isn't it?  \"Yes\" -- 12345, naïve café; <|im_start|>user\n\tdone\n\n"]
+    for text in texts:
+        for special in (False, True):
+            assert ta.encode(text, add_special_tokens=special) == tb.encode(text, add_special_tokens=special), text
+    chat = [{"role": "user", "content": texts[0]}]
+    assert ta.chat_template == tb.chat_template, "chat templates differ"
+    assert (ta.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) ==
+            tb.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)), "chat prompts differ"
+    assert (ta.bos_token_id, ta.eos_token_id) == (tb.bos_token_id, tb.eos_token_id), "special tokens differ"
+    ids = ta(texts[0], return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert torch.equal(a(ids).logits, b(ids).logits), "logits differ"
+    print(f"{folder}: the same {len(sa)} tensors, token ids, chat template and logits as {src.name}")
+
+
 def load(path: str, attn: str, gguf: str | None = None):
-    kw = {"gguf_file": gguf, "local_files_only": True} if gguf else {}
+    path = converted(path, gguf) if gguf else path
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn,
-                                                             **kw).eval()
+                                                             local_files_only=True).eval()
 
 
 class AsciiTokenizer:
@@ -81,8 +138,8 @@ def use_tokenizer(job: dict) -> None:
         tok = AsciiTokenizer()
     else:  # the checkpoint's, or job["tokenizer_from"] = {"checkpoint": dir, "gguf_file": name} (a tiny model's)
         src = job.get("tokenizer_from") or job
-        kw = {"gguf_file": src["gguf_file"]} if src.get("gguf_file") else {}
-        tok = transformers.AutoTokenizer.from_pretrained(src["checkpoint"], local_files_only=True, **kw)
+        path = converted(src["checkpoint"], src["gguf_file"]) if src.get("gguf_file") else src["checkpoint"]
+        tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
 
     class Given:
         @staticmethod
@@ -411,4 +468,8 @@ def main_samples(job: dict, out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    if sys.argv[1] in ("--convert", "--check-converted"):  # scripts/setup.sh test; the check above
+        src = pathlib.Path(sys.argv[2]).resolve()
+        print(converted(str(src.parent), src.name)) if sys.argv[1] == "--convert" else check_converted(sys.argv[2])
+    else:
+        main(*sys.argv[1:3])

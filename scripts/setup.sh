@@ -54,5 +54,14 @@ if [ "$want_test" = 1 ] && [ ! -f .venv/kvpress-ref/kvpress/__init__.py ]; then
   PYTHONPATH=.venv/kvpress-ref .venv/bin/python -c "import kvpress, transformers; print('[setup] kvpress', \
     kvpress.__file__, 'transformers', transformers.__version__)"
 fi
+if [ "$want_test" = 1 ] && ! compgen -G ".venv/kvpress-ref/converted/SmolLM2-*/config.json" >/dev/null; then
+  # SmolLM2's GGUF as kvpress's transformers imports it, saved once as a float32 folder: the kvpress
+  # worker reads that in under a second instead of 20-30 s of GGUF import per load (the same
+  # tensors and logits: `python evals/kvpress_worker.py --check-converted FILE`)
+  echo "[setup] converting SmolLM2's GGUF for kvpress's transformers (once)"
+  TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 TRANSFORMERS_VERBOSITY=error PYTHONPATH=.venv/kvpress-ref \
+    .venv/bin/python evals/kvpress_worker.py --convert "$(.venv/bin/python -c \
+    'from models.loading import smollm2_gguf_path; print(smollm2_gguf_path())')"
+fi
 bash scripts/fetch_data.sh
 echo "[setup] done"

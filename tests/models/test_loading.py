@@ -167,6 +167,34 @@ def test_gguf_params_match_transformers(ours, hf_model):
             np.testing.assert_allclose(got[i], want.T if transpose else want, atol=1e-6, rtol=0, err_msg=f"{key}[{i}]")
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not (pathlib.Path(__file__).resolve().parents[2] / ".venv/kvpress-ref/kvpress").is_dir(),
+                    reason="kvpress not installed (bash scripts/setup.sh test)")
+def test_kvpress_converted_folder_is_transformers_gguf_import(hf_model, hf_tokenizer):
+    """The folder kvpress's worker loads instead of the GGUF (`evals/kvpress_worker.py`'s `converted`,
+    made by kvpress's transformers 5.2.0 at set-up) holds every tensor of this environment's
+    transformers GGUF import exactly, and its tokenizer files give the same ids and chat template."""
+    from safetensors.numpy import load_file
+
+    root = pathlib.Path(__file__).resolve().parents[2] / ".venv" / "kvpress-ref" / "converted"
+    folders = sorted(root.glob(f"{smollm2_gguf_path().stem}-{smollm2_gguf_path().stat().st_size}"))
+    assert folders, f"no converted SmolLM2 under {root}: `bash scripts/setup.sh test` makes it"
+    saved = load_file(str(folders[0] / "model.safetensors"))
+    _, state = hf_model
+    assert set(saved) == set(state) - {"lm_head.weight"}  # tied: saved once, as the embedding
+    for name, want in state.items():
+        got = saved["model.embed_tokens.weight" if name == "lm_head.weight" else name]
+        assert got.dtype == np.float32 and np.array_equal(got, want), name
+    # the tokenizer as files (a newer transformers reads 5.2.0's tokenizer_config differently: the
+    # worker reads it with 5.2.0, and the SmolLM2 parity test's KVzip repeat prompts go through it)
+    import tokenizers
+
+    tok = tokenizers.Tokenizer.from_file(str(folders[0] / "tokenizer.json"))
+    for text in TEXTS:
+        assert tok.encode(text, add_special_tokens=False).ids == hf_tokenizer.encode(text, add_special_tokens=False)
+    assert (folders[0] / "chat_template.jinja").read_text() == hf_tokenizer.chat_template
+
+
 def shapes_of(tree):
     return {k: shapes_of(v) if isinstance(v, dict) else v.shape for k, v in tree.items()}
 
