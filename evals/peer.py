@@ -38,7 +38,8 @@ Protocol (kvpress's pipeline, query-agnostic): each RULER prompt is split where 
 the context is prefilled and compressed once, then the question is appended at the following
 positions and `gen` greedy tokens are decoded, nothing compressed again. kvpress runs in its own
 environment (`.venv/kvpress-ref`, transformers 5.2.0; `bash scripts/setup.sh test`) through
-`evals/kvpress_worker.py` in a subprocess, in float32 on the CPU, at the same time as ours
+`evals/kvpress_worker.py` in a subprocess, in float32 on the CPU with half of the cores' threads
+(`worker_threads`), at the same time as ours
 (`kvpolicies.compat.kvpress(press, ratio)` through `models.engine.Engine`: prompt, compress,
 kept_positions, continue_generate; prompt compressors that share a prompt phase share its prefill).
 
@@ -380,12 +381,21 @@ def _gguf(model: str) -> pathlib.Path:
     return smollm2_gguf_path()
 
 
+def worker_threads() -> int:
+    """torch's threads in the kvpress worker: half of the cores, as it runs beside our side.
+    torch's default, every core, has the two sides' threads fight over them (SmolLM2, ruler_vt at
+    2,048 tokens, 2 cores, beside a running evals.peer: 27.9 s an item with 2 threads, 3.3 s with
+    1, the same answers). OMP_NUM_THREADS in the environment wins."""
+    return max(1, (os.cpu_count() or 2) // 2)
+
+
 def start_worker(p: Plan, todo: Sequence[tuple[int, str, float]]) -> subprocess.Popen:
     """kvpress's side in a subprocess (its own environment); it appends to <stem>.kvpress.jsonl."""
     job = p.path(".kvpress-job.json")
     job.write_text(json.dumps(worker_job(p, todo)), encoding="utf-8")
     env = {**os.environ, "PYTHONPATH": str(REF), "CUDA_VISIBLE_DEVICES": "", "TRANSFORMERS_VERBOSITY": "error",
-           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1"}
+           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1",
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(worker_threads()))}
     log = open(p.path(".kvpress.log"), "w", encoding="utf-8")
     return subprocess.Popen([sys.executable, str(WORKER), str(job), str(p.path(".kvpress.jsonl"))], env=env,
                             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)

@@ -38,6 +38,11 @@ if [ "${KVP_TEST_CACHE:-1}" != 0 ]; then
   export JAX_COMPILATION_CACHE_DIR JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=-1
 fi
+# One OpenMP thread per process (torch, numpy's BLAS; not XLA's own pool): two workers already fill
+# both cores, and torch's threads, one per core, fight the other worker's for them (the kvpress
+# worker's SmolLM2 run in the slow stage: 77 s -> 44 s; tests/models/test_long_models.py's slow
+# tests 174 s -> 157 s, both beside another job on the 2 cores). OMP_NUM_THREADS set outside wins.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 XDIST=(-n "${KVP_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder)
 # KVP_RECORD_DURATIONS=1: rewrite tests/durations.json from this run (the file order of the workers)
 [ -n "${KVP_RECORD_DURATIONS:-}" ] && XDIST+=(--record-durations)

@@ -260,3 +260,19 @@ def test_compile_cache_defaults_under_out_and_is_set_once(tmp_path):
     config.jax_compilation_cache_dir = "/elsewhere"  # JAX_COMPILATION_CACHE_DIR set: left alone
     peer.use_compile_cache(p, config)
     assert len(calls) == 1
+
+
+def test_the_worker_gets_half_of_the_cores_threads(tmp_path, monkeypatch):
+    """The kvpress worker runs beside our side: OMP_NUM_THREADS = half of the cores (at least 1),
+    unless the environment sets it."""
+    p = peer.prepare(peer.parse(ARGS + [f"out={tmp_path}"]))
+    started = []
+    monkeypatch.setattr(peer.subprocess, "Popen", lambda cmd, env, **kw: started.append(env) or None)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for cores, want in ((2, "1"), (16, "8"), (1, "1"), (None, "1")):
+        monkeypatch.setattr(peer.os, "cpu_count", lambda: cores)
+        peer.start_worker(p, [(0, "full", 0.0)])
+        assert started[-1]["OMP_NUM_THREADS"] == want, cores
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    peer.start_worker(p, [(0, "full", 0.0)])
+    assert started[-1]["OMP_NUM_THREADS"] == "3"

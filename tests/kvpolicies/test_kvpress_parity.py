@@ -43,7 +43,7 @@ def run_kvpress(job: dict, tmp: pathlib.Path, timeout: int = 600) -> dict:
     """kvpress's results for `job` (evals/kvpress_worker.py in its own environment)."""
     (tmp / "job.json").write_text(json.dumps(job))
     env = {**os.environ, "PYTHONPATH": str(REF), "CUDA_VISIBLE_DEVICES": "", "TRANSFORMERS_VERBOSITY": "error",
-           "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     subprocess.run([sys.executable, str(ROOT / "evals" / "kvpress_worker.py"), str(tmp / "job.json"),
                     str(tmp / "out.json")], check=True, env=env, cwd=ROOT, timeout=timeout)
     return json.loads((tmp / "out.json").read_text())
