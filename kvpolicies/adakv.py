@@ -36,7 +36,7 @@ from kvpolicies.budgets import Budgeted
 from kvpolicies.checks import check_choice, check_int
 from kvpolicies.codecs import Codec, Identity
 from kvpolicies.prompt import PromptCompressor, PromptPhase, PromptState
-from kvpolicies.scored import LAST_KEY, Accumulated, top_mask
+from kvpolicies.scored import LAST_KEY, Accumulated, stable_order, top_mask
 from kvpolicies.slots import concat, encode_new, take_slots
 from kvpolicies.snapkv import SnapKV
 
@@ -190,8 +190,12 @@ class AdaKV(Budgeted, PromptCompressor, Policy):
         obs = slots.mass + jnp.where(n >= kh * (s + 2 - w), score, 0.0)  # the last w queries before overflow
         over = n > p  # [B, 1, 1]
         per_head = head == jnp.arange(kh)[None, :, None]  # [B, K, V]
-        kept_h = self._compress(jnp.where(per_head, obs, 0.0), jnp.where(per_head, slots.pos, EMPTY), s)
-        kept = jnp.where(over, kept_h.any(axis=1, keepdims=True) & filled, filled)  # [B, 1, V]
+
+        def evict():  # the ranking's sorts only on a step where the pool overflows
+            kept_h = self._compress(jnp.where(per_head, obs, 0.0), jnp.where(per_head, slots.pos, EMPTY), s)
+            return jnp.where(over, kept_h.any(axis=1, keepdims=True) & filled, filled)  # [B, 1, V]
+
+        kept = jax.lax.cond(over.any(), evict, lambda: filled)
         slots = dataclasses.replace(slots, mass=jnp.where(over, 0.0, obs))
         return as_rows(pack_by_head(slots, kept, head, p), kh)
 
@@ -319,8 +323,7 @@ def fit_pool(pool: HeadPool, slots: int) -> HeadPool:
 
 def pack_by_head(slots: HeadPool, kept: Bool[Array, "B 1 V"], head: Int[Array, "B 1 V"], p: int) -> HeadPool:
     """The kept slots (at most p) grouped by head, each head's in text order, then empty slots."""
-    order = jnp.lexsort((jnp.where(kept, slots.pos, LAST_KEY), jnp.where(kept, head, LAST_KEY)), axis=-1)
-    idx = order[..., :p]  # [B, 1, P]
+    idx = stable_order((jnp.where(kept, head, LAST_KEY), jnp.where(kept, slots.pos, LAST_KEY)), p)  # [B, 1, P]
     live = take_slots(kept, idx)  # [B, 1, P]
     return HeadPool(k=jax.tree.map(lambda y: take_slots(y, idx), slots.k),
                     v=jax.tree.map(lambda y: take_slots(y, idx), slots.v),

@@ -155,8 +155,12 @@ class KVzip(Budgeted, Reconstructor, Policy):
         mass = jnp.maximum(slots.mass, score)  # the most attention a slot has received
         over = filled.sum(axis=-1, keepdims=True) > p  # [B, 1, 1]
         per_head = head == jnp.arange(kh)[None, :, None]  # [B, K, V]
-        kept_h = self.stream_keep(jnp.where(per_head, mass, 0.0), jnp.where(per_head, slots.pos, EMPTY), s)
-        kept = jnp.where(over, kept_h.any(axis=1, keepdims=True) & filled, filled)  # [B, 1, V]
+
+        def evict():  # the ranking's sorts only on a step where the pool overflows
+            kept_h = self.stream_keep(jnp.where(per_head, mass, 0.0), jnp.where(per_head, slots.pos, EMPTY), s)
+            return jnp.where(over, kept_h.any(axis=1, keepdims=True) & filled, filled)  # [B, 1, V]
+
+        kept = jax.lax.cond(over.any(), evict, lambda: filled)
         slots = dataclasses.replace(slots, mass=mass)
         return as_rows(pack_by_head(slots, kept, head, p), kh)
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
@@ -168,8 +169,12 @@ class PromptScored(Budgeted, PromptCompressor, Scored):
         count = filled.sum(axis=-1)  # [B, K] tokens in the view
         slots, stats = self.observe(slots, stats, view, seen, count, s)
         over = self.overflows(count, s)  # [B, K, 1]: no free slot for the new token (or `interval`'s turn)
-        prio, tie = self.rank(slots, view.k, stats, seen)
-        kept = jnp.where(over, top_mask(prio, tie, self.stream_kept(s)) & filled, filled)
+
+        def evict():  # the ranking's sorts only on a step where some head overflows
+            prio, tie = self.rank(slots, view.k, stats, seen)
+            return jnp.where(over, top_mask(prio, tie, self.stream_kept(s)) & filled, filled)
+
+        kept = jax.lax.cond(over.any(), evict, lambda: filled)
         return self.join(pack(self.restart(slots, over), kept, s), stats)
 
     def prompt_policy(self):

@@ -105,7 +105,7 @@ def top_mask(prio: Float[Array, "*b V"], tie: Array, n: int) -> Bool[Array, "*b 
 def pack(slots: SlotState, kept: Bool[Array, "B Kp V"], s: int) -> SlotState:
     """The kept slots (at most s of them) in text order, then empty slots."""
     key = jnp.where(kept, slots.pos, LAST_KEY)  # [B, Kp, V]
-    idx = jnp.argsort(key, axis=-1)[..., :s]  # [B, Kp, S]
+    idx = stable_order((key,), s)  # [B, Kp, S]
     live = take_slots(kept, idx)  # [B, Kp, S]
     out: dict[str, Any] = {}
     for f in dataclasses.fields(slots):
@@ -115,3 +115,49 @@ def pack(slots: SlotState, kept: Bool[Array, "B Kp V"], s: int) -> SlotState:
         else:  # positions and per-slot statistics: empty slots get -1 / 0
             out[f.name] = jnp.where(live, take_slots(x, idx), EMPTY if f.name == "pos" else 0.0).astype(x.dtype)
     return type(slots)(**out)
+
+
+
+# A step appends at most this many tokens to packed slots for `stable_order` to try a merge first
+MERGE_NEW = 8
+
+
+def stable_order(keys: tuple[Int[Array, "B Kp V"], ...], s: int) -> Int[Array, "B Kp S"]:
+    """The first s indices of the stable sort of the V slots by `keys` (lexicographic, the first
+    key most significant): `jnp.lexsort(keys[::-1])[..., :s]`. When the view is s packed slots
+    and up to MERGE_NEW new ones (a decode step: `pack`, `pack_by_head`), both parts usually
+    already in order (the kept old slots packed in order, as the last step left them, then
+    empty slots; the new tokens in order), that sort is a merge of the two, computed from
+    counts in O(s x T) comparisons instead of sorting every slot at every token: the same
+    indices, tested against the sort."""
+    v = keys[0].shape[-1]
+    full = lambda: jnp.lexsort(keys[::-1], axis=-1)[..., :s].astype(jnp.int32)  # noqa: E731
+    if not 0 < v - s <= MERGE_NEW:
+        return full()
+    old = tuple(k[..., :s] for k in keys)  # [B, Kp, S]
+    new = tuple(k[..., s:] for k in keys)  # [B, Kp, T]
+    ordered = ~_lex_lt(tuple(k[..., 1:] for k in old), tuple(k[..., :-1] for k in old)).any()
+    ordered &= ~_lex_lt(tuple(k[..., 1:] for k in new), tuple(k[..., :-1] for k in new)).any()
+    return jax.lax.cond(ordered, lambda: _merge(old, new, s), full)
+
+
+def _lex_lt(a: tuple[Array, ...], b: tuple[Array, ...]) -> Array:
+    """a < b lexicographically, elementwise (the first key most significant)."""
+    lt = a[-1] < b[-1]
+    for x, y in zip(a[-2::-1], b[-2::-1]):
+        lt = (x < y) | ((x == y) & lt)
+    return lt
+
+
+def _merge(old: tuple[Array, ...], new: tuple[Array, ...], s: int) -> Int[Array, "B Kp S"]:
+    """The stable order of two sorted runs (old first: ties keep old before new): old slot i goes
+    to i + #(new < it), new slot j to j + #(old <= it); the first s of that permutation."""
+    before = _lex_lt(tuple(k[..., None, :] for k in new), tuple(k[..., :, None] for k in old))  # [B, Kp, S, T]
+    t = before.shape[-1]
+    at_old = jnp.arange(s) + before.sum(axis=-1)  # [B, Kp, S]
+    at_new = jnp.arange(t) + (~before).sum(axis=-2)  # [B, Kp, T]
+    at = jnp.concatenate([at_old, at_new], axis=-1).astype(jnp.int32)  # [B, Kp, V]: a permutation
+    b, kp = at.shape[:2]
+    order = jnp.zeros(at.shape, jnp.int32).at[jnp.arange(b)[:, None, None], jnp.arange(kp)[None, :, None], at].set(
+        jnp.broadcast_to(jnp.arange(s + t, dtype=jnp.int32), at.shape), unique_indices=True)
+    return order[..., :s]
