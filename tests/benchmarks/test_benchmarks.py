@@ -502,3 +502,17 @@ def test_kvzap_fit_table_is_the_saved_run():
     page = (root / "docs" / "guide" / "kvzap.md").read_text()
     assert "kvzap_fit_smollm2_2048.json" in page
     assert fit_table(json.loads((root / "docs" / "results" / "runs" / "kvzap_fit_smollm2_2048.json").read_text())) in page
+
+
+def test_compressed_decode_dry_run_times_every_press_against_full():
+    """benchmarks.compressed_decode on the tiny model: a row per press (kvpress's protocol through
+    compat, kvzip's reconstruction included) with its times over full's from the same run."""
+    from benchmarks.compressed_decode import DEFAULT_PRESSES, main
+
+    rows = main(["--dry-run"])
+    assert [r["press"] for r in rows] == ["full"] + DEFAULT_PRESSES
+    full = rows[0]
+    for r in rows[1:]:
+        assert r["question_s"] > 0 and r["generate_s"] > 0
+        assert r["question_vs_full"] == r["question_s"] / full["question_s"]
+        assert r["generate_vs_full"] == r["generate_s"] / full["generate_s"]
