@@ -22,7 +22,10 @@ above once per press; "shared" (default) prefills each sample once per attention
 and, in a forward hook on every attention module, calls each press's own `forward_hook` with its own
 copy of that layer's cache: kvpress compresses a layer after its attention ran, so every layer's
 input is the same as in a prefill under the press alone (tests/evals/test_peer.py checks that both
-give the same kept positions and answers). KVzipPress always runs the pipeline (`group_of`).
+give the same kept positions and answers). KVzipPress compresses after the prefill, in its context
+manager's exit: with "shared", one KVzipPress prefill and reconstruction pass per sample and set of
+fields, then kvpress's own `compress_post` once per ratio on a copy of the scores it computed
+(`run_kvzip`; the scores do not depend on the ratio; the same test checks it against the pipeline).
 job["tokenizer_from"] = {"checkpoint": dir, "gguf_file": name}: the tokenizer KVzipPress reads when the
 checkpoint has none (a tiny model's).
 """
@@ -431,14 +434,55 @@ def run_per_press(model, presses, ctx, question, n_new):
     return out
 
 
-def group_of(name: str, shared: bool = True) -> tuple[str, bool]:
-    """(attention implementation, shared prefill) a press runs with: ObservedAttentionPress needs
-    the attention weights (eager); KVzipPress compresses after the prefill, in its own context
-    manager's exit (a second pass reconstructing the context), so it runs kvpress's pipeline
-    (`run_per_press`), never a shared prefill's forward hook."""
+@torch.no_grad()
+def run_kvzip(model, presses, ctx, question, n_new):
+    """{(name, ratio): result} of KVzipPress at several ratios from one prefill and reconstruction
+    pass per set of fields: the pass under `press(model)` of the first ratio, with its
+    `compress_post` (the step that reads the ratio) replaced by keeping a copy of the scores
+    `score_val` it computed; then, per ratio, kvpress's own `compress_post` on a copy of those
+    scores (it masks each layer's pruned slots, `masked_key_indices`) and the answer from a copy
+    of the cache. Equal to kvpress's pipeline per ratio: the prefill and the pass do not read the
+    ratio, and the cache the pass leaves is the context's (the repeat inputs are cut off)."""
+    out = {}
+    by_fields: dict[str, list] = {}
+    for name, ratio, fields in presses:
+        assert name == "KVzipPress", name
+        by_fields.setdefault(json.dumps(fields, sort_keys=True), []).append((name, ratio, fields))
+    for group in by_fields.values():
+        cache, scores = DynamicCache(), []
+        try:
+            first = make_press(*group[0][:2], dict(group[0][2]))
+            first.compress_post = lambda model, p=first: scores.append(p.score_val.clone())
+            with first(model):
+                model(input_ids=ctx, past_key_values=cache, logits_to_keep=1)
+            index = key_index([cache.layers[i].keys[0] for i in range(len(cache.layers))])
+        except Exception as e:  # noqa: BLE001  (kvpress failing is a result)
+            out |= {(name, ratio): {"error": f"{type(e).__name__}: {e}"} for name, ratio, _ in group}
+            continue
+        for name, ratio, fields in group:
+            try:
+                press = make_press(name, ratio, dict(fields))
+                press.score_val = scores[0].clone()
+                press.compress_post(model)
+                own = _copy(cache)
+                out[(name, ratio)] = {"kept": kept_mask(model, own, index, ctx.shape[1]),
+                                      "answer": greedy(model, own, question, ctx.shape[1], n_new)}
+            except Exception as e:  # noqa: BLE001
+                out[(name, ratio)] = {"error": f"{type(e).__name__}: {e}"}
+            finally:
+                _set_masks(model, [None] * len(model.model.layers))
+    return out
+
+
+def group_of(name: str, shared: bool = True) -> tuple[str, str]:
+    """(attention implementation, how: "shared" | "pipeline" | "kvzip") a press runs with:
+    ObservedAttentionPress needs the attention weights (eager); KVzipPress compresses after the
+    prefill, in its own context manager's exit (a second pass reconstructing the context), so it
+    never runs in a shared prefill's forward hook: with `shared`, its ratios share one pass
+    (`run_kvzip`), else kvpress's pipeline per press (`run_per_press`)."""
     if name == "KVzipPress":
-        return "sdpa", False
-    return ("eager" if name == "ObservedAttentionPress" else "sdpa"), shared
+        return "sdpa", "kvzip" if shared else "pipeline"
+    return ("eager" if name == "ObservedAttentionPress" else "sdpa"), "shared" if shared else "pipeline"
 
 
 def main_samples(job: dict, out_path: str) -> None:
@@ -458,7 +502,8 @@ def main_samples(job: dict, out_path: str) -> None:
                 if attn not in models:
                     models[attn] = load(path, attn, job.get("gguf_file"))
                 t0 = time.time()
-                res = (run_shared if how else run_per_press)(models[attn], group, ctx, question, job["n_new"])
+                run_group = {"shared": run_shared, "pipeline": run_per_press, "kvzip": run_kvzip}[how]
+                res = run_group(models[attn], group, ctx, question, job["n_new"])
                 secs = round((time.time() - t0) / len(res), 2)  # the group's time, shared out
                 for (name, ratio), r in res.items():
                     line = {"sample": sample["id"], "press": name, "ratio": ratio, "n": ctx.shape[1],

@@ -26,8 +26,9 @@ Keys (key=value):
                                   loads the steps it compiled before instead of compiling them again;
                                   `none`: off)
     prefill=shared                how the kvpress worker prefills: shared (one prefill per sample, each
-                                  press's own forward hook on its own copy of every layer's cache) or
-                                  per_press (kvpress's pipeline, one prefill per press: slower, same result)
+                                  press's own forward hook on its own copy of every layer's cache;
+                                  KVzipPress: one reconstruction pass for all its ratios) or per_press
+                                  (kvpress's pipeline, one prefill per press: slower, same result)
     out=results/peer name=<stem>  where the files go; stem default peer_<model>_<task>_<tokens>
     overwrite=false               replace the files of another configuration under that stem (without
                                   it: an error before anything runs)

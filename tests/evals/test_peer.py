@@ -147,6 +147,34 @@ class TestTable:
             assert x["kept"] == shared[k]["kept"] and x["answer"] == shared[k]["answer"], k
 
 
+    def test_kvzip_ratios_share_one_pass_as_the_pipeline_would(self, tiny_run, tmp_path):
+        """KVzipPress at three ratios from one prefill and reconstruction pass per sample (the
+        worker's default, `run_kvzip`): the same kept positions and ids as kvpress's pipeline, a
+        prefill and a pass per ratio; the ratios keep fewer and fewer tokens."""
+        out, _ = tiny_run
+        job = json.loads((out / f"{STEM}.kvpress-job.json").read_text())
+        job["samples"] = job["samples"][:1]
+        job["samples"][0]["presses"] = [["KVzipPress", r, {}] for r in (0.25, 0.5, 0.75)]
+        # one question token: with the tiny heads (dim 16), kvpress's masking of AdaKV-style pruned
+        # slots finds no key that all of a long question's queries ignore (its attention_patch raises)
+        job["samples"][0]["question"] = job["samples"][0]["question"][-1:]
+        env = {**os.environ, "PYTHONPATH": str(REF), "CUDA_VISIBLE_DEVICES": "", "TRANSFORMERS_VERBOSITY": "error"}
+        got = {}
+        for how in ("shared", "per_press"):
+            (tmp_path / f"{how}.json").write_text(json.dumps(job | {"prefill": how, "save_to": str(tmp_path / how)}))
+            subprocess.run([sys.executable, str(ROOT / "evals" / "kvpress_worker.py"), str(tmp_path / f"{how}.json"),
+                            str(tmp_path / f"{how}.jsonl")], check=True, env=env, cwd=ROOT, timeout=600)
+            got[how] = {x["ratio"]: x for x in _lines(tmp_path / f"{how}.jsonl")}
+        assert sorted(got["shared"]) == sorted(got["per_press"]) == [0.25, 0.5, 0.75]
+        for r, x in got["per_press"].items():
+            assert "error" not in x, x
+            assert x["kept"] == got["shared"][r]["kept"] and x["answer"] == got["shared"][r]["answer"], r
+        n, heads = job["samples"][0]["context"], 2
+        kept = [sum(len(h) for layer in x["kept"] for h in _positions(layer, heads, len(n)))
+                for _, x in sorted(got["shared"].items())]
+        assert kept[0] > kept[1] > kept[2], kept
+
+
 @pytest.mark.parametrize(("args", "says"), [
     (["presses=[SnapKV]"], "did you mean 'SnapKVPress'"),
     (["presses=[KVzip]"], "did you mean 'KVzipPress'"),
@@ -215,8 +243,9 @@ def test_kvzip_and_duo_reach_both_sides_alike(tmp_path):
         else:
             sys.modules["kvpress"] = saved
     assert [worker.group_of(c) for c in ("KVzipPress", "ObservedAttentionPress", "SnapKVPress")] == [
-        ("sdpa", False), ("eager", True), ("sdpa", True)]
-    assert worker.group_of("SnapKVPress", shared=False) == ("sdpa", False)
+        ("sdpa", "kvzip"), ("eager", "shared"), ("sdpa", "shared")]
+    assert worker.group_of("SnapKVPress", shared=False) == ("sdpa", "pipeline")
+    assert worker.group_of("KVzipPress", shared=False) == ("sdpa", "pipeline")
 
 
 def test_pieces_cover_the_context_in_recurring_shapes():
