@@ -418,20 +418,30 @@ def run_per_press(model, presses, ctx, question, n_new):
     model(input_ids=ctx, past_key_values=full, logits_to_keep=1)
     index = key_index([full.layers[i].keys[0] for i in range(len(full.layers))])
     for name, ratio, fields in presses:
-        try:
+        def compressed(name=name, ratio=ratio, fields=fields):
             if name == "full":
-                cache = _copy(full)
-            else:
-                cache = DynamicCache()
-                with make_press(name, ratio, dict(fields))(model):
-                    model(input_ids=ctx, past_key_values=cache, logits_to_keep=1)
-            out[(name, ratio)] = {"kept": kept_mask(model, cache, index, ctx.shape[1]),
-                                  "answer": greedy(model, cache, question, ctx.shape[1], n_new)}
-        except Exception as e:  # noqa: BLE001
-            out[(name, ratio)] = {"error": f"{type(e).__name__}: {e}"}
-        finally:
-            _set_masks(model, [None] * len(model.model.layers))
+                return _copy(full)
+            cache = DynamicCache()
+            with make_press(name, ratio, dict(fields))(model):
+                model(input_ids=ctx, past_key_values=cache, logits_to_keep=1)
+            return cache
+
+        out[(name, ratio)] = answered(model, compressed, index, ctx, question, n_new)
     return out
+
+
+def answered(model, compressed, index, ctx, question, n_new) -> dict:
+    """{"kept": mask, "answer": ids} of the cache `compressed()` returns (a press's masks, if any,
+    set on the modules), or {"error": text} if kvpress raised (a result: the docs quote it); the
+    modules' masks cleared after."""
+    try:
+        cache = compressed()
+        return {"kept": kept_mask(model, cache, index, ctx.shape[1]),
+                "answer": greedy(model, cache, question, ctx.shape[1], n_new)}
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        _set_masks(model, [None] * len(model.model.layers))
 
 
 @torch.no_grad()
@@ -460,17 +470,13 @@ def run_kvzip(model, presses, ctx, question, n_new):
             out |= {(name, ratio): {"error": f"{type(e).__name__}: {e}"} for name, ratio, _ in group}
             continue
         for name, ratio, fields in group:
-            try:
+            def compressed(name=name, ratio=ratio, fields=fields):
                 press = make_press(name, ratio, dict(fields))
                 press.score_val = scores[0].clone()
-                press.compress_post(model)
-                own = _copy(cache)
-                out[(name, ratio)] = {"kept": kept_mask(model, own, index, ctx.shape[1]),
-                                      "answer": greedy(model, own, question, ctx.shape[1], n_new)}
-            except Exception as e:  # noqa: BLE001
-                out[(name, ratio)] = {"error": f"{type(e).__name__}: {e}"}
-            finally:
-                _set_masks(model, [None] * len(model.model.layers))
+                press.compress_post(model)  # sets each module's masked_key_indices
+                return _copy(cache)
+
+            out[(name, ratio)] = answered(model, compressed, index, ctx, question, n_new)
     return out
 
 
