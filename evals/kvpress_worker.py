@@ -14,7 +14,8 @@ positions are read by matching each cached key to the uncompressed cache's keys 
 
 Multi-sample form (`evals.peer`): job["samples"] = [{"id": str, "context": [ids], "question": [ids],
 "presses": [[name, ratio, {fields}], ...]}, ...] (a sample without "presses" takes job["presses"]);
-the model loads once. Out is then a JSON-lines file, APPENDED one line per (sample, press) as each
+the model loads once; job["every_core_when"]: a file whose existence gives torch every core
+(`every_core_once`). Out is then a JSON-lines file, APPENDED one line per (sample, press) as each
 finishes: {"sample": id, "press": name, "ratio": r, "n": context length, "answer": ids,
 "kept": [layer] base64 of numpy.packbits of the [kv head, n] kept mask} or {..., "error": text}. The
 press "full" (ratio 0) is the uncompressed cache. job["prefill"]: "per_press" runs the pipeline
@@ -491,6 +492,13 @@ def group_of(name: str, shared: bool = True) -> tuple[str, str]:
     return ("eager" if name == "ObservedAttentionPress" else "sdpa"), "shared" if shared else "pipeline"
 
 
+def every_core_once(flag: str | None) -> None:
+    """torch's threads become every core's once the file `flag` exists (`evals.peer` writes it when
+    its own side is done: the worker started with half of them, beside it); checked between items."""
+    if flag and torch.get_num_threads() != (os.cpu_count() or 1) and os.path.exists(flag):
+        torch.set_num_threads(os.cpu_count() or 1)
+
+
 def main_samples(job: dict, out_path: str) -> None:
     """The multi-sample form: every sample's presses, one JSON line appended per (sample, press)."""
     path = job["checkpoint"] or build_tiny(job["tiny"], job["save_to"])
@@ -507,6 +515,7 @@ def main_samples(job: dict, out_path: str) -> None:
                 group = [p for p in presses if group_of(p[0], shared) == (attn, how)]
                 if attn not in models:
                     models[attn] = load(path, attn, job.get("gguf_file"))
+                every_core_once(job.get("every_core_when"))
                 t0 = time.time()
                 run_group = {"shared": run_shared, "pipeline": run_per_press, "kvzip": run_kvzip}[how]
                 res = run_group(models[attn], group, ctx, question, job["n_new"])

@@ -40,7 +40,7 @@ the context is prefilled and compressed once, then the question is appended at t
 positions and `gen` greedy tokens are decoded, nothing compressed again. kvpress runs in its own
 environment (`.venv/kvpress-ref`, transformers 5.2.0; `bash scripts/setup.sh test`) through
 `evals/kvpress_worker.py` in a subprocess, in float32 on the CPU with half of the cores' threads
-(`worker_threads`), at the same time as ours
+(`worker_threads`; every core once our side is done), at the same time as ours
 (`kvpolicies.compat.kvpress(press, ratio)` through `models.engine.Engine`: prompt, compress,
 kept_positions, continue_generate; prompt compressors that share a prompt phase share its prefill).
 
@@ -355,6 +355,8 @@ def worker_job(p: Plan, todo: Sequence[tuple[int, str, float]]) -> dict[str, Any
     for i, c, r in todo:
         by.setdefault(i, []).append([c, r, fields[c]])
     job: dict[str, Any] = {"n_new": p.gen, "prefill": p.prefill,
+                           # every core once our side is done, unless the environment sets the threads
+                           "every_core_when": None if "OMP_NUM_THREADS" in os.environ else str(p.path(".ours-done")),
                            "samples": [{"id": p.sample_id(i), "context": p.contexts[i].tolist(),
                                         "question": p.questions[i].tolist(), "presses": ps} for i, ps in by.items()]}
     if p.model == "tiny":
@@ -386,7 +388,8 @@ def worker_threads() -> int:
     """torch's threads in the kvpress worker: half of the cores, as it runs beside our side.
     torch's default, every core, has the two sides' threads fight over them (SmolLM2, ruler_vt at
     2,048 tokens, 2 cores, beside a running evals.peer: 27.9 s an item with 2 threads, 3.3 s with
-    1, the same answers). OMP_NUM_THREADS in the environment wins."""
+    1, the same answers). When our side is done, the worker takes every core (`<stem>.ours-done`,
+    checked between its items). OMP_NUM_THREADS in the environment wins (and the count stays)."""
     return max(1, (os.cpu_count() or 2) // 2)
 
 
@@ -682,6 +685,7 @@ def run(p: Plan) -> list[dict[str, Any]]:
     p.out.mkdir(parents=True, exist_ok=True)
     if p.table_only:
         return write(p, zoo.load_tokenizer(model_config(p.model)))
+    p.path(".ours-done").unlink(missing_ok=True)  # a killed run's
     for s in SIDES:
         repair(p.path(f".{s}.jsonl"))
     todo = {s: pending(p, s) for s in SIDES}
@@ -711,6 +715,7 @@ def run(p: Plan) -> list[dict[str, Any]]:
             model, _ = load_ours(p)
             run_ours(p, model, todo["ours"], tick)
         if worker is not None:
+            p.path(".ours-done").touch()  # our side is done: the worker takes every core (`worker_job`)
             _wait(p, worker, bars["kvpress"], total)
             worker = None
     except KeyboardInterrupt:  # the table of what both sides saved so far, then the usual one line
@@ -724,6 +729,7 @@ def run(p: Plan) -> list[dict[str, Any]]:
     finally:
         if worker is not None and worker.poll() is None:
             worker.terminate()
+        p.path(".ours-done").unlink(missing_ok=True)
         for b in bars.values():
             b.close()
     rows = write(p, zoo.load_tokenizer(model_config(p.model)))

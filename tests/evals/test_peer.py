@@ -305,3 +305,58 @@ def test_the_worker_gets_half_of_the_cores_threads(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     peer.start_worker(p, [(0, "full", 0.0)])
     assert started[-1]["OMP_NUM_THREADS"] == "3"
+
+
+@pytest.mark.parametrize("omp", [None, "1"])
+def test_the_worker_takes_every_core_when_our_side_is_done(tmp_path, monkeypatch, omp):
+    """The worker's job names a file (`every_core_when`) that the run writes once our side's last
+    item is done, while the worker still runs (it then gives torch every core), and removes after;
+    with OMP_NUM_THREADS set, no file is named."""
+    import dataclasses
+
+    from evals import zoo
+
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    p = peer.prepare(peer.parse(ARGS + [f"out={tmp_path}"]))
+    p = dataclasses.replace(p, model="smollm2")  # a tiny model's worker runs before our side, alone
+    flag = p.path(".ours-done")
+    job = peer.worker_job(dataclasses.replace(p, model="tiny"), peer.pending(p, "kvpress"))
+    assert job["every_core_when"] == (str(flag) if omp is None else None)
+    seen = []
+
+    class Worker:
+        returncode = 0
+
+        def poll(self):  # what the worker would find between its items
+            seen.append(("ours done" in seen, flag.exists()))
+            return 0
+
+    flag.touch()  # a killed run's: removed before the worker starts
+    monkeypatch.setattr(peer, "start_worker", lambda plan, todo: seen.append(flag.exists()) or Worker())
+    monkeypatch.setattr(peer, "load_ours", lambda plan: (None, None))
+    monkeypatch.setattr(peer, "run_ours", lambda plan, model, todo, tick: seen.append("ours done"))
+    monkeypatch.setattr(peer, "write", lambda plan, tok: [{"compared": 0, "same_text": 1.0}])
+    monkeypatch.setattr(zoo, "load_tokenizer", lambda cfg: None)
+    peer.run(p)
+    assert seen[:2] == [False, "ours done"] and seen[2:] and all(x == (True, True) for x in seen[2:]), seen
+    assert not flag.exists()
+
+
+@pytest.mark.ref
+@pytest.mark.kvpress
+@pytest.mark.skipif(not (REF / "kvpress").is_dir(), reason="kvpress not installed (bash scripts/setup.sh test)")
+def test_the_worker_takes_every_core_once_the_file_exists(tmp_path):
+    """The worker's check between items (in kvpress's environment): torch keeps its one thread while
+    the file is absent, and has os.cpu_count() once it exists."""
+    flag = tmp_path / "done"
+    code = ("import os, sys, torch; sys.path.insert(0, 'evals'); import kvpress_worker as w; "
+            f"torch.set_num_threads(1); w.every_core_once({str(flag)!r}); a = torch.get_num_threads(); "
+            f"open({str(flag)!r}, 'w').close(); w.every_core_once({str(flag)!r}); w.every_core_once(None); "
+            "print(a, torch.get_num_threads(), os.cpu_count())")
+    env = {**os.environ, "PYTHONPATH": str(REF), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         check=True).stdout.split()
+    assert out[0] == "1" and out[1] == out[2], out
