@@ -197,14 +197,19 @@ class Llama(nnx.Module):
         local = np.asarray(cfg.local_layers)  # [L] bool
         new_cache = []
         for (a, b, pol), state in zip(runs, cache):
-            wr = weights if (a, b) == (0, cfg.n_layers) else jax.tree.map(lambda t: t[a:b], weights)
+            # a run of some layers reads its layers' weights out of the stacked ones inside the loop
+            # (a slice [a:b] taken outside would copy the run's weights at every step)
+            whole = (a, b) == (0, cfg.n_layers)
+            wr = weights if whole else {}
             if getattr(pol, "reads_hidden", False):  # its own per-layer weights ride with the layer's
                 wr = {**wr, **pol.hidden_weights(cfg.d_model, cfg.n_kv_heads, cfg.n_layers, a, b)}
             kinds = set(local[a:b].tolist())
             cut = reach is not None and has_prefix_slots(pol) and reach < state.slots
 
-            def body(x, inp, pol=pol, kinds=kinds, cut=cut):
-                w, st, is_local = inp
+            def body(x, inp, pol=pol, kinds=kinds, cut=cut, whole=whole):
+                w, st, is_local, i = inp
+                if not whole:
+                    w = {**jax.tree.map(lambda t: jax.lax.dynamic_index_in_dim(t, i, keepdims=False), weights), **w}
                 if cut:  # the layer's first `reach` slots (sliced inside the loop: one copy, of reach slots)
                     st = pol.head(st, reach)
                 if len(kinds) == 1:  # a run of one layer type (the usual case): its RoPE, static
@@ -216,7 +221,7 @@ class Llama(nnx.Module):
                     lambda: block(cfg, pol, rope, w, x, pos, st),
                 )
 
-            x, out = jax.lax.scan(body, x, (wr, state, jnp.asarray(local[a:b])))
+            x, out = jax.lax.scan(body, x, (wr, state, jnp.asarray(local[a:b]), jnp.arange(a, b)))
             # an appending policy's layers return only their new slots: written here, in place
             if isinstance(out, Deferred):
                 out = write_deferred(state, out, lead=1)
