@@ -268,7 +268,10 @@ class Duo(Preset, PromptCompressor, Bounded, Policy):
     def prompt_policy(self):
         if self.prompt == "stream":
             return self
-        return DuoPrompt(codec=self.codec, of=self)  # every head dense (keys stored as duo stores them)
+        # `full` over every head (keys stored as duo stores them): one prompt state whatever the head
+        # pattern, so the layers prefill as one run (`Engine.decode_runs` cuts it into the head
+        # groups' runs) and engines of other patterns or ratios share it (`Engine.shares_prompt`)
+        return self._full()
 
     def after_prompt(self, state):
         """The dense prompt state (`full`'s slots, every head) split into the two groups: the
@@ -306,11 +309,3 @@ class Duo(Preset, PromptCompressor, Bounded, Policy):
                 out[1] += tree_nbytes(p) * filled // s
         return out[0], out[1]
 
-
-@dataclasses.dataclass(frozen=True)
-class DuoPrompt(Full):
-    """duo's prompt phase: `full` over every head. `of` (the layer's duo policy) only tells layers
-    with different head groups apart, so that the prompt phase's runs of equal layers are the
-    decode policies' runs (`after_prompt` splits each run's state by its own groups)."""
-
-    of: Policy | None = None
