@@ -172,6 +172,12 @@ class KVzip(Budgeted, Reconstructor, Policy):
         """The layer's policy while the engine feeds the repeat inputs."""
         return Reconstruct(codec=self.codec, of=self)
 
+    def scoring(self) -> "KVzip":
+        """What the reconstruction pass reads of this policy (its scores depend on n_sink, the
+        repeat inputs' chunking and style, the codec), what it keeps reset (budget, max_new, ratio,
+        scope, keep_last): kvzip at another ratio or budget scores alike (`Engine.reconstruct`)."""
+        return dataclasses.replace(self, budget=self.n_sink + 1, max_new=0, ratio=0.0, scope="layer", keep_last=True)
+
     def after_prompt(self, state: PromptState) -> HeadPool:
         if "zip" not in state.extra:
             raise ValueError("kvzip: the prompt has no reconstruction scores; run it through models.engine.Engine "
@@ -225,6 +231,10 @@ class Reconstruct(Policy):
 
     def capacity(self, max_len):
         return max_len
+
+    def scoring(self) -> "Reconstruct":
+        """This layer of the pass with its kvzip policy's `scoring` (equal for kvzip at any ratio)."""
+        return self if self.of is None else dataclasses.replace(self, of=self.of.scoring())
 
     def extend(self, state: PromptState, k, v, pos):
         slots = concat(SlotState(state.k, state.v, state.pos), encode_new(self.codec, k, v, pos))  # [B, 1, M + T]

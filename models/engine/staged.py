@@ -45,6 +45,7 @@ class Prompted:
     # the engine that stores this state when `compress` fitted it (Engine(fit=n)): its layers' policies
     # re-sized to what they kept; continue_generate, feed and kept_positions hand the state to it
     fitted: "Engine | None" = None
+    scored: tuple | None = None  # the reconstruction pass whose kvzip scores the cache holds (Engine.reconstruct)
 
 
 class Staged:
@@ -78,7 +79,7 @@ class Staged:
                 logits, cache = self._step(cache, tokens[:, s:s + chunk], start + s, prompt=prompt)
         self.prefill_tokens += t * tokens.shape[0]
         fed = None if state.tokens is None else np.concatenate([state.tokens, tokens], axis=1)
-        return dataclasses.replace(state, cache=cache, length=start + t, logits=logits, tokens=fed)
+        return dataclasses.replace(state, cache=cache, length=start + t, logits=logits, tokens=fed, scored=None)
 
     def _check_state(self, state: Prompted, tokens, what: str) -> np.ndarray:
         if not isinstance(state, Prompted):
@@ -156,11 +157,7 @@ class Staged:
             return dataclasses.replace(fitted, fitted=engine)
         if self.compresses:
             self.prompts_compressed += 1
-            if self.reconstructors:
-                if state.tokens is None:
-                    raise ValueError("compress: kvzip needs the prompt's token ids (a state from Engine.prompt)")
-                cache = self._reconstruct(cache, state.tokens)
-            cache = self._after_prompt(cache)
+            cache = self._after_prompt(self._scored(state, cache))  # kvzip: its scores (a pass, or `reconstruct`'s)
         return Prompted(cache, state.length, state.logits, True, state.tokens)
 
     def fitted(self, state: Prompted, round_to: int = 1) -> tuple["Engine", Prompted]:
@@ -198,9 +195,7 @@ class Staged:
             layers = split_layers(state.cache)
             held = [int(np.asarray((st.pos >= 0).sum(axis=(1, 2))).max()) for st in layers]
         else:
-            cache = self._adopt(state.cache)
-            if self.reconstructors:
-                cache = self._reconstruct(cache, state.tokens)
+            cache = self._scored(state, self._adopt(state.cache))
             held = [int(n) for n in np.asarray(self._held_after_prompt(cache)).max(axis=1)]  # [L]
         policies = []
         for i, (pol, n) in enumerate(zip(self.policies, held)):

@@ -20,7 +20,8 @@ from kvpolicies.prompt import after_prompt
 from kvpolicies.slots import has_prefix_slots
 from kvpolicies.attention.tuning import Tuning
 from models.llama import Cache, Llama, policy_runs
-from models.reconstruct import reconstruct
+from kvpolicies.kvzip import scores_in_pass
+from models.reconstruct import model_scope, reconstruct
 from models.engine.checks import check_int, check_pool
 
 REACH_MIN = 1024  # the smallest length bucket (slots)
@@ -134,6 +135,42 @@ class Steps:
             return cache
         self._check_repeat()
         return reconstruct(self, cache, tokens, policy_runs(self.recon_policies, self.cfg.n_layers))
+
+    def _score_key(self) -> tuple:
+        """What kvzip's scores depend on: the model, max_len, the pass's policies with what kvzip keeps
+        reset (`KVzip.scoring`: kvzip at another ratio or budget scores alike), the repeat prompts."""
+        policies = tuple(p.scoring() if hasattr(p, "scoring") else p for p in self.recon_policies)
+        return id(self._model), self.max_len, policies, self.repeat
+
+    def _scored(self, state: Any, cache: Cache) -> Cache:
+        """The adopted prompt cache of `state` with kvzip's scores: a reconstruction pass now, or
+        the scores `reconstruct` put in the state when it ran a pass that scores alike (then only
+        this engine's choice over all layers, scope="model", is made again)."""
+        if not self.reconstructors:
+            return cache
+        if getattr(state, "scored", None) != self._score_key():
+            if state.tokens is None:
+                raise ValueError("kvzip needs the prompt's token ids (a state from Engine.prompt)")
+            return self._reconstruct(cache, state.tokens)
+        scored = [scores_in_pass(p) for _, _, p in policy_runs(self.recon_policies, self.cfg.n_layers)]
+        return model_scope(self.reconstructors, cache, scored)
+
+    def reconstruct(self, state: Any) -> Any:
+        """kvzip's reconstruction pass over an uncompressed `Prompted` on its own (`compress` runs
+        it otherwise): the state returned holds the scores, and `compress` of it by this engine or
+        by any engine that `shares_prompt` with this one and scores alike (kvzip at other ratios
+        or budgets) keeps from them without another pass: score once, compress at every ratio.
+        A state whose kvzip layers hold scores alike is returned as it is; more prompt tokens
+        (`extend_prompt`) drop the scores."""
+        if getattr(state, "compressed", True):
+            raise ValueError("reconstruct: needs an uncompressed Prompted (Engine.prompt, before compress)")
+        if not self.reconstructors:
+            raise ValueError(f"reconstruct: no layer of this engine reconstructs (kvzip); got "
+                             f"{sorted({type(p).__name__ for p in self.policies})}")
+        if getattr(state, "scored", None) == self._score_key():
+            return state
+        cache = self._scored(state, self._adopt(state.cache, "reconstruct"))  # the pass (the state's scores differ)
+        return dataclasses.replace(state, cache=cache, scored=self._score_key())
 
     def _after_prompt_impl(self, cache):
         """Each run's prompt state -> its decode state (stacked over the run's layers)."""

@@ -172,6 +172,48 @@ def test_generate_equals_prompt_compress_continue(tiny_qwen):
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("scope", ["layer", "model"])
+def test_one_reconstruction_pass_serves_every_ratio(tiny_qwen, scope):
+    """`Engine.reconstruct` runs kvzip's pass once; engines at other ratios compress its state
+    without a pass (no repeat token fed) to the kept positions and answers of their own pass
+    (scope="model": each engine's choice over all layers made again from the shared scores); more
+    prompt tokens, or another n_sink, mean a pass again."""
+    import dataclasses
+
+    from models.engine import Engine
+
+    _, ours = tiny_qwen
+    rng = np.random.default_rng(4)
+    ctx, q = (rng.integers(12, 64, (B, n)).astype(np.int32) for n in (30, 2))
+    engs = [Engine(ours, KVzip(ratio=r, max_new=6, n_sink=2, repeat_chunk=12, repeat_tail=3, scope=scope), max_len=40,
+                   repeat=REPEAT) for r in (0.25, 0.5, 0.75)]
+    state = engs[0].prompt(ctx, chunk=7)
+    scored = engs[0].reconstruct(state)
+    assert engs[0].reconstruct_tokens == B * (17 + 19 + 13) and scored.scored is not None and state.scored is None
+    assert engs[0].reconstruct(scored) is scored and engs[0].reconstruct_tokens == B * (17 + 19 + 13)
+    kept_counts = []
+    for e in engs:
+        own = e.compress(state)  # its own pass
+        fed = e.reconstruct_tokens
+        shared = e.compress(scored)
+        assert e.reconstruct_tokens == fed, "compress ran a pass over a state already scored alike"
+        for b in range(B):
+            want, got = e.kept_positions(own, b), e.kept_positions(shared, b)
+            assert [[x.tolist() for x in layer] for layer in got] == [[x.tolist() for x in layer] for layer in want]
+        np.testing.assert_array_equal(e.continue_generate(shared, q, 4), e.continue_generate(own, q, 4))
+        kept_counts.append(sum(len(x) for layer in e.kept_positions(shared) for x in layer))
+    assert kept_counts[0] > kept_counts[1] > kept_counts[2]  # the ratios keep what they should, not one set
+    more = engs[1].extend_prompt(scored, ctx[:, :3])
+    assert more.scored is None  # the scores are stale
+    other = Engine(ours, dataclasses.replace(engs[1].policies[0], n_sink=3), max_len=40, repeat=REPEAT)
+    other.compress(scored)
+    assert other.reconstruct_tokens == B * (17 + 19 + 13)  # another n_sink scores differently: a pass
+    with pytest.raises(ValueError, match="uncompressed"):
+        engs[0].reconstruct(engs[0].compress(scored))
+    with pytest.raises(ValueError, match="no layer of this engine reconstructs"):
+        Engine(ours, kvpolicies.get("full"), max_len=40).reconstruct(state)
+
+
 def test_needs_repeat_prompts_before_any_compute(tiny_qwen):
     from models.engine import Engine
 
