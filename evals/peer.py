@@ -456,7 +456,8 @@ def prompt_in_pieces(eng, ctx: np.ndarray, chunk: int):
 def run_ours(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=lambda: None) -> None:
     """Our side of the items `todo`, one line appended to <stem>.ours.jsonl per item. An engine per
     (press, ratio), kept across samples (its compiled steps); per sample, prompt compressors with
-    the same prompt phase compress one prefill (full last: it takes any dense prompt state)."""
+    the same prompt phase compress one prefill (full last: it takes any dense prompt state), and
+    kvzip's ratios one reconstruction pass (`Engine.reconstruct`)."""
     import jax
 
     from kvpolicies.compat import kvpress
@@ -484,11 +485,13 @@ def run_ours(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=lambda
                 # shares_prompt compares layer by layer; the state's runs of layers must match too (a
                 # stack whose prompt phases differ by layer has a run per layer: it cannot adopt one run)
                 runs = len(policy_runs(eng.prompt_policies, model.cfg.n_layers))
-                st = next((s for e, s in states if len(s.cache) == runs and eng.shares_prompt(e)), None)
-                if st is None:
-                    st = prompt_in_pieces(eng, ctx, p.chunk)
-                    states.append((eng, st))
-                st = eng.compress(st)
+                j = next((j for j, (e, s) in enumerate(states) if len(s.cache) == runs and eng.shares_prompt(e)), None)
+                if j is None:
+                    states.append((eng, prompt_in_pieces(eng, ctx, p.chunk)))
+                    j = len(states) - 1
+                if eng.reconstructors:  # kvzip: one reconstruction pass a sample, its scores kept for every ratio
+                    states[j] = (states[j][0], eng.reconstruct(states[j][1]))
+                st = eng.compress(states[j][1])
                 mask = np.zeros((model.cfg.n_kv_heads, len(ctx)), bool)
                 kept = []
                 for layer in eng.kept_positions(st):

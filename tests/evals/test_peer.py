@@ -147,6 +147,55 @@ class TestTable:
             assert x["kept"] == shared[k]["kept"] and x["answer"] == shared[k]["answer"], k
 
 
+    def test_our_side_shares_duo_prefills_and_kvzip_passes(self, tiny_run, tmp_path, monkeypatch):
+        """Our side, a sample with DuoAttentionPress and KVzipPress at two ratios and the full row:
+        two prefills (Duo's ratios share one dense prompt, full adopts one) and one kvzip
+        reconstruction pass; every line is what a fresh engine of that press and ratio gives
+        (prompt, compress, kept positions, continue_generate)."""
+        import collections
+
+        import numpy as np
+
+        from kvpolicies.compat import kvpress
+        from models.engine import Engine
+
+        out, _ = tiny_run
+        (tmp_path / f"{STEM}.tiny").symlink_to(out / f"{STEM}.tiny")  # the checkpoint the worker wrote
+        p = peer.prepare(peer.parse([a for a in ARGS if not a.startswith(("presses=", "ratios=", "samples="))] + [
+            "samples=1", "presses=[KVzipPress,DuoAttentionPress]", "ratios=[0.25,0.5]", f"out={tmp_path}"]))
+        model, _ = peer.load_ours(p)
+        calls = collections.Counter()
+        for name in ("prompt", "_reconstruct"):
+            def counted(self, *a, _orig=getattr(Engine, name), _name=name, **k):
+                calls[_name] += 1
+                return _orig(self, *a, **k)
+            monkeypatch.setattr(Engine, name, counted)
+        peer.run_ours(p, model, peer.pending(p, "ours"))
+        assert calls == {"prompt": 1, "_reconstruct": 1}, calls
+        monkeypatch.undo()
+        lines = _lines(tmp_path / f"{STEM}.ours.jsonl")
+        assert sorted((x["press"], x["ratio"]) for x in lines) == [
+            ("DuoAttentionPress", 0.25), ("DuoAttentionPress", 0.5), ("KVzipPress", 0.25), ("KVzipPress", 0.5),
+            ("full", 0.0)]
+        ctx, q = p.contexts[0], p.questions[0]
+        max_new = len(q) + p.gen
+        for x in lines:
+            press = "SnapKVPress" if x["press"] == "full" else x["press"]
+            pol = kvpress(press, x["ratio"], n_layers=model.cfg.n_layers, max_new=max_new,
+                          **peer.press_fields("tiny", press))
+            eng = Engine(model, pol, max_len=len(ctx) + max_new)
+            st = eng.prompt(ctx[None])
+            st = eng.compress(st) if x["press"] != "full" else st
+            want = []
+            for layer in (eng.kept_positions(st) if x["press"] != "full" else [[np.arange(len(ctx))] * 2] * 3):
+                m = np.zeros((2, len(ctx)), bool)
+                for h, pos in enumerate(layer):
+                    m[h, np.asarray(pos)] = True
+                want.append(peer.pack(m))
+            assert x["kept"] == want, (x["press"], x["ratio"])
+            if x["press"] != "full":
+                assert x["answer"] == eng.continue_generate(st, q[None], p.gen).tolist()[0], (x["press"], x["ratio"])
+
     def test_kvzip_ratios_share_one_pass_as_the_pipeline_would(self, tiny_run, tmp_path):
         """KVzipPress at three ratios from one prefill and reconstruction pass per sample (the
         worker's default, `run_kvzip`): the same kept positions and ids as kvpress's pipeline, a
