@@ -8,7 +8,9 @@ context can be compressed by each of them in turn (`Engine.compress` leaves its 
 token ids, batch shape and chunk; `prompted(engine, tokens, chunk)` returns a stored state that
 `engine` can compress (the same engine, or one that `shares_prompt` with the one that prefilled
 it), and prefills otherwise (storing the state when `engine` is a prompt compressor: a streaming
-policy's prompt state, already its decode state, serves no other policy). `evals.compare` (and so `evals.suite`) runs its jobs
+policy's prompt state, already its decode state, serves no other policy). A kvzip engine gets
+the state after its reconstruction pass (`Engine.reconstruct`), stored too: kvzip at another ratio
+or budget compresses it without a second pass. `evals.compare` (and so `evals.suite`) runs its jobs
 inside `sharing()`: every budget of a prompt compressor, and `full` beside them, reuse the first
 job's prefills. The store is bounded (least recently used states are dropped past `limit_bytes`)
 and holds nothing once the `with` block ends. Without `sharing()`, `prompted` is `engine.prompt`.
@@ -54,23 +56,39 @@ class Store:
 
     def prompt(self, engine, tokens: np.ndarray, chunk: int | None):
         key = self.key(tokens, chunk)
-        for src, state, _ in self.entries.get(key, []):
+        state = None
+        # a state that holds kvzip's scores (Engine.reconstruct) serves kvzip engines only, and first
+        for src, st, _ in sorted(self.entries.get(key, []), key=lambda e: getattr(e[1], "scored", None) is None):
+            if getattr(st, "scored", None) is not None and not engine.reconstructors:
+                continue
             if src is engine or engine.shares_prompt(src):
                 self.entries.move_to_end(key)
                 self.hits += 1
                 engine.prefills_shared += 1
-                return state
-        state = engine.prompt(tokens, chunk=chunk)
-        self.prefills += 1
-        n = state_bytes(state)
-        if engine.compresses and n <= self.limit_bytes:  # a streaming policy's prompt state serves no other
-            self.entries.setdefault(key, []).append((engine, state, n))
-            self.entries.move_to_end(key)
-            self.bytes += n
-            while self.bytes > self.limit_bytes:  # drop the least recently used contexts
-                _, dropped = self.entries.popitem(last=False)
-                self.bytes -= sum(b for _, _, b in dropped)
+                state = st
+                break
+        if state is None:
+            state = engine.prompt(tokens, chunk=chunk)
+            self.prefills += 1
+            if engine.compresses:  # a streaming policy's prompt state serves no other
+                self._put(key, engine, state)
+        if engine.reconstructors:  # kvzip: its pass once per context, for every ratio or budget that scores alike
+            scored = engine.reconstruct(state)
+            if scored is not state:
+                self._put(key, engine, scored)
+            state = scored
         return state
+
+    def _put(self, key: tuple, engine, state) -> None:
+        n = state_bytes(state)
+        if n > self.limit_bytes:
+            return
+        self.entries.setdefault(key, []).append((engine, state, n))
+        self.entries.move_to_end(key)
+        self.bytes += n
+        while self.bytes > self.limit_bytes:  # drop the least recently used contexts
+            _, dropped = self.entries.popitem(last=False)
+            self.bytes -= sum(b for _, _, b in dropped)
 
 
 _STORE: Store | None = None

@@ -215,6 +215,23 @@ def test_one_dense_prefill_shared_by_prompt_compressors():
     assert not sink.shares_prompt(engines[0]) and not engines[0].shares_prompt(engines[2])
 
 
+def test_kvzip_budgets_share_one_prefill_and_one_reconstruction_pass():
+    """kvzip at two budgets, knorm (the same dense prompt phase) and full in one shared run: one
+    prefill and one kvzip reconstruction pass per context (the second kvzip engine feeds no repeat
+    input), and every engine's answers are its own unshared ones."""
+    prompts = [ruler.Sample(np.random.default_rng(i).integers(0, 256, 40).astype(np.int32), ("x",), 32)
+               for i in range(2)]
+    stacks = [kvpolicies.get("kvzip", budget=b, max_new=24, n_sink=2, repeat_chunk=16, repeat_tail=3) for b in (8, 16)]
+    stacks += [kvpolicies.get("knorm", budget=16, max_new=24), kvpolicies.get("full")]
+    engines = [Engine(MODEL, s, 64, repeat=TOK) for s in stacks]
+    out, counts = ruler.shared_prefill(engines, prompts, 4, "query_agnostic", chunk=None)
+    assert counts == {"prefills": 2, "prefills_unshared": 8}
+    assert engines[0].reconstruct_tokens > 0 and engines[1].reconstruct_tokens == 0
+    for s, answers in zip(stacks, out):
+        fresh = Engine(MODEL, s, 64, repeat=TOK)
+        assert answers == [ruler.answer(fresh, [p], 4, "query_agnostic", None)[0] for p in prompts]
+
+
 # -- the suite preset ---------------------------------------------------------------------------------
 def test_suite_expands_the_ruler_set_and_averages_with_a_pooled_interval():
     from evals import suite
