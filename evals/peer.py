@@ -655,7 +655,8 @@ def write(p: Plan, tok) -> list[dict[str, Any]]:
 
 
 def _count(p: Plan, side: str) -> int:
-    return len(saved(p, side))
+    """The plan's items a side has saved (not the lines of other ratios or presses in its file)."""
+    return len(saved(p, side).keys() & {(i, c, r) for i in range(p.samples) for c, r in p.cells})
 
 
 MAP_COUNT = pathlib.Path("/proc/sys/vm/max_map_count")

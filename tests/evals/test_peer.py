@@ -112,6 +112,14 @@ class TestTable:
         peer.main(ARGS + [f"out={out}"])
         assert "to run: kvpress 0, ours 0 of 6" in capsys.readouterr().out
 
+    def test_the_progress_counts_the_plans_items_only(self, tiny_run):
+        """A run of other ratios over the same files counts its own items: the full rows only here."""
+        out, _ = tiny_run
+        other = peer.prepare(peer.parse([a for a in ARGS if not a.startswith("ratios=")] + ["ratios=[0.25]",
+                                                                                          f"out={out}"]))
+        assert len(peer.saved(other, "kvpress")) == 6 and peer._count(other, "kvpress") == 2
+        assert peer._count(other, "ours") == 2 and len(peer.pending(other, "ours")) == 4
+
     def test_table_only_computes_nothing(self, tiny_run, capsys):
         out, rows = tiny_run
         (out / f"{STEM}.md").unlink()
