@@ -121,7 +121,8 @@ def decoding_run(tmp_path_factory):
     ctx, question = rng.integers(0, 128, N_CTX), rng.integers(0, 128, 1)
     job = {"checkpoint": None, "save_to": str(tmp / "ckpt"), "tiny": {"kind": "llama", "seed": 0, "config": TINY},
            "context": ctx.tolist(), "question": question.tolist(), "n_new": N_DECODE,
-           "presses": [["KnormPress", r, {"compression_interval": i, "target_size": t}] for r, i, t in DECODING]}
+           "presses": [["KnormPress", r, {"compression_interval": i, "target_size": t}] for r, i, t in DECODING]
+           + [["SnapKVPress", 0.5, {"compression_interval": 16, "target_size": 160}]]}
     ref = run_kvpress(job, tmp)
     cfg, params = load_hf(tmp / "ckpt")
     return Llama(cfg, params), ctx, question, ref
@@ -149,6 +150,17 @@ def test_compression_while_decoding_equals_kvpress_decoding_press(decoding_run, 
         assert np.mean(js) >= 0.98, (what, np.mean(js))  # Knorm: near ties of rotated and un-rotated key norms
     assert any(p >= N_CTX for layer in want["kept_end"] for h in layer for p in h)  # the answer is compressed too
     assert answer.tolist() == want["answer"]
+
+
+def test_kvpress_decoding_snapkv_needs_more_buffered_steps_than_its_window(decoding_run):
+    """Why `kvpress()` takes `compression_interval` for KnormPress only: kvpress 0.5.5's DecodingPress
+    re-scores SnapKVPress on the hidden states buffered since its last compression, and SnapKVPress
+    asserts more of them than its window (64): at an interval of 16 it raises on the first one."""
+    *_, ref = decoding_run
+    assert ref["SnapKVPress@0.5/16/160"] == {
+        "error": "AssertionError: Query length 16 should be greater than the window size 64"}
+    with pytest.raises(NotImplementedError, match="only KnormPress"):
+        kvpress("SnapKVPress", 0.5, compression_interval=16, target_size=160)
 
 
 def test_decoding_compression_keeps_the_bytes_of_target_plus_interval():
