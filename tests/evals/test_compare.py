@@ -137,6 +137,23 @@ def test_plot_files_exist(compared):
         assert path.is_file() and path.stat().st_size > 1000
 
 
+@pytest.mark.parametrize("sizes", [(34.72e6, 34.74e6), (2e6, 64e6)])
+def test_the_byte_axis_draws_equal_bytes_together(tmp_path, monkeypatch, sizes):
+    """Policies at (nearly) the same bytes sit together on the log byte axis, within MARGIN of
+    each other, not spread over its whole width (matplotlib's own limits hug a 0.06 % span)."""
+    from evals import plots
+
+    figs = []
+    monkeypatch.setattr(plots, "save_figure", lambda fig, out, stem: figs.append(fig) or [])
+    full = {"policy": "full", "score": 1.0, "compression": 0.0, "state_bytes": 69.48e6, "lower": False,
+            "metric": "agreement"}
+    recs = [full] + [{**full, "policy": name, "score": 0.5, "compression": 0.5, "state_bytes": b}
+                     for name, b in zip(("sink", "h2o"), sizes)]
+    compare.plot(recs, tmp_path, "stem")
+    lo, hi = figs[0].axes[1].get_xlim()
+    assert (lo, hi) == pytest.approx((min(sizes) / 1e6 / compare.MARGIN, max(sizes) / 1e6 * compare.MARGIN))
+
+
 def test_a_second_run_appends_nothing(compared, monkeypatch):
     res, _, argv, cells = compared
     before = res.read_bytes()
