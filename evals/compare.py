@@ -751,7 +751,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         return []
     from evals.run import interrupt_as_line
 
-    with warnings_as_lines("evals.compare"), interrupt_as_line("evals.compare"):
+    from evals.compiles import CompileLog
+
+    with warnings_as_lines("evals.compare"), interrupt_as_line("evals.compare"), CompileLog() as log:
         try:
             ps = plans(argv)
         except ConfigError as e:
@@ -776,6 +778,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 print(f"wrote {path}")
             protocol = p.jobs[0].conf["task"].get("protocol")
             out += [r | {"protocol": protocol} for r in recs] if len(ps) > 1 else recs
+        print(f"[evals.compare] {log.line()}")
     return out
 
 

@@ -329,16 +329,32 @@ def kept_mask(model, cache, index, n: int) -> list[str]:
 
 
 @torch.no_grad()
-def greedy(model, cache, question, n: int, n_new: int) -> list[int]:
-    """The question at positions n.. after the (compressed) context in `cache`, then greedy ids."""
+def greedy(model, cache, question, n: int, n_new: int, phases: dict | None = None) -> list[int]:
+    """The question at positions n.. after the (compressed) context in `cache`, then greedy ids
+    (`phases`: the seconds of the question and of the decoding added to it)."""
+    t0 = time.time()
     position_ids = torch.arange(n, n + question.shape[1]).unsqueeze(0)
     out = model(input_ids=question, past_key_values=cache, position_ids=position_ids, logits_to_keep=1)
     ids = [int(out.logits[0, -1].argmax())]
+    t1 = time.time()
     pid = position_ids[:, -1:] + 1
     for i in range(n_new - 1):
         out = model(input_ids=torch.tensor([[ids[-1]]]), past_key_values=cache, position_ids=pid + i)
         ids.append(int(out.logits[0, -1].argmax()))
+    if phases is not None:
+        phases["question"] = phases.get("question", 0.0) + t1 - t0
+        phases["decode"] = phases.get("decode", 0.0) + time.time() - t1
     return ids
+
+
+def timed_answer(model, cache, index, ctx, question, n_new, phases: dict) -> dict:
+    """{"kept": mask, "answer": ids, "phases": seconds} of a compressed cache (`phases` holds the
+    prefill's and the compression's seconds already)."""
+    t0 = time.time()
+    kept = kept_mask(model, cache, index, ctx.shape[1])
+    phases["kept"] = time.time() - t0
+    answer = greedy(model, cache, question, ctx.shape[1], n_new, phases)
+    return {"kept": kept, "answer": answer, "phases": {k: round(v, 3) for k, v in phases.items()}}
 
 
 def _set_masks(model, masks) -> None:
@@ -366,7 +382,7 @@ def run_shared(model, presses, ctx, question, n_new):
         if press is not None:
             press.post_init_from_model(model)
         slots.append({"key": (name, ratio), "press": press, "cache": DynamicCache(), "masks": [None] * len(lm.layers),
-                      "error": None})
+                      "error": None, "compress": 0.0})
 
     def hook(module, args, kwargs, output):
         i = module.layer_idx
@@ -374,11 +390,13 @@ def run_shared(model, presses, ctx, question, n_new):
         for s in slots:
             if s["press"] is None or s["error"] is not None:
                 continue
+            t0 = time.time()
             s["cache"].update(full.keys.clone(), full.values.clone(), i)
             try:
                 s["press"].forward_hook(module, args, {**kwargs, "past_key_values": s["cache"]}, output)
             except Exception as e:  # noqa: BLE001  (kvpress failing is a result)
                 s["error"] = f"{type(e).__name__}: {e}"
+            s["compress"] += time.time() - t0
             s["masks"][i] = getattr(module, "masked_key_indices", None)
             module.masked_key_indices = None
         return output
@@ -388,11 +406,13 @@ def run_shared(model, presses, ctx, question, n_new):
         layer.self_attn.rotary_emb = lm.rotary_emb  # as press(model) sets it
         hooks.append(layer.self_attn.register_forward_hook(hook, with_kwargs=True))
     full = DynamicCache()
+    t0 = time.time()
     try:
         model(input_ids=ctx, past_key_values=full, logits_to_keep=1)
     finally:
         for h in hooks:
             h.remove()
+    prefill = (time.time() - t0 - sum(s["compress"] for s in slots)) / len(slots)  # one prefill, shared out
     index = key_index([full.layers[i].keys[0] for i in range(len(full.layers))])
     out = {}
     for s in slots:
@@ -402,8 +422,8 @@ def run_shared(model, presses, ctx, question, n_new):
         cache = _copy(full) if s["press"] is None else s["cache"]
         try:
             _set_masks(model, s["masks"])
-            kept = kept_mask(model, cache, index, ctx.shape[1])
-            out[s["key"]] = {"kept": kept, "answer": greedy(model, cache, question, ctx.shape[1], n_new)}
+            out[s["key"]] = timed_answer(model, cache, index, ctx, question, n_new,
+                                         {"prefill": prefill, "compress": s["compress"]})
         except Exception as e:  # noqa: BLE001  (e.g. PyramidKV's uneven layers: the question's mask)
             out[s["key"]] = {"error": f"{type(e).__name__}: {e}"}
         finally:
@@ -436,9 +456,9 @@ def answered(model, compressed, index, ctx, question, n_new) -> dict:
     set on the modules), or {"error": text} if kvpress raised (a result: the docs quote it); the
     modules' masks cleared after."""
     try:
-        cache = compressed()
-        return {"kept": kept_mask(model, cache, index, ctx.shape[1]),
-                "answer": greedy(model, cache, question, ctx.shape[1], n_new)}
+        t0 = time.time()
+        cache = compressed()  # the press's prefill and compression, not told apart
+        return timed_answer(model, cache, index, ctx, question, n_new, {"prefill": time.time() - t0})
     except Exception as e:  # noqa: BLE001
         return {"error": f"{type(e).__name__}: {e}"}
     finally:

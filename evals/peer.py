@@ -21,7 +21,7 @@ Keys (key=value):
     gen=<task's>                  greedy tokens after the question (ruler_niah_single: 32)
     seed=0  chunk=512             the samples' seed; our prefill chunk (never changes a result; the rest
                                   of a context in power-of-two pieces, `pieces`, and the question in
-                                  chunks of QUESTION_CHUNK: shapes compiled once, not per sample)
+                                  power-of-two pieces, `question_pieces`: shapes compiled once, not per sample)
     compile_cache=<out>/.jax-cache  JAX's persistent compilation cache for our side (a resumed run
                                   loads the steps it compiled before instead of compiling them again;
                                   `none`: off)
@@ -42,7 +42,11 @@ environment (`.venv/kvpress-ref`, transformers 5.2.0; `bash scripts/setup.sh tes
 `evals/kvpress_worker.py` in a subprocess, in float32 on the CPU with half of the cores' threads
 (`worker_threads`; every core once our side is done), at the same time as ours
 (`kvpolicies.compat.kvpress(press, ratio)` through `models.engine.Engine`: prompt, compress,
-kept_positions, continue_generate; prompt compressors that share a prompt phase share its prefill).
+kept_positions, feed, continue_generate; prompt compressors that share a prompt phase share its
+prefill, and a press's ratios one shape class, `Engine(slots=)`: one set of compiled steps per
+press, not per ratio). Each line records its wall seconds and our side's phases (prefill,
+compress, kept, question, decode; compile: seconds and programs compiled inside them);
+`python -m benchmarks.peer_speed` times each side alone.
 
 Files (`<out>/<stem>.*`): `.kvpress.jsonl` and `.ours.jsonl`, one line per (sample, press, ratio) as
 each finishes (answer ids, kept-position masks): an interrupted run resumes where it stopped, and a
@@ -434,64 +438,98 @@ def pieces(n: int, chunk: int) -> list[int]:
     return out
 
 
-# The question goes into a compressed state in chunks of this many tokens: a chunk's step is
-# compiled once per length, and questions differ in length from sample to sample, so one chunk of
-# the whole question compiled a step per sample and engine; in chunks of 4 the lengths are 4 and a
-# ragged last 1-3 (a chunk never changes a result; decode policies that evict per token scan the
-# chunk token by token anyway)
-QUESTION_CHUNK = 4
-
-
 def prompt_in_pieces(eng, ctx: np.ndarray, chunk: int):
-    """`eng.prompt` of the context [n], fed in `pieces` (extend_prompt after the first)."""
-    sizes = pieces(len(ctx), chunk)
-    st = eng.prompt(ctx[None, :sizes[0]], chunk=sizes[0])
-    at = sizes[0]
-    for m in sizes[1:]:
-        st = eng.extend_prompt(st, ctx[None, at:at + m], chunk=m)
-        at += m
-    return st
+    """`eng.prompt` of the context [n], fed in `pieces` (one prefill, each piece a step)."""
+    return eng.prompt(ctx[None], chunk=pieces(len(ctx), chunk))
+
+
+def question_pieces(n: int) -> list[int]:
+    """The question's steps: n in powers of two, largest first (38: 32, 4, 2). Questions differ in
+    length from sample to sample, and a step compiles once per length, so these shapes recur (at
+    most log2(n) + 1 steps, each reading the weights once; a chunk never changes a result)."""
+    from models.engine.layers import pieces as powers
+
+    return powers(n)
+
+
+class Phases:
+    """Wall seconds of an item's phases (prefill, compress, kept, question, decode) and the
+    compilation inside them (`compile`: seconds, `programs`), from `evals.compiles.CompileLog`."""
+
+    def __init__(self, log):
+        self.log, self.out = log, {}
+        self.t, self.mark = time.time(), log.mark()
+
+    def __call__(self, phase: str, value=None):
+        """End `phase` now (after `value` is ready on the device); returns `value`."""
+        import jax
+
+        if value is not None:  # a Prompted: its cache and logits (dispatch is asynchronous)
+            jax.block_until_ready((value.cache, value.logits) if hasattr(value, "cache") else value)
+        now = time.time()
+        self.out[phase] = round(self.out.get(phase, 0.0) + now - self.t, 3)
+        self.t = now
+        return value
+
+    def done(self) -> dict[str, float]:
+        programs, secs = self.log.since(self.mark)
+        return self.out | {"compile": round(secs, 3), "programs": programs}
+
+
+def engine_slots(p: Plan, model, max_len: int, max_new: int) -> dict[str, int]:
+    """Per press, the slots of the shape class that serves all of its ratios (`models.engine.grid_slots`:
+    the largest state among them; 0 for presses without kept tables: kvzip, duo)."""
+    from kvpolicies.compat import kvpress
+    from models.engine import grid_slots
+
+    return {c: grid_slots([kvpress(c, r, n_layers=model.cfg.n_layers, max_new=max_new, **press_fields(p.model, c))
+                           for r in p.ratios], model.cfg.n_layers, max_len) for c in p.presses}
 
 
 def run_ours(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=lambda: None) -> None:
-    """Our side of the items `todo`, one line appended to <stem>.ours.jsonl per item. An engine per
-    (press, ratio), kept across samples (its compiled steps); per sample, prompt compressors with
-    the same prompt phase compress one prefill (full last: it takes any dense prompt state), and
-    kvzip's ratios one reconstruction pass (`Engine.reconstruct`)."""
+    """Our side of the items `todo`, one line appended to <stem>.ours.jsonl per item (its answer,
+    kept positions, seconds and `phases`). An engine per (press, ratio), kept across samples; the
+    ratios of a press run one shape class (`Engine(slots=)`, `engine_slots`), so they share their
+    compiled steps; per sample, prompt compressors with the same prompt phase compress one prefill
+    (full last: it takes any dense prompt state), and kvzip's ratios one reconstruction pass
+    (`Engine.reconstruct`)."""
     import jax
 
+    from evals.compiles import CompileLog
     from kvpolicies.compat import kvpress
     from models.engine import Engine
     from models.llama import policy_runs
 
-
     max_len = max(len(c) + len(q) for c, q in zip(p.contexts, p.questions)) + p.gen
     max_new = max(len(q) for q in p.questions) + p.gen
+    slots = engine_slots(p, model, max_len, max_new)
     engines: dict[tuple[str, float], Engine] = {}
     by: dict[int, list[tuple[str, float]]] = {}
     for i, c, r in todo:
         by.setdefault(i, []).append((c, r))
-    with open(p.path(".ours.jsonl"), "a", encoding="utf-8") as f, jax.default_matmul_precision("highest"):
+    with open(p.path(".ours.jsonl"), "a", encoding="utf-8") as f, jax.default_matmul_precision("highest"), \
+            CompileLog() as log:
         for i, cells in by.items():
             ctx, q = p.contexts[i], p.questions[i]
             states: list = []  # (engine, uncompressed prompt state) of this sample
             for c, r in sorted(cells, key=lambda x: x[0] == "full"):
                 t0 = time.time()
+                ph = Phases(log)
                 if (c, r) not in engines:
                     pol = kvpress("SnapKVPress" if c == "full" else c, r, n_layers=model.cfg.n_layers, max_new=max_new,
                                   **press_fields(p.model, c))
-                    engines[(c, r)] = Engine(model, pol, max_len=max_len)
+                    engines[(c, r)] = Engine(model, pol, max_len=max_len, slots=slots.get(c, 0))
                 eng = engines[(c, r)]
                 # shares_prompt compares layer by layer; the state's runs of layers must match too (a
                 # stack whose prompt phases differ by layer has a run per layer: it cannot adopt one run)
                 runs = len(policy_runs(eng.prompt_policies, model.cfg.n_layers))
                 j = next((j for j, (e, s) in enumerate(states) if len(s.cache) == runs and eng.shares_prompt(e)), None)
                 if j is None:
-                    states.append((eng, prompt_in_pieces(eng, ctx, p.chunk)))
+                    states.append((eng, ph("prefill", prompt_in_pieces(eng, ctx, p.chunk))))
                     j = len(states) - 1
                 if eng.reconstructors:  # kvzip: one reconstruction pass a sample, its scores kept for every ratio
                     states[j] = (states[j][0], eng.reconstruct(states[j][1]))
-                st = eng.compress(states[j][1])
+                st = ph("compress", eng.compress(states[j][1]))
                 mask = np.zeros((model.cfg.n_kv_heads, len(ctx)), bool)
                 kept = []
                 for layer in eng.kept_positions(st):
@@ -499,9 +537,12 @@ def run_ours(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=lambda
                     for h, pos in enumerate(layer):
                         m[h, np.asarray(pos)] = True
                     kept.append(pack(m))
-                ids = eng.continue_generate(st, q[None], p.gen, chunk=QUESTION_CHUNK)[0]
+                ph("kept")
+                st = ph("question", eng.feed(st, q[None], chunk=question_pieces(len(q))))
+                ids = ph("decode", eng.continue_generate(st, np.zeros((1, 0), np.int32), p.gen)[0])
                 line = {"sample": p.sample_id(i), "press": c, "ratio": r, "n": len(ctx),
-                        "answer": [int(x) for x in ids], "kept": kept, "seconds": round(time.time() - t0, 2)}
+                        "answer": [int(x) for x in ids], "kept": kept, "seconds": round(time.time() - t0, 2),
+                        "phases": ph.done()}
                 f.write(json.dumps(line) + "\n")
                 f.flush()
                 tick()
@@ -534,10 +575,11 @@ def records(p: Plan, tok) -> list[dict[str, Any]]:
                                    "refs": list(p.refs[i])}
             for s, line in lines.items():
                 if "error" in line:
-                    rec[s] = {"error": line["error"]}
+                    rec[s] = {"error": line["error"], "seconds": line.get("seconds")}
                     continue
                 text = ruler.ids_text(tok, line["answer"])
-                rec[s] = {"ids": line["answer"], "text": text, "score": ruler.string_match_all(text, p.refs[i])}
+                rec[s] = {"ids": line["answer"], "text": text, "score": ruler.string_match_all(text, p.refs[i]),
+                          "seconds": line.get("seconds")}
             if any("error" in rec[s] for s in SIDES):
                 out.append(rec)
                 continue
@@ -576,6 +618,9 @@ def summarize(p: Plan, recs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         row["jaccard_mean"] = float(np.mean(js)) if js else float("nan")
         row["jaccard_min"] = float(np.min(js)) if js else float("nan")
         errs = sorted({x[s]["error"] for x in rs for s in SIDES if "error" in x[s]})
+        for side in SIDES:  # wall seconds per item (its share of a shared prefill included), mean over samples
+            secs = [x[side]["seconds"] for x in rs if x[side].get("seconds") is not None]
+            row[f"{side}_seconds"] = round(float(np.mean(secs)), 2) if secs else float("nan")
         row["kvpress_errors"] = sum("error" in x["kvpress"] for x in rs)
         row["ours_errors"] = sum("error" in x["ours"] for x in rs)
         row["error"] = errs[0] if errs else ""
@@ -585,7 +630,7 @@ def summarize(p: Plan, recs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 CSV_COLUMNS = ("press", "ratio", "samples", "compared", "kvpress_accuracy", "kvpress_ci_low", "kvpress_ci_high",
                "ours_accuracy", "ours_ci_low", "ours_ci_high", "same_text", "same_ids", "same_score", "jaccard_mean",
-               "jaccard_min", "kvpress_errors", "ours_errors", "error", "config")
+               "jaccard_min", "kvpress_errors", "ours_errors", "error", "kvpress_seconds", "ours_seconds", "config")
 
 
 def csv_text(rows: Sequence[dict[str, Any]]) -> str:
@@ -606,6 +651,10 @@ def _frac(v: float, n: int) -> str:
     return "-" if v != v else f"{round(v * n)}/{n}"
 
 
+def _secs(v: float) -> str:
+    return "-" if v != v else f"{v:.2f}"
+
+
 def command(p: Plan) -> str:
     return "python -m evals.peer" + "".join(f" {a}" for a in p.argv)
 
@@ -613,8 +662,8 @@ def command(p: Plan) -> str:
 def markdown(p: Plan, rows: Sequence[dict[str, Any]], title: str = "") -> str:
     """The table: one row per (press, ratio), the full cache first; then the notes."""
     head = ["press", "ratio", "samples", "kvpress accuracy", "ours accuracy", "same answer text", "same ids", "same score",
-            "kept Jaccard mean (min)"]
-    lines = ([f"**{title}**", ""] if title else []) + ["| " + " | ".join(head) + " |", "|---|---:|---:|" + "---:|" * 6]
+            "kept Jaccard mean (min)", "s/item kvpress", "s/item ours"]
+    lines = ([f"**{title}**", ""] if title else []) + ["| " + " | ".join(head) + " |", "|---|---:|---:|" + "---:|" * 8]
     notes = []
     for r in rows:
         n = r["compared"]
@@ -629,13 +678,17 @@ def markdown(p: Plan, rows: Sequence[dict[str, Any]], title: str = "") -> str:
             if r["kvpress_errors"] or r["ours_errors"]:
                 notes.append(f"{r['press']} at {r['ratio']:g}: {r['kvpress_errors']} kvpress / {r['ours_errors']} "
                              f"ours errors left out: {r['error']}")
-        lines.append("| " + " | ".join([r["press"], f"{r['ratio']:g}", str(r["samples"])] + cells) + " |")
+        secs = [_secs(r.get(f"{side}_seconds", float("nan"))) for side in SIDES]
+        lines.append("| " + " | ".join([r["press"], f"{r['ratio']:g}", str(r["samples"])] + cells + secs) + " |")
     lines += ["", f"{p.model}, {p.task['name']} at {p.tokens} tokens (prompt + {p.gen} greedy tokens), "
               f"samples: the prompts both sides finished (of {p.samples}, seed {p.seed}), kvpress's protocol: the context compressed once, "
               "the question appended. Accuracy: RULER's string_match_all, Wilson 95 % interval in brackets. "
               "Same answer text / ids / score: samples where kvpress 0.5.5 and kvpolicies give the same decoded "
               "answer (cut at EOS) / the same greedy ids / the same score. Kept Jaccard: |A ∩ B| / |A ∪ B| of "
-              "the context positions each keeps, per (layer, kv head), mean (min) over samples, layers and heads."]
+              "the context positions each keeps, per (layer, kv head), mean (min) over samples, layers and heads. "
+              "s/item: each side's wall seconds per (sample, press, ratio) item, mean over samples, as this run ran "
+              "them (both sides at once, each its share of a shared prefill and its compilations included: "
+              "`python -m benchmarks.peer_speed` times each side alone)."]
     if notes:
         lines += [""] + [f"- {x}" for x in notes]
     return "\n".join(lines) + "\n"

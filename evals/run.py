@@ -476,8 +476,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     (e.g. a damaged line skipped in the results file) print as one "evals.run: warning:" line."""
     from evals.progress import warnings_as_lines
 
-    with warnings_as_lines("evals.run"), interrupt_as_line("evals.run"):
-        return _main(argv)
+    from evals.compiles import CompileLog
+
+    with warnings_as_lines("evals.run"), interrupt_as_line("evals.run"), CompileLog() as log:
+        rows = _main(argv)
+    if len(rows) > 1:  # a sweep (-m): its compilation against the whole run
+        print(f"[evals.run] {log.line()}")
+    return rows
 
 
 @contextlib.contextmanager

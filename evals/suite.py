@@ -213,13 +213,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if any(x in ("-h", "--help") for x in argv):
         print(__doc__)
         return []
-    try:
-        avg, paths = run(argv)
-    except ConfigError as e:
-        print(f"evals.suite: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    from evals.compiles import CompileLog
+
+    with CompileLog() as log:
+        try:
+            avg, paths = run(argv)
+        except ConfigError as e:
+            print(f"evals.suite: error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
     for p in paths:
         print(f"wrote {p}")
+    print(f"[evals.suite] {log.line()}")
     return avg
 
 

@@ -35,7 +35,7 @@ from kvpolicies.base import EMPTY, Policy, RopePositions, View, empty_slots
 from kvpolicies.budgets import Budgeted
 from kvpolicies.checks import check_choice, check_int
 from kvpolicies.codecs import Codec, Identity
-from kvpolicies.prompt import PromptCompressor, PromptPhase, PromptState
+from kvpolicies.prompt import KeptTable, PromptCompressor, PromptPhase, PromptState
 from kvpolicies.scored import LAST_KEY, Accumulated, stable_order, top_mask
 from kvpolicies.slots import concat, encode_new, take_slots
 from kvpolicies.snapkv import SnapKV
@@ -85,7 +85,7 @@ def head_of(pos: Int[Array, "B 1 V"], kv_heads: int) -> Int[Array, "B 1 V"]:
 
 
 @dataclasses.dataclass(frozen=True)
-class AdaKV(Budgeted, PromptCompressor, Policy):
+class AdaKV(Budgeted, KeptTable, PromptCompressor, Policy):
     """SnapKV with head-adaptive budgets: a layer keeps K x budget candidates in all.
 
     Compression (after the prompt, and again on overflow for streams, as `snapkv`): every kv head
@@ -125,6 +125,7 @@ class AdaKV(Budgeted, PromptCompressor, Policy):
     ratio: float = 0.0  # kvpress's compression ratio (0: `budget` sizes); see `kept_for`
     safeguard_window: bool = False  # kvpress: the safeguard is int(alpha x n_kept), window included
     codec: Codec = Identity()
+    slots: int = 0  # a shape class's slots per kv head (`KeptTable`; 0: sized by ratio or budget)
 
     def __post_init__(self):
         check_int("adakv", "budget", self.budget, 0)
@@ -141,6 +142,7 @@ class AdaKV(Budgeted, PromptCompressor, Policy):
         r = self.ratio
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < 1:
             raise ValueError(f"adakv.ratio={r!r}: must be a number in [0, 1) (0: off)")
+        check_int("adakv", "slots", self.slots, 0)
 
     def kept_for(self, n: int) -> int:
         """Tokens per kv head on average kept of an n-token prompt when `ratio` is set (kvpress's
@@ -164,6 +166,8 @@ class AdaKV(Budgeted, PromptCompressor, Policy):
 
     def capacity(self, max_len):
         """Slots per kv head on average (the pool holds kv_heads x this many)."""
+        if self.slots:
+            return min(self.slots, max_len)
         if self.ratio:
             return min(self.kept_for(max_len) + self.max_new, max_len)
         return min(self.budget + self.obs_window + self.max_new, max_len)
@@ -211,7 +215,8 @@ class AdaKV(Budgeted, PromptCompressor, Policy):
         cand = filled & ~recent
         prio, tie = SCORERS[self.scorer](self, window, pos, cand)  # [B, K, V]
         if b is None:
-            b = (self.kept_for(s - self.max_new) if self.ratio else min(self.budget + w, s)) - w
+            b = (self.kept_for(s - self.max_new) if self.ratio else max(s - self.max_new, 1) if self.slots else
+                 min(self.budget + w, s)) - w
             b = max(b, 0)  # candidates per head on average
             safe_n = self._safe(b)
         safe = top_mask(prio, tie, safe_n) & cand  # [B, K, V]
@@ -224,7 +229,23 @@ class AdaKV(Budgeted, PromptCompressor, Policy):
     def prompt_policy(self):
         return PromptPhase(codec=self.codec, of=self, obs_window=self.obs_window)
 
-    def after_prompt(self, state: PromptState) -> HeadPool:
+    def kept_table(self, max_len: int) -> np.ndarray | None:
+        """[2, max_len + 1]: tokens per kv head on average kept after an n-token prompt (window
+        included) and the candidates each head is guaranteed (`KeptTable`)."""
+        if self.slots:
+            return None
+        s, w = self.capacity(max_len), self.obs_window
+        if self.ratio:
+            n_kept = np.minimum([self.kept_for(n) for n in range(max_len + 1)], s)
+        else:
+            n_kept = np.full(max_len + 1, min(self.budget + w, s))
+        safe = [self._safe(int(b)) for b in np.maximum(n_kept - w, 0)]
+        return np.stack([n_kept, safe]).astype(np.int32)
+
+    def shape_class(self, slots: int) -> "AdaKV":
+        return dataclasses.replace(self, ratio=0.0, budget=0, slots=slots)
+
+    def after_prompt(self, state: PromptState, table: Array | None = None) -> HeadPool:
         m = state.slots  # max_len
         s = self.capacity(m)
         kh = jax.tree.leaves(state.k)[0].shape[1]
@@ -233,13 +254,14 @@ class AdaKV(Budgeted, PromptCompressor, Policy):
         window = state.rows.sum(axis=2)  # [B, K, M]: the last obs_window queries' attention
         filled = pos >= 0
         count = filled.sum(axis=-1, keepdims=True)  # [B, K, 1]
-        if self.ratio:  # kvpress's sizing: from the prompt's length (static tables over every length)
-            w = self.obs_window
-            n_kept = np.minimum([self.kept_for(n) for n in range(m + 1)], s)
-            b_tab = np.maximum(n_kept - w, 0).astype(np.int32)
-            nb, ns = jnp.asarray(b_tab)[count[:, :1]], jnp.asarray([self._safe(int(x)) for x in b_tab], jnp.int32)
-            ns = ns[count[:, :1]]  # [B, 1, 1]
-            over = count > jnp.asarray(n_kept, jnp.int32)[count]
+        if self.slots and table is None:
+            raise ValueError(f"adakv(slots={self.slots}): a shape class keeps the counts it is given: "
+                             "after_prompt(state, table)")
+        if table is not None or self.ratio:  # kvpress's sizing: from the prompt's length (tables over every length)
+            n_kept, safe = jnp.asarray(self.kept_table(m) if table is None else table)  # [M + 1] each
+            nb = jnp.maximum(n_kept - self.obs_window, 0)[count[:, :1]]  # [B, 1, 1]
+            ns = safe[count[:, :1]]  # [B, 1, 1]
+            over = count > n_kept[count]
             kept = jnp.where(over, self._compress(window, pos, s, nb, ns) & filled, filled)
         else:
             over = count > min(self.budget + self.obs_window, s)  # [B, K, 1]

@@ -122,6 +122,10 @@ class PyramidLayer(SnapKV):
     n_layers: int = 1
     beta: int = 20
 
+    def shape_class(self, slots):
+        """SnapKV's shape class: every layer of the pyramid shares one (its budget is a table)."""
+        return SnapKV(**{f.name: getattr(self, f.name) for f in dataclasses.fields(SnapKV)}).shape_class(slots)
+
     def kept_for(self, n):
         w, r = self.obs_window, self.ratio
         cap = w + n * (1 - r)

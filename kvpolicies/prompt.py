@@ -31,6 +31,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from kvpolicies.base import Policy, SlotState, empty_slots
@@ -70,10 +71,47 @@ def prompt_policy_of(policy: Policy) -> Policy:
     return policy.prompt_policy() if isinstance(policy, PromptCompressor) else policy
 
 
-def after_prompt(policy: Policy, state: SlotState) -> SlotState:
+def after_prompt(policy: Policy, state: SlotState, table: Int[Array, "N"] | None = None) -> SlotState:
     """`policy`'s decode state from its prompt phase's state (`prompt_policy_of`) after the whole
-    prompt: a prompt compressor compresses it here, once; unchanged for a streaming policy."""
-    return policy.after_prompt(state) if isinstance(policy, PromptCompressor) else state
+    prompt: a prompt compressor compresses it here, once; unchanged for a streaming policy.
+    `table`: the kept counts of a `KeptTable` shape class (`shape_class`), as data."""
+    if not isinstance(policy, PromptCompressor):
+        return state
+    return policy.after_prompt(state) if table is None else policy.after_prompt(state, table)
+
+
+class KeptTable:
+    """Capability: a prompt compressor whose count kept after the prompt is a table over the
+    prompt's length (kvpress's ratio, a budget, pyramidkv's per-layer schedule), which an engine
+    can hand over as data instead of compiling it in (`models.engine.Engine(..., slots=S)`).
+
+    `shape_class(slots)` is the same method at `slots` decode slots per kv head with what it keeps
+    left out of its fields; its `after_prompt(state, table)` keeps `table[n]` tokens per kv head
+    of an n-token prompt, so every ratio, budget and pyramid layer whose state fits `slots` shares
+    one policy, hence one compiled step. With the table of `kept_table(max_len)` it keeps what
+    this policy keeps, and decodes alike as long as nothing overflows (at most `max_new` tokens
+    appended after the compression: the engine checks that). On an overflow a shape class
+    recompresses to `slots - max_new` tokens (this policy: its own stream rule)."""
+
+    def kept_table(self, max_len: int) -> np.ndarray | None:
+        """[max_len + 1] int32: tokens per kv head kept after an n-token prompt (on average, for a
+        head pool); None where this setting has no such table (then it is not bucketed)."""
+        raise NotImplementedError
+
+    def shape_class(self, slots: int) -> Policy:
+        """This method at `slots` decode slots per kv head, its kept count given as data."""
+        raise NotImplementedError
+
+
+def shape_class_of(policy: Policy, max_len: int, slots: int) -> tuple[Policy, np.ndarray | None]:
+    """(the policy a `slots`-slot engine runs for `policy`, the kept table it is given or None):
+    a `KeptTable` whose table exists and whose own state fits `slots` becomes its shape class;
+    any other policy is itself."""
+    if isinstance(policy, KeptTable) and policy.capacity(max_len) <= slots:
+        table = policy.kept_table(max_len)
+        if table is not None:
+            return policy.shape_class(min(slots, max_len)), np.asarray(table, np.int32)
+    return policy, None
 
 
 def reconstructs(policy: Policy) -> bool:

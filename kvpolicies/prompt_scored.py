@@ -49,13 +49,13 @@ from jaxtyping import Array, Bool, Float, Int
 from kvpolicies.base import SlotState, View
 from kvpolicies.budgets import Budgeted
 from kvpolicies.checks import check_int
-from kvpolicies.prompt import PromptCompressor, PromptPhase, PromptState
+from kvpolicies.prompt import KeptTable, PromptCompressor, PromptPhase, PromptState
 from kvpolicies.scored import Accumulated, Scored, pack, top_mask
 from kvpolicies.slots import Pending, concat, view_of
 
 
 @dataclasses.dataclass(frozen=True)
-class PromptScored(Budgeted, PromptCompressor, Scored):
+class PromptScored(Budgeted, KeptTable, PromptCompressor, Scored):
     """Keep the `kept()` best-ranked tokens after the prompt, append after; recompress on overflow."""
 
     per_token = True
@@ -68,6 +68,9 @@ class PromptScored(Budgeted, PromptCompressor, Scored):
     ratio: float = 0.0  # kvpress's compression ratio (fraction of the prompt removed); 0: `budget` sizes
     interval: int = 0  # kvpress's DecodingPress compression_interval (0: off, the stream rule on overflow)
     target: int = 0  # kvpress's DecodingPress target_size: tokens per kv head after a decode-time compression
+    # a shape class's decode slots per kv head (`KeptTable.shape_class`; 0: sized by ratio or budget):
+    # the count kept after the prompt is then given as data (`after_prompt(state, table)`)
+    slots: int = 0
 
     def __post_init__(self):
         check_int(self.label, "budget", self.budget, 0)
@@ -76,6 +79,7 @@ class PromptScored(Budgeted, PromptCompressor, Scored):
             raise ValueError(f"{self.label}.ratio={self.ratio!r}: must be a number in [0, 1) (0: off)")
         check_int(self.label, "interval", self.interval, 0)
         check_int(self.label, "target", self.target, 0)
+        check_int(self.label, "slots", self.slots, 0)
         if bool(self.interval) != bool(self.target):
             raise ValueError(f"{self.label}: interval={self.interval} and target={self.target} go together "
                              "(compression while decoding: every `interval` tokens back to `target`; 0 and 0: off)")
@@ -90,6 +94,8 @@ class PromptScored(Budgeted, PromptCompressor, Scored):
         return max(1, int(n * (1 - self.ratio)))
 
     def capacity(self, max_len):
+        if self.slots:
+            return min(self.slots, max_len)
         prompt = self.kept_for(max_len) if self.ratio else self.kept()
         if self.interval:
             return min(max(prompt, self.target + self.interval - 1), max_len)
@@ -99,7 +105,7 @@ class PromptScored(Budgeted, PromptCompressor, Scored):
         """Tokens per kv head after a compression on overflow (S = `s` slots)."""
         if self.interval:
             return min(self.target, s)
-        return max(s - self.max_new, 1) if self.ratio else min(self.kept(), s)
+        return max(s - self.max_new, 1) if self.ratio or self.slots else min(self.kept(), s)
 
     def overflows(self, count: Int[Array, "B K"], s: int) -> Bool[Array, "B K 1"]:
         """Where a decode step's view (`count` tokens, the new one included) is compressed: no free
@@ -109,12 +115,29 @@ class PromptScored(Budgeted, PromptCompressor, Scored):
             over = over | (count >= self.target + self.interval)
         return over[..., None]
 
-    def n_kept(self, count: Int[Array, "B K"], s: int, max_len: int) -> Array:
-        """Tokens per kv head after the prompt's compression ([B, K, 1]; `count` prompt tokens)."""
+    def kept_table(self, max_len: int) -> np.ndarray | None:
+        """Tokens per kv head kept after an n-token prompt, for n in [0, max_len] (`KeptTable`;
+        None with `interval`, whose compressions while decoding are part of the method)."""
+        return None if self.interval or self.slots else self._counts(max_len)
+
+    def _counts(self, max_len: int) -> np.ndarray:
+        s = self.capacity(max_len)
         if not self.ratio:
-            return jnp.full(count.shape + (1,), min(self.kept(), s), jnp.int32)
-        table = np.minimum([self.kept_for(n) for n in range(max_len + 1)], s).astype(np.int32)  # static
-        return jnp.asarray(table)[count][..., None]
+            return np.full(max_len + 1, min(self.kept(), s), np.int32)
+        return np.minimum([self.kept_for(n) for n in range(max_len + 1)], s).astype(np.int32)
+
+    def shape_class(self, slots: int) -> "PromptScored":
+        return dataclasses.replace(self, ratio=0.0, budget=0, slots=slots)
+
+    def n_kept(self, count: Int[Array, "B K"], s: int, max_len: int, table: Array | None = None) -> Array:
+        """Tokens per kv head after the prompt's compression ([B, K, 1]; `count` prompt tokens;
+        `table`: the kept counts given as data, a shape class's)."""
+        if table is None:
+            if self.slots:
+                raise ValueError(f"{self.label}(slots={self.slots}): a shape class keeps the counts it is given: "
+                                 "after_prompt(state, table)")
+            table = self._counts(max_len)  # static
+        return jnp.minimum(jnp.asarray(table)[count], s)[..., None]
 
     # -- the ranking (subclasses) -----------------------------------------------------------
     def rank(self, slots: SlotState, keys: Float[Array, "B K V D"], stats: Any, seen: Any
@@ -180,14 +203,14 @@ class PromptScored(Budgeted, PromptCompressor, Scored):
     def prompt_policy(self):
         return PromptPhase(codec=self.codec, of=self, obs_window=0, **self.collects)
 
-    def after_prompt(self, state: PromptState) -> SlotState:
+    def after_prompt(self, state: PromptState, table: Array | None = None) -> SlotState:
         s = self.capacity(state.slots)  # decode slots (the prompt state has max_len slots)
         keys = self.codec.decode(state.k, jnp.float32)  # [B, K, max_len, D]
         pos = jnp.broadcast_to(state.pos, keys.shape[:3])  # [B, K, max_len]
         slots, stats = self.from_prompt(state, pos)
         filled = pos >= 0
         count = filled.sum(axis=-1)  # [B, K]
-        n = self.n_kept(count, s, state.slots)  # [B, K, 1]
+        n = self.n_kept(count, s, state.slots, table)  # [B, K, 1]
         prio, tie = self.prompt_rank(state, slots, keys, stats)
         kept = jnp.where(count[..., None] > n, top_mask(prio, tie, n) & filled, filled)
         return self.join(pack(slots, kept, s), stats)

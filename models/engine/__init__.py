@@ -45,11 +45,11 @@ kvzip's pass), `layers` (layer-by-layer decoding and a fitted engine's feeds), `
 """
 
 from models.engine.checks import MAX_LEN, check_policies, check_token_ids
-from models.engine.core import Engine
+from models.engine.core import Engine, grid_slots
 from models.engine.generation import perplexity
 from models.engine.staged import Prompted
 from models.engine.layers import layer_weights, split_layers
 from models.engine.steps import REACH_MIN, reach_of
 
-__all__ = ["MAX_LEN", "REACH_MIN", "Engine", "Prompted", "check_policies", "check_token_ids", "layer_weights",
+__all__ = ["MAX_LEN", "REACH_MIN", "Engine", "grid_slots", "Prompted", "check_policies", "check_token_ids", "layer_weights",
            "perplexity", "reach_of", "split_layers"]

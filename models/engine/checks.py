@@ -118,7 +118,14 @@ class ArgumentChecks:
         if end > self.max_len:
             raise ValueError(f"{what} exceeds the engine's max_len={self.max_len}")
 
-    def _chunk(self, chunk: Any, default: int) -> int:
+    def _chunk(self, chunk: Any, default: int, t: int | None = None) -> int | tuple[int, ...]:
+        """A chunk size (None: `default`), or with `t`, a list of each step's tokens summing to t
+        (power-of-two pieces of ragged lengths compile one step per piece length, not per length)."""
+        if t is not None and isinstance(chunk, (list, tuple)):
+            sizes = tuple(check_int(f"chunk[{i}]", c, 1) for i, c in enumerate(chunk))
+            if sum(sizes) != t:
+                raise ValueError(f"chunk: the steps' sizes {list(sizes)} sum to {sum(sizes)}, not to the {t} tokens fed")
+            return sizes
         return default if chunk is None else check_int("chunk", chunk, 1)
 
     def _check_repeat(self):
@@ -134,3 +141,14 @@ class ArgumentChecks:
                 raise ValueError(f"{name} row {i}: empty")
             out.append(r)
         return out
+
+    def _check_room(self, state: Prompted, written: int, what: str) -> None:
+        """A shape-class engine (`slots`) decodes as its exact policies only while what follows the
+        compression fits their `max_new` slots: more is refused before anything runs."""
+        if self.slot_limit is None:
+            return
+        after = state.length - state.compressed_at if state.compressed_at >= 0 else 0
+        if after + written > self.slot_limit:
+            raise ValueError(f"{what}: {after} + {written} tokens after the compression, past max_new="
+                             f"{self.slot_limit} of this Engine(slots={self.slots}): its shape classes keep the exact "
+                             "policies' tokens only until they would recompress; use an Engine without slots=")

@@ -4,17 +4,20 @@ checks, steps, staged prompts, generation)."""
 from __future__ import annotations
 
 import collections
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from kvpolicies.adakv import Fits
 from kvpolicies.base import Policy
 from kvpolicies.kvzip import recon_policy
 from kvpolicies.presets import stack_of
-from kvpolicies.prompt import prompt_policy_of, reconstructs, step_phase
+from kvpolicies.prompt import KeptTable, prompt_policy_of, reconstructs, shape_class_of, step_phase
 from models.llama import Llama, policy_runs
 from models.reconstruct import RepeatPrompts, engine_prompts
 from models.tokenizer import tokenizer_of
@@ -23,6 +26,24 @@ from models.engine.generation import Generation
 from models.engine.staged import Staged
 from models.engine.layers import LayerSteps, write_layers
 from models.engine.steps import Steps
+
+
+# engines whose jitted steps later engines of the same model and key take (`Engine._share_steps`)
+_STEP_DONORS: "weakref.WeakKeyDictionary[Llama, dict]" = weakref.WeakKeyDictionary()
+
+
+def grid_slots(policies: Sequence[Policy | Sequence[Policy]], n_layers: int, max_len: int) -> int:
+    """The slots of one shape class that holds every layer with a kept table (`KeptTable`) of
+    every policy of a grid (the largest such state's capacity at `max_len`): `Engine(slots=)`
+    for each of them then runs one set of compiled steps per press, whatever its ratios, budgets
+    or per-layer schedule. 0 where no layer has a table."""
+    out = 0
+    for pol in policies:
+        layers = stack_of(pol, n_layers) if isinstance(pol, Policy) else tuple(pol)
+        for p in dict.fromkeys(layers):
+            if isinstance(p, KeptTable) and p.kept_table(max_len) is not None:
+                out = max(out, p.capacity(max_len))
+    return out
 
 
 class Engine(ArgumentChecks, Steps, LayerSteps, Staged, Generation):
@@ -36,16 +57,40 @@ class Engine(ArgumentChecks, Steps, LayerSteps, Staged, Generation):
     model, which the engine expands with `stack_of(policy, n_layers)`: itself in every layer, or a
     model-level preset's layers (pyramidkv's per-depth budgets, quest's and knorm's dense first
     layers, duo's per-layer head pattern). To run a preset's compressor in every layer instead,
-    pass the tuple `(policy,) * n_layers`."""
+    pass the tuple `(policy,) * n_layers`.
+
+    `slots` (S >= 1, 0: off): shape classes. Every layer whose prompt compressor has a table of
+    what it keeps (`kvpolicies.prompt.KeptTable`: the prompt scorers, snapkv's family, pyramidkv's
+    layers, adakv; at any ratio or budget whose state fits S slots per kv head) is stored at S
+    slots and keeps, after the prompt, the counts of its table, given as data: the engine runs
+    `shape_class(S)` policies (`policies`; the exact ones are `exact_policies`), so engines of one
+    press at different ratios, and pyramidkv's layers, run the same compiled steps. The same
+    tokens are kept and decoded alike as long as at most `max_new` tokens follow the compression
+    (`feed`, `continue_generate` and `generate` refuse more; `step` and `score`, whose streams
+    recompress, are refused). `stored_bytes` / `allocated_bytes` of a state tell the two apart.
+
+    Engines of one model with equal policies, max_len, cache dtype and RoPE tables share their
+    jitted steps (`share_steps`, the default; not on a mesh): a grid's engines compile a step
+    once per shape class, whatever the number of engines. `traces` is then the shared count."""
 
     def __init__(self, model: Llama, policies: Policy | Sequence[Policy], max_len: int, cache_dtype=None,
                  repeat: RepeatPrompts | Any = None, rope_tables: bool = True, mesh=None,
-                 decode_loop: str = "layers", fit: int = 0):
+                 decode_loop: str = "layers", fit: int = 0, slots: int = 0, share_steps: bool = True):
         self.cfg = model.cfg
         check_policies(policies)
         if isinstance(policies, Policy):  # one policy for the model: its per-layer stack (a model-level
             policies = stack_of(policies, model.cfg.n_layers)  # preset: pyramidkv's budgets, quest's and knorm's dense layers)
         self.policies = tuple(p for a, b, p in policy_runs(policies, model.cfg.n_layers) for _ in range(b - a))
+        self.exact_policies = self.policies
+        self.max_len = check_int("Engine max_len", max_len, 1)
+        if self.max_len > MAX_LEN:
+            raise ValueError(f"Engine max_len={self.max_len}: positions are int32, so a sequence holds at most "
+                             f"MAX_LEN={MAX_LEN} tokens (2^31 - 2^16: room for kvzip's repeat inputs after it)")
+        self.slots = check_int("Engine slots", slots, 0)
+        self.keep_tables = None  # per run of `policies`: the kept counts given to a shape class, or None
+        self.slot_limit = None  # tokens a slots engine may append after a compression (min max_new)
+        if self.slots:
+            self._shape_classes(fit, mesh)
         # A fresh prompt is held by each policy's prompt phase, then `after_prompt` (once); the
         # same policies for streaming policies, a dense phase for prompt compressors (snapkv).
         # (`step_phase`: a dense phase whatever it serves, so pyramidkv's layers prefill as one run)
@@ -62,10 +107,6 @@ class Engine(ArgumentChecks, Steps, LayerSteps, Staged, Generation):
         self.prefills = 0  # fresh prompts prefilled (prefill, generate, prompt)
         self.prefills_shared = 0  # prompt states another engine prefilled for this one (evals.prefills)
         self.prefill_tokens = 0  # tokens those prefills and extend_prompt / continue_generate fed
-        self.max_len = check_int("Engine max_len", max_len, 1)
-        if self.max_len > MAX_LEN:
-            raise ValueError(f"Engine max_len={self.max_len}: positions are int32, so a sequence holds at most "
-                             f"MAX_LEN={MAX_LEN} tokens (2^31 - 2^16: room for kvzip's repeat inputs after it)")
         self.cache_dtype = cache_dtype
         self.graphdef, state = nnx.split(model)
         # each step's arguments: the weights and the RoPE cos/sin tables of positions [0, max_len)
@@ -74,12 +115,6 @@ class Engine(ArgumentChecks, Steps, LayerSteps, Staged, Generation):
         self.params = (state, model.rope_tables(self.max_len) if rope_tables else None)
         self.traces: collections.Counter = collections.Counter()
         self._model = model
-        donate = dict(donate_argnums=(1,))
-        self._logits_step = jax.jit(self._logits_impl, static_argnames=("prompt", "reach"), **donate)
-        self._after_prompt = jax.jit(self._after_prompt_impl)  # new shapes: nothing to donate into
-        self._nll_step = jax.jit(self._nll_impl, static_argnames=("reach",), **donate)
-        self._decode_n = jax.jit(self._decode_n_impl, static_argnums=(4, 5), **donate)
-        self.recon_step = jax.jit(self._recon_impl)  # the prompt state stays usable: no donation
         if decode_loop not in ("layers", "scan"):
             raise ValueError(f"Engine decode_loop={decode_loop!r}: expected 'layers' or 'scan'")
         self.decode_loop = decode_loop
@@ -90,6 +125,40 @@ class Engine(ArgumentChecks, Steps, LayerSteps, Staged, Generation):
             raise ValueError(f"Engine fit={fit}: no layer's policy can be fit to what it keeps (kvzap); got "
                              f"{sorted({type(p).__name__ for p in self.policies})}")
         self.fit_records: list[dict] = []
+        self.shares_layer_steps = False  # a fitted engine's: another engine's layer steps (`share_layer_steps`)
+        self.placement = None  # a models.sharding.Placement once on a mesh (`shard`)
+        self._jit_steps()
+        if share_steps and mesh is None:
+            self._share_steps(rope_tables)
+        if mesh is not None:
+            self.shard(mesh)
+
+    def _shape_classes(self, fit: int, mesh) -> None:
+        """`slots`: each layer's policy -> its shape class and kept table (`shape_class_of`)."""
+        if fit or mesh is not None:
+            raise ValueError(f"Engine slots={self.slots}: not with fit= or mesh= (shape classes run the staged "
+                             "protocol on one process's devices)")
+        pairs = [shape_class_of(p, self.max_len, self.slots) for p in self.policies]
+        if all(t is None for _, t in pairs):
+            raise ValueError(f"Engine slots={self.slots}: no layer's policy has a kept table that fits {self.slots} "
+                             f"slots per kv head (KeptTable: prompt scorers sized by ratio or budget); got "
+                             f"{sorted({type(p).__name__ for p in self.policies})} needing "
+                             f"{sorted({p.capacity(self.max_len) for p in self.policies})} slots")
+        self.policies = tuple(p for p, _ in pairs)
+        self.slot_limit = min(getattr(p, "max_new", 0) for p, (_, t) in zip(self.exact_policies, pairs) if t is not None)
+        tables = []
+        for a, b, _ in policy_runs(self.policies, self.cfg.n_layers):
+            run = [t for _, t in pairs[a:b]]
+            tables.append(None if run[0] is None else jnp.asarray(np.stack(run)))  # [n, ...] per layer of the run
+        self.keep_tables = tuple(tables)
+
+    def _jit_steps(self) -> None:
+        donate = dict(donate_argnums=(1,))
+        self._logits_step = jax.jit(self._logits_impl, static_argnames=("prompt", "reach"), **donate)
+        self._after_prompt = jax.jit(self._after_prompt_impl)  # new shapes: nothing to donate into
+        self._nll_step = jax.jit(self._nll_impl, static_argnames=("reach",), **donate)
+        self._decode_n = jax.jit(self._decode_n_impl, static_argnums=(4, 5), **donate)
+        self.recon_step = jax.jit(self._recon_impl)  # the prompt state stays usable: no donation
         # layer-by-layer generation (`_decode_layers`): each step is one call per layer, then one
         # call writing every layer's new slots (policy, RoPE kind and bucket static)
         self._layer_step = jax.jit(self._layer_impl, static_argnames=("policy", "local", "reach"))
@@ -97,10 +166,25 @@ class Engine(ArgumentChecks, Steps, LayerSteps, Staged, Generation):
         self._next_step = jax.jit(self._next_impl)
         self._head_step = jax.jit(self._head_impl)
         self._write_layers = jax.jit(write_layers, donate_argnums=0)
-        self.shares_layer_steps = False  # a fitted engine's: another engine's layer steps (`share_layer_steps`)
-        self.placement = None  # a models.sharding.Placement once on a mesh (`shard`)
-        if mesh is not None:
-            self.shard(mesh)
+
+    _STEPS = ("_logits_step", "_after_prompt", "_nll_step", "_decode_n", "recon_step", "_layer_step", "_embed_step",
+              "_next_step", "_head_step", "_write_layers", "traces")
+
+    def _share_steps(self, rope_tables: bool) -> None:
+        """Take the jitted steps of an earlier engine of this model whose steps compute the same
+        things (the key below), or offer ours to later ones."""
+        key = (self.policies, self.prompt_policies, self.recon_policies, self.max_len, str(self.cache_dtype),
+               bool(rope_tables), self.fit)
+        donors = _STEP_DONORS.setdefault(self._model, {})
+        donor = donors.get(key)
+        if donor is None:
+            donors[key] = self
+            return
+        for name in self._STEPS:
+            setattr(self, name, getattr(donor, name))
+        self.__dict__["_held_step"] = donor.__dict__.get("_held_step")
+        if self.__dict__["_held_step"] is None:
+            del self.__dict__["_held_step"]
 
     def shard(self, mesh) -> "Engine":
         """Put this engine on a `jax.sharding.Mesh` with axes (data, model), or [data, model] devices

@@ -23,6 +23,19 @@ def perplexity(nll: np.ndarray) -> float:
 class Generation:
     """Prefill, greedy generation and streaming scoring."""
 
+    def _refuse_streams(self, what: str) -> None:
+        """A shape-class engine (`slots`) runs the staged protocol only: a stream would recompress
+        by the shape class's rule, not by the exact policies' (nothing that the engine could check)."""
+        if self.slots:
+            raise ValueError(f"{what}: not on an Engine(slots={self.slots}) (shape classes keep the exact policies' "
+                             "tokens after a prompt, not on a stream's recompressions); use an Engine without slots=")
+
+    def _check_new(self, n) -> None:
+        """n generated tokens write n - 1 after the compression: within a shape-class engine's max_new."""
+        if self.slot_limit is not None and check_int("n", n, 0) - 1 > self.slot_limit:
+            raise ValueError(f"generate: n={n} new tokens write {n - 1} after the compression, past max_new="
+                             f"{self.slot_limit} of this Engine(slots={self.slots}); use an Engine without slots=")
+
     def prefill(self, tokens, chunk: int | None = None, cache: Cache | None = None):
         """Process a prompt [B, T] in chunks (None: one chunk); returns (last logits [B, V], cache).
 
@@ -33,6 +46,8 @@ class Generation:
         t = tokens.shape[1]
         if t == 0:
             raise ValueError(f"tokens: prefill needs a prompt of at least 1 token, got shape {tokens.shape}")
+        if cache is not None:
+            self._refuse_streams("prefill(cache=...)")
         chunk = self._chunk(chunk, t)
         self._check_len(t, f"prompt of {t} tokens")
         fresh = cache is None and self.compresses
@@ -48,7 +63,7 @@ class Generation:
         self.prefill_tokens += t * tokens.shape[0]
         if fresh:
             self.prompts_compressed += 1
-            cache = self._after_prompt(self._reconstruct(cache, tokens))
+            cache = self.compress_cache(self._reconstruct(cache, tokens))
         return logits, cache
 
     def generate(self, prompt, n: int, chunk: int | None = None) -> np.ndarray:
@@ -58,6 +73,7 @@ class Generation:
         `fit`, a fresh prompt is stored at what each layer kept (`fitted`) before decoding."""
         if is_ragged(prompt):
             return self._generate_ragged(prompt, n, chunk)
+        self._check_new(n)
         prompt = self._tokens(prompt, "prompt", (1, 2))
         n = check_int("n", n, 0)
         squeeze = prompt.ndim == 1
@@ -93,6 +109,7 @@ class Generation:
                              "them one at a time")
         rows = self._rows(prompts, "prompt")
         n = check_int("n", n, 0)
+        self._check_new(n)
         for i, r in enumerate(rows):
             self._check_len(len(r) + n, f"prompt row {i} of {len(r)} tokens + n={n} new tokens = {len(r) + n}")
         if n == 0:
@@ -132,6 +149,7 @@ class Generation:
         stream has no prompt: prompt compressors run their streaming rule from the first token
         (snapkv: compress whenever the cache overflows).
         """
+        self._refuse_streams("score")
         if is_ragged(tokens):
             if return_cache:
                 raise ValueError("score: return_cache with streams of different lengths (the padded rows' caches "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import jax
@@ -46,15 +47,19 @@ class Prompted:
     # re-sized to what they kept; continue_generate, feed and kept_positions hand the state to it
     fitted: "Engine | None" = None
     scored: tuple | None = None  # the reconstruction pass whose kvzip scores the cache holds (Engine.reconstruct)
+    compressed_at: int = -1  # the length at `compress` (-1: not compressed by an engine): what followed it
 
 
 class Staged:
     """A prompt run in stages: compress a context before the question is known, fork one state."""
 
     # -- staged prompts: compress before the question, fork one state ---------------------------
-    def prompt(self, tokens, chunk: int | None = None) -> Prompted:
+    def prompt(self, tokens, chunk: int | Sequence[int] | None = None) -> Prompted:
         """A fresh prompt [B, T] through each policy's prompt phase, not compressed yet (one
-        prefill; `compress` or `extend_prompt` next)."""
+        prefill; `compress` or `extend_prompt` next). `chunk` (here and in `extend_prompt`, `feed`,
+        `continue_generate`): tokens per step (None: one step), or the list of each step's tokens
+        (summing to T; e.g. `models.engine.layers.pieces`: powers of two, whose step shapes recur
+        across prompts of different lengths). A chunk never changes a result."""
         tokens = self._tokens(tokens, "tokens", (2,))
         t = tokens.shape[1]
         if t == 0:
@@ -64,19 +69,23 @@ class Staged:
         cache = self.init_cache(tokens.shape[0], prompt=True)
         self.prefills += 1
         empty = np.zeros((tokens.shape[0], 0), np.int32)
-        return self._feed(Prompted(cache, 0, None, False, empty), tokens, self._chunk(chunk, t), prompt=True,
+        return self._feed(Prompted(cache, 0, None, False, empty), tokens, self._chunk(chunk, t, t), prompt=True,
                           fork=False)
 
-    def _feed(self, state: Prompted, tokens: np.ndarray, chunk: int, prompt: bool, fork: bool = True) -> Prompted:
+    def _feed(self, state: Prompted, tokens: np.ndarray, chunk: int | tuple[int, ...], prompt: bool,
+              fork: bool = True) -> Prompted:
         layered = self.shares_layer_steps and not prompt  # a fitted engine: layer by layer (share_layer_steps)
         # (the layered feed copies each layer out of the cache: no fork needed)
         cache, logits, start = fork_cache(state.cache) if fork and not layered else state.cache, state.logits, state.length
         t = tokens.shape[1]
-        for s in range(0, t, chunk):
+        sizes = chunk if isinstance(chunk, tuple) else [min(chunk, t - s) for s in range(0, t, chunk)]
+        s = 0
+        for m in sizes:
             if layered:
-                logits, cache = self._feed_layers(cache, tokens[:, s:s + chunk], start + s)
+                logits, cache = self._feed_layers(cache, tokens[:, s:s + m], start + s)
             else:
-                logits, cache = self._step(cache, tokens[:, s:s + chunk], start + s, prompt=prompt)
+                logits, cache = self._step(cache, tokens[:, s:s + m], start + s, prompt=prompt)
+            s += m
         self.prefill_tokens += t * tokens.shape[0]
         fed = None if state.tokens is None else np.concatenate([state.tokens, tokens], axis=1)
         return dataclasses.replace(state, cache=cache, length=start + t, logits=logits, tokens=fed, scored=None)
@@ -90,7 +99,7 @@ class Staged:
                              f"{state.logits.shape[0]}")
         return tokens
 
-    def extend_prompt(self, state: Prompted, tokens, chunk: int | None = None) -> Prompted:
+    def extend_prompt(self, state: Prompted, tokens, chunk: int | Sequence[int] | None = None) -> Prompted:
         """More prompt tokens [B, T] through the prompt phase of an uncompressed state (which stays
         usable: a fork)."""
         tokens = self._check_state(state, tokens, "extend_prompt")
@@ -99,7 +108,7 @@ class Staged:
         state = self._own(state, "extend_prompt")
         t = tokens.shape[1]
         self._check_len(state.length + t, f"prompt of {state.length} + {t} tokens")
-        return self._feed(state, tokens, self._chunk(chunk, max(t, 1)), prompt=True) if t else state
+        return self._feed(state, tokens, self._chunk(chunk, max(t, 1), t), prompt=True) if t else state
 
     def shares_prompt(self, other: "Engine") -> bool:
         """Whether this engine can `compress` the uncompressed states of `other`: same model,
@@ -157,8 +166,8 @@ class Staged:
             return dataclasses.replace(fitted, fitted=engine)
         if self.compresses:
             self.prompts_compressed += 1
-            cache = self._after_prompt(self._scored(state, cache))  # kvzip: its scores (a pass, or `reconstruct`'s)
-        return Prompted(cache, state.length, state.logits, True, state.tokens)
+            cache = self.compress_cache(self._scored(state, cache))  # kvzip: its scores (a pass, or `reconstruct`'s)
+        return Prompted(cache, state.length, state.logits, True, state.tokens, compressed_at=state.length)
 
     def fitted(self, state: Prompted, round_to: int = 1) -> tuple["Engine", Prompted]:
         """A state stored at what each layer keeps: (an engine whose layers' policies are re-sized
@@ -226,16 +235,6 @@ class Staged:
                                  "layer_bytes": [tree_nbytes(st) for st in layers]})
         return memo[policies], Prompted(cache, state.length, state.logits, True, state.tokens)
 
-    def _held_after_prompt(self, cache):
-        """[L, B] tokens each layer would hold after `after_prompt` (jitted once per engine: only
-        the positions of the compressed state are computed, its keys and values are dead code)."""
-        if "_held_step" not in self.__dict__:
-            def held(cache):
-                out = [jax.vmap(functools.partial(after_prompt, pol))(st).pos for _, _, pol, st in self.decode_runs(cache)]
-                return jnp.concatenate([(p >= 0).sum(axis=(2, 3)) for p in out])  # [L, B]
-            self._held_step = jax.jit(held)
-        return self._held_step(cache)
-
     def kept_positions(self, state: Prompted, row: int = 0) -> list[list[np.ndarray]]:
         """The token positions the cache of `state` holds for batch row `row`: [layer][kv head] ->
         sorted int array. Per-head token sets (snapkv, h2o...), one set shared by the layer's heads
@@ -255,7 +254,7 @@ class Staged:
                 out.append(jax.tree.map(lambda x: np.asarray(x[i]), run).held(row, k, pol))
         return out
 
-    def feed(self, state: Prompted, tokens, chunk: int | None = None) -> Prompted:
+    def feed(self, state: Prompted, tokens, chunk: int | Sequence[int] | None = None) -> Prompted:
         """The state after `tokens` [B, T] went through the decode policies of a compressed state
         (what `continue_generate` does before it generates; `state` stays usable: a fork). With the
         ids a generation wrote, its cache after them: `kept_positions` reads what it holds."""
@@ -267,9 +266,10 @@ class Staged:
         state = self._own(state, "feed")
         t = tokens.shape[1]
         self._check_len(state.length + t, f"state of {state.length} + {t} tokens")
-        return self._feed(state, tokens, self._chunk(chunk, max(t, 1)), prompt=False) if t else state
+        self._check_room(state, t, "feed")
+        return self._feed(state, tokens, self._chunk(chunk, max(t, 1), t), prompt=False) if t else state
 
-    def continue_generate(self, state: Prompted, tokens, n: int, chunk: int | None = None) -> np.ndarray:
+    def continue_generate(self, state: Prompted, tokens, n: int, chunk: int | Sequence[int] | None = None) -> np.ndarray:
         """Greedy ids [B, n] after feeding `tokens` [B, T] (T >= 0; e.g. a question) through the
         decode policies of a compressed state (the state stays usable: forks do not interfere)."""
         if isinstance(state, Prompted) and state.fitted is not None and state.fitted is not self:
@@ -283,8 +283,9 @@ class Staged:
         state = self._own(state, "continue_generate")
         t = tokens.shape[1]
         self._check_len(state.length + t + n, f"state of {state.length} + {t} tokens + n={n} new tokens")
+        self._check_room(state, t + max(n - 1, 0), "continue_generate")
         if t:
-            state = self._feed(state, tokens, self._chunk(chunk, t), prompt=False)
+            state = self._feed(state, tokens, self._chunk(chunk, t, t), prompt=False)
         if n == 0:
             return np.zeros((tokens.shape[0], 0), np.int32)
         first = jnp.argmax(state.logits, axis=-1).astype(jnp.int32)  # [B]

@@ -172,9 +172,18 @@ class Steps:
         cache = self._scored(state, self._adopt(state.cache, "reconstruct"))  # the pass (the state's scores differ)
         return dataclasses.replace(state, cache=cache, scored=self._score_key())
 
-    def _after_prompt_impl(self, cache):
-        """Each run's prompt state -> its decode state (stacked over the run's layers)."""
-        return tuple(jax.vmap(functools.partial(after_prompt, pol))(st) for _, _, pol, st in self.decode_runs(cache))
+    def _after_prompt_impl(self, cache, tables=None):
+        """Each run's prompt state -> its decode state (stacked over the run's layers); `tables`:
+        per run, the kept counts of its layers' shape class ([n, ...]) or None (`Engine(slots=)`)."""
+        runs = self.decode_runs(cache)
+        tables = tables or (None,) * len(runs)
+        return tuple(jax.vmap(functools.partial(after_prompt, pol))(st) if tab is None else
+                     jax.vmap(lambda s, t, pol=pol: after_prompt(pol, s, t))(st, tab)
+                     for (_, _, pol, st), tab in zip(runs, tables, strict=True))
+
+    def compress_cache(self, cache: Cache) -> Cache:
+        """`after_prompt` of every run of a prompt-phase cache (kvzip's scores already in it)."""
+        return self._after_prompt(cache, self.keep_tables)
 
     def decode_runs(self, cache: Cache) -> list[tuple[int, int, Any, Any]]:
         """A prompt-phase cache (a stacked state per run of `prompt_policies`) cut into the runs of
@@ -189,6 +198,16 @@ class Steps:
             c, d, _ = have[i]
             out.append((a, b, pol, cache[i] if (c, d) == (a, b) else jax.tree.map(lambda x: x[a - c:b - c], cache[i])))
         return out
+
+    def _held_after_prompt(self, cache):
+        """[L, B] tokens each layer would hold after `after_prompt` (jitted once per engine: only
+        the positions of the compressed state are computed, its keys and values are dead code)."""
+        if "_held_step" not in self.__dict__:
+            def held(cache):
+                out = [jax.vmap(functools.partial(after_prompt, pol))(st).pos for _, _, pol, st in self.decode_runs(cache)]
+                return jnp.concatenate([(p >= 0).sum(axis=(2, 3)) for p in out])  # [L, B]
+            self._held_step = jax.jit(held)
+        return self._held_step(cache)
 
     # -- public API ---------------------------------------------------------------------------
     def init_cache(self, batch: int = 1, prompt: bool = False) -> Cache:
@@ -214,6 +233,7 @@ class Steps:
         read back: the step waits for the ids, not for their values on the host).
         """
         start = check_int("start", start, 0)
+        self._refuse_streams("step")
         if isinstance(tokens, jax.Array):
             if not jnp.issubdtype(tokens.dtype, jnp.integer) or tokens.ndim != 2:
                 raise ValueError(f"tokens: expected integer ids of shape [B, T], got {tokens.dtype} {tokens.shape}")

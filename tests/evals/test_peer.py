@@ -99,6 +99,26 @@ class TestTable:
             assert float(row["jaccard_mean"]) == pytest.approx(sum(js) / len(js))
             assert float(row["jaccard_min"]) == pytest.approx(min(js))
 
+    def test_each_line_has_its_seconds_and_our_phases(self, tiny_run):
+        out, rows = tiny_run
+        ours = _lines(out / f"{STEM}.ours.jsonl")
+        kv = _lines(out / f"{STEM}.kvpress.jsonl")
+        for x in ours + kv:
+            assert set(x["phases"]) >= {"compress", "kept", "question", "decode"}
+        for lines in (ours, kv):  # every sample's prefill is some item's
+            assert {x["sample"] for x in lines if "prefill" in x["phases"]} == {x["sample"] for x in lines}
+        for x in ours:  # phases add up to the item's wall time; compilation is counted inside them
+            ph = x["phases"]
+            assert sum(ph.get(k, 0) for k in ("prefill", "compress", "kept", "question", "decode")) == \
+                pytest.approx(x["seconds"], abs=0.05)
+            assert ph["programs"] >= 0 and ph["compile"] >= 0
+        assert sum(x["phases"]["programs"] for x in ours) > 0  # the first sample compiled
+        for r in rows:
+            for side, lines in (("ours", ours), ("kvpress", kv)):
+                secs = [x["seconds"] for x in lines if x["press"] == r["press"] and x["ratio"] == r["ratio"]]
+                assert r[f"{side}_seconds"] == pytest.approx(sum(secs) / len(secs), abs=0.006)
+        assert "s/item kvpress | s/item ours" in (out / f"{STEM}.md").read_text()
+
     def test_rerun_resumes(self, tiny_run, capsys):
         out, rows = tiny_run
         side = out / f"{STEM}.ours.jsonl"
@@ -107,7 +127,8 @@ class TestTable:
         again = peer.main(ARGS + [f"out={out}"])
         said = capsys.readouterr().out
         assert "to run: kvpress 0, ours 1 of 6" in said
-        assert again == rows
+        timeless = lambda rs: [{k: v for k, v in r.items() if not k.endswith("_seconds")} for r in rs]  # noqa: E731
+        assert timeless(again) == timeless(rows)  # the re-run item's own seconds differ
         assert len([x for x in side.read_text().splitlines() if x.startswith("{") and x.endswith("}")]) == 6
         peer.main(ARGS + [f"out={out}"])
         assert "to run: kvpress 0, ours 0 of 6" in capsys.readouterr().out
@@ -303,6 +324,26 @@ def test_kvzip_and_duo_reach_both_sides_alike(tmp_path):
         ("sdpa", "kvzip"), ("eager", "shared"), ("sdpa", "shared")]
     assert worker.group_of("SnapKVPress", shared=False) == ("sdpa", "pipeline")
     assert worker.group_of("KVzipPress", shared=False) == ("sdpa", "pipeline")
+
+
+@pytest.mark.ref
+@pytest.mark.kvpress
+@pytest.mark.skipif(not (REF / "kvpress").is_dir(), reason="kvpress not installed (bash scripts/setup.sh test)")
+def test_peer_speed_times_each_side_alone(tmp_path):
+    from benchmarks import peer_speed
+
+    res = peer_speed.main(["model=tiny", "tokens=320", "samples=2", "presses=[SnapKVPress]", "ratios=[0.5,0.75]",
+                           "gen=4", f"out={tmp_path}", "name=speed"])
+    assert set(res["sides"]) == {"ours", "kvpress"} and res["same_ids"] == "6/6"
+    for side, got in res["sides"].items():
+        lines = res["lines"][side]
+        assert got["items"] == len(lines) == 6 and len(got["samples"]) == 2
+        assert got["total"] == pytest.approx(sum(x["seconds"] for x in lines), abs=0.02)
+        assert got["steady"] == got["samples"][1] and got["first"] == got["samples"][0]
+        assert set(got["phases"]) >= {"prefill", "compress", "kept", "question", "decode"}
+    md = (tmp_path / "speed.md").read_text()
+    assert "| whole grid (s) |" in md and "| programs compiled |" in md
+    assert json.loads((tmp_path / "speed.json").read_text())["items_per_sample"] == 3
 
 
 def test_pieces_cover_the_context_in_recurring_shapes():

@@ -1,0 +1,167 @@
+"""`python -m benchmarks.peer_speed`: kvpress 0.5.5 against kvpolicies on kvpress's own protocol
+(`evals.peer`'s: the context compressed once, the question appended, greedy tokens), each side
+ALONE on the machine, one after the other, on the same prompts with the same threads (every core:
+XLA's pool on our side, torch's on kvpress's), nothing resumed and no persistent compilation cache.
+
+    python -m benchmarks.peer_speed                      # the grid of issue 57 on SmolLM2 (3 samples)
+    python -m benchmarks.peer_speed model=qwen
+    python -m benchmarks.peer_speed "presses=[SnapKVPress,PyramidKVPress]" "ratios=[0.25,0.5,0.75,0.875]" samples=2
+    python -m benchmarks.peer_speed side=ours            # one side only (the other's columns: -)
+
+Keys: those of `evals.peer` (model, task, tokens, samples, ratios, presses, gen, seed, chunk, prefill),
+plus side=both|ours|kvpress and out=results/peer_speed name=<stem>. Defaults: presses SnapKV,
+TOVA, Knorm, StreamingLLM, ExpectedAttention, AdaKV; ratios 0.25/0.5/0.75; gen 12; 3 samples.
+
+Per side: the wall time of each sample (every (press, ratio) item of it and the full cache; our
+side's compilation included, as it comes: the first sample compiles, later ones reuse), the
+first sample, the steady state (the mean of the later samples), the whole grid, and each phase
+summed over the grid: prefill, compress, kept (the kept positions read back to the host: the
+only device-to-host transfer besides the answer ids), question, decode; compile (ours: tracing,
+lowering and XLA's compile, from JAX's compilation events, inside the phases above) and the
+programs compiled. The ratios ours / kvpress are the result. Model loading is left out on both
+sides. Written: <out>/<stem>.json (everything, the per-item lines included) and <stem>.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+ISSUE_GRID = ["presses=[SnapKVPress,TOVAPress,KnormPress,StreamingLLMPress,ExpectedAttentionPress,AdaKVPress]",
+              "ratios=[0.25,0.5,0.75]", "gen=12", "samples=3"]
+PHASES = ("prefill", "compress", "kept", "question", "decode")
+OWN = ("side", "out", "name")
+
+
+def parse(argv: list[str]):
+    """(the evals.peer Plan, side, out folder, stem)."""
+    from evals import peer
+
+    own = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv if "=" in a and a.split("=", 1)[0] in OWN}
+    rest = [a for a in argv if not ("=" in a and a.split("=", 1)[0] in OWN)]
+    keys = {a.split("=", 1)[0] for a in rest if "=" in a}
+    rest = [a for a in ISSUE_GRID if a.split("=", 1)[0] not in keys] + rest
+    side = own.get("side", "both")
+    if side not in ("both", "ours", "kvpress"):
+        raise peer.ConfigError(f"side={side}: must be both, ours or kvpress")
+    out = pathlib.Path(own.get("out", "results/peer_speed"))
+    work = out / ".work"
+    p = peer.parse(rest + [f"out={work}", "compile_cache=none", "progress=false", "name=run"])
+    stem = own.get("name") or f"peer_speed_{p.model}_{p.task['name']}_{p.tokens}"
+    return p, side, out, stem, rest
+
+
+def per_sample(p, lines: list[dict]) -> dict[str, Any]:
+    """Seconds per sample (the sum of its items' seconds) and per phase over the grid."""
+    ids = {p.sample_id(i): i for i in range(p.samples)}
+    secs = [0.0] * p.samples
+    phases: dict[str, float] = {}
+    for x in lines:
+        secs[ids[x["sample"]]] += x["seconds"]
+        for k, v in x.get("phases", {}).items():
+            phases[k] = phases.get(k, 0.0) + v
+    return {"samples": [round(s, 2) for s in secs], "first": round(secs[0], 2),
+            "steady": round(float(np.mean(secs[1:])), 2) if len(secs) > 1 else None,
+            "total": round(sum(secs), 2), "items": len(lines),
+            "phases": {k: round(v, 2) for k, v in phases.items()}}
+
+
+def run_ours(p) -> list[dict]:
+    from evals import peer
+
+    model, _ = peer.load_ours(p)
+    todo = peer.pending(p, "ours")
+    peer.run_ours(p, model, todo)
+    return peer.read_lines(p.path(".ours.jsonl"))
+
+
+def run_kvpress(p) -> list[dict]:
+    """The kvpress worker alone, with every core's threads (OMP_NUM_THREADS: the machine's cores)."""
+    from evals import peer
+
+    os.environ["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)  # the worker's torch threads; no ours-done switch
+    try:
+        worker = peer.start_worker(p, peer.pending(p, "kvpress"))
+        worker.wait()
+    finally:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    if worker.returncode != 0:
+        raise RuntimeError(p.path(".kvpress.log").read_text(encoding="utf-8", errors="replace")[-3000:])
+    return peer.read_lines(p.path(".kvpress.jsonl"))
+
+
+def ratio(a, b):
+    return round(a / b, 3) if a is not None and b else None
+
+
+def markdown(res: dict) -> str:
+    s = res["sides"]
+    get = lambda side, k: s.get(side, {}).get(k)  # noqa: E731
+    f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+    rows = [("first sample (s)", "first"), ("steady state, per sample (s)", "steady"), ("whole grid (s)", "total")]
+    out = [f"`{res['command']}`", "", f"{res['model']}, {res['task']} at {res['tokens']} tokens, {res['samples']} samples, "
+           f"{res['items_per_sample']} items a sample ({res['presses']} presses x ratios {res['ratios']} + full), "
+           f"gen {res['gen']}; each side alone, {res['threads']} threads; {res['date']}.", "",
+           "| | kvpress 0.5.5 | kvpolicies | ours / kvpress |", "|---|---:|---:|---:|"]
+    for label, k in rows:
+        out.append(f"| {label} | {f(get('kvpress', k))} | {f(get('ours', k))} | "
+                   f"{'-' if (r := ratio(get('ours', k), get('kvpress', k))) is None else f'{r:.2f}'} |")
+    for ph in PHASES:
+        a, b = (s.get(x, {}).get("phases", {}).get(ph) for x in ("kvpress", "ours"))
+        out.append(f"| {ph}, whole grid (s) | {f(a)} | {f(b)} | {'-' if (r := ratio(b, a)) is None else f'{r:.2f}'} |")
+    ours = s.get("ours", {}).get("phases", {})
+    if ours:
+        out.append(f"| compilation, inside the above (s) | - | {f(ours.get('compile'))} | - |")
+        out.append(f"| programs compiled | - | {int(ours.get('programs', 0))} | - |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from evals import peer
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return {}
+    try:
+        p, side, out, stem, rest = parse(argv)
+        peer.check_reference()
+        peer.prepare(p)
+    except peer.ConfigError as e:
+        print(f"benchmarks.peer_speed: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    shutil.rmtree(p.out, ignore_errors=True)  # nothing resumed
+    p.out.mkdir(parents=True, exist_ok=True)
+    res: dict[str, Any] = {"command": "python -m benchmarks.peer_speed " + " ".join(argv), "argv": rest,
+                           "model": p.model, "task": p.task["name"], "tokens": p.tokens, "samples": p.samples,
+                           "presses": len(p.presses), "ratios": "/".join(f"{r:g}" for r in p.ratios), "gen": p.gen,
+                           "items_per_sample": len(p.cells), "threads": os.cpu_count(),
+                           "date": time.strftime("%Y-%m-%d %H:%M"), "sides": {}, "lines": {}}
+    for s, fn in (("kvpress", run_kvpress), ("ours", run_ours)):  # (model=tiny: the worker builds the checkpoint)
+        if side in (s, "both"):
+            print(f"[peer_speed] {s} side alone ...", flush=True)
+            lines = fn(p)
+            res["sides"][s] = per_sample(p, lines)
+            res["lines"][s] = [{k: v for k, v in x.items() if k != "kept"} for x in lines]
+            print(f"[peer_speed] {s}: {res['sides'][s]}", flush=True)
+    if side == "both":
+        ours, kv = (peer.saved(p, x) for x in ("ours", "kvpress"))
+        same = [ours[k]["answer"] == kv[k]["answer"] for k in ours.keys() & kv.keys() if "answer" in kv[k]]
+        res["same_ids"] = f"{sum(same)}/{len(same)}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(res, indent=1), encoding="utf-8")
+    (out / f"{stem}.md").write_text(markdown(res), encoding="utf-8")
+    print(markdown(res))
+    print(f"wrote {out / stem}.json, .md")
+    return res
+
+
+if __name__ == "__main__":
+    main()

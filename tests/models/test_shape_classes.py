@@ -1,0 +1,153 @@
+"""Shape classes (`Engine(slots=S)`, `kvpolicies.prompt.KeptTable`) and shared steps: a press's
+ratios, budgets and pyramidkv's layers run one shape class, keep exactly the tokens the exact
+policies keep (per layer and kv head) and decode the same greedy ids; the compiled programs of a
+grid do not grow with its ratios (counted from JAX's compilation events, never timed); what a
+shape-class engine cannot reproduce is refused before anything runs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvpolicies
+from evals.compiles import CompileLog
+from kvpolicies.compat import kvpress
+from kvpolicies.prompt import KeptTable, shape_class_of
+from models.config import LlamaConfig
+from models.engine import Engine, grid_slots
+from models.llama import Llama
+
+CFG = LlamaConfig(vocab_size=97, d_model=48, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64)
+N, Q, GEN = 150, 9, 8
+MAX_LEN = N + Q + GEN
+MAX_NEW = Q + GEN
+# kvpress's presses with a kept table, at fields that fit the tiny prompt
+PRESSES = {"SnapKVPress": {"window_size": 8}, "PyramidKVPress": {"window_size": 8}, "KnormPress": {},
+           "StreamingLLMPress": {}, "ExpectedAttentionPress": {"n_future_positions": 16},
+           "ObservedAttentionPress": {}, "TOVAPress": {}, "AdaKVPress": {"window_size": 8}}
+RATIOS = (0.25, 0.5, 0.75, 0.875)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Llama(CFG)
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    rng = np.random.default_rng(0)
+    return rng.integers(0, 97, (1, N)).astype(np.int32), rng.integers(0, 97, (1, Q)).astype(np.int32)
+
+
+def _pols(press, ratios):
+    return [kvpress(press, r, max_new=MAX_NEW, **PRESSES[press]) for r in ratios]
+
+
+def _answer(eng, tokens):
+    ctx, q = tokens
+    st = eng.compress(eng.prompt(ctx))
+    return eng.kept_positions(st), eng.continue_generate(st, q, GEN)
+
+
+@pytest.mark.parametrize("press", sorted(PRESSES))
+def test_a_shape_class_keeps_and_answers_as_the_exact_policy(press, model, tokens):
+    slots = grid_slots(_pols(press, RATIOS), CFG.n_layers, MAX_LEN)
+    assert slots > 0
+    for pol in _pols(press, RATIOS):
+        exact = Engine(model, pol, max_len=MAX_LEN, share_steps=False)
+        shaped = Engine(model, pol, max_len=MAX_LEN, slots=slots)
+        assert shaped.policies != exact.policies and all(t is not None for t in shaped.keep_tables)
+        (ke, ie), (ks, is_) = _answer(exact, tokens), _answer(shaped, tokens)
+        for la, lb in zip(ke, ks, strict=True):
+            for a, b in zip(la, lb, strict=True):
+                np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(ie, is_)
+
+
+def test_budget_sized_policies_have_a_constant_table():
+    pol = kvpolicies.get("snapkv", budget=20, obs_window=4, kernel=3, max_new=5)
+    table = pol.kept_table(100)
+    assert table.shape == (101,) and set(table.tolist()) == {24}  # budget + window, whatever the prompt
+    shaped, t = shape_class_of(pol, 100, 64)
+    assert shaped.slots == 64 and shaped.budget == 0 and shaped.ratio == 0 and t is not None
+    assert shape_class_of(pol, 100, 20) == (pol, None)  # its state (29 slots) does not fit 20: itself
+    assert shape_class_of(kvpolicies.get("full"), 100, 64) == (kvpolicies.get("full"), None)
+    decoding = kvpress("KnormPress", 0.5, compression_interval=4, target_size=8)  # compresses while decoding
+    assert isinstance(decoding, KeptTable) and decoding.kept_table(100) is None
+
+
+def test_pyramid_layers_share_one_run_and_one_layer_step(model, tokens):
+    pol = kvpress("PyramidKVPress", 0.5, max_new=MAX_NEW, window_size=8)
+    exact = Engine(model, pol, max_len=MAX_LEN, share_steps=False)
+    assert len(set(exact.policies)) == CFG.n_layers  # a policy (so a layer step) per layer
+    shaped = Engine(model, pol, max_len=MAX_LEN, slots=grid_slots([pol], CFG.n_layers, MAX_LEN))
+    assert len(set(shaped.policies)) == 1 and shaped.keep_tables[0].shape == (CFG.n_layers, MAX_LEN + 1)
+    _answer(exact, tokens), _answer(shaped, tokens)
+    assert exact.traces["decode_layer"] == CFG.n_layers and shaped.traces["decode_layer"] == 1
+
+
+def _grid_programs(ratios, tokens) -> tuple[int, int]:
+    """(XLA programs compiled, engine step traces) of every press of PRESSES at `ratios` on a fresh model
+    (nothing shared with other tests)."""
+    m = Llama(CFG)
+    with CompileLog() as log:
+        counters = {}
+        for press in PRESSES:
+            slots = grid_slots(_pols(press, ratios), CFG.n_layers, MAX_LEN)
+            for pol in _pols(press, ratios):
+                eng = Engine(m, pol, max_len=MAX_LEN, slots=slots)
+                _answer(eng, tokens)
+                counters[id(eng.traces)] = eng.traces
+    return log.programs, sum(sum(c.values()) for c in counters.values())
+
+
+def test_a_grid_compiles_the_same_programs_at_two_ratios_as_at_four(tokens):
+    two, four = _grid_programs((0.25, 0.5), tokens), _grid_programs(RATIOS, tokens)
+    assert four == two
+    assert four[1] <= 4 * len(PRESSES)  # per press: the prompt, the question and one decode-layer step, once
+
+
+def test_equal_engines_share_their_steps(model, tokens):
+    pol = kvpolicies.get("snapkv", budget=20, obs_window=4, kernel=3, max_new=MAX_NEW)
+    a, b = Engine(model, pol, max_len=MAX_LEN), Engine(model, pol, max_len=MAX_LEN)
+    c = Engine(model, pol, max_len=MAX_LEN, share_steps=False)
+    assert a.traces is b.traces and a.traces is not c.traces
+    _answer(a, tokens)
+    before = sum(a.traces.values())
+    with CompileLog() as log:
+        _answer(b, tokens)
+    assert sum(a.traces.values()) == before and log.programs == 0  # b traced and compiled nothing
+
+
+def test_what_a_shape_class_cannot_reproduce_is_refused(model, tokens):
+    ctx, q = tokens
+    pol = kvpress("SnapKVPress", 0.5, max_new=MAX_NEW, window_size=8)
+    eng = Engine(model, pol, max_len=MAX_LEN + 40, slots=grid_slots([pol], CFG.n_layers, MAX_LEN + 40))
+    st = eng.compress(eng.prompt(ctx))
+    with pytest.raises(ValueError, match=r"past max_new=17"):
+        eng.continue_generate(st, q, GEN + 2)  # 9 + 9 written after the compression
+    with pytest.raises(ValueError, match="past max_new"):
+        eng.feed(eng.feed(st, q), np.zeros((1, GEN + 1), np.int32))
+    with pytest.raises(ValueError, match="not on an Engine"):
+        eng.score(ctx[0])
+    with pytest.raises(ValueError, match="not on an Engine"):
+        eng.step(eng.init_cache(), ctx[:, :4], 0)
+    with pytest.raises(ValueError, match="past max_new"):
+        eng.generate(ctx, MAX_NEW + 2)
+    assert eng.continue_generate(st, q, GEN).shape == (1, GEN)  # within max_new: fine
+    with pytest.raises(ValueError, match="no layer's policy has a kept table"):
+        Engine(model, kvpolicies.get("full"), max_len=MAX_LEN, slots=64)
+    with pytest.raises(ValueError, match="not with fit= or mesh="):
+        Engine(model, pol, max_len=MAX_LEN, slots=64, fit=4)
+
+
+def test_chunk_as_a_list_of_steps(model, tokens):
+    ctx, _ = tokens
+    eng = Engine(model, kvpolicies.get("full"), max_len=MAX_LEN)
+    one = eng.prompt(ctx, chunk=64)
+    listed = eng.prompt(ctx, chunk=[128, 16, 4, 2])
+    np.testing.assert_allclose(np.asarray(listed.logits), np.asarray(one.logits), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="sum to 149, not to the 150"):
+        eng.prompt(ctx, chunk=[128, 16, 4, 1])
+    with pytest.raises(ValueError, match=r"chunk\[1\]"):
+        eng.prompt(ctx, chunk=[149, 0, 1])
