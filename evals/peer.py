@@ -486,13 +486,32 @@ def engine_slots(p: Plan, model, max_len: int, max_new: int) -> dict[str, int]:
                            for r in p.ratios], model.cfg.n_layers, max_len) for c in p.presses}
 
 
+def shared_phase(model, engines, max_len: int, steps: list[int], memo: dict):
+    """The engine of the prompt phase that covers the prompt phases of `engines` (one prefill for
+    snapkv, adakv, pyramidkv, knorm, tova, streamingllm and expected attention: their slots are
+    the same bit for bit, `kvpolicies.prompt.covers`), or None: fewer than two phases to cover, or
+    a 1-token step in `steps` (a step of one token attends in one piece, where what a phase
+    observes could change the outputs' rounding: each phase then prefills its own)."""
+    from kvpolicies.prompt import superset
+    from models.engine import Engine
+
+    if min(steps) < 2:
+        return None
+    wide = superset({q for e in engines for q in e.prompt_policies})
+    if wide is None:
+        return None
+    if wide not in memo:
+        memo[wide] = Engine(model, wide, max_len=max_len)
+    return memo[wide]
+
+
 def run_ours(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=lambda: None) -> None:
     """Our side of the items `todo`, one line appended to <stem>.ours.jsonl per item (its answer,
     kept positions, seconds and `phases`). An engine per (press, ratio), kept across samples; the
     ratios of a press run one shape class (`Engine(slots=)`, `engine_slots`), so they share their
-    compiled steps; per sample, prompt compressors with the same prompt phase compress one prefill
-    (full last: it takes any dense prompt state), and kvzip's ratios one reconstruction pass
-    (`Engine.reconstruct`)."""
+    compiled steps; per sample, the prompt compressors whose prompt phases one phase covers
+    (`shared_phase`), or that share a prompt phase, compress one prefill (full last: it takes any
+    dense prompt state), and kvzip's ratios one reconstruction pass (`Engine.reconstruct`)."""
     import jax
 
     from evals.compiles import CompileLog
@@ -504,6 +523,7 @@ def run_ours(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=lambda
     max_new = max(len(q) for q in p.questions) + p.gen
     slots = engine_slots(p, model, max_len, max_new)
     engines: dict[tuple[str, float], Engine] = {}
+    shared: dict[Any, Engine] = {}  # the engines of covering prompt phases (`shared_phase`)
     by: dict[int, list[tuple[str, float]]] = {}
     for i, c, r in todo:
         by.setdefault(i, []).append((c, r))
@@ -512,20 +532,24 @@ def run_ours(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=lambda
         for i, cells in by.items():
             ctx, q = p.contexts[i], p.questions[i]
             states: list = []  # (engine, uncompressed prompt state) of this sample
-            for c, r in sorted(cells, key=lambda x: x[0] == "full"):
-                t0 = time.time()
-                ph = Phases(log)
+            for c, r in cells:
                 if (c, r) not in engines:
                     pol = kvpress("SnapKVPress" if c == "full" else c, r, n_layers=model.cfg.n_layers, max_new=max_new,
                                   **press_fields(p.model, c))
                     engines[(c, r)] = Engine(model, pol, max_len=max_len, slots=slots.get(c, 0))
+            wide = shared_phase(model, [engines[x] for x in cells], max_len, pieces(len(ctx), p.chunk), shared)
+            ready: dict[Any, list] = {}  # per set of shared steps: (press, ratio, engine, state, kept, phases, seconds)
+            for c, r in sorted(cells, key=lambda x: x[0] == "full"):
+                t0 = time.time()
+                ph = Phases(log)
                 eng = engines[(c, r)]
                 # shares_prompt compares layer by layer; the state's runs of layers must match too (a
                 # stack whose prompt phases differ by layer has a run per layer: it cannot adopt one run)
                 runs = len(policy_runs(eng.prompt_policies, model.cfg.n_layers))
                 j = next((j for j, (e, s) in enumerate(states) if len(s.cache) == runs and eng.shares_prompt(e)), None)
-                if j is None:
-                    states.append((eng, ph("prefill", prompt_in_pieces(eng, ctx, p.chunk))))
+                if j is None:  # a prefill: the covering phase's when it serves this engine, else its own
+                    src = wide if wide is not None and eng.shares_prompt(wide) else eng
+                    states.append((src, ph("prefill", prompt_in_pieces(src, ctx, p.chunk))))
                     j = len(states) - 1
                 if eng.reconstructors:  # kvzip: one reconstruction pass a sample, its scores kept for every ratio
                     states[j] = (states[j][0], eng.reconstruct(states[j][1]))
@@ -538,14 +562,40 @@ def run_ours(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=lambda
                         m[h, np.asarray(pos)] = True
                     kept.append(pack(m))
                 ph("kept")
-                st = ph("question", eng.feed(st, q[None], chunk=question_pieces(len(q))))
-                ids = ph("decode", eng.continue_generate(st, np.zeros((1, 0), np.int32), p.gen)[0])
-                line = {"sample": p.sample_id(i), "press": c, "ratio": r, "n": len(ctx),
-                        "answer": [int(x) for x in ids], "kept": kept, "seconds": round(time.time() - t0, 2),
-                        "phases": ph.done()}
-                f.write(json.dumps(line) + "\n")
-                f.flush()
-                tick()
+                # a press's ratios (one shape class, the same steps) answer as the rows of one batch
+                ready.setdefault((eng.policies, eng.max_len) if eng.slots else (c, r), []).append(
+                    (c, r, eng, st, kept, ph.done(), time.time() - t0))
+            for group in ready.values():
+                t1 = time.time()
+                eng, ph = group[0][2], Phases(log)
+                ids = answer_rows(eng, [x[3] for x in group], q, p.gen, ph)
+                share = {k: v / len(group) for k, v in ph.done().items()}  # the batch's time, shared out
+                secs = (time.time() - t1) / len(group)
+                for (c, r, _, _, kept, own, spent), row in zip(group, ids):
+                    phases = {k: round(own.get(k, 0) + share.get(k, 0), 3) for k in own.keys() | share.keys()}
+                    line = {"sample": p.sample_id(i), "press": c, "ratio": r, "n": len(ctx),
+                            "answer": [int(x) for x in row], "kept": kept,
+                            "seconds": round(spent + secs, 2), "phases": phases | {"batch": len(group)}}
+                    f.write(json.dumps(line) + "\n")
+                    f.flush()
+                    tick()
+
+
+def answer_rows(eng, states: list, q: np.ndarray, gen: int, ph) -> np.ndarray:
+    """Greedy ids [len(states), gen] after the question `q` of one-row compressed states of
+    engines that run `eng`'s steps (a press's ratios in one shape class), decoded as the rows of
+    one batch: a step reads the weights once for every row (rows of a batch answer as each row
+    alone: tests/models/test_shape_classes.py)."""
+    import jax.numpy as jnp
+
+    if len(states) == 1:
+        st = states[0]
+    else:
+        cache = tuple(type(run[0]).join_rows(list(run)) for run in zip(*[s.cache for s in states]))
+        st = dataclasses.replace(states[0], cache=cache, logits=jnp.concatenate([s.logits for s in states]),
+                                 tokens=None)
+    fed = ph("question", eng.feed(st, np.repeat(q[None], len(states), 0), chunk=question_pieces(len(q))))
+    return ph("decode", eng.continue_generate(fed, np.zeros((len(states), 0), np.int32), gen))
 
 
 # -- the records and the table -------------------------------------------------------------------------

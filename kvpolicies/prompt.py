@@ -246,14 +246,66 @@ def reads_prompt_state(mine: Policy, theirs: Policy) -> bool:
 
     if prompt_key(mine) == prompt_key(theirs):
         return True
-    return type(mine) is Full and isinstance(theirs, PromptPhase) and mine.codec == theirs.codec
+    return type(mine) is Full and isinstance(theirs, PromptPhase) and mine.codec == theirs.codec or covers(theirs, mine)
+
+
+def covers(theirs: Policy, mine: Policy) -> bool:
+    """Whether the prompt phase `theirs` holds all that `mine` collects, through the same attention:
+    both `PromptPhase`s of one codec for no particular compressor (`of` None), neither summing
+    columns (whose second pass changes the attention path), at least `mine`'s observation rows,
+    and `mine`'s query statistics if any. Its slots are then `mine`'s bit for bit (the rows' scores
+    are computed apart from the outputs, `kvpolicies.attention.dense.last_rows_scores`; tested on
+    tiny and real models for steps of 2 tokens or more) and `adopt` cuts the rest away: one
+    prefill serves snapkv, adakv, pyramidkv, knorm, tova's and streamingllm's kvpress forms and
+    expected attention."""
+    return (isinstance(mine, PromptPhase) and isinstance(theirs, PromptPhase) and mine.of is None
+            and theirs.of is None and mine.codec == theirs.codec and not mine.columns and not theirs.columns
+            and theirs.obs_window >= mine.obs_window and mine.query_sink in (-1, theirs.query_sink))
+
+
+def superset(phases) -> "PromptPhase | None":
+    """The one prompt phase that `covers` every phase of `phases` that a shared phase can cover, or
+    None when fewer than two can (or their query statistics differ)."""
+    ok = [p for p in phases if isinstance(p, PromptPhase) and p.of is None and not p.columns]
+    sinks = {p.query_sink for p in ok} - {-1}
+    if len(set(ok)) < 2 or len(sinks) > 1 or len({p.codec for p in ok}) > 1:
+        return None
+    return PromptPhase(codec=ok[0].codec, obs_window=max(p.obs_window for p in ok),
+                       query_sink=sinks.pop() if sinks else -1)
+
+
+def restrict(phase: "PromptPhase", state: PromptState) -> PromptState:
+    """A covering phase's state (`covers`) as `phase` would have built it: its newest
+    `phase.obs_window` rows (row r: the query at the position p = r mod w among the newest w),
+    and only the statistics `phase` collects. Any leading axes (a run of layers) carry over."""
+    w, big = phase.obs_window, state.rows.shape[-2]
+    rows, row_pos = state.rows, state.row_pos  # [..., B, K, W, S], [..., B, W]
+    if w != big:
+        newest = row_pos.max(axis=-1, keepdims=True)  # [..., B, 1]
+        p = newest - (newest - jnp.arange(w)) % w if w else newest[..., :0]  # [..., B, w]: p = r mod w
+        src = jnp.where(p >= 0, p % big, 0)
+        rows = jnp.take_along_axis(rows, src[..., None, :, None], axis=-2)  # [..., B, K, w, S]
+        rows = jnp.where((p >= 0)[..., None, :, None], rows, 0.0)
+        row_pos = jnp.where(p >= 0, p, -1).astype(state.row_pos.dtype)
+    return PromptState(state.k, state.v, state.pos, rows=rows, row_pos=row_pos,
+                       extra={n: x for n, x in state.extra.items() if n in collected(phase)})
+
+
+def collected(phase: "PromptPhase") -> set[str]:
+    """The names of what `phase` collects beside its slots and rows (`PromptState.extra`)."""
+    return ({"mass"} if phase.columns else set()) | ({"q_sum", "q_sq", "q_n", "inv_freq"} if phase.query_sink >= 0
+                                                     else set())
 
 
 def adopt(policy: Policy, state: Any) -> tuple[Any, bool]:
     """Another engine's prompt state for a layer of `policy`: (the state, whether its keys must
-    be rotated) — `full` takes a PromptPhase's dense slots, whose keys are stored un-rotated."""
+    be rotated) — `full` takes a PromptPhase's dense slots, whose keys are stored un-rotated; a
+    PromptPhase takes a covering phase's state (`covers`), cut to what it collects (`restrict`)."""
     from kvpolicies.full import Full
 
     if isinstance(policy, Full) and isinstance(state, PromptState):
         return SlotState(state.k, state.v, state.pos), policy.rotated_keys
+    if isinstance(policy, PromptPhase) and policy.of is None and isinstance(state, PromptState) and (
+            state.rows.shape[-2] != policy.obs_window or set(state.extra) - collected(policy)):
+        return restrict(policy, state), False  # a covering phase's state (`covers`)
     return state, False

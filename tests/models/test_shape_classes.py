@@ -151,3 +151,53 @@ def test_chunk_as_a_list_of_steps(model, tokens):
         eng.prompt(ctx, chunk=[128, 16, 4, 1])
     with pytest.raises(ValueError, match=r"chunk\[1\]"):
         eng.prompt(ctx, chunk=[149, 0, 1])
+
+
+def test_one_covering_prefill_serves_every_covered_press(model, tokens):
+    """`kvpolicies.prompt.covers`: the covering phase's state, cut by `restrict`, is each phase's own
+    bit for bit, and compressing it keeps the same positions and answers the same ids."""
+    from kvpolicies.prompt import PromptPhase, covers, superset
+
+    ctx, q = tokens
+    steps = [128, 16, 4, 2]  # no 1-token step (evals.peer.shared_phase)
+    engines = {press: Engine(model, pol, max_len=MAX_LEN) for press in PRESSES if press != "ObservedAttentionPress"
+               for pol in _pols(press, (0.5,))}
+    phases = {e.prompt_policies[0] for e in engines.values()}
+    assert len(phases) == 4  # snapkv's and adakv's 8 rows, tova's 1, knorm's and streamingllm's none, expected's sums
+    wide = superset(phases | {kvpolicies.get("full")})
+    assert wide == PromptPhase(obs_window=8, query_sink=4) and all(covers(wide, x) for x in phases)
+    assert superset(phases | {PromptPhase(obs_window=2, columns=True)}) == wide  # observed's columns: not covered
+    assert superset({PromptPhase(obs_window=2), PromptPhase(query_sink=1), PromptPhase(query_sink=2)}) is None
+    big = Engine(model, wide, max_len=MAX_LEN)
+    shared = big.prompt(ctx, chunk=steps)
+    for press, eng in engines.items():
+        assert eng.shares_prompt(big), press
+        own = eng.prompt(ctx, chunk=steps)
+        mine, theirs = own.cache[0], eng._adopt(shared.cache)[0]
+        for name in ("k", "v", "pos", "rows", "row_pos"):
+            np.testing.assert_array_equal(np.asarray(getattr(theirs, name)), np.asarray(getattr(mine, name)), press)
+        assert set(theirs.extra) == set(mine.extra)
+        for name in mine.extra:
+            np.testing.assert_array_equal(np.asarray(theirs.extra[name]), np.asarray(mine.extra[name]))
+        a, b = eng.compress(own), eng.compress(shared)
+        assert [list(map(list, x)) for x in eng.kept_positions(a)] == [list(map(list, x)) for x in eng.kept_positions(b)]
+        np.testing.assert_array_equal(eng.continue_generate(a, q, GEN), eng.continue_generate(b, q, GEN))
+
+
+def test_a_press_ratios_answer_as_rows_of_one_batch(model, tokens):
+    """`evals.peer.answer_rows`: the compressed states of a press's ratios (one shape class) decode as
+    the rows of one batch, each row the ids it gets alone."""
+    from evals.compiles import CompileLog
+    from evals.peer import answer_rows
+
+    ctx, q = tokens
+    pols = _pols("SnapKVPress", RATIOS)
+    slots = grid_slots(pols, CFG.n_layers, MAX_LEN)
+    engines = [Engine(model, pol, max_len=MAX_LEN, slots=slots) for pol in pols]
+    prompt = engines[0].prompt(ctx)
+    states = [e.compress(prompt) for e in engines]
+    alone = [e.continue_generate(s, q, GEN)[0] for e, s in zip(engines, states)]
+    with CompileLog() as log:
+        together = answer_rows(engines[0], states, q[0], GEN, lambda name, value: value)
+    np.testing.assert_array_equal(together, np.stack(alone))
+    assert log.programs > 0  # a batch of 4 rows is a shape of its own (compiled once per press)
