@@ -9,7 +9,8 @@ XLA's pool on our side, torch's on kvpress's), nothing resumed and no persistent
     python -m benchmarks.peer_speed side=ours            # one side only (the other's columns: -)
 
 Keys: those of `evals.peer` (model, task, tokens, samples, ratios, presses, gen, seed, chunk, prefill),
-plus side=both|ours|kvpress and out=results/peer_speed name=<stem>. Defaults: presses SnapKV,
+plus side=both|ours|kvpress and out=results/peer_speed name=<stem>; `redraw=LABEL:RUN.json,...`
+draws the phases of saved runs (<out>/<name>.png) and runs nothing. Defaults: presses SnapKV,
 TOVA, Knorm, StreamingLLM, ExpectedAttention, AdaKV; ratios 0.25/0.5/0.75; gen 12; 3 samples.
 
 Per side: the wall time of each sample (every (press, ratio) item of it and the full cache; our
@@ -37,7 +38,7 @@ import numpy as np
 ISSUE_GRID = ["presses=[SnapKVPress,TOVAPress,KnormPress,StreamingLLMPress,ExpectedAttentionPress,AdaKVPress]",
               "ratios=[0.25,0.5,0.75]", "gen=12", "samples=3"]
 PHASES = ("prefill", "compress", "kept", "question", "decode")
-OWN = ("side", "out", "name")
+OWN = ("side", "out", "name", "redraw")
 
 
 def parse(argv: list[str]):
@@ -123,12 +124,45 @@ def markdown(res: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def figure(runs: list[tuple[str, dict]], path: pathlib.Path) -> None:
+    """Seconds per phase over the whole grid, one stacked bar per (label, side): PNG at `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = [(f"{label}\n{side}", res["sides"][side]["phases"]) for label, res in runs
+            for side in ("kvpress", "ours") if res["sides"].get(side, {}).get("phases")]
+    fig, ax = plt.subplots(figsize=(1.6 + 1.3 * len(bars), 4))
+    bottom = np.zeros(len(bars))
+    for ph in PHASES:
+        vals = np.array([b.get(ph, 0.0) for _, b in bars])
+        ax.bar(range(len(bars)), vals, bottom=bottom, label=ph)
+        bottom += vals
+    ax.set_xticks(range(len(bars)), [name for name, _ in bars], fontsize=8)
+    ax.set_ylabel("seconds, whole grid (each side alone)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> dict:
     from evals import peer
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
+        return {}
+    redraw = [a.split("=", 1)[1] for a in argv if a.startswith("redraw=")]
+    if redraw:  # redraw=LABEL:RUN.json,LABEL:RUN.json out=... name=...: the figure of saved runs, nothing run
+        out = pathlib.Path(next((a.split("=", 1)[1] for a in argv if a.startswith("out=")), "results/peer_speed"))
+        name = next((a.split("=", 1)[1] for a in argv if a.startswith("name=")), "peer_speed")
+        runs = [(x.split(":", 1)[0], json.loads(pathlib.Path(x.split(":", 1)[1]).read_text())) for x in
+                redraw[0].split(",")]
+        out.mkdir(parents=True, exist_ok=True)
+        figure(runs, out / f"{name}.png")
+        print(f"wrote {out / name}.png")
         return {}
     try:
         p, side, out, stem, rest = parse(argv)

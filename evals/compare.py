@@ -751,7 +751,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         return []
     from evals.run import interrupt_as_line
 
-    from evals.compiles import CompileLog
+    from evals.compiles import CompileLog, use_persistent_cache
+
+    use_persistent_cache()
 
     with warnings_as_lines("evals.compare"), interrupt_as_line("evals.compare"), CompileLog() as log:
         try:

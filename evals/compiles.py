@@ -63,3 +63,32 @@ class CompileLog:
         total = time.time() - self.started if total is None else total
         share = f" ({100 * self.seconds / total:.0f} % of the run's {total:.0f} s)" if total > 0 else ""
         return f"compiled {self.programs} programs in {self.seconds:.1f} s{share}"
+
+
+CACHE_ENV = "KVP_COMPILE_CACHE"  # a folder, or "none": the persistent compilation cache of evals.* commands
+
+
+def default_cache_dir() -> str:
+    """$KVP_COMPILE_CACHE, else $XDG_CACHE_HOME/kvpolicies/jax (~/.cache/kvpolicies/jax)."""
+    import os
+
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.environ.get(CACHE_ENV) or os.path.join(base, "kvpolicies", "jax")
+
+
+def use_persistent_cache(folder: str | None = None) -> str | None:
+    """Turn on JAX's persistent compilation cache at `folder` (default `default_cache_dir()`), so that
+    a second run of the same grid reads its programs back instead of compiling them; nothing when
+    $KVP_COMPILE_CACHE is "none" or a cache is already set (JAX_COMPILATION_CACHE_DIR, a caller's).
+    Returns the folder in use, or None."""
+    import os
+
+    import jax
+
+    if os.environ.get(CACHE_ENV, "").strip().lower() == "none":
+        return None
+    if jax.config.jax_compilation_cache_dir:
+        return jax.config.jax_compilation_cache_dir
+    folder = folder or default_cache_dir()
+    jax.config.update("jax_compilation_cache_dir", folder)
+    return folder

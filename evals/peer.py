@@ -507,7 +507,8 @@ def shared_phase(model, engines, max_len: int, steps: list[int], memo: dict):
 
 def run_ours(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=lambda: None) -> None:
     """Our side of the items `todo`, one line appended to <stem>.ours.jsonl per item (its answer,
-    kept positions, seconds and `phases`). An engine per (press, ratio), kept across samples; the
+    kept positions, seconds, `phases`, and the compressed state's `bytes`: stored, in its filled
+    slots, and allocated). An engine per (press, ratio), kept across samples; the
     ratios of a press run one shape class (`Engine(slots=)`, `engine_slots`), so they share their
     compiled steps; per sample, the prompt compressors whose prompt phases one phase covers
     (`shared_phase`), or that share a prompt phase, compress one prefill (full last: it takes any
@@ -516,6 +517,7 @@ def run_ours(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=lambda
 
     from evals.compiles import CompileLog
     from kvpolicies.compat import kvpress
+    from kvpolicies.memory import filled_bytes, tree_nbytes
     from models.engine import Engine
     from models.llama import policy_runs
 
@@ -563,18 +565,19 @@ def run_ours(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=lambda
                     kept.append(pack(m))
                 ph("kept")
                 # a press's ratios (one shape class, the same steps) answer as the rows of one batch
+                held = {"stored": filled_bytes(st.cache), "allocated": tree_nbytes(st.cache)}  # after the compression
                 ready.setdefault((eng.policies, eng.max_len) if eng.slots else (c, r), []).append(
-                    (c, r, eng, st, kept, ph.done(), time.time() - t0))
+                    (c, r, eng, st, (kept, held), ph.done(), time.time() - t0))
             for group in ready.values():
                 t1 = time.time()
                 eng, ph = group[0][2], Phases(log)
                 ids = answer_rows(eng, [x[3] for x in group], q, p.gen, ph)
                 share = {k: v / len(group) for k, v in ph.done().items()}  # the batch's time, shared out
                 secs = (time.time() - t1) / len(group)
-                for (c, r, _, _, kept, own, spent), row in zip(group, ids):
+                for (c, r, _, _, (kept, held), own, spent), row in zip(group, ids):
                     phases = {k: round(own.get(k, 0) + share.get(k, 0), 3) for k in own.keys() | share.keys()}
                     line = {"sample": p.sample_id(i), "press": c, "ratio": r, "n": len(ctx),
-                            "answer": [int(x) for x in row], "kept": kept,
+                            "answer": [int(x) for x in row], "kept": kept, "bytes": held,
                             "seconds": round(spent + secs, 2), "phases": phases | {"batch": len(group)}}
                     f.write(json.dumps(line) + "\n")
                     f.flush()

@@ -213,7 +213,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if any(x in ("-h", "--help") for x in argv):
         print(__doc__)
         return []
-    from evals.compiles import CompileLog
+    from evals.compiles import CompileLog, use_persistent_cache
+
+    use_persistent_cache()
 
     with CompileLog() as log:
         try:

@@ -122,3 +122,17 @@ def decode_reads(policy: Policy, state: SlotState, context: int) -> tuple[int, i
     filled = min(s, context + 1)
     kv, meta = tree_nbytes((state.k, state.v)), tree_nbytes(meta_fields(state))
     return kv * filled // s, meta * filled // s
+
+
+def filled_bytes(cache) -> int:
+    """The bytes a cache (one state per run of layers) holds in its filled slots: each run's bytes
+    times the fraction of its slots that hold a token (`pos >= 0`). Against `tree_nbytes(cache)`,
+    what it allocates: a shape class (`models.engine.Engine(slots=)`) or a state with free slots
+    allocates more than it stores. Exact for states whose leaves are all per slot (snapkv's family,
+    knorm, tova, expected, adakv's and kvzip's pools); a state with per-layer statistics counts
+    them in the same fraction."""
+    out = 0
+    for st in cache:
+        pos = np.asarray(st.pos)
+        out += round(tree_nbytes(st) * float((pos >= 0).mean())) if pos.size else 0
+    return out

@@ -181,6 +181,23 @@ def check(command: str) -> str:
             return "run by tests/evals/test_peer.py::test_help"
         plan = peer.prepare(peer.parse(args))
         return f"evals.peer.parse + prepare: {len(plan.cells)} rows x {plan.samples} samples built"
+    if module == "benchmarks.first_call":  # key=value (main would load the model in subprocesses)
+        from kvpolicies.compat import PRESSES
+
+        kw = dict(a.split("=", 1) for a in args)
+        assert set(kw) <= {"presses", "tokens", "out"}, f"{command}: unknown key"
+        assert set(kw.get("presses", "SnapKVPress").split(",")) <= set(PRESSES), f"{command}: unknown press"
+        return "benchmarks.first_call: keys and presses checked"
+    if module == "benchmarks.peer_speed":  # key=value: its parser (main would run both sides)
+        from benchmarks import peer_speed
+
+        redraw = [a.split("=", 1)[1] for a in args if a.startswith("redraw=")]
+        if redraw:
+            runs = [ROOT / x.split(":", 1)[1] for x in redraw[0].split(",")]
+            assert all(r.is_file() for r in runs), f"{command}: a saved run is missing"
+            return "redraws saved runs (their files exist)"
+        plan, side, _, _, _ = peer_speed.parse(args)
+        return f"benchmarks.peer_speed.parse: {len(plan.cells)} rows x {plan.samples} samples, side={side}"
     if module == "evals.train_kvzap":  # key=value, not argparse: its parser only (main would train)
         from evals import train_kvzap
 

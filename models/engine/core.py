@@ -67,7 +67,8 @@ class Engine(ArgumentChecks, Steps, LayerSteps, Staged, Generation):
     press at different ratios, and pyramidkv's layers, run the same compiled steps. The same
     tokens are kept and decoded alike as long as at most `max_new` tokens follow the compression
     (`feed`, `continue_generate` and `generate` refuse more; `step` and `score`, whose streams
-    recompress, are refused). `stored_bytes` / `allocated_bytes` of a state tell the two apart.
+    recompress, are refused). What a state stores against what it allocates:
+    `kvpolicies.memory.filled_bytes(state.cache)` against `tree_nbytes(state.cache)`.
 
     Engines of one model with equal policies, max_len, cache dtype and RoPE tables share their
     jitted steps (`share_steps`, the default; not on a mesh): a grid's engines compile a step

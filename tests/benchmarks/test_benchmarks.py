@@ -516,3 +516,29 @@ def test_compressed_decode_dry_run_times_every_press_against_full():
         assert r["question_s"] > 0 and r["generate_s"] > 0
         assert r["question_vs_full"] == r["question_s"] / full["question_s"]
         assert r["generate_vs_full"] == r["generate_s"] / full["generate_s"]
+
+
+def test_the_peer_speed_tables_are_their_runs():
+    """docs/results/speed.md's kvpress-protocol tables are the saved benchmarks.peer_speed and
+    benchmarks.first_call runs' numbers (docs/results/runs/peer_speed_*.json, first_call_*.json)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    runs = root / "docs" / "results" / "runs"
+    text = (root / "docs" / "results" / "speed.md").read_text()
+    before, after, qwen = (json.loads((runs / f"peer_speed_{n}.json").read_text())
+                           for n in ("smollm2_before", "smollm2_after", "qwen_after"))
+    for label, k in (("first sample (s)", "first"), ("steady state, per sample (s)", "steady"), ("whole grid (s)", "total")):
+        kv, b, a = after["sides"]["kvpress"][k], before["sides"]["ours"][k], after["sides"]["ours"][k]
+        bk = before["sides"]["kvpress"][k]
+        assert f"| {label} | {kv:.1f} | {b:.1f} | {a:.1f} | {b / bk:.2f} | {a / kv:.2f} |" in text
+        q, qk = qwen["sides"]["ours"][k], qwen["sides"]["kvpress"][k]
+        assert f"| {label} | {qk:.1f} | {q:.1f} | {q / qk:.2f} |" in text
+    for ph in ("prefill", "compress", "question", "decode"):
+        kv, ours = after["sides"]["kvpress"]["phases"][ph], after["sides"]["ours"]["phases"][ph]
+        assert f"| {kv:.1f} | {ours:.1f} | {ours / kv:.2f} |" in text, ph
+    assert f"{after['sides']['ours']['phases']['compile']:.1f} ({int(after['sides']['ours']['phases']['programs'])} programs)" in text
+    calls = {(r["press"], r["mode"]): r for r in json.loads((runs / "first_call_smollm2_1024.json").read_text())}
+    for (press, mode), r in calls.items():
+        assert f"| {r['layers_policies']} | {r['first']:.2f} | {r['second']:.2f} |" in text, (press, mode)
+    assert calls[("PyramidKVPress", "slots")]["first"] <= 2 * calls[("SnapKVPress", "exact")]["first"]

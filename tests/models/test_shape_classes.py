@@ -12,6 +12,7 @@ import pytest
 import kvpolicies
 from evals.compiles import CompileLog
 from kvpolicies.compat import kvpress
+from kvpolicies.memory import filled_bytes, tree_nbytes
 from kvpolicies.prompt import KeptTable, shape_class_of
 from models.config import LlamaConfig
 from models.engine import Engine, grid_slots
@@ -31,6 +32,18 @@ RATIOS = (0.25, 0.5, 0.75, 0.875)
 @pytest.fixture(scope="module")
 def model():
     return Llama(CFG)
+
+
+@pytest.fixture
+def fresh_compiles():
+    """JAX's persistent compilation cache off (scripts/test.sh turns it on): every program is
+    compiled, so JAX's compilation events count them all."""
+    import jax
+
+    was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    yield
+    jax.config.update("jax_enable_compilation_cache", was)
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +71,8 @@ def test_a_shape_class_keeps_and_answers_as_the_exact_policy(press, model, token
         shaped = Engine(model, pol, max_len=MAX_LEN, slots=slots)
         assert shaped.policies != exact.policies and all(t is not None for t in shaped.keep_tables)
         (ke, ie), (ks, is_) = _answer(exact, tokens), _answer(shaped, tokens)
+        se, ss = (e.compress(e.prompt(tokens[0])) for e in (exact, shaped))
+        assert filled_bytes(ss.cache) == filled_bytes(se.cache) < tree_nbytes(se.cache) <= tree_nbytes(ss.cache)
         for la, lb in zip(ke, ks, strict=True):
             for a, b in zip(la, lb, strict=True):
                 np.testing.assert_array_equal(a, b)
@@ -101,13 +116,13 @@ def _grid_programs(ratios, tokens) -> tuple[int, int]:
     return log.programs, sum(sum(c.values()) for c in counters.values())
 
 
-def test_a_grid_compiles_the_same_programs_at_two_ratios_as_at_four(tokens):
+def test_a_grid_compiles_the_same_programs_at_two_ratios_as_at_four(tokens, fresh_compiles):
     two, four = _grid_programs((0.25, 0.5), tokens), _grid_programs(RATIOS, tokens)
     assert four == two
     assert four[1] <= 4 * len(PRESSES)  # per press: the prompt, the question and one decode-layer step, once
 
 
-def test_equal_engines_share_their_steps(model, tokens):
+def test_equal_engines_share_their_steps(model, tokens, fresh_compiles):
     pol = kvpolicies.get("snapkv", budget=20, obs_window=4, kernel=3, max_new=MAX_NEW)
     a, b = Engine(model, pol, max_len=MAX_LEN), Engine(model, pol, max_len=MAX_LEN)
     c = Engine(model, pol, max_len=MAX_LEN, share_steps=False)
@@ -184,7 +199,7 @@ def test_one_covering_prefill_serves_every_covered_press(model, tokens):
         np.testing.assert_array_equal(eng.continue_generate(a, q, GEN), eng.continue_generate(b, q, GEN))
 
 
-def test_a_press_ratios_answer_as_rows_of_one_batch(model, tokens):
+def test_a_press_ratios_answer_as_rows_of_one_batch(model, tokens, fresh_compiles):
     """`evals.peer.answer_rows`: the compressed states of a press's ratios (one shape class) decode as
     the rows of one batch, each row the ids it gets alone."""
     from evals.compiles import CompileLog
