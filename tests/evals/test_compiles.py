@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from evals import compiles
@@ -22,13 +23,13 @@ def no_disk_cache():
 def test_a_fresh_program_counts_once(no_disk_cache):
     f = jax.jit(lambda x: jnp.sin(x) * 3 + 1.25)
     with compiles.CompileLog() as log:
-        f(jnp.ones(7))
+        f(np.ones(7, np.float32))
         mark = log.mark()
-        f(jnp.ones(7))  # the same shape: no new program
+        f(np.ones(7, np.float32))  # the same shape: no new program
         assert log.since(mark) == (0, 0.0)
-        f(jnp.ones(9))  # another shape: one more
+        f(np.ones(9, np.float32))  # another shape: one more
     assert log.programs == 2 and log.seconds > 0
-    f(jnp.ones(11))  # after the log closed: not counted
+    f(np.ones(11, np.float32))  # after the log closed: not counted
     assert log.programs == 2
     assert log.line(10.0).startswith("compiled 2 programs in ")
 
