@@ -76,19 +76,20 @@ def default_cache_dir() -> str:
     return os.environ.get(CACHE_ENV) or os.path.join(base, "kvpolicies", "jax")
 
 
-def use_persistent_cache(folder: str | None = None) -> str | None:
+def use_persistent_cache(folder: str | None = None, config=None) -> str | None:
     """Turn on JAX's persistent compilation cache at `folder` (default `default_cache_dir()`), so that
     a second run of the same grid reads its programs back instead of compiling them; nothing when
     $KVP_COMPILE_CACHE is "none" or a cache is already set (JAX_COMPILATION_CACHE_DIR, a caller's).
-    Returns the folder in use, or None."""
+    Returns the folder in use, or None. `config`: jax.config (or a stand-in, in tests)."""
     import os
 
     import jax
 
+    config = jax.config if config is None else config
     if os.environ.get(CACHE_ENV, "").strip().lower() == "none":
         return None
-    if jax.config.jax_compilation_cache_dir:
-        return jax.config.jax_compilation_cache_dir
+    if config.jax_compilation_cache_dir:
+        return config.jax_compilation_cache_dir
     folder = folder or default_cache_dir()
-    jax.config.update("jax_compilation_cache_dir", folder)
+    config.update("jax_compilation_cache_dir", folder)
     return folder

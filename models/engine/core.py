@@ -28,7 +28,8 @@ from models.engine.layers import LayerSteps, write_layers
 from models.engine.steps import Steps
 
 
-# engines whose jitted steps later engines of the same model and key take (`Engine._share_steps`)
+# per model, weak references to the engines whose jitted steps later engines of the same model and
+# key take (`Engine._share_steps`); an engine that took them keeps its donor's steps alive
 _STEP_DONORS: "weakref.WeakKeyDictionary[Llama, dict]" = weakref.WeakKeyDictionary()
 
 
@@ -177,9 +178,9 @@ class Engine(ArgumentChecks, Steps, LayerSteps, Staged, Generation):
         key = (self.policies, self.prompt_policies, self.recon_policies, self.max_len, str(self.cache_dtype),
                bool(rope_tables), self.fit)
         donors = _STEP_DONORS.setdefault(self._model, {})
-        donor = donors.get(key)
-        if donor is None:
-            donors[key] = self
+        donor = donors[key]() if key in donors else None  # a weak reference: the registry keeps no engine
+        if donor is None:  # (nor, through it, the model that keys it) alive
+            donors[key] = weakref.ref(self)
             return
         for name in self._STEPS:
             setattr(self, name, getattr(donor, name))

@@ -12,16 +12,8 @@ import pytest
 from evals import compiles
 
 
-@pytest.fixture
-def no_disk_cache():
-    was = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    yield
-    jax.config.update("jax_enable_compilation_cache", was)
-
-
-def test_a_fresh_program_counts_once(no_disk_cache):
-    f = jax.jit(lambda x: jnp.sin(x) * 3 + 1.25)
+def test_a_fresh_program_counts_once():
+    f = jax.jit(lambda x: jnp.sin(x) * 3 + 1.2578125)  # compiled nowhere else (a cache on disk: no hit)
     with compiles.CompileLog() as log:
         f(np.ones(7, np.float32))
         mark = log.mark()
@@ -34,18 +26,23 @@ def test_a_fresh_program_counts_once(no_disk_cache):
     assert log.line(10.0).startswith("compiled 2 programs in ")
 
 
+class Config:
+    """A stand-in for jax.config (the process's own cache is left alone: tests share it)."""
+
+    def __init__(self, folder=None):
+        self.jax_compilation_cache_dir = folder
+
+    def update(self, name, value):
+        setattr(self, name, value)
+
+
 def test_the_persistent_cache_folder_and_its_switch(monkeypatch, tmp_path):
-    cfg = jax.config
-    was = cfg.jax_compilation_cache_dir
-    try:
-        cfg.update("jax_compilation_cache_dir", None)
-        monkeypatch.setenv(compiles.CACHE_ENV, "none")
-        assert compiles.use_persistent_cache() is None and not cfg.jax_compilation_cache_dir
-        monkeypatch.setenv(compiles.CACHE_ENV, str(tmp_path / "c"))
-        assert compiles.use_persistent_cache() == str(tmp_path / "c") == cfg.jax_compilation_cache_dir
-        monkeypatch.delenv(compiles.CACHE_ENV)
-        assert compiles.use_persistent_cache() == str(tmp_path / "c")  # a cache already set is kept
-        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-        assert compiles.default_cache_dir() == str(tmp_path / "xdg" / "kvpolicies" / "jax")
-    finally:
-        cfg.update("jax_compilation_cache_dir", was)
+    monkeypatch.setenv(compiles.CACHE_ENV, "none")
+    assert compiles.use_persistent_cache(config=(cfg := Config())) is None and cfg.jax_compilation_cache_dir is None
+    monkeypatch.setenv(compiles.CACHE_ENV, str(tmp_path / "c"))
+    assert compiles.use_persistent_cache(config=cfg) == str(tmp_path / "c") == cfg.jax_compilation_cache_dir
+    monkeypatch.delenv(compiles.CACHE_ENV)
+    assert compiles.use_persistent_cache(config=Config("/elsewhere")) == "/elsewhere"  # a cache already set wins
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert compiles.default_cache_dir() == str(tmp_path / "xdg" / "kvpolicies" / "jax")
+    assert compiles.use_persistent_cache(config=(cfg := Config())) == str(tmp_path / "xdg" / "kvpolicies" / "jax")
