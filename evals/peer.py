@@ -538,7 +538,7 @@ def run_ours(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=lambda
                 if (c, r) not in engines:
                     pol = kvpress("SnapKVPress" if c == "full" else c, r, n_layers=model.cfg.n_layers, max_new=max_new,
                                   **press_fields(p.model, c))
-                    engines[(c, r)] = Engine(model, pol, max_len=max_len, slots=slots.get(c, 0))
+                    engines[(c, r)] = Engine(model, pol, max_len=max_len, slots=slots.get(c, 0), share_steps=True)
             wide = shared_phase(model, [engines[x] for x in cells], max_len, pieces(len(ctx), p.chunk), shared)
             ready: dict[Any, list] = {}  # per set of shared steps: (press, ratio, engine, state, kept, phases, seconds)
             for c, r in sorted(cells, key=lambda x: x[0] == "full"):

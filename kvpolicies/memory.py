@@ -125,14 +125,17 @@ def decode_reads(policy: Policy, state: SlotState, context: int) -> tuple[int, i
 
 
 def filled_bytes(cache) -> int:
-    """The bytes a cache (one state per run of layers) holds in its filled slots: each run's bytes
-    times the fraction of its slots that hold a token (`pos >= 0`). Against `tree_nbytes(cache)`,
-    what it allocates: a shape class (`models.engine.Engine(slots=)`) or a state with free slots
-    allocates more than it stores. Exact for states whose leaves are all per slot (snapkv's family,
-    knorm, tova, expected, adakv's and kvzip's pools); a state with per-layer statistics counts
-    them in the same fraction."""
+    """The bytes a cache (one state per run of layers) holds: its per-slot leaves (those with the
+    slot axis of `pos` where `pos` has it: keys, values, positions, scores) in the fraction of slots
+    that hold a token (`pos >= 0`), every other leaf (per-layer statistics) whole. Against
+    `tree_nbytes(cache)`, what it allocates: a shape class (`models.engine.Engine(slots=)`) or a
+    state with free slots allocates more than it stores."""
     out = 0
     for st in cache:
         pos = np.asarray(st.pos)
-        out += round(tree_nbytes(st) * float((pos >= 0).mean())) if pos.size else 0
+        axis, s = pos.ndim - 1, pos.shape[-1]
+        frac = float((pos >= 0).mean()) if pos.size else 0.0
+        for x in jax.tree.leaves(st):
+            n = tree_nbytes(x)
+            out += round(n * frac) if len(x.shape) > axis and x.shape[axis] == s else n
     return out

@@ -251,14 +251,14 @@ def reads_prompt_state(mine: Policy, theirs: Policy) -> bool:
 
 def covers(theirs: Policy, mine: Policy) -> bool:
     """Whether the prompt phase `theirs` holds all that `mine` collects, through the same attention:
-    both `PromptPhase`s of one codec for no particular compressor (`of` None), neither summing
+    both plain `PromptPhase`s (not a subclass's, e.g. kvzap's) of one codec for no particular compressor (`of` None), neither summing
     columns (whose second pass changes the attention path), at least `mine`'s observation rows,
     and `mine`'s query statistics if any. Its slots are then `mine`'s bit for bit (the rows' scores
     are computed apart from the outputs, `kvpolicies.attention.dense.last_rows_scores`; tested on
     tiny and real models for steps of 2 tokens or more) and `adopt` cuts the rest away: one
     prefill serves snapkv, adakv, pyramidkv, knorm, tova's and streamingllm's kvpress forms and
     expected attention."""
-    return (isinstance(mine, PromptPhase) and isinstance(theirs, PromptPhase) and mine.of is None
+    return (type(mine) is PromptPhase and type(theirs) is PromptPhase and mine.of is None
             and theirs.of is None and mine.codec == theirs.codec and not mine.columns and not theirs.columns
             and theirs.obs_window >= mine.obs_window and mine.query_sink in (-1, theirs.query_sink))
 
@@ -266,7 +266,7 @@ def covers(theirs: Policy, mine: Policy) -> bool:
 def superset(phases) -> "PromptPhase | None":
     """The one prompt phase that `covers` every phase of `phases` that a shared phase can cover, or
     None when fewer than two can (or their query statistics differ)."""
-    ok = [p for p in phases if isinstance(p, PromptPhase) and p.of is None and not p.columns]
+    ok = [p for p in phases if type(p) is PromptPhase and p.of is None and not p.columns]
     sinks = {p.query_sink for p in ok} - {-1}
     if len(set(ok)) < 2 or len(sinks) > 1 or len({p.codec for p in ok}) > 1:
         return None
@@ -305,7 +305,7 @@ def adopt(policy: Policy, state: Any) -> tuple[Any, bool]:
 
     if isinstance(policy, Full) and isinstance(state, PromptState):
         return SlotState(state.k, state.v, state.pos), policy.rotated_keys
-    if isinstance(policy, PromptPhase) and policy.of is None and isinstance(state, PromptState) and (
+    if type(policy) is PromptPhase and policy.of is None and isinstance(state, PromptState) and (
             state.rows.shape[-2] != policy.obs_window or set(state.extra) - collected(policy)):
         return restrict(policy, state), False  # a covering phase's state (`covers`)
     return state, False

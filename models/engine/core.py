@@ -71,13 +71,16 @@ class Engine(ArgumentChecks, Steps, LayerSteps, Staged, Generation):
     recompress, are refused). What a state stores against what it allocates:
     `kvpolicies.memory.filled_bytes(state.cache)` against `tree_nbytes(state.cache)`.
 
-    Engines of one model with equal policies, max_len, cache dtype and RoPE tables share their
-    jitted steps (`share_steps`, the default; not on a mesh): a grid's engines compile a step
-    once per shape class, whatever the number of engines. `traces` is then the shared count."""
+    `share_steps=True`: this engine takes the jitted steps of an earlier engine of the same model
+    with equal policies, max_len, cache dtype and RoPE tables that also shares (not on a mesh), so a
+    grid's engines compile a step once per shape class, whatever the number of engines; `traces`
+    is then the shared count. Off by default: what a step records while it is traced (`attend`'s
+    `record_visible`, kvzap's prompt scores in models.llama) is recorded only by the engine that
+    traced it."""
 
     def __init__(self, model: Llama, policies: Policy | Sequence[Policy], max_len: int, cache_dtype=None,
                  repeat: RepeatPrompts | Any = None, rope_tables: bool = True, mesh=None,
-                 decode_loop: str = "layers", fit: int = 0, slots: int = 0, share_steps: bool = True):
+                 decode_loop: str = "layers", fit: int = 0, slots: int = 0, share_steps: bool = False):
         self.cfg = model.cfg
         check_policies(policies)
         if isinstance(policies, Policy):  # one policy for the model: its per-layer stack (a model-level

@@ -58,7 +58,7 @@ def test_a_shape_class_keeps_and_answers_as_the_exact_policy(press, model, token
     assert slots > 0
     for pol in _pols(press, RATIOS):
         exact = Engine(model, pol, max_len=MAX_LEN, share_steps=False)
-        shaped = Engine(model, pol, max_len=MAX_LEN, slots=slots)
+        shaped = Engine(model, pol, max_len=MAX_LEN, slots=slots, share_steps=True)
         assert shaped.policies != exact.policies and all(t is not None for t in shaped.keep_tables)
         (ke, ie), (ks, is_) = _answer(exact, tokens), _answer(shaped, tokens)
         se, ss = (e.compress(e.prompt(tokens[0])) for e in (exact, shaped))
@@ -101,7 +101,7 @@ def _grid_programs(ratios, tokens, vocab) -> tuple[int, int]:
         for press in PRESSES:
             slots = grid_slots(_pols(press, ratios), CFG.n_layers, MAX_LEN)
             for pol in _pols(press, ratios):
-                eng = Engine(m, pol, max_len=MAX_LEN, slots=slots)
+                eng = Engine(m, pol, max_len=MAX_LEN, slots=slots, share_steps=True)
                 _answer(eng, tokens)
                 counters[id(eng.traces)] = eng.traces
     return log.programs, sum(sum(c.values()) for c in counters.values())
@@ -115,8 +115,8 @@ def test_a_grid_compiles_the_same_programs_at_two_ratios_as_at_four(tokens):
 
 def test_equal_engines_share_their_steps(model, tokens):
     pol = kvpolicies.get("snapkv", budget=20, obs_window=4, kernel=3, max_new=MAX_NEW)
-    a, b = Engine(model, pol, max_len=MAX_LEN), Engine(model, pol, max_len=MAX_LEN)
-    c = Engine(model, pol, max_len=MAX_LEN, share_steps=False)
+    a, b = (Engine(model, pol, max_len=MAX_LEN, share_steps=True) for _ in range(2))
+    c = Engine(model, pol, max_len=MAX_LEN)  # not shared (the default)
     assert a.traces is b.traces and a.traces is not c.traces
     _answer(a, tokens)
     before = sum(a.traces.values())
@@ -198,7 +198,7 @@ def test_a_press_ratios_answer_as_rows_of_one_batch(model, tokens):
     ctx, q = tokens
     pols = _pols("SnapKVPress", RATIOS)
     slots = grid_slots(pols, CFG.n_layers, MAX_LEN)
-    engines = [Engine(model, pol, max_len=MAX_LEN, slots=slots) for pol in pols]
+    engines = [Engine(model, pol, max_len=MAX_LEN, slots=slots, share_steps=True) for pol in pols]
     prompt = engines[0].prompt(ctx)
     states = [e.compress(prompt) for e in engines]
     alone = [e.continue_generate(s, q, GEN)[0] for e, s in zip(engines, states)]
