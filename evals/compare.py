@@ -300,8 +300,8 @@ def policy_overrides(name: str, policy: kvpolicies.Policy) -> list[str]:
     """evals.run overrides that build exactly `policy`: every scalar field explicit (codec: the run's)."""
     out = [f"policy={name}"]
     for f in dataclasses.fields(policy):
-        if f.name == "codec" or not f.init:
-            continue
+        if f.name == "codec" or not f.init or f.metadata.get("engine") and getattr(policy, f.name) == f.default:
+            continue  # (an engine-set field at its default: not a command-line key)
         v = getattr(policy, f.name)
         if isinstance(v, (bool, int, float, str)):
             out.append(f"policy.{f.name}={_value(v)}")

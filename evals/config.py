@@ -140,12 +140,13 @@ def policy_config(name: str) -> dict[str, Any]:
     """The `policy=<name>` option, derived from the registered class: `name`, each field at its
     default or `${key}` for a field of `run_keys(name)`, then `codec: ${codec}`. A field without a
     default is required (`???`); one whose default is not a scalar (bool, int, float, str) is left
-    out (it keeps its default and cannot be set from the command line)."""
+    out (it keeps its default and cannot be set from the command line), and so is a field the engine
+    sets (`metadata={"engine": True}`: a shape class's `slots`)."""
     cls = kvpolicies.POLICIES[name]
     follows = run_keys(name)
     node: dict[str, Any] = {"name": name}
     for f in dataclasses.fields(cls):
-        if f.name == "codec" or not f.init:
+        if f.name == "codec" or not f.init or f.metadata.get("engine"):  # engine-set (a shape class's slots)
             continue
         if f.name in follows:
             node[f.name] = "${" + follows[f.name] + "}"

@@ -125,7 +125,8 @@ class AdaKV(Budgeted, KeptTable, PromptCompressor, Policy):
     ratio: float = 0.0  # kvpress's compression ratio (0: `budget` sizes); see `kept_for`
     safeguard_window: bool = False  # kvpress: the safeguard is int(alpha x n_kept), window included
     codec: Codec = Identity()
-    slots: int = 0  # a shape class's slots per kv head (`KeptTable`; 0: sized by ratio or budget)
+    # a shape class's slots per kv head (`KeptTable`; 0: sized by ratio or budget); set by the engine
+    slots: int = dataclasses.field(default=0, metadata={"engine": True})
 
     def __post_init__(self):
         check_int("adakv", "budget", self.budget, 0)

@@ -70,7 +70,7 @@ class PromptScored(Budgeted, KeptTable, PromptCompressor, Scored):
     target: int = 0  # kvpress's DecodingPress target_size: tokens per kv head after a decode-time compression
     # a shape class's decode slots per kv head (`KeptTable.shape_class`; 0: sized by ratio or budget):
     # the count kept after the prompt is then given as data (`after_prompt(state, table)`)
-    slots: int = 0
+    slots: int = dataclasses.field(default=0, metadata={"engine": True})  # set by the engine, not a CLI field
 
     def __post_init__(self):
         check_int(self.label, "budget", self.budget, 0)
