@@ -57,11 +57,11 @@ def test_ratio_key_sizes_prompt_compressors_and_streaming_policies():
 
 
 def test_new_fields_at_their_defaults_keep_the_run_keys():
-    """ratio / pooling / safeguard_window / interval / target at their defaults leave a row's resume
+    """ratio / pooling / safeguard_window / interval / target / slots at their defaults leave a row's resume
     key as it was."""
     conf = C.validate(C.compose(["policy=snapkv", "model=tiny_random", "tokens=400"]))
     pol, _ = C.resolve_policy(conf)
-    old = {k: v for k, v in R.policy_record(pol).items() if k not in ("ratio", "pooling", "interval", "target")}
+    old = {k: v for k, v in R.policy_record(pol).items() if k not in ("ratio", "pooling", "interval", "target", "slots")}
     keyed = {k: conf[k] for k in ("model", "data", "policy", "task", "chunk", "seed")}
     keyed["task"] = {k: v for k, v in conf["task"].items() if k != "extrapolate"}
     assert run_key(conf, pol) == R.config_key({**keyed, "policy": old})
