@@ -573,7 +573,7 @@ def validate(cfg: DictConfig | dict[str, Any]) -> dict[str, Any]:
 
 def check_fit(conf: dict[str, Any], policy: kvpolicies.Policy) -> None:
     """`fit` is an int >= 0, and a policy that can be fit to what it keeps when it is set."""
-    from kvpolicies.adakv import Fits
+    from kvpolicies.budgets import Fits
 
     f = conf.get("fit", 0)
     if isinstance(f, bool) or not isinstance(f, int) or f < 0:

@@ -32,7 +32,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from kvpolicies.base import EMPTY, Policy, RopePositions, View, empty_slots
-from kvpolicies.budgets import Budgeted
+from kvpolicies.budgets import Budgeted, Fits  # noqa: F401  (Fits: re-exported, it lived here)
 from kvpolicies.checks import check_choice, check_int
 from kvpolicies.codecs import Codec, Identity
 from kvpolicies.prompt import KeptTable, PromptCompressor, PromptPhase, PromptState
@@ -322,22 +322,11 @@ def as_rows(pool: HeadPool, kv_heads: int) -> HeadPool:
     return _map(lambda x: _rows(x, kv_heads), pool)
 
 
-class Fits:
-    """Capability: a head-pool policy whose layers keep numbers of tokens that depend on the
-    content (kvzap's threshold), re-sized to what a prompt kept: `fit(n)` is the same policy with
-    room for n tokens per kv head on average (and its free slots), which keeps the same tokens of
-    that prompt. `models.engine.Engine.fitted` cuts each layer's pool to its fitted capacity
-    (`fit_pool`), so that the stored bytes are what each layer kept, not the static capacity."""
-
-    def fit(self, tokens_per_head: int) -> Policy:
-        raise NotImplementedError
-
-
 def fit_pool(pool: HeadPool, slots: int) -> HeadPool:
     """A packed head pool (leaves [B, K, S, ...]: kept slots first, grouped by head, as
     `pack_by_head` leaves them) cut to `slots` slots per row: the first K x slots slots of the
     flat pool, as K rows [B, K, slots, ...]. Every filled slot must be among them (the caller
-    checks the counts on the host: `Engine.fitted`)."""
+    checks the counts on the host: `Engine.fitted`, through `kvpolicies.budgets.Fits.fit_state`)."""
     kh, s = pool.pos.shape[1], pool.pos.shape[2]
     if not 0 < slots <= s:
         raise ValueError(f"fit_pool: slots={slots} per row, the pool has {s}")

@@ -69,6 +69,23 @@ class Budgeted:
         return cls(**{cls.budget_field: n}, **kw)
 
 
+class Fits:
+    """Capability: a policy whose layers keep numbers of tokens that depend on the content (kvzap's
+    threshold), re-sized to what a prompt kept: `fit(n)` is the same policy with room for n tokens
+    per kv head on average (and its free slots), which keeps the same tokens of that prompt, and
+    `fit_state` stores a compressed state at that size. `models.engine.Engine.fitted` re-sizes each
+    such layer, so that the stored bytes are what each layer kept, not the static capacity."""
+
+    def fit(self, tokens_per_head: int) -> Policy:
+        """This policy with room for `tokens_per_head` tokens per kv head on average."""
+        raise NotImplementedError
+
+    def fit_state(self, state: Any, max_len: int) -> Any:
+        """One layer's compressed state (of the policy this one was fit from) stored at this
+        policy's capacity at `max_len`: every kept token stays (the engine checked the counts)."""
+        raise NotImplementedError
+
+
 def budget_field_of(policy: Any) -> str | None:
     """The field a token budget sets on `policy` (a policy or its class); None without a budget."""
     cls = policy if isinstance(policy, type) else type(policy)

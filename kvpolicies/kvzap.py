@@ -47,9 +47,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from kvpolicies.adakv import Fits, HeadPool, as_rows, fit_pool, head_of, pack_by_head, pool_view, prompt_pool
+from kvpolicies.adakv import HeadPool, as_rows, fit_pool, head_of, pack_by_head, pool_view, prompt_pool
 from kvpolicies.base import EMPTY, Policy, View, empty_slots
-from kvpolicies.budgets import Budgeted
+from kvpolicies.budgets import Budgeted, Fits
 from kvpolicies.checks import check_choice, check_int
 from kvpolicies.codecs import Codec, Identity
 from kvpolicies.kvzip import KVzip
@@ -155,6 +155,10 @@ class KVzap(Budgeted, Fits, PromptCompressor, Policy):
         least `window`): on a prompt whose layer kept at most K x that many, it keeps the same
         tokens (`Engine.fitted` stores each layer at its own size)."""
         return dataclasses.replace(self, budget=min(max(int(tokens_per_head), self.window), self.budget))
+
+    def fit_state(self, state: HeadPool, max_len: int) -> HeadPool:
+        """A compressed pool cut to this (fitted) policy's slots per row (`fit_pool`)."""
+        return fit_pool(state, min(self.capacity(max_len), state.pos.shape[2]))
 
     # -- the surrogate ---------------------------------------------------------------------------
     def surrogate_params(self, d_model: int, kv_heads: int, n_layers: int) -> dict[str, np.ndarray]:

@@ -172,6 +172,43 @@ class KVzip(Budgeted, Reconstructor, Policy):
         """The layer's policy while the engine feeds the repeat inputs."""
         return Reconstruct(codec=self.codec, of=self)
 
+    def pass_policy(self, phase: Policy) -> Policy:
+        """Another layer in the pass (`recon_policy`): a dense one is read without writing."""
+        return recon_policy(phase)
+
+    def scores_in_pass(self, policy: Policy) -> bool:
+        return scores_in_pass(policy)
+
+    def before_chunk(self, state: PromptState, lo: int, hi: int, end: int) -> PromptState:
+        """The chunk [lo, hi) that the next repeat input scores, its real tokens ending at `end`
+        (`extra["zip_range"]`), and the scores so far (`extra["zip"]` [..., B, K, M], zeros at first)."""
+        lead = state.pos.shape[:-2]  # [..., B]: e.g. the layers of a run, then the batch
+        kh = jax.tree.leaves(state.k)[0].shape[state.pos.ndim - 2]  # k: [..., B, K, M, D]
+        zip0 = state.extra.get("zip", jnp.zeros(lead + (kh, state.slots), jnp.float32))  # [..., B, K, M]
+        rng = jnp.broadcast_to(jnp.asarray([lo, hi, end], jnp.int32), lead + (3,))  # [..., B, 3]
+        return dataclasses.replace(state, extra={**state.extra, "zip": zip0, "zip_range": rng})
+
+    def after_pass(self, reconstructors: tuple, states: tuple, scored: list[bool]) -> tuple:
+        """scope="model" (kvpress's default): one choice over all the kvzip layers' scores
+        (`model_scope_keep`), stored as each layer's `extra["zip_kept"]` [B, K, M] for `after_prompt`."""
+        wide = {(p.ratio, p.n_sink) for p in reconstructors if p.scope == "model"}
+        if not wide:
+            return states
+        if len(wide) > 1 or len(wide) < len({(p.ratio, p.n_sink, p.scope) for p in reconstructors}):
+            raise ValueError("kvzip scope='model': every kvzip layer must share scope, ratio and n_sink")
+        (ratio, n_sink), = wide
+        runs = [st for st, z in zip(states, scored) if z]
+        kept = model_scope_keep(jnp.concatenate([st.extra["zip"] for st in runs]),
+                                jnp.concatenate([st.pos for st in runs]), ratio, n_sink)  # [L, B, K, M]
+        out, i = [], 0
+        for st, z in zip(states, scored):
+            if z:
+                n = st.pos.shape[0]
+                st = dataclasses.replace(st, extra={**st.extra, "zip_kept": kept[i:i + n]})
+                i += n
+            out.append(st)
+        return tuple(out)
+
     def scoring(self) -> "KVzip":
         """What the reconstruction pass reads of this policy (its scores depend on n_sink, the
         repeat inputs' chunking and style, the codec), what it keeps reset (budget, max_new, ratio,

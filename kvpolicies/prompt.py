@@ -9,7 +9,8 @@ phase (`prompt_policy()`), and turns that state into its decode state once, afte
 prompt (`after_prompt(state)`). The engine asks every policy through `prompt_policy_of(policy)`
 and `after_prompt(policy, state)`, which give the streaming default (the policy itself, the
 state unchanged) to a policy without the capability. A `Reconstructor` (kvzip) also scores its
-prompt with a second model pass between the two (`reconstruction()`; `reconstructs(policy)`).
+prompt with a second model pass between the two (`reconstruction()`; `reconstructs(policy)`;
+the pass's hooks: `pass_policies`, `Reconstructor`).
 
 Most such methods run dense attention over the whole prompt, then compress the cache once
 (`after_prompt`) before decoding. During the prompt every token is kept, as `full`
@@ -59,11 +60,53 @@ class PromptCompressor:
 class Reconstructor(PromptCompressor):
     """Capability: a prompt compressor that scores its prompt with a second model pass (kvzip's
     context reconstruction): the engine runs each layer's `reconstruction()` policy over its repeat
-    inputs between the prompt phase and `after_prompt` (`models.reconstruct`)."""
+    inputs between the prompt phase and `after_prompt` (`models.reconstruct`).
+
+    The pass is the engine's, its rules the reconstructor's: the engine asks a reconstructor of the
+    model (one pass serves them all) what every other layer runs in it (`pass_policy`), which
+    layers score (`scores_in_pass`), how a scoring layer's state marks the context chunk of each
+    repeat input (`before_chunk`) and what follows the last input (`after_pass`). The fields
+    `repeat_chunk` (context tokens per repeat input), `repeat_tail` (tokens of the previous chunk
+    quoted in the next prompt) and `prompts` (the repeat prompts' style,
+    `models.reconstruct.repeat_prompts`) say how the engine cuts the inputs."""
+
+    repeat_chunk: int
+    repeat_tail: int
+    prompts: str
 
     def reconstruction(self) -> Policy:
         """The layer's policy while the engine feeds the repeat inputs."""
         raise NotImplementedError
+
+    def pass_policy(self, phase: Policy) -> Policy:
+        """The policy of a layer of another policy during the pass (`phase`: its prompt-phase
+        policy); by default the phase itself (its writes are discarded)."""
+        return phase
+
+    def scores_in_pass(self, policy: Policy) -> bool:
+        """Whether a layer running `policy` in the pass scores (the engine keeps its state)."""
+        raise NotImplementedError
+
+    def before_chunk(self, state: SlotState, lo: int, hi: int, end: int) -> SlotState:
+        """A scoring layer's prompt state (any leading axes: a run of layers) before the repeat
+        input of context tokens [lo, hi), whose real tokens end at position `end`."""
+        return state
+
+    def after_pass(self, reconstructors: tuple, states: tuple, scored: list[bool]) -> tuple:
+        """The prompt cache (one stacked state per run, `scored`: whether the run scores) after
+        the last repeat input, given every reconstructor of the model: e.g. a choice made over all
+        layers at once. By default unchanged."""
+        return states
+
+
+def pass_policies(reconstructors: tuple, phases: tuple) -> tuple:
+    """Each layer's policy in the reconstruction pass of `reconstructors` (the layers' prompt-phase
+    policies `phases`): a reconstructor's own layers run its `reconstruction()`, every other layer
+    what the first reconstructor says (`pass_policy`); the phases themselves without one."""
+    if not reconstructors:
+        return tuple(phases)
+    return tuple(p.of.reconstruction() if isinstance(p, PromptPhase) and reconstructs(p.of)
+                 else reconstructors[0].pass_policy(p) for p in phases)
 
 
 def prompt_policy_of(policy: Policy) -> Policy:

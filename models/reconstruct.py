@@ -7,7 +7,9 @@ asked with "\\n\\nRepeat the previous context exactly.", every later one with "\
 part of the previous context exactly, starting with " followed by the previous chunk's last
 `tail` tokens; then the chat template's assistant header (the suffix that follows a user turn),
 then the chunk itself, whose tokens the model is to reproduce. `reconstruct` runs the pass for
-an engine: each chunk's repeat input after the context, the cache read and never written.
+an engine: each chunk's repeat input after the context, the cache read and never written. What
+each layer does in it is the reconstructors' (`kvpolicies.prompt.Reconstructor`'s hooks); this
+module names no policy.
 
 `style="kvpress"`: kvpress 0.5.5's `KVzipPress.prepare` — the second prompt without the trailing
 space, and the context's leading chat prefix (what the chat template puts before a user message,
@@ -19,12 +21,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Int
 
-from kvpolicies.kvzip import model_scope_keep, scores_in_pass
+from kvpolicies.prompt import Reconstructor
 
 FIRST = "\n\nRepeat the previous context exactly."
 NEXT = "\n\nRepeat the part of the previous context exactly, starting with "
@@ -97,60 +98,43 @@ def engine_prompts(zippers: tuple, repeat: Any) -> RepeatPrompts | None:
     return repeat_prompts(repeat, styles.pop())
 
 
+def scored_runs(reconstructors: tuple, runs) -> list[bool]:
+    """Per run of the pass's layers (`runs`: (start, end, policy)), whether it scores (its state
+    is kept: `Reconstructor.scores_in_pass`)."""
+    return [bool(reconstructors) and reconstructors[0].scores_in_pass(p) for _, _, p in runs]
+
+
 def reconstruct(engine: Any, cache: tuple, tokens: np.ndarray, runs: list) -> tuple:
-    """KVzip's context reconstruction over a prompt-phase cache holding `tokens` [B, T], for an
+    """The context reconstruction over a prompt-phase cache holding `tokens` [B, T], for an
     engine (`engine.repeat`, `engine.reconstructors`, its jitted `recon_step`); `runs`: the
     reconstruction policies' runs of layers. Each chunk's repeat input runs after the context
-    (positions T..); returns the cache with every kvzip layer's scores (`extra["zip"]` [B, K, M])
-    and, for scope="model", its kept tokens (`extra["zip_kept"]`)."""
-    chunks = {(p.repeat_chunk, p.repeat_tail) for p in engine.reconstructors}
+    (positions T..); returns the cache with every scoring layer's scores (kvzip: `extra["zip"]`
+    [B, K, M] and, for scope="model", its kept tokens `extra["zip_kept"]`)."""
+    zippers: tuple[Reconstructor, ...] = engine.reconstructors
+    chunks = {(p.repeat_chunk, p.repeat_tail) for p in zippers}
     if len(chunks) > 1:
         raise ValueError(f"kvzip layers with different repeat_chunk/repeat_tail {sorted(chunks)}: one pass serves all")
     (chunk, tail), = chunks
     if len(runs) != len(cache):
         raise ValueError("reconstruct: the cache does not have this engine's prompt-phase layout")
-    scored = [scores_in_pass(p) for _, _, p in runs]
-    b, t = tokens.shape
-
-    def with_range(st, lo, hi, end):
-        n = st.pos.shape[0]  # layers in the run
-        zip0 = st.extra.get("zip", jnp.zeros(st.pos.shape[:2] + (jax.tree.leaves(st.k)[0].shape[2], st.slots),
-                                              jnp.float32))  # [L, B, K, M]
-        rng = jnp.broadcast_to(jnp.asarray([lo, hi, end], jnp.int32), (n, b, 3))
-        return dataclasses.replace(st, extra={**st.extra, "zip": zip0, "zip_range": rng})
-
+    scored = scored_runs(zippers, runs)
+    t = tokens.shape[1]
     for lo, hi, ids in repeat_inputs(tokens, engine.repeat, chunk, tail):
         # pads at the end, to a multiple of RECON_BUCKET (at most max_len tokens, as a layer of
         # another policy may write the input into its slots): one trace per bucket, not per
         # prompt length; no real repeat query sees them (causal), their own queries score nothing
         r = ids.shape[1]
         padded = np.pad(ids, ((0, 0), (0, min(-r % RECON_BUCKET, max(engine.max_len - r, 0)))))
-        cache = tuple(with_range(st, lo, hi, t + r) if z else st for st, z in zip(cache, scored))
+        cache = tuple(zippers[0].before_chunk(st, lo, hi, t + r) if z else st for st, z in zip(cache, scored))
         pos = jnp.broadcast_to(jnp.arange(t, t + padded.shape[1], dtype=jnp.int32), padded.shape)
         new = engine.recon_step(engine.params, cache, jnp.asarray(padded), pos)
         cache = tuple(n if z else st for st, n, z in zip(cache, new, scored))
         engine.reconstruct_tokens += ids.size
         engine.reconstruct_pad_tokens += padded.size - ids.size
-    return model_scope(engine.reconstructors, cache, scored)
+    return model_scope(zippers, cache, scored)
 
 
 def model_scope(zippers: tuple, cache: tuple, scored: list[bool]) -> tuple:
-    """kvzip layers with scope="model" (kvpress's default): one choice over all their layers'
-    scores, stored as each layer's `extra["zip_kept"]` [B, K, M] for `after_prompt`."""
-    wide = {(p.ratio, p.n_sink) for p in zippers if p.scope == "model"}
-    if not wide:
-        return cache
-    if len(wide) > 1 or len(wide) < len({(p.ratio, p.n_sink, p.scope) for p in zippers}):
-        raise ValueError("kvzip scope='model': every kvzip layer must share scope, ratio and n_sink")
-    (ratio, n_sink), = wide
-    runs = [st for st, z in zip(cache, scored) if z]
-    kept = model_scope_keep(jnp.concatenate([st.extra["zip"] for st in runs]),
-                            jnp.concatenate([st.pos for st in runs]), ratio, n_sink)  # [L, B, K, M]
-    out, i = [], 0
-    for st, z in zip(cache, scored):
-        if z:
-            n = st.pos.shape[0]
-            st = dataclasses.replace(st, extra={**st.extra, "zip_kept": kept[i:i + n]})
-            i += n
-        out.append(st)
-    return tuple(out)
+    """What follows the pass's last input (`Reconstructor.after_pass`; kvzip with scope="model":
+    one choice over all its layers' scores, kvpress's default)."""
+    return zippers[0].after_pass(zippers, cache, scored) if zippers else cache

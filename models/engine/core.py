@@ -13,11 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvpolicies.adakv import Fits
 from kvpolicies.base import Policy
-from kvpolicies.kvzip import recon_policy
+from kvpolicies.budgets import Fits
 from kvpolicies.presets import stack_of
-from kvpolicies.prompt import KeptTable, prompt_policy_of, reconstructs, shape_class_of, step_phase
+from kvpolicies.prompt import KeptTable, pass_policies, prompt_policy_of, reconstructs, shape_class_of, step_phase
 from models.llama import Llama, policy_runs
 from models.reconstruct import RepeatPrompts, engine_prompts
 from models.tokenizer import tokenizer_of
@@ -105,7 +104,7 @@ class Engine(ArgumentChecks, Steps, LayerSteps, Staged, Generation):
         # reads `reconstructors`, `repeat` and the jitted `recon_step`)
         self.reconstructors = tuple(dict.fromkeys(p for p in self.policies if reconstructs(p)))
         self.repeat = engine_prompts(self.reconstructors, repeat if repeat is not None else tokenizer_of(model))
-        self.recon_policies = tuple(recon_policy(p) for p in self.prompt_policies)
+        self.recon_policies = pass_policies(self.reconstructors, self.prompt_policies)
         self.reconstruct_tokens = 0  # repeat-input tokens fed by reconstruction passes
         self.reconstruct_pad_tokens = 0  # and the pads that bucket their lengths (models.reconstruct.RECON_BUCKET)
         self.prompts_compressed = 0  # how many times after_prompt ran (once per fresh prompt)

@@ -8,12 +8,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvpolicies.budgets import Fits
 from kvpolicies.memory import tree_nbytes
 from kvpolicies.prompt import adopt, after_prompt, reads_prompt_state
 from models.llama import Cache, policy_runs
@@ -30,9 +30,6 @@ def _after_prompt_layer(policy, run, i):
     return after_prompt(policy, jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), run))
 
 
-if TYPE_CHECKING:
-    from models.engine.core import Engine
-
 @dataclasses.dataclass(frozen=True)
 class Prompted:
     """A prompt run so far: the cache, the number of tokens in it (the next position), the last
@@ -45,7 +42,7 @@ class Prompted:
     tokens: np.ndarray | None = None  # [B, length] the ids fed (kvzip reconstructs them)
     # the engine that stores this state when `compress` fitted it (Engine(fit=n)): its layers' policies
     # re-sized to what they kept; continue_generate, feed and kept_positions hand the state to it
-    fitted: "Engine | None" = None
+    fitted: "Staged | None" = None  # (the Engine; typed by its mixin: no import of models.engine.core)
     scored: tuple | None = None  # the reconstruction pass whose kvzip scores the cache holds (Engine.reconstruct)
     compressed_at: int = -1  # the length at `compress` (-1: not compressed by an engine): what followed it
 
@@ -110,7 +107,7 @@ class Staged:
         self._check_len(state.length + t, f"prompt of {state.length} + {t} tokens")
         return self._feed(state, tokens, self._chunk(chunk, max(t, 1), t), prompt=True) if t else state
 
-    def shares_prompt(self, other: "Engine") -> bool:
+    def shares_prompt(self, other: "Staged") -> bool:
         """Whether this engine can `compress` the uncompressed states of `other`: same model,
         max_len and cache dtype, and layer by layer the same prompt-phase state (a PromptPhase
         whatever compressor it serves), or `full` here over a dense PromptPhase there."""
@@ -169,7 +166,7 @@ class Staged:
             cache = self.compress_cache(self._scored(state, cache))  # kvzip: its scores (a pass, or `reconstruct`'s)
         return Prompted(cache, state.length, state.logits, True, state.tokens, compressed_at=state.length)
 
-    def fitted(self, state: Prompted, round_to: int = 1) -> tuple["Engine", Prompted]:
+    def fitted(self, state: Prompted, round_to: int = 1) -> tuple["Staged", Prompted]:
         """A state stored at what each layer keeps: (an engine whose layers' policies are re-sized
         to their kept tokens, the compressed state in it). For every layer whose policy `Fits`
         (kvzap, whose threshold keeps per-layer numbers that depend on the content), the tokens
@@ -181,7 +178,7 @@ class Staged:
         An uncompressed state (`Engine.prompt`) is counted first (the compression's positions
         only), then each fitting layer is compressed straight to its size, one layer at a time:
         the static pool is never built. A compressed state (`Engine.compress`) has its pools cut
-        (`kvpolicies.adakv.fit_pool`). The fitted engine keeps the same tokens and decodes the
+        (`Fits.fit_state`). The fitted engine keeps the same tokens and decodes the
         state as this one would, each layer at its own size; engines are remembered per fitted
         policy tuple, and with `decode_loop="layers"` every fitted engine runs this engine's
         jitted layer steps (`share_layer_steps`: its feeds and decoding layer by layer), so a
@@ -189,8 +186,6 @@ class Staged:
         prompt. Each call appends a
         record to `fit_records`: the prompt's tokens, its batch rows, each layer's kept tokens (all
         heads, the max over the batch), the stored bytes (all rows) in all and per layer."""
-        from kvpolicies.adakv import Fits, fit_pool
-
         if not isinstance(state, Prompted):
             raise ValueError(f"fitted: state must be a Prompted (Engine.prompt), got {type(state).__name__}")
         round_to = check_int("round_to", round_to, 1)
@@ -217,7 +212,7 @@ class Staged:
             policies.append(pol)
         policies = tuple(policies)
         if state.compressed:
-            layers = [fit_pool(st, min(p.capacity(self.max_len), st.pos.shape[2])) if isinstance(p, Fits) else st
+            layers = [p.fit_state(st, self.max_len) if isinstance(p, Fits) else st
                       for p, st in zip(policies, layers)]
         else:
             self.prompts_compressed += 1

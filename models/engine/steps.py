@@ -20,8 +20,7 @@ from kvpolicies.prompt import after_prompt
 from kvpolicies.slots import has_prefix_slots
 from kvpolicies.attention.tuning import Tuning
 from models.llama import Cache, Llama, policy_runs
-from kvpolicies.kvzip import scores_in_pass
-from models.reconstruct import model_scope, reconstruct
+from models.reconstruct import model_scope, reconstruct, scored_runs
 from models.engine.checks import check_int, check_pool
 
 REACH_MIN = 1024  # the smallest length bucket (slots)
@@ -152,7 +151,7 @@ class Steps:
             if state.tokens is None:
                 raise ValueError("kvzip needs the prompt's token ids (a state from Engine.prompt)")
             return self._reconstruct(cache, state.tokens)
-        scored = [scores_in_pass(p) for _, _, p in policy_runs(self.recon_policies, self.cfg.n_layers)]
+        scored = scored_runs(self.reconstructors, policy_runs(self.recon_policies, self.cfg.n_layers))
         return model_scope(self.reconstructors, cache, scored)
 
     def reconstruct(self, state: Any) -> Any:
