@@ -9,7 +9,8 @@ A "tiny" job builds a random transformers model (biases and norms perturbed) and
 `save_to` first, for our loader. Per press, as kvpress's pipeline runs it: the context prefilled
 under `press(model)` into a DynamicCache (ObservedAttentionPress: eager attention, else sdpa),
 then the question at positions after the context and greedy tokens, no further compression.
-Out: {name@ratio: {"kept": [layer][kv head] positions, "answer": ids} or {"error": text}}; kept
+Out: {name@ratio: {"kept": [layer][kv head] positions, "answer": ids} or {"error": text} (with "kept" when
+the press compressed and the question then failed: PyramidKVPress's uneven layers); kept
 positions are read by matching each cached key to the uncompressed cache's keys (exact copies).
 
 Multi-sample form (`evals.peer`): job["samples"] = [{"id": str, "context": [ids], "question": [ids],
@@ -34,6 +35,7 @@ checkpoint has none (a tiny model's).
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import os
 import pathlib
@@ -169,10 +171,12 @@ def make_press(name: str, ratio: float, fields: dict):
                                          target_size=fields.pop("target_size"))
         return kvpress.PrefillDecodingPress(prefilling_press=getattr(kvpress, name)(compression_ratio=ratio, **fields),
                                             decoding_press=decoding)
-    if name == "AdaKVPress":
-        inner = fields.pop("press", "SnapKVPress")
-        return kvpress.AdaKVPress(getattr(kvpress, inner)(compression_ratio=ratio), **fields)
-    return getattr(kvpress, name)(compression_ratio=ratio, **fields)
+    cls = getattr(kvpress, name)
+    if "press" in fields or name == "AdaKVPress":  # a wrapper: its own fields, the rest the inner press's (by name)
+        own = {f.name for f in dataclasses.fields(cls)} - {"press"}
+        wrapper = {k: fields.pop(k) for k in list(fields) if k in own}
+        return cls(press=make_press(fields.pop("press", "SnapKVPress"), ratio, fields), **wrapper)
+    return cls(compression_ratio=ratio, **fields)
 
 
 @torch.no_grad()
@@ -195,7 +199,10 @@ def run(model, press, ctx, question, n_new, full_keys):
                 pos = pos[~torch.isin(torch.arange(len(pos)), drop)]
             heads.append(sorted(int(p) for p in pos))
         kept.append(heads)
-    return {"kept": kept, "answer": greedy(model, cache, question, ctx.shape[1], n_new)}
+    try:
+        return {"kept": kept, "answer": greedy(model, cache, question, ctx.shape[1], n_new)}
+    except Exception as e:  # noqa: BLE001  kvpress compressed, then failed on the question: both are results
+        return {"kept": kept, "error": f"{type(e).__name__}: {e}"}
 
 
 class Tracker:

@@ -27,6 +27,8 @@ _REGISTRY = {
     "snapkv": "snapkv:SnapKV",
     "pyramidkv": "pyramidkv:PyramidKV",
     "knorm": "knorm:Knorm",
+    "keydiff": "keydiff:KeyDiff",
+    "lagkv": "lagkv:LagKV",
     "random": "random_keep:RandomKeep",
     "observed": "observed:Observed",
     "expected": "expected:Expected",

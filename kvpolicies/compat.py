@@ -59,10 +59,13 @@ from kvpolicies.expected import Expected
 from kvpolicies.full import Full
 from kvpolicies.duo import Duo, load_pattern
 from kvpolicies.knorm import Knorm
+from kvpolicies.keydiff import KeyDiff
 from kvpolicies.kvzip import KVzip
+from kvpolicies.lagkv import LagKV
 from kvpolicies.observed import Observed
 from kvpolicies.prompt import PromptPhase
 from kvpolicies.prompt_scored import PromptScored, rank_by
+from kvpolicies.random_keep import RandomKeep
 from kvpolicies.snapkv import SnapKV
 
 SNAP_DEFAULTS = {"obs_window": 64, "kernel": 5, "pooling": "avg"}  # kvpress's SnapKVPress / PyramidKVPress
@@ -141,8 +144,55 @@ class PyramidLayer(SnapKV):
 
 
 PRESSES = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPress", "ExpectedAttentionPress",
-           "ObservedAttentionPress", "TOVAPress", "AdaKVPress", "KVzipPress", "DuoAttentionPress")
+           "ObservedAttentionPress", "TOVAPress", "AdaKVPress", "KVzipPress", "DuoAttentionPress",
+           "KeyDiffPress", "LagKVPress", "RandomPress", "PerLayerCompressionPress")
 SUPPORTED = PRESSES
+WRAPPERS = ("AdaKVPress", "PerLayerCompressionPress")  # presses whose field `press` is an inner press
+# the inner presses a wrapper takes today, with their own fields (kvpress names)
+INNER = {"AdaKVPress": ("SnapKVPress",),
+         "PerLayerCompressionPress": ("SnapKVPress", "KnormPress", "KeyDiffPress", "LagKVPress", "ExpectedAttentionPress",
+                                      "ObservedAttentionPress", "TOVAPress", "StreamingLLMPress", "RandomPress")}
+
+
+def press_of(policy: Policy) -> tuple[str, dict]:
+    """(kvpress class name, kvpress fields) of a `kvpress(...)` result used as an inner press."""
+    if type(policy) is SnapKV and policy.pooling == "avg":
+        return "SnapKVPress", {"window_size": policy.obs_window, "kernel_size": policy.kernel}
+    if type(policy) is Knorm and policy.dense_layers == 0:
+        return "KnormPress", {}
+    if isinstance(policy, KeyDiff):
+        return "KeyDiffPress", {}
+    if isinstance(policy, LagKV):
+        return "LagKVPress", {"n_sink": policy.n_sink, "lag_size": policy.lag_size,
+                              "cross_scoring": policy.cross_scoring}
+    if isinstance(policy, Expected):
+        return "ExpectedAttentionPress", {f: getattr(policy, f) for f in (
+            "n_future_positions", "n_sink", "use_covariance", "use_vnorm", "epsilon")}
+    raise ValueError(f"press={policy!r}: not a kvpolicies.compat.kvpress(...) result of a scorer press (at "
+                     "compression_ratio 0 kvpress(...) is `full`: give the inner press by class name)")
+
+
+def _inner(wrapper: str, r: float, fields: dict) -> dict:
+    """`fields` with `press` as the inner press's class name and its fields among them: `press` given
+    by name (its fields already among `fields`) or as an inner `kvpress(...)` result (whose
+    compression_ratio, if set, must be the wrapper's: kvpress's wrappers read their inner press's)."""
+    inner = fields.get("press", "SnapKVPress" if wrapper == "AdaKVPress" else None)
+    if inner is None:
+        raise ValueError(f"kvpress({wrapper!r}): give press= (an inner press: a class name or a kvpress(...) result)")
+    own = {}
+    if not isinstance(inner, str):
+        if r is not None and getattr(inner, "ratio", 0) not in (0, r):
+            raise ValueError(f"kvpress({wrapper!r}, {r}): the inner press has compression_ratio {inner.ratio} "
+                             "(a kvpress wrapper's ratio is its inner press's: give the same, or 0)")
+        inner, own = press_of(inner)
+        clash = sorted(set(own) & set(fields))
+        if clash:
+            raise ValueError(f"kvpress({wrapper!r}): {clash} given twice (the inner press has them)")
+    if inner not in INNER[wrapper]:
+        raise NotImplementedError(f"kvpolicies.compat.kvpress: {wrapper} over {inner!r} (only {', '.join(INNER[wrapper])})")
+    return {**fields, **own, "press": inner}
+
+
 NEEDS_PATTERN = ("DuoAttentionPress",)  # given a head pattern (head_scores=...)
 
 
@@ -157,18 +207,29 @@ def duo_heads(head_scores, head_compression_ratio: float) -> tuple[tuple[int, ..
     return tuple(tuple(int(h) for h in row) for row in retrieval)
 
 
-def kvpress(press: str, compression_ratio: float, *, max_new: int = 256, n_layers: int | None = None,
+def kvpress(name: str, compression_ratio: float, /, *, max_new: int = 256, n_layers: int | None = None,
             **fields) -> Policy | tuple[Policy, ...]:
     """The policy (for "PyramidKVPress" the `pyramidkv` preset with `ratio`, whose `stack(n_layers)`
-    is one `PyramidLayer` per layer; given `n_layers`, that tuple) reproducing
-    kvpress 0.5.5's `press` at `compression_ratio` with its defaults; `fields` are the press's
-    own (kvpress names: window_size, kernel_size, n_sink, beta, ...). `max_new`: decode slots
-    for the appended question and answer. compression_ratio 0 is kvpress's no-op: `full`."""
+    is one `PyramidLayer` per layer; given `n_layers`, that tuple) reproducing kvpress 0.5.5's
+    press class `name` at `compression_ratio` with its defaults; `fields` are the press's own
+    (kvpress names: window_size, kernel_size, n_sink, beta, ...; `press=` is a wrapper's inner
+    press, by class name, its fields among `fields`, or as an inner `kvpress(...)` result).
+    `max_new`: decode slots for the appended question and answer. compression_ratio 0 is
+    kvpress's no-op: `full`."""
+    press = name
     if press not in PRESSES:
-        raise ValueError(f"press={press!r}: must be one of {list(PRESSES)}")
+        raise ValueError(f"kvpress({press!r}): the press must be one of {list(PRESSES)}")
+    if n_layers is not None and (isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1):
+        raise ValueError(f"kvpress({press!r}): n_layers={n_layers!r} must be an int >= 1 (the model's layers)")
+    if press in WRAPPERS:
+        fields = _inner(press, None if press == "PerLayerCompressionPress" else compression_ratio, fields)
+    elif "press" in fields:
+        raise ValueError(f"kvpress({press!r}): press= is a wrapper's inner press ({', '.join(WRAPPERS)})")
     r = compression_ratio
     if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < 1:
         raise ValueError(f"compression_ratio={r!r}: must be a number in [0, 1)")
+    if press == "PerLayerCompressionPress":
+        return _per_layer(r, max_new, n_layers, fields)
     decoding = {k: fields.pop(k) for k in ("compression_interval", "target_size") if k in fields}
     if decoding:
         return _decoding(press, r, max_new, n_layers, decoding, fields)
@@ -214,6 +275,22 @@ def _decoding(press: str, r: float, max_new: int, n_layers: int | None, decoding
     return out
 
 
+def _per_layer(r: float, max_new: int, n_layers: int | None, fields: dict) -> tuple[Policy, ...]:
+    """kvpress's `PerLayerCompressionPress(press, compression_ratios)`: layer i is the inner press at
+    `compression_ratios[i]` (one policy per layer, each stored at its own size). kvpress's
+    compression_ratio is their mean (read-only there): the one given must be that mean."""
+    ratios = fields.pop("compression_ratios", None)
+    if not isinstance(ratios, (list, tuple)) or not ratios:
+        raise ValueError("kvpress('PerLayerCompressionPress'): give compression_ratios= (one ratio per layer)")
+    if n_layers is not None and len(ratios) != n_layers:
+        raise ValueError(f"kvpress('PerLayerCompressionPress'): {len(ratios)} compression_ratios for {n_layers} layers")
+    if abs(sum(ratios) / len(ratios) - r) > 1e-9:
+        raise ValueError(f"kvpress('PerLayerCompressionPress', {r}): compression_ratio is the mean of "
+                         f"compression_ratios ({sum(ratios) / len(ratios)!r}, kvpress's read-only property)")
+    inner = fields.pop("press")
+    return tuple(kvpress(inner, ri, max_new=max_new, **fields) for ri in ratios)
+
+
 def _duo(r: float, max_new: int, n_layers: int | None, fields: dict) -> Policy | tuple[Policy, ...]:
     if fields.pop("on_the_fly_scoring", False):
         raise NotImplementedError("kvpolicies.compat.kvpress: DuoAttentionPress(on_the_fly_scoring=True) scores "
@@ -233,9 +310,7 @@ def _scored(press: str, r: float, max_new: int, n_layers: int | None, fields: di
     """The presses that score tokens once after the context (SnapKV's family, Knorm, ...)."""
     snap = {"obs_window": fields.pop("window_size", 64), "kernel": fields.pop("kernel_size", 5), "pooling": "avg"}
     if press == "AdaKVPress":
-        inner = fields.pop("press", "SnapKVPress")
-        if inner != "SnapKVPress":
-            raise NotImplementedError(f"kvpolicies.compat.kvpress: AdaKVPress over {inner!r} (only SnapKVPress)")
+        fields.pop("press")  # SnapKVPress (`_inner`)
         return AdaKV(ratio=r, max_new=max_new, safeguard_window=True,
                      alpha_safeguard=fields.pop("alpha_safeguard", 0.2), **snap)
     if press == "SnapKVPress":
@@ -254,4 +329,12 @@ def _scored(press: str, r: float, max_new: int, n_layers: int | None, fields: di
             "n_future_positions", "n_sink", "use_covariance", "use_vnorm", "epsilon")})
     if press == "ObservedAttentionPress":
         return Observed(ratio=r, max_new=max_new)
+    if press == "KeyDiffPress":
+        return KeyDiff(ratio=r, max_new=max_new)
+    if press == "LagKVPress":
+        return LagKV(ratio=r, max_new=max_new, **{k: fields.pop(k) for k in list(fields) if k in (
+            "n_sink", "lag_size", "cross_scoring")})
+    if press == "RandomPress":  # our draw (a hash of seed, kv head, position), not torch's: kvpolicies.random_keep
+        seed = fields.pop("seed", None)
+        return RandomKeep(ratio=r, max_new=max_new, seed=0 if seed is None else seed)
     return LastQuery(ratio=r, max_new=max_new)  # TOVAPress

@@ -46,6 +46,8 @@ CAPABILITIES = {
     "pyramidkv": ("budget", True, False, False, True, False),
     "knorm": ("budget", True, False, False, True, False),
     "random": ("budget", True, False, False, False, False),
+    "keydiff": ("budget", True, False, False, False, False),
+    "lagkv": ("budget", True, False, False, False, False),
     "observed": ("budget", True, False, False, False, False),
     "expected": ("budget", True, False, False, False, False),
     "adakv": ("budget", True, False, False, False, False),

@@ -91,3 +91,40 @@ def test_head_of_reads_heads_that_do_not_keep_the_newest_token():
     # adakv's layout: every head ends at the newest token
     pos = jnp.asarray([[[3, 5, 9, 2, 9, 8, 9, -1]]], jnp.int32)
     assert np.asarray(head_of(pos, 3)).tolist() == [[[0, 0, 0, 1, 1, 2, 2, 3]]]
+
+
+def test_press_name_is_positional_and_press_is_a_wrappers_inner_press():
+    """`press=` is kvpress's field (AdaKVPress's inner press), by class name or as an inner
+    `kvpress(...)` result; the press name itself is positional only."""
+    from kvpolicies.adakv import AdaKV
+
+    by_name = kvpress("AdaKVPress", 0.5, press="SnapKVPress", window_size=16)
+    by_result = kvpress("AdaKVPress", 0.5, press=kvpress("SnapKVPress", 0.5, window_size=16))
+    assert by_name == by_result
+    with pytest.raises(ValueError, match="by class name"):  # kvpress(..., 0) is `full`: its fields are gone
+        kvpress("AdaKVPress", 0.5, press=kvpress("SnapKVPress", 0.0, window_size=16))
+    assert isinstance(by_name, AdaKV) and (by_name.obs_window, by_name.ratio) == (16, 0.5)
+    assert kvpress("AdaKVPress", 0.5) == kvpress("AdaKVPress", 0.5, press="SnapKVPress")  # kvpress's default
+    with pytest.raises(ValueError, match="compression_ratio 0.3"):
+        kvpress("AdaKVPress", 0.5, press=kvpress("SnapKVPress", 0.3))
+    with pytest.raises(ValueError, match="given twice"):
+        kvpress("AdaKVPress", 0.5, press=kvpress("SnapKVPress", 0.5), window_size=8)
+    with pytest.raises(NotImplementedError, match="only SnapKVPress"):
+        kvpress("AdaKVPress", 0.5, press="KnormPress")
+    with pytest.raises(ValueError, match="inner press"):
+        kvpress("SnapKVPress", 0.5, press="KnormPress")
+    with pytest.raises(TypeError):
+        kvpress(name="SnapKVPress", compression_ratio=0.5)  # noqa  positional only
+
+
+def test_per_layer_compression_is_one_inner_policy_per_layer():
+    layers = kvpress("PerLayerCompressionPress", 0.5, press="LagKVPress", lag_size=16, compression_ratios=[0.25, 0.75])
+    assert [(type(p).__name__, p.ratio, p.lag_size) for p in layers] == [("LagKV", 0.25, 16), ("LagKV", 0.75, 16)]
+    assert kvpress("PerLayerCompressionPress", 0.5, press=kvpress("KeyDiffPress", 0.9),
+                   compression_ratios=[0.5, 0.5]) == (kvpress("KeyDiffPress", 0.5),) * 2
+    with pytest.raises(ValueError, match="mean"):
+        kvpress("PerLayerCompressionPress", 0.4, press="KnormPress", compression_ratios=[0.25, 0.75])
+    with pytest.raises(ValueError, match="3 layers"):
+        kvpress("PerLayerCompressionPress", 0.5, press="KnormPress", compression_ratios=[0.25, 0.75], n_layers=3)
+    with pytest.raises(ValueError, match="compression_ratios"):
+        kvpress("PerLayerCompressionPress", 0.5, press="KnormPress")

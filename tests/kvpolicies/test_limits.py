@@ -33,6 +33,8 @@ SMALL = {
     "pyramidkv": kvpolicies.get("pyramidkv", budget=5, obs_window=3, kernel=3, max_new=4),
     "knorm": kvpolicies.get("knorm", budget=6, max_new=3),
     "random": kvpolicies.get("random", budget=6, max_new=3, seed=1),
+    "keydiff": kvpolicies.get("keydiff", budget=6, max_new=3),
+    "lagkv": kvpolicies.get("lagkv", budget=6, max_new=3, n_sink=1, lag_size=3),
     "observed": kvpolicies.get("observed", budget=6, max_new=3),
     "expected": kvpolicies.get("expected", budget=6, max_new=3, n_sink=2, n_future_positions=8),
     "adakv": kvpolicies.get("adakv", budget=5, obs_window=3, kernel=3, max_new=4),

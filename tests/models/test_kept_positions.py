@@ -26,6 +26,8 @@ POLICIES = {
     "pyramidkv": (kvpolicies.get("pyramidkv", budget=5, obs_window=3, kernel=3, max_new=4), "pyramid10"),
     "knorm": (kvpolicies.get("knorm", budget=6, max_new=3, dense_layers=0), (6,)),  # kvpress's every-layer form
     "random": (kvpolicies.get("random", budget=6, max_new=3, seed=1), (6,)),
+    "keydiff": (kvpolicies.get("keydiff", budget=6, max_new=3), (6,)),
+    "lagkv": (kvpolicies.get("lagkv", budget=6, max_new=3, n_sink=1, lag_size=3), (6,)),
     "observed": (kvpolicies.get("observed", budget=6, max_new=3), (6,)),
     "expected": (kvpolicies.get("expected", budget=6, max_new=3, n_sink=2, n_future_positions=8), (6,)),
     "adakv": (kvpolicies.get("adakv", budget=5, obs_window=3, kernel=3, max_new=4), "pool8"),
@@ -102,7 +104,7 @@ def test_shares_prompt_needs_the_same_runs_of_layers(tiny_model):
     assert snap.shares_prompt(Engine(tiny_model, kvpolicies.get("snapkv", budget=6, max_new=4), max_len=48))
 
 
-DECODING = ("snapkv", "knorm", "random", "observed", "expected")  # the registered PromptScored policies
+DECODING = ("snapkv", "knorm", "random", "observed", "expected", "keydiff", "lagkv")  # the registered PromptScored policies
 
 
 @pytest.mark.parametrize("name", DECODING)

@@ -23,7 +23,7 @@ from tests.refs.headwise import adakv_allocate
 from tests.refs.kvzap import choose as kvzap_choose
 from tests.refs.kvzip import choose as kvzip_choose
 from tests.refs.oracle import default_inv_freq, rope_complex
-from tests.refs.prompt_scored import expected_scores, np_hash
+from tests.refs.prompt_scored import expected_scores, keydiff_scores, lagkv_scores, np_hash
 
 
 def _best(score: dict, n: int) -> set:
@@ -219,6 +219,20 @@ def kept_expected(pol, t, m):
         return expected_scores(pol, heads, t["keys"][layer][h], t["values"][layer][h], list(range(n)), n, m.inv)
 
     return _scored(t, m, _n_keep(pol, n), 0, score)
+
+
+def kept_keydiff(pol, t, m):
+    """kvpress KeyDiffPress: the keys (after RoPE, as transformers caches them) least similar to the
+    mean unit key of their head (tests/refs/prompt_scored.keydiff_scores)."""
+    n = t["atts"][0].shape[-1]
+    return _scored(t, m, _n_keep(pol, n), 0, lambda layer, h: dict(enumerate(keydiff_scores(t["keys"][layer][h]))))
+
+
+def kept_lagkv(pol, t, m):
+    """kvpress LagKVPress on transformers' cached keys and values (tests/refs/prompt_scored.lagkv_scores)."""
+    n = t["atts"][0].shape[-1]
+    return _scored(t, m, _n_keep(pol, n), 0, lambda layer, h: dict(enumerate(
+        lagkv_scores(pol, t["keys"][layer][h], t["values"][layer][h]))))
 
 
 def kept_adakv(pol, t, m):
@@ -483,6 +497,9 @@ def entries():
         "random": Entry(get("random", ratio=0.5), _plain(kept_random)),
         "observed": Entry(get("observed", ratio=0.5), _plain(kept_observed)),
         "expected": Entry(get("expected", ratio=0.5), _plain(kept_expected)),
+        "keydiff": Entry(get("keydiff", ratio=0.5), _plain(kept_keydiff)),
+        # lag_size 8 (default 128 > the prompt): 4 scored partitions, 2 kept of each beside the 16 sinks and tail
+        "lagkv": Entry(get("lagkv", ratio=0.5, lag_size=8), _plain(kept_lagkv)),
         "adakv": Entry(get("adakv", ratio=0.2), _plain(kept_adakv)),  # 6 of 16 older tokens per head on average
         "kvzip": Entry(get("kvzip", ratio=0.5), _kvzip),
         # window 8 (default 128 > the prompt: nothing to choose); surrogate="random" (no weights for this model)

@@ -36,6 +36,37 @@ def np_hash(seed, head, pos):
     return (x >> 8) / float(1 << 24)
 
 
+def keydiff_scores(keys_rot):
+    """kvpress's KeyDiffPress.score on one kv head's keys after RoPE [J, D] (text order): minus the
+    cosine of each key with the mean of the unit keys."""
+    unit = keys_rot / np.linalg.norm(keys_rot, axis=-1, keepdims=True)
+    anchor = unit.mean(0)
+    return -(unit @ anchor) / np.linalg.norm(anchor)
+
+
+def lagkv_scores(pol, keys_rot, vals):
+    """kvpress's LagKVPress.score on one kv head's keys after RoPE and values [J, D] (text order),
+    token by token: partitions of lag_size after the n_sink sinks, each scored against the next."""
+    n, ns, lag = len(keys_rot), pol.n_sink, pol.lag_size
+    if n < ns + 2 * lag:
+        return np.array([1.0 if j < ns else (j - ns) / (n - ns) for j in range(n)])
+    n_part = (n - ns) // lag
+    out = np.ones(n)
+    for p in range(n_part - 1):
+        rows = range(ns + p * lag, ns + (p + 1) * lag)
+        nxt = range(ns + (p + 1) * lag, ns + (p + 2) * lag)
+        total = np.zeros(lag)
+        for x in (keys_rot, vals):
+            lo, hi = x[list(nxt)].min(0), x[list(nxt)].max(0)
+            std = np.array([np.std((x[j] - lo) / (hi - lo), ddof=1) for j in rows])
+            e = np.exp(std - std.max())
+            total += e / e.sum() / 2
+        if not pol.cross_scoring:
+            total = np.array([sum(total < total[i]) for i in range(lag)]) / lag  # the rank within the partition
+        out[list(rows)] = total
+    return out
+
+
 def avg_rope_matrix(start, n_future, inv):
     """kvpress's apply_avg_rope: R = mean_t (cos_t I + sin_t P), P the rotate-half matrix."""
     h = len(inv)
@@ -100,6 +131,10 @@ def simulate(pol, q, k, v, prompt_len=0, max_len=MAX_LEN):
             return {j: np_hash(pol.seed, h, j) for j in js}
         if name == "Observed":
             return {j: mass[j] / (last - j + 1) for j in js}
+        if name == "KeyDiff":
+            return dict(zip(js, keydiff_scores(kr[b, js, h])))
+        if name == "LagKV":  # our stream extension: the held tokens in text order
+            return dict(zip(js, lagkv_scores(pol, kr[b, js, h], v[b, js, h])))
         return expected_scores(pol, [np.array(qs_pooled)], kr[b, js, h], v[b, js, h], js, last + 1, inv)
 
     for b in range(b_):
@@ -121,6 +156,10 @@ def simulate(pol, q, k, v, prompt_len=0, max_len=MAX_LEN):
                     sc = {j: -np.linalg.norm(k[b, j, h]) for j in js}
                 elif name == "RandomKeep":
                     sc = {j: np_hash(pol.seed, h, j) for j in js}
+                elif name == "KeyDiff":
+                    sc = dict(zip(js, keydiff_scores(kr[b, :L, h])))
+                elif name == "LagKV":
+                    sc = dict(zip(js, lagkv_scores(pol, kr[b, :L, h], v[b, :L, h])))
                 elif name == "Observed":  # kvpress: attentions.sum(2) / n_tokens_in_sum, mean over the group
                     col = probs.sum(1) / np.arange(L, 0, -1)  # [G, L]
                     sc = dict(zip(js, col.mean(0)))
