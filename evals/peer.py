@@ -16,7 +16,7 @@ Keys (key=value):
     tokens=2048                   each prompt + answer (RULER's exact length)
     samples=20                    prompts per cell (the task's trials, seed `seed`)
     ratios=[0.25,0.5,0.75]        kvpress compression ratios in (0, 1); the full cache (ratio 0) always runs
-    presses=[...]                 default: PEER_PRESSES (every press of kvpolicies.compat; DuoAttentionPress
+    presses=[...]                 default: PEER_PRESSES (kvpolicies.compat's but Random, PerLayerCompression; DuoAttentionPress
                                   with a seeded random head pattern on both sides, `duo_pattern`)
     gen=<task's>                  greedy tokens after the question (ruler_niah_single: 32)
     seed=0  chunk=512             the samples' seed; our prefill chunk (never changes a result; the rest
@@ -150,9 +150,12 @@ def _bool(key: str, text: str) -> bool:
     return text.lower() == "true"
 
 
-# every press kvpolicies.compat reproduces
+# every press kvpolicies.compat reproduces, but RandomPress (torch's draw is not ours: the kept sets
+# differ by construction) and PerLayerCompressionPress (per-layer ratios per model; kvpress raises
+# on the question when they differ)
 PEER_PRESSES = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPress", "ExpectedAttentionPress",
-                "ObservedAttentionPress", "TOVAPress", "AdaKVPress", "KVzipPress", "DuoAttentionPress")
+                "ObservedAttentionPress", "TOVAPress", "AdaKVPress", "KVzipPress", "DuoAttentionPress",
+                "KeyDiffPress", "LagKVPress")
 DUO_SEED = 0  # the head pattern both sides get for DuoAttentionPress (`duo_pattern`)
 
 

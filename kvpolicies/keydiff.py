@@ -39,13 +39,14 @@ class KeyDiff(PromptScored):
     keys). Ties keep the newer token (kvpress: torch.topk's order).
 
     Cost: the prompt phase gets RoPE's frequencies from the query statistics it collects
-    (`query_sink=0`, D^2 + D floats per query head summed at each prompt step; the scores read
-    only the frequencies): the statistics are discarded after the prompt.
+    (`query_sink=4`, D^2 + D floats per query head summed at each prompt step; the scores read
+    only the frequencies): the statistics are discarded after the prompt. query_sink 4 is expected's
+    n_sink: one shared prompt phase then covers both (`kvpolicies.prompt.superset`, evals.peer).
     """
 
     label = "keydiff"
     observes = ("k_rot",)
-    collects = {"query_sink": 0}  # for RoPE's frequencies (see Cost)
+    collects = {"query_sink": 4}  # for RoPE's frequencies (see Cost)
 
     budget: int = 1024
     max_new: int = 256

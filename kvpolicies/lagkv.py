@@ -40,13 +40,13 @@ class LagKV(PromptScored):
     extension (`PromptScored`: recompress on overflow) applies the same rule to the view's tokens
     in text order (the i-th held token takes the i-th place, gaps ignored).
 
-    Cost: as `keydiff`, the prompt phase's query statistics (`query_sink=0`) carry RoPE's
+    Cost: as `keydiff`, the prompt phase's query statistics (`query_sink=4`) carry RoPE's
     frequencies; only those are read.
     """
 
     label = "lagkv"
     observes = ("k_rot",)
-    collects = {"query_sink": 0}  # for RoPE's frequencies (see Cost)
+    collects = {"query_sink": 4}  # for RoPE's frequencies (see Cost)
 
     budget: int = 1024
     max_new: int = 256

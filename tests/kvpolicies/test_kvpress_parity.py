@@ -31,7 +31,7 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_lay
             num_key_value_heads=2, max_position_embeddings=512)
 EXACT = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPress", "ExpectedAttentionPress",
          "ObservedAttentionPress", "TOVAPress", "AdaKVPress", "KVzipPress", "DuoAttentionPress",
-         "KeyDiffPress", "LagKVPress", "PerLayerCompressionPress")
+         "KeyDiffPress", "LagKVPress")
 # DuoAttentionPress given a head pattern (kvpress downloads the authors' for six checkpoints) and
 # streaming sizes that the 320-token context exceeds. LagKVPress at lag_size 32: 9 partitions of the
 # 316 tokens after the sinks, the budget a multiple of the 8 scored partitions at both ratios (at the
@@ -39,16 +39,10 @@ EXACT = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPress", "Ex
 FIELDS = {"DuoAttentionPress": {"head_scores": [[0.9, 0.1], [0.2, 0.7], [0.4, 0.6]], "sink_size": 16,
                                 "recent_size": 64},
           "LagKVPress": {"lag_size": 32}, "RandomPress": {"seed": 0}}
-DRAWN = ("RandomPress",)  # torch's draw cannot be matched: the kept counts, and our draw re-simulated
-# PerLayerCompressionPress(KeyDiffPress) at per-layer ratios whose mean is the case's ratio (kvpress's read-only
-# compression_ratio): uneven at 0.5 (kvpress compresses, then fails on the question), even at 0.75
-PER_LAYER = {0.5: [0.25, 0.5, 0.75], 0.75: [0.75, 0.75, 0.75]}
-
-
-def fields_of(press: str, ratio: float) -> dict:
-    if press == "PerLayerCompressionPress":
-        return {"press": "KeyDiffPress", "compression_ratios": PER_LAYER[ratio]}
-    return FIELDS.get(press, {})
+# RandomPress: torch's draw cannot be matched, kvpress's counts are compared (our draw: test_prompt_matrix)
+# PerLayerCompressionPress(KeyDiffPress) at uneven per-layer ratios of mean 0.5 (kvpress's read-only
+# compression_ratio): kvpress compresses, then fails on the question (at equal ratios it is its inner press)
+PER_LAYER = {"press": "KeyDiffPress", "compression_ratios": [0.25, 0.5, 0.75]}
 RATIOS = (0.5, 0.75)
 N_CTX, N_Q, N_NEW = 320, 8, 6
 
@@ -73,14 +67,15 @@ def tiny_run(request, tmp_path_factory):
     job = {"checkpoint": None, "save_to": str(tmp / "ckpt"),
            "tiny": {"kind": request.param, "seed": 0, "config": config},
            "context": ctx.tolist(), "question": question.tolist(), "n_new": N_NEW,
-           "presses": [[p, r, fields_of(p, r)] for p in EXACT + DRAWN for r in RATIOS], "tokenizer": "ascii"}
+           "presses": [[p, r, FIELDS.get(p, {})] for p in (*EXACT, "RandomPress") for r in RATIOS]
+           + [["PerLayerCompressionPress", 0.5, PER_LAYER]], "tokenizer": "ascii"}
     ref = run_kvpress(job, tmp)
     cfg, params = load_hf(tmp / "ckpt")
     return Llama(cfg, params), ctx, question, ref
 
 
 def ours(model: Llama, press: str, ratio: float, ctx: np.ndarray, question: np.ndarray):
-    pol = kvpress(press, ratio, n_layers=model.cfg.n_layers, max_new=64, **fields_of(press, ratio))
+    pol = kvpress(press, ratio, n_layers=model.cfg.n_layers, max_new=64, **FIELDS.get(press, {}))
     eng = Engine(model, pol, max_len=N_CTX + N_Q + N_NEW, repeat=ByteTokenizer())  # kvzip: the ASCII ids kvpress used
     state = eng.compress(eng.prompt(ctx[None]))
     kept = [[p.tolist() for p in layer] for layer in eng.kept_positions(state)]
@@ -98,12 +93,6 @@ def test_kept_positions_and_answers_equal_kvpress(tiny_run, press, ratio):
         # causal mask from layer 0's cache length for the question (docs/guide/kvpress.md)
         assert "size of tensor" in want.get("error", ""), want
         assert [len(layer[0]) for layer in kept] == [256, 160, 64]
-        return
-    if press == "PerLayerCompressionPress" and ratio == 0.5:
-        # the same failure (kvpress: "only works with flash attention"); its layers kept what ours keep
-        assert "size of tensor" in want.get("error", ""), want
-        assert [[len(h) for h in layer] for layer in want["kept"]] == [[240] * 2, [160] * 2, [80] * 2]
-        assert kept == want["kept"]
         return
     assert "error" not in want, want
     n_kept = int(N_CTX * (1 - ratio))  # the reference keeps kvpress's n_kept per head (AdaKV: on average)
@@ -127,24 +116,34 @@ def test_kept_positions_and_answers_equal_kvpress(tiny_run, press, ratio):
     assert answer == want["answer"]
 
 
-@pytest.mark.parametrize("ratio", RATIOS)
-def test_random_press_keeps_kvpress_counts_with_our_documented_draw(tiny_run, ratio):
-    """RandomPress: kvpress draws torch.rand per (batch, kv head, token) from a generator seeded
-    at every layer, which JAX cannot reproduce; ours hashes (seed, kv head, position)
-    (`kvpolicies.random_keep`). The same count per (layer, kv head) as kvpress, and the positions
-    of our draw re-simulated independently (tests/refs/prompt_scored.np_hash), in every layer."""
-    from tests.refs.prompt_scored import np_hash
-
+def test_per_layer_compression_keeps_kvpress_positions_where_kvpress_fails(tiny_run):
+    """PerLayerCompressionPress(KeyDiffPress) at 0.25 / 0.5 / 0.75: kvpress compresses each layer, then
+    raises on the question as PyramidKVPress does (uneven layers; kvpress: "only works with flash
+    attention"); the positions its layers kept before that are ours, per (layer, kv head)."""
     model, ctx, question, ref = tiny_run
+    want = ref["PerLayerCompressionPress@0.5"]
+    assert "size of tensor" in want.get("error", ""), want
+    assert [[len(h) for h in layer] for layer in want["kept"]] == [[240] * 2, [160] * 2, [80] * 2]
+    pol = kvpress("PerLayerCompressionPress", 0.5, n_layers=model.cfg.n_layers, max_new=64, **PER_LAYER)
+    state = (eng := Engine(model, pol, max_len=N_CTX + N_Q + N_NEW)).compress(eng.prompt(ctx[None]))
+    assert [[p.tolist() for p in layer] for layer in eng.kept_positions(state)] == want["kept"]
+
+
+@pytest.mark.parametrize("ratio", RATIOS)
+def test_random_press_keeps_kvpress_counts_with_our_draw(tiny_run, ratio):
+    """RandomPress: kvpress draws torch.rand per (batch, kv head, token) from a generator seeded at every
+    layer, which JAX cannot reproduce; ours hashes (seed, kv head, position) (`kvpolicies.random_keep`;
+    its kept positions through the engine against that draw re-simulated: test_prompt_matrix's
+    `random`). kvpress keeps, per (layer, kv head), the count our policy keeps."""
+    from kvpolicies.random_keep import RandomKeep
+
+    model, _, _, ref = tiny_run
     want = ref[f"RandomPress@{ratio}"]
     assert "error" not in want, want
-    kept, _ = ours(model, "RandomPress", ratio, ctx, question)
-    assert [[len(h) for h in layer] for layer in kept] == [[len(h) for h in layer] for layer in want["kept"]]
-    n_kept = int(N_CTX * (1 - ratio))
-    for layer in kept:
-        for h, got in enumerate(layer):
-            draw = {j: np_hash(FIELDS["RandomPress"]["seed"], h, j) for j in range(N_CTX)}
-            assert got == sorted(sorted(draw, key=lambda j: (-draw[j], -j))[:n_kept])
+    pol = kvpress("RandomPress", ratio, **FIELDS["RandomPress"])
+    assert pol == RandomKeep(ratio=ratio, seed=0)
+    assert {len(h) for layer in want["kept"] for h in layer} == {pol.kept_for(N_CTX)}
+    assert len(want["kept"]) == model.cfg.n_layers
 
 
 # kvpress's PrefillDecodingPress(KnormPress(ratio), DecodingPress(KnormPress(), interval, target)) with

@@ -241,3 +241,25 @@ def test_expected_keeps_what_kvpress_keeps_on_transformers_tensors(tiny_qwen):
             want = set(sorted(range(t), key=lambda j: (-sc[j], -j))[: pol.budget])
             got = {int(p) for p in np.asarray(st.pos)[0, kv] if p >= 0}
             assert got == want, (layer, kv)
+
+
+@pytest.mark.parametrize("cross_scoring", [False, True])
+@pytest.mark.parametrize("n", [7, 30, 41])  # too short to score (< n_sink + 2 lag), 2 scored partitions + remainder
+def test_keydiff_and_lagkv_scores_equal_numpy(n, cross_scoring):
+    """KeyDiff's and LagKV's scores of a view whose slots are out of text order (the rule reads them
+    in text order), against tests/refs/prompt_scored's float64 kvpress re-simulations."""
+    from tests.refs.prompt_scored import keydiff_scores, lagkv_scores
+
+    rng = np.random.default_rng(n)
+    pos = np.full((1, 1, 48), -1, np.int32)
+    pos[0, 0, :n] = rng.permutation(n)
+    k, v = (rng.standard_normal((1, 1, 48, D)).astype(np.float32) for _ in range(2))
+    order = np.argsort(pos[0, 0, :n])  # text order of the filled slots
+    lag = kvpolicies.get("lagkv", n_sink=2, lag_size=8, cross_scoring=cross_scoring)
+    got, _ = lag.score(jnp.asarray(k), jnp.asarray(v), jnp.asarray(pos))
+    want = lagkv_scores(lag, k[0, 0, :n][order].astype(np.float64), v[0, 0, :n][order].astype(np.float64))
+    np.testing.assert_allclose(np.asarray(got)[0, 0, :n][order], want, atol=1e-6, rtol=0)
+    assert np.all(np.asarray(got)[0, 0, n:] == -np.inf)
+    got, _ = kvpolicies.get("keydiff").score(jnp.asarray(k), jnp.asarray(pos))
+    np.testing.assert_allclose(np.asarray(got)[0, 0, :n][order], keydiff_scores(k[0, 0, :n][order].astype(np.float64)),
+                               atol=1e-6, rtol=0)

@@ -80,9 +80,8 @@ REFERENCES = {
     "knorm": ([kvpolicies.get("knorm", budget=6, max_new=3)], stream_ref),  # tests/refs/prompt_scored.py
     "random": ([kvpolicies.get("random", budget=6, max_new=3, seed=1)], stream_ref),
     "keydiff": ([kvpolicies.get("keydiff", budget=6, max_new=3)], stream_ref),
-    # lag_size 3: views of 10 tokens hold 2 partitions after the sinks, so scores are not all ties
-    "lagkv": ([kvpolicies.get("lagkv", budget=6, max_new=3, n_sink=1, lag_size=3),
-               kvpolicies.get("lagkv", budget=6, max_new=3, n_sink=1, lag_size=3, cross_scoring=True)], stream_ref),
+    # lag_size 3: views of 10 tokens hold 2 scored partitions after the sink (cross_scoring: test_prompt_scored)
+    "lagkv": ([kvpolicies.get("lagkv", budget=6, max_new=3, n_sink=1, lag_size=3)], stream_ref),
     "observed": ([kvpolicies.get("observed", budget=6, max_new=3)], stream_ref),
     "expected": ([kvpolicies.get("expected", budget=6, max_new=3, n_sink=2, n_future_positions=8)], stream_ref),
     "adakv": ([kvpolicies.get("adakv", budget=5, obs_window=3, kernel=3, max_new=4)],
