@@ -34,6 +34,12 @@ Keys of its own (key=value, as evals.run):
                                             (kvpress's leaderboard runs both): a comparison per
                                             protocol, every one planned before any job runs, files
                                             <stem>-<protocol>.*
+    executor=ray                            every job a Ray task on worker actors (evals.ray_grid), rows
+                                            in shards merged into results (evals.shards); default
+                                            executor=local: every job in this process, Ray not imported
+    ray.address=local|auto|<host:port>      local: a Ray cluster on this machine; auto: the cluster this
+                                            node is in; host:port: a given one (docs/guide/scale.md)
+    ray.workers=2                           worker actors (default: one per GPU, else one per node)
 
 Shared prefill. The jobs run in this process inside `evals.prefills.sharing()`: a context is
 prefilled once, by the first prompt compressor that meets it, and every later job whose engine
@@ -81,7 +87,9 @@ DEFAULT_POLICIES = ("window", "sink", "h2o", "tova", "snapkv")
 # budget that a policy cannot be sized to at the run's length is left out ('-', said in a note);
 # budgets given on the command line are sized or refused
 DEFAULT_BUDGETS = (1 / 32, 1 / 16, 0.125, 0.25, 0.5, 0.75)
-OWN_KEYS = ("policies", "budgets", "out", "name", "share_gb", "overwrite", "protocols", "thresholds")
+OWN_KEYS = ("policies", "budgets", "out", "name", "share_gb", "overwrite", "protocols", "thresholds", "executor",
+            "ray.address", "ray.workers")
+EXECUTORS = ("local", "ray")  # local: every job in this process; ray: evals.ray_grid
 THRESHOLD_FIT = 64  # threshold jobs run with fit=64: each layer stored at what it kept, 64 tokens per head
 SET_PER_JOB = ("policy", "window", "n_sink", "budget")  # evals.run keys the sizing sets for each job
 MB = 1e6
@@ -150,6 +158,7 @@ class Args:
     overwrite: bool = False
     budgets_given: bool = True  # budgets=... on the command line (else DEFAULT_BUDGETS)
     thresholds: list[float] = dataclasses.field(default_factory=list)  # kvzap rule=threshold jobs
+    ray: Any = None  # evals.ray_grid.RayOptions with executor=ray, else None (in this process)
 
 
 def parse_args(argv: Sequence[str]) -> Args:
@@ -214,7 +223,26 @@ def parse_args(argv: Sequence[str]) -> Args:
     if not isinstance(overwrite, bool):
         raise ConfigError(f"overwrite={own['overwrite']}: expected true or false")
     return Args(policies, budgets, fields, passthrough, own.get("out"), own.get("name"), float(share), overwrite,
-                "budgets" in own, thresholds)
+                "budgets" in own, thresholds, _ray_options(own))
+
+
+def _ray_options(own: dict[str, str]) -> Any:
+    """executor=ray's options (evals.ray_grid.RayOptions), or None for executor=local."""
+    executor = own.get("executor", "local")
+    if executor not in EXECUTORS:
+        raise ConfigError(f"executor={executor}: choose from {list(EXECUTORS)}")
+    given = [k for k in own if k.startswith("ray.")]
+    if executor == "local":
+        if given:
+            raise ConfigError(f"{given[0]}: a Ray option; give executor=ray with it")
+        return None
+    from evals.ray_grid import RayOptions  # no Ray import: only its options
+
+    workers = _scalar(own["ray.workers"]) if "ray.workers" in own else None
+    try:
+        return RayOptions(address=own.get("ray.address", "local"), workers=workers)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 # -- the plan: every job sized and validated, nothing loaded ----------------------------------------
@@ -260,6 +288,7 @@ class Plan:
     progress: bool
     share_bytes: int = 0  # memory for shared prompt states (evals.prefills)
     notes: list[str] = dataclasses.field(default_factory=list)  # what the sizing changed, said before the run
+    ray: Any = None  # evals.ray_grid.RayOptions: the jobs run on Ray actors (executor=ray), else in this process
 
 
 def model_dims(mconf: dict[str, Any]):
@@ -401,9 +430,12 @@ def plan(argv: Sequence[str]) -> Plan:
     out = Path(args.out) if args.out else Path(results).parent / "compare"
     stem = args.name or default_stem(base)
     check_outputs(out, stem, [j.key for j in jobs], args.overwrite or bool(base["force"]))
+    if args.ray is not None and base["force"]:
+        raise ConfigError("force=true: executor=ray merges shards, keeping the first row of a key; redo runs "
+                          "in this process (executor=local)")
     return Plan(jobs, args.policies, budgets, base["task"]["name"], base["model"]["name"], _data_name(base),
                 max_len, mc.n_layers, mc.n_kv_heads, mc.head_dim, dtype.name, codec, results, out, stem,
-                bool(base["progress"]), int(args.share_gb * (1 << 30)), notes)
+                bool(base["progress"]), int(args.share_gb * (1 << 30)), notes, ray=args.ray)
 
 
 def default_stem(conf: dict[str, Any]) -> str:
@@ -675,6 +707,11 @@ def run(p: Plan) -> list[dict[str, Any]]:
     from evals.run import run_config
 
     logging.getLogger("jax").setLevel(logging.WARNING)
+    if p.ray is not None:  # every job a Ray task, rows in shards merged into p.results
+        from evals import ray_grid
+
+        ray_grid.run([j.conf for j in p.jobs], p.results, p.ray, progress=p.progress, say=tqdm.write)
+        return _read_cells(p)
     bar = tqdm(total=len(p.jobs), desc="compare", unit="job", position=0, disable=not p.progress)
     order = sorted(p.jobs, key=lambda j: j.policy == "full")  # full last: it can compress any dense prompt state
     try:
@@ -703,6 +740,15 @@ def run(p: Plan) -> list[dict[str, Any]]:
                        "taken from an earlier job's state")
     finally:
         bar.close()
+    return _read_cells(p)
+
+
+def _read_cells(p: Plan) -> list[dict[str, Any]]:
+    """The cells of every job, from the results file (one line on a missing row, no traceback)."""
+    from tqdm.auto import tqdm
+
+    from evals import results as R
+
     try:
         recs = cells(p, R.read(p.results))
     except ValueError as e:  # a row missing or without a score: one line, not a traceback

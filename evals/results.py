@@ -226,9 +226,14 @@ def append(path: str | os.PathLike, row: dict[str, Any]) -> None:
         raise OSError(e.errno, f"results file {path}: the row could not be written ({e.strerror or e})") from None
 
 
+def _is_shard(path: Path) -> bool:
+    """A shard of evals.shards (`<results>.shards/<worker>.jsonl`): one writer, no lock."""
+    return path.parent.name.endswith(".shards")
+
+
 def _append(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    with _flock(lock_path(path), fcntl.LOCK_EX):
+    with contextlib.nullcontext() if _is_shard(path) else _flock(lock_path(path), fcntl.LOCK_EX):
         fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, FILE_MODE)
         try:
             _repair(fd, path)
@@ -265,11 +270,15 @@ def read(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[dict[st
 
     A bad line (undecodable bytes, invalid JSON, JSON that is not an object) is skipped with a
     warning naming the file and line; a missing file raises FileNotFoundError. Reads hold the
-    shared lock, when the lock file exists, so a row being appended is never seen half-written."""
+    shared lock, when the lock file exists, so a row being appended is never seen half-written.
+    A folder of shards (`<results>.shards/`, evals.shards) reads as the rows of its shards."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
-    rows = []
+    files = []
     for p in map(Path, paths):
+        files += sorted(p.glob("*.jsonl")) if p.is_dir() and p.name.endswith(".shards") else [p]
+    rows = []
+    for p in files:
         if not p.is_file():
             raise FileNotFoundError(f"results file {p} does not exist")
         with _flock(lock_path(p), fcntl.LOCK_SH, create=False):

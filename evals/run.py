@@ -315,10 +315,14 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
 
     logging.getLogger("jax").setLevel(logging.WARNING)  # Hydra's logging would show jax's INFO lines
     conf = validate(cfg)
-    row, ran = run_config(conf)
+    from evals import shards
+
+    # under a launcher that runs jobs in other processes (joblib, submitit), each writes its own shard
+    sharded = shards.launched_elsewhere()
+    row, ran = shards.run_config(conf) if sharded else run_config(conf)
     if ran:
         tqdm.write(markdown([row]))
-        tqdm.write(f"[evals.run] appended to {conf['results']}")
+        tqdm.write(f"[evals.run] appended to {shards.shard_path(conf['results']) if sharded else conf['results']}")
     return row
 
 
@@ -508,6 +512,15 @@ def _main(argv: list[str] | None) -> list[dict[str, Any]]:
     except ConfigError as e:
         print(f"evals.run: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    from evals import shards
+
+    launcher = shards.launcher_of(argv)
+    if launcher is not None:
+        try:
+            shards.check_sweep(argv)
+        except ConfigError as e:
+            print(f"evals.run: error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
     register_configs()
     rows: list[dict[str, Any]] = []
     # Progress bars, one line per level: sweep (here, line 0), task (retrieval cells) and tokens
@@ -527,6 +540,8 @@ def _main(argv: list[str] | None) -> list[dict[str, Any]]:
     finally:
         sys.argv = saved
         bar.close()
+    if launcher is not None:  # the jobs ran in other processes: merge their shards, read their rows back
+        rows = shards.merge_sweep(argv, say=tqdm.write)
     if len(rows) > 1:
         from evals.table import markdown
 

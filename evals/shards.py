@@ -1,0 +1,266 @@
+"""Results written by many processes on many hosts: one shard per process, merged into the results file.
+
+A grid spread over machines (`evals.compare executor=ray`, `evals.run -m shards=true` under
+Hydra's joblib or submitit launcher) cannot rely on `evals.results`' file lock: a network
+filesystem may not honour `flock`. In the sharded mode each worker process appends only to its
+own shard, so no two writers ever share a file and no lock is taken:
+
+    <results>.shards/<host>-<pid>.jsonl            rows, the schema of the results file
+    <results>.shards/<host>-<pid>.jsonl.arrays/    its content-addressed arrays (evals.results)
+
+`merge(results)` builds the results file from the shards:
+- every complete row of every shard is appended once: a row already in the results file (the same
+  contents, its arrays named by their content hash) is not appended again, so a merge is
+  idempotent, and a second successful row of a key already there (a task that Ray retried after
+  its worker wrote the row and died before it reported) is left out, so no key is duplicated;
+- a half-written line (a worker killed mid-row) is not JSON: it is skipped with a warning, never merged;
+- arrays are copied into `<results>.arrays/` under the same names (temp then rename) and the
+  row's paths rewritten to them; a row never points at a missing array;
+- the new results file is the old one's bytes plus the new rows, written to a temp file and
+  renamed over it (atomic; no lock). The merge is the only writer of the results file in this mode.
+
+A re-run of a grid skips every key that any shard or the results file already holds (`done_keys`),
+so a killed worker's items are run again by the rerun (or by Ray's task retries) and no other.
+`evals.results.read` reads a shards folder like a results file (every shard's rows), so tables
+and figures read shards or merged files alike.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from evals import results as R
+
+SUFFIX = ".shards"
+
+
+def shard_dir(results: str | os.PathLike) -> Path:
+    """`<results>.shards/`: the shards of one results file."""
+    p = Path(results)
+    return p.with_name(p.name + SUFFIX)
+
+
+def shard_path(results: str | os.PathLike, worker: str | None = None) -> Path:
+    """This process's shard of `results` (`<results>.shards/<host>-<pid>.jsonl`), or `worker`'s."""
+    return shard_dir(results) / f"{worker or f'{socket.gethostname()}-{os.getpid()}'}.jsonl"
+
+
+def shard_files(results: str | os.PathLike) -> list[Path]:
+    """Every shard of `results`, sorted by name."""
+    return sorted(shard_dir(results).glob("*.jsonl"))
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    return R.read(path) if path.is_file() else []
+
+
+def done_keys(results: str | os.PathLike) -> set[str]:
+    """Keys with a successful row (not `failed`) in the results file or in any of its shards."""
+    rows = _rows(Path(results)) + [r for s in shard_files(results) for r in _rows(s)]
+    return {r["key"] for r in rows if "key" in r and not r.get("failed")}
+
+
+def find(results: str | os.PathLike, key: str) -> dict[str, Any] | None:
+    """The last successful row of `key` in the results file or its shards, or None."""
+    rows = _rows(Path(results)) + [r for s in shard_files(results) for r in _rows(s)]
+    found = [r for r in rows if r.get("key") == key and not r.get("failed")]
+    return found[-1] if found else None
+
+
+def identity(row: dict[str, Any]) -> str:
+    """A row's contents, its arrays by file name (content hashed), without where it was read from."""
+    body = {k: v for k, v in row.items() if k not in ("_file", "_line", "arrays")}
+    body["arrays"] = {n: Path(p).name for n, p in (row.get("arrays") or {}).items()}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
+
+
+@dataclass
+class Merged:
+    """What a merge did: rows appended, rows already there, duplicate keys left out, shards read."""
+
+    added: int = 0
+    present: int = 0
+    duplicates: int = 0
+    shards: int = 0
+
+    def line(self, results: str | os.PathLike) -> str:
+        return (f"merged {self.shards} shard(s) into {results}: {self.added} row(s) added, {self.present} already "
+                f"there" + (f", {self.duplicates} duplicate key(s) left out" if self.duplicates else ""))
+
+
+def _copy_array(src: Path, dst: Path) -> None:
+    if dst.is_file():  # the same name is the same contents (key, name, content hash)
+        return
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+    try:
+        shutil.copyfile(src, tmp)
+        os.chmod(tmp, R.FILE_MODE & ~_umask())
+        os.replace(tmp, dst)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def merge(results: str | os.PathLike, shards: Iterable[str | os.PathLike] | None = None) -> Merged:
+    """Append every shard row not yet in `results` to it (see the module docstring); idempotent."""
+    results = Path(results)
+    paths = [Path(s) for s in shards] if shards is not None else shard_files(results)
+    existing = _rows(results)
+    seen = {identity(r) for r in existing}
+    done = {r.get("key") for r in existing if not r.get("failed")}
+    out = Merged(shards=len(paths))
+    lines: list[bytes] = []
+    arrays = R.array_dir(results)
+    for shard in paths:
+        for row in _rows(shard):
+            ident = identity(row)
+            if ident in seen:
+                out.present += 1
+                continue
+            if not row.get("failed") and row.get("key") in done:
+                out.duplicates += 1
+                continue
+            moved = {}
+            for name, rel in (row.get("arrays") or {}).items():
+                _copy_array(shard.parent / rel, arrays / Path(rel).name)
+                moved[name] = f"{arrays.name}/{Path(rel).name}"
+            clean = {k: v for k, v in row.items() if k not in ("_file", "_line")} | {"arrays": moved}
+            lines.append((json.dumps(R.json_safe(clean), allow_nan=False, separators=(",", ":")) + "\n").encode())
+            seen.add(ident)
+            if not row.get("failed"):
+                done.add(row.get("key"))
+            out.added += 1
+    if lines:
+        _replace(results, lines)
+    return out
+
+
+def _replace(results: Path, lines: list[bytes]) -> None:
+    """`results` := its bytes (a last line without its newline ended by one) + `lines`, atomically."""
+    results.parent.mkdir(parents=True, exist_ok=True)
+    old = results.read_bytes() if results.is_file() else b""
+    if old and not old.endswith(b"\n"):
+        warnings.warn(f"{results}: its last line has no newline (a writer died mid-row); it stays, skipped when read",
+                      stacklevel=3)
+        old += b"\n"
+    tmp = results.with_name(f".{results.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, R.FILE_MODE)
+        with os.fdopen(fd, "wb") as f:
+            f.write(old + b"".join(lines))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, results)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def run_config(conf: dict[str, Any], worker: str | None = None) -> tuple[dict[str, Any], bool]:
+    """`evals.run.run_config` in the sharded mode: a key that the results file or any shard holds is
+    skipped (its row returned, ran=False); else the run appends its row to this process's shard
+    (no lock: the shard has one writer). Returns (row, ran)."""
+    import jax
+
+    from evals import run as evrun
+    from evals.config import ConfigError, resolve_policy
+
+    policy, sizing = resolve_policy(conf)
+    key = evrun.run_key(conf, policy)
+    if conf.get("force"):
+        raise ConfigError("force=true: the sharded mode keeps the first successful row of a key (a merge never "
+                          "duplicates one); redo a run in the single-file mode")
+    row = find(conf["results"], key)
+    if row is not None:
+        return row, False
+    own = {**conf, "results": str(shard_path(conf["results"], worker))}
+    with jax.default_matmul_precision(evrun.MATMUL_PRECISION):
+        return evrun._run(own, policy, key, sizing), True
+
+
+# -- evals.run -m under Hydra's joblib or submitit launcher ---------------------------------------
+
+
+def launcher_of(argv: list[str]) -> str | None:
+    """The Hydra launcher a sweep's command line names (`hydra/launcher=joblib`, `submitit_slurm`...),
+    None for a single run or Hydra's basic launcher (every job in this process)."""
+    if "-m" not in argv and "--multirun" not in argv:
+        return None
+    named = [a.split("=", 1)[1] for a in argv if a.split("=", 1)[0].lstrip("+~") == "hydra/launcher"]
+    return named[-1] if named and named[-1] != "basic" else None
+
+
+def launched_elsewhere() -> bool:
+    """Inside a Hydra job: whether its launcher runs jobs outside the command's process (then the job
+    writes its own shard)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return False
+    return HydraConfig.get().runtime.choices.get("hydra/launcher") not in (None, "basic")
+
+
+def _sweep(argv: list[str]) -> list[dict[str, Any]]:
+    """The validated config of every job of a sweep's command line."""
+    from evals.config import compose, validate
+    from evals.run import job_overrides
+
+    return [validate(compose(o)) for o in job_overrides(argv) or []]
+
+
+def check_sweep(argv: list[str]) -> None:
+    """ConfigError for what the sharded mode refuses: force=true (a merge keeps a key's first row)."""
+    from evals.config import ConfigError
+
+    if any(c["force"] for c in _sweep(argv)):
+        raise ConfigError(f"force=true: under hydra/launcher={launcher_of(argv)} each job writes a shard and a merge "
+                          "keeps the first successful row of a key; redo runs without a launcher")
+
+
+def merge_sweep(argv: list[str], say=print) -> list[dict[str, Any]]:
+    """After a launcher's sweep: merge each results file's shards into it; the row of every job
+    (its last successful one, else its last), in the order of the jobs."""
+    from evals import run as evrun
+    from evals.config import resolve_policy
+
+    confs = _sweep(argv)
+    for res in dict.fromkeys(c["results"] for c in confs):
+        say(f"[evals.run] {merge(res).line(res)}")
+    rows = []
+    for c in confs:
+        key = evrun.run_key(c, resolve_policy(c)[0])
+        mine = [r for r in _rows(Path(c["results"])) if r.get("key") == key]
+        ok = [r for r in mine if not r.get("failed")]
+        if ok or mine:
+            rows.append((ok or mine)[-1])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m evals.shards RESULTS ...`: merge each results file's shards into it."""
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(prog="python -m evals.shards", description=main.__doc__)
+    ap.add_argument("results", nargs="+", help="results .jsonl files (their shards: <results>.shards/)")
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    for res in args.results:
+        print(merge(res).line(res))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""Issue 60: grids beyond one process. Shards of many writers merge into the results file with
+nothing lost or duplicated (a half-written line never merged, a merge idempotent); a Ray local
+cluster of 2 workers runs an evals.compare grid whose merged rows equal the in-process grid's
+(metrics and arrays); workers killed mid-grid (mid-row, and after the row before reporting) leave
+the grid complete after Ray's retries, and a rerun sends nothing; Hydra's joblib launcher runs a
+4-job evals.run sweep into one merged results file; the default executor never imports Ray.
+Timings measured on the 2 shared cores: docs/guide/scale.md."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from evals import compare, ray_grid, shards
+from evals import run as evrun
+from evals import results as R
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def grid_args(text_file, results):
+    return ["model=tiny_random", "data=path", f"data.path={text_file}", "tokens=32", "chunk=16", f"results={results}",
+            "progress=false", "policies=[window,sink]", "budgets=[0.5]", f"out={Path(results).parent / 'out'}"]
+
+
+def by_key(rows):
+    return {r["key"]: r for r in rows}
+
+
+def numbers(metrics):
+    """A row's metrics without its timings (seconds, throughput)."""
+    return {k: v for k, v in metrics.items() if not k.endswith("_s")}
+
+
+def assert_same_rows(a, b):
+    """Equal metrics (timings aside), memory and arrays, row by row."""
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert numbers(a[k]["metrics"]) == numbers(b[k]["metrics"]) and len(numbers(a[k]["metrics"])) >= 3, k
+        assert a[k]["memory"] == b[k]["memory"], k
+        assert sorted(a[k]["arrays"]) == sorted(b[k]["arrays"]) == ["nll"]
+        np.testing.assert_array_equal(R.load_array(a[k], "nll"), R.load_array(b[k], "nll"))
+
+
+# -- shards, without Ray --------------------------------------------------------------------------
+
+
+def _row(key, value, tmp, worker, failed=None):
+    shard = shards.shard_path(tmp / "r.jsonl", worker)
+    rel = R.save_array(shard, key, "nll", np.full(3, value, np.float32))
+    R.append(shard, {"key": key, "metrics": {"ppl": value}, "arrays": {"nll": rel},
+                     **({"failed": failed} if failed else {})})
+
+
+def test_shards_merge_once_skip_half_lines_and_read_like_a_results_file(tmp_path):
+    res = tmp_path / "r.jsonl"
+    _row("a", 1.0, tmp_path, "w1")
+    _row("b", 2.0, tmp_path, "w2")
+    _row("c", float("nan"), tmp_path, "w2", failed="metric(s) ppl not finite")  # failed: merged, not done
+    _row("a", 1.5, tmp_path, "w2")  # a second successful row of a done key (a retried job): left out
+    assert not R.lock_path(shards.shard_path(res, "w1")).exists()  # a shard takes no lock
+    with open(shards.shard_path(res, "w3"), "wb") as f:  # a worker killed mid-row
+        f.write(b'{"key": "d", "metrics": {"pp')
+    assert shards.done_keys(res) == {"a", "b"}
+    with pytest.warns(UserWarning, match="w3.jsonl, line 1: not valid JSON"):
+        m = shards.merge(res)
+    assert (m.added, m.present, m.duplicates, m.shards) == (3, 0, 1, 3)
+    rows = R.read(res)
+    assert [r["key"] for r in rows] == ["a", "b", "c"] and rows[0]["metrics"]["ppl"] == 1.0
+    np.testing.assert_array_equal(R.load_array(rows[1], "nll"), np.full(3, 2.0, np.float32))
+    assert all(r["arrays"]["nll"].startswith("r.jsonl.arrays/") for r in rows)
+    before = res.read_bytes()
+    with pytest.warns(UserWarning, match="not valid JSON"):
+        again = shards.merge(res)
+    assert (again.added, again.present) == (0, 3) and res.read_bytes() == before  # idempotent
+    with pytest.warns(UserWarning, match="not valid JSON"):  # tables and figures read shards alike
+        assert sorted(r["key"] for r in R.read(shards.shard_dir(res))) == ["a", "a", "b", "c"]
+
+
+# -- Ray ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def local_grid(tmp_path_factory, text_file):
+    """The in-process grid: (plan, rows by key, whether running it imported Ray: None if Ray was
+    imported before)."""
+    d = tmp_path_factory.mktemp("local")
+    had_ray = "ray" in sys.modules
+    compare.main(grid_args(text_file, d / "r.jsonl"))
+    p = compare.plan(grid_args(text_file, d / "r.jsonl"))
+    return p, by_key(R.read(d / "r.jsonl")), None if had_ray else "ray" in sys.modules
+
+
+def test_the_default_executor_imports_no_ray(local_grid, text_file, tmp_path):
+    imported = local_grid[2]
+    if imported is None:
+        pytest.skip("Ray was imported before this file's first grid")
+    assert not imported
+    assert compare.parse_args(grid_args(text_file, tmp_path / "r.jsonl") + ["executor=ray"]).ray.workers is None
+    assert "ray" not in sys.modules  # its options are parsed without Ray
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray = pytest.importorskip("ray")
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # DyingWorker, defined here
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def test_a_ray_grid_of_two_workers_merges_to_the_in_process_rows(local_grid, ray_cluster, text_file, tmp_path):
+    p, local, _ = local_grid
+    res = tmp_path / "r.jsonl"
+    compare.main(grid_args(text_file, res) + ["executor=ray", "ray.workers=2"])
+    rows = R.read(res)
+    assert len(rows) == len(p.jobs) == 3 and len(shards.shard_files(res)) == 2  # both workers ran jobs
+    assert_same_rows(by_key(rows), local)
+
+
+class DyingWorker(ray_grid.Worker):
+    """Dies twice: its first job is killed mid-row (half a line in its shard), a later one after its
+    row is written and before it reports (Ray restarts the actor and retries each job)."""
+
+    def run(self, conf):
+        folder = Path(conf["results"]).parent
+        if _first(folder / "died-mid-row"):
+            shard = shards.shard_path(conf["results"])
+            shard.parent.mkdir(parents=True, exist_ok=True)
+            with open(shard, "ab") as f:
+                f.write(b'{"key": "' + b"0" * 16 + b'", "metrics": {"pp')
+            os._exit(1)
+        out = super().run(conf)
+        if _first(folder / "died-after-row"):
+            os._exit(1)
+        return out
+
+
+def _first(marker: Path) -> bool:
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+
+
+def test_workers_killed_mid_grid_leave_it_complete_once(local_grid, ray_cluster, tmp_path):
+    p, local, _ = local_grid
+    res = tmp_path / "r.jsonl"
+    confs = [j.conf for j in p.jobs]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the half-written line, skipped
+        sent = ray_grid.run(confs, res, ray_grid.RayOptions(workers=2), progress=False, worker=DyingWorker)
+        rows = R.read(res)
+        again = ray_grid.run(confs, res, ray_grid.RayOptions(workers=2), progress=False)  # the rerun
+    assert (tmp_path / "died-mid-row").exists() and (tmp_path / "died-after-row").exists()
+    assert len(sent) == 3 and again == []  # the rerun sends nothing: every key is in a shard
+    assert [r["key"] for r in rows] == [r["key"] for r in R.read(res)]  # and merges nothing new
+    assert sorted(r["key"] for r in rows) == sorted(j.key for j in p.jobs)  # none lost, none twice
+    assert_same_rows(by_key(rows), local)
+
+
+# -- Hydra's joblib launcher ----------------------------------------------------------------------
+
+
+def test_a_joblib_sweep_of_four_jobs_merges_into_one_results_file(tmp_path, text_file):
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    res = tmp_path / "r.jsonl"
+    argv = ["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+            "model=tiny_random", "data=path", f"data.path={text_file}", "tokens=32", "chunk=16", "policy=window",
+            "window=8,16", "seed=0,1", f"results={res}", "progress=false"]
+    # in a subprocess: the launcher configures logging in the calling process (pytest's capture breaks)
+    proc = subprocess.run([sys.executable, "-m", "evals.run", *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = R.read(res)
+    assert len(rows) == 4 and len({r["key"] for r in rows}) == 4
+    assert sorted((r["policy"]["window"], r["config"]["seed"]) for r in rows) == [(8, 0), (8, 1), (16, 0), (16, 1)]
+    assert len(shards.shard_files(res)) == 2  # two joblib workers, a shard each
+    assert "merged 2 shard(s) into" in proc.stdout + proc.stderr
+    with pytest.raises(SystemExit):  # a launcher's sweep refuses force=true (a merge keeps a key's first row)
+        evrun.main(argv + ["force=true"])  # (before Hydra launches anything)
