@@ -141,7 +141,7 @@ def step_read_bytes(model, cache, ctx: int) -> dict[str, int]:
 
     weights = tree_nbytes(nnx_state(model))
     slots = int(cache[0].pos.shape[-1])
-    kv = tree_nbytes(cache) * min(1.0, (ctx + 1) / slots)
+    kv = tree_nbytes(getattr(cache, "runs", cache)) * min(1.0, (ctx + 1) / slots)  # the states, not the carried length
     return {"weight_bytes": int(weights), "kv_read_bytes": int(kv)}
 
 

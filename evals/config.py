@@ -350,9 +350,9 @@ def resolve_policy(conf: dict[str, Any]) -> tuple[kvpolicies.Policy, dict[str, A
                           "length or dimensions to size a cache for")
     explicit = explicit_fields(conf)
     if field in explicit:
-        via = f" (set by {run_keys(name)[field]}=)" if field in run_keys(name) else ""
-        raise ConfigError(f"budget={b} and {name}.{field}={explicit[field]}{via} both size the "
-                          "cache: give one of them")
+        via = f" (policy.{field} also follows {run_keys(name)[field]}=)" if field in run_keys(name) else ""
+        raise ConfigError(f"budget={b} and policy.{field}={explicit[field]} both size the cache of {name}: give "
+                          f"one of them{via}")
     kw = dict(max_len=extent[1] + extent[2], kv_heads=mc.n_kv_heads, head_dim=mc.head_dim, dtype=zoo.dtype(conf["model"]))
     try:
         sized, shrunk = size_policy(name, b, gen=extent[2], codec=conf["policy"].get("codec", "none"), fixed=explicit,
@@ -559,7 +559,8 @@ def validate(cfg: DictConfig | dict[str, Any]) -> dict[str, Any]:
         except ValueError as e:
             raise ConfigError(str(e)) from None
     if conf["data"].get("name") == "path" and not Path(conf["data"]["spec"]).is_file():
-        raise ConfigError(f"data.path={conf['data']['spec']}: no such file")
+        what = "a folder, not a text file" if Path(conf["data"]["spec"]).is_dir() else "no such file"
+        raise ConfigError(f"data.path={conf['data']['spec']}: {what}")
     if conf["codec"] not in kvpolicies.CODECS:
         raise ConfigError(f"codec={conf['codec']!r}: must be one of {sorted(kvpolicies.CODECS)}")
     check_mesh(conf.get("mesh"))
@@ -680,6 +681,13 @@ def check_inputs(conf: dict[str, Any], policy: kvpolicies.Policy | None = None) 
         mc = zoo.describe(conf["model"])
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if mc is not None:
+        from models.stacks import model_stack
+
+        try:  # the per-layer policies now (a model-level preset's: duo reads and checks its pattern file)
+            model_stack(mc, policy)
+        except ValueError as e:
+            raise ConfigError(f"policy={policy_name(policy)}: {e}") from None
     if zoo.has_tokenizer(conf["model"]):
         try:
             text = load_text(conf["data"]["spec"])

@@ -84,6 +84,7 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     params: int | None = None  # None when unknown (then weights must be given)
+    n_heads: int | None = None  # query heads (None: unknown); kv heads must divide them
 
     @property
     def weight_bytes(self) -> int | None:
@@ -97,7 +98,8 @@ def count_params(config: LlamaConfig) -> int:
 
 
 def from_config(config: LlamaConfig) -> ModelShape:
-    return ModelShape(config.name, config.n_layers, config.n_kv_heads, config.head_dim, count_params(config))
+    return ModelShape(config.name, config.n_layers, config.n_kv_heads, config.head_dim, count_params(config),
+                      config.n_heads)
 
 
 def _llama(name: str, V: int, d: int, L: int, N: int, K: int, F: int, **kw: Any) -> LlamaConfig:
@@ -127,7 +129,12 @@ def read_hf_config(path: str | pathlib.Path) -> ModelShape:
     path = pathlib.Path(path)
     if path.is_dir():
         path = path / "config.json"
-    cfg = json.loads(path.read_text())
+    try:
+        cfg = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not a JSON config.json ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: not a config.json (a JSON object), got a JSON {type(cfg).__name__}")
     if "num_hidden_layers" not in cfg and isinstance(cfg.get("text_config"), dict):
         cfg = {"model_type": cfg.get("model_type"), **cfg["text_config"]}
     for key in ("num_hidden_layers", "num_attention_heads"):
@@ -143,7 +150,7 @@ def read_hf_config(path: str | pathlib.Path) -> ModelShape:
             raise ValueError(f"{path}: hidden_size={cfg['hidden_size']} is not divisible by num_attention_heads={n_heads}")
         head_dim = int(cfg["hidden_size"]) // n_heads
     name = str(cfg.get("_name_or_path") or path.parent.name or path.stem)
-    shape = ModelShape(name, int(cfg["num_hidden_layers"]), kv_heads, int(head_dim))
+    shape = ModelShape(name, int(cfg["num_hidden_layers"]), kv_heads, int(head_dim), n_heads=n_heads)
     if cfg.get("model_type") in HF_LLAMA_TYPES and all(k in cfg for k in ("vocab_size", "hidden_size", "intermediate_size")):
         config = LlamaConfig(
             vocab_size=int(cfg["vocab_size"]), d_model=int(cfg["hidden_size"]), n_layers=shape.n_layers,
@@ -629,6 +636,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.kv_heads is not None:
             if args.kv_heads < 1:
                 raise ValueError(f"--kv-heads={args.kv_heads}: must be >= 1")
+            if m.n_heads and m.n_heads % args.kv_heads:
+                ok = [k for k in range(1, m.n_heads + 1) if m.n_heads % k == 0]
+                raise ValueError(f"--kv-heads={args.kv_heads}: {m.name}'s {m.n_heads} query heads cannot be grouped "
+                                 f"over {args.kv_heads} kv heads (kv heads must divide them: {ok})")
             m = dataclasses.replace(m, kv_heads=args.kv_heads, name=f"{m.name} ({args.kv_heads} kv heads)")
         jnp.dtype(args.dtype)
         rows = plan(m, args.context, args.gpu_gb, args.overhead_gb, args.policy, batch=args.batch, dtype=args.dtype,

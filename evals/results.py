@@ -34,7 +34,8 @@ Resuming: a row's `key` hashes the configuration that determines its numbers (mo
 policy as built, task, tokens, chunk, seed, and for a user's own data or checkpoint path its
 `file_digest`; not the results path or progress flag), so a re-run sweep skips the rows
 already present and an interrupted sweep loses only the run in flight. A row whose metrics are
-NaN or missing is recorded with `failed` (the reason) and does not count as done: a re-run redoes it.
+NaN or missing is recorded with `failed` (the reason) and does not count as done: a re-run redoes it;
+nor does a line without the fields every run writes (`finished`).
 """
 
 from __future__ import annotations
@@ -294,9 +295,19 @@ def read(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[dict[st
     return rows
 
 
+FINISHED = ("key", "task", "policy", "metrics")  # fields every run's row holds (evals.run writes them)
+
+
+def finished(row: dict[str, Any]) -> bool:
+    """Whether a row records a finished run: the `FINISHED` fields, metrics a non-empty mapping,
+    and no `failed` (a line holding only a matching key is not a run: a re-run redoes it)."""
+    return (all(f in row for f in FINISHED) and isinstance(row["metrics"], dict) and bool(row["metrics"])
+            and not row.get("failed"))
+
+
 def done_keys(path: str | os.PathLike) -> set[str]:
-    """Keys of the rows already in a results file (empty if it does not exist yet)."""
-    return {r["key"] for r in read(path) if "key" in r} if Path(path).is_file() else set()
+    """Keys of the finished rows already in a results file (empty if it does not exist yet)."""
+    return {r["key"] for r in read(path) if finished(r)} if Path(path).is_file() else set()
 
 
 def _nearest_dir(path: Path) -> Path:

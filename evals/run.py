@@ -204,7 +204,7 @@ def run_config(conf: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     results = conf["results"]
     wait = lambda: say(f"[evals.run] waiting: another process is running key {key} on {results}")  # noqa: E731
     with R.key_lock(results, key, on_wait=wait):
-        done = [r for r in R.read(results) if r.get("key") == key and not r.get("failed")] \
+        done = [r for r in R.read(results) if r.get("key") == key and R.finished(r)] \
             if Path(results).is_file() else []
         if done and not conf["force"]:
             say(f"[evals.run] skip {key}: already in {results} (force=true redoes it)")

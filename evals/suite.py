@@ -214,10 +214,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         print(__doc__)
         return []
     from evals.compiles import CompileLog, use_persistent_cache
+    from evals.run import interrupt_as_line
 
     use_persistent_cache()
 
-    with CompileLog() as log:
+    with interrupt_as_line("evals.suite"), CompileLog() as log:
         try:
             avg, paths = run(argv)
         except ConfigError as e:

@@ -1,4 +1,4 @@
-r"""`python -m evals.table RESULTS... [--out PREFIX]`: compare runs as Markdown, LaTeX and CSV.
+r"""`python -m evals.table RESULTS... [--out PREFIX [--force]]`: compare runs as Markdown, LaTeX and CSV.
 
 One table per task (their metrics differ): a row per run (the latest row of each config key),
 `full` first, then by policy name and stored bytes. Columns (defined in docs/guide/evals.md):
@@ -13,7 +13,7 @@ store) and `peak device (MB, 10^6 B)` (GPU only); a memory column nobody filled 
 recorded as failed (NaN metrics) is marked "(failed)". Markdown goes to stdout (and PREFIX.md);
 PREFIX.tex holds one complete booktabs `table` per task (caption, label, `\resizebox` to the text
 width: needs `\usepackage{booktabs,graphicx}`), PREFIX.csv one long table with every metric
-unrounded and raw metric names.
+unrounded and raw metric names. Existing PREFIX files are not overwritten without --force.
 
 An accuracy with a binomial interval (metrics `accuracy<sfx>`, `ci_low<sfx>`, `ci_high<sfx>`, Wilson
 95 %, from the retrieval and RULER-style tasks) is one cell, "0.80 [0.49, 0.94]"; the CSV keeps the
@@ -310,11 +310,27 @@ def csv_text(rows: Sequence[dict[str, Any]]) -> str:
     return out.getvalue()
 
 
-def write(rows: Sequence[dict[str, Any]], prefix: str | Path) -> list[Path]:
-    """Write PREFIX.md, PREFIX.tex and PREFIX.csv; returns their paths."""
+def outputs(prefix: str | Path) -> list[Path]:
+    """PREFIX.md, PREFIX.tex and PREFIX.csv."""
+    prefix = Path(prefix)
+    return [prefix.with_name(prefix.name + ext) for ext in (".md", ".tex", ".csv")]
+
+
+def check_outputs(prefix: str | Path, force: bool) -> None:
+    """FileExistsError naming the tables at `prefix` that exist already, unless `force`."""
+    there = [str(p) for p in outputs(prefix) if p.exists()]
+    if there and not force:
+        raise FileExistsError(f"--out {prefix}: {', '.join(there)} exist; pass --force to overwrite them, or choose "
+                              "another --out")
+
+
+def write(rows: Sequence[dict[str, Any]], prefix: str | Path, force: bool = True) -> list[Path]:
+    """Write PREFIX.md, PREFIX.tex and PREFIX.csv (not over existing ones unless `force`);
+    returns their paths."""
+    check_outputs(prefix, force)
     prefix = Path(prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    paths = [prefix.with_name(prefix.name + ext) for ext in (".md", ".tex", ".csv")]
+    paths = outputs(prefix)
     for path, text in zip(paths, (markdown(rows) + "\n", latex(rows), csv_text(rows))):
         path.write_text(text, encoding="utf-8")
     return paths
@@ -324,19 +340,22 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m evals.table", description=__doc__.split("\n\n")[0])
     ap.add_argument("results", nargs="+", help="results .jsonl files")
     ap.add_argument("--out", help="write OUT.md, OUT.tex and OUT.csv")
+    ap.add_argument("--force", action="store_true", help="overwrite existing OUT.md, OUT.tex and OUT.csv")
     args = ap.parse_args(argv)
     from evals.progress import warnings_as_lines
 
     try:
+        if args.out:
+            check_outputs(args.out, args.force)
         with warnings_as_lines("evals.table"):  # a damaged line or row: one warning line naming it, then skipped
             rows = usable(R.read(args.results))
-    except FileNotFoundError as e:
+    except (FileNotFoundError, FileExistsError) as e:
         ap.error(str(e))
     if not rows:
         ap.error(f"no rows in {', '.join(args.results)}")
     print(markdown(rows))
     if args.out:
-        for p in write(rows, args.out):
+        for p in write(rows, args.out, force=True):  # (checked above)
             print(f"wrote {p}")
 
 

@@ -38,6 +38,7 @@ build their steps from are `kvpolicies.slots` (slot writes, views) and `kvpolici
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, ClassVar, NamedTuple
 
 import jax
@@ -226,6 +227,31 @@ def check_codec(policy: "Policy") -> None:
 
 
 
+def check_init(policy: Any, batch: Any, kv_heads: Any, head_dim: Any, dtype: Any, max_len: Any) -> None:
+    """`Policy.init`'s arguments, checked for every policy (`Policy.__init_subclass__` wraps each
+    `init`): sizes ints >= 1, and a floating dtype (keys and values are stored or decoded in it: an
+    integer or bool dtype would truncate them). One ValueError naming the argument."""
+    who = f"{type(policy).__name__.lower()}.init"
+    for name, n in (("batch", batch), ("kv_heads", kv_heads), ("head_dim", head_dim), ("max_len", max_len)):
+        if not isinstance(n, (int, np.integer)) or isinstance(n, (bool, np.bool_)) or n < 1:
+            raise ValueError(f"{who}: {name}={n!r} must be an int >= 1")
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or not jnp.issubdtype(dt, jnp.floating):
+        raise ValueError(f"{who}: dtype={getattr(dtype, '__name__', dtype)!r} must be a floating dtype (float32, "
+                         "bfloat16, float16): keys and values in an integer or bool dtype would be truncated")
+
+
+def _checked(init):
+    def checked(self, batch, kv_heads, head_dim, dtype, max_len, *args, **kwargs):
+        check_init(self, batch, kv_heads, head_dim, dtype, max_len)
+        return init(self, batch, kv_heads, head_dim, dtype, max_len, *args, **kwargs)
+
+    return functools.wraps(init)(checked)
+
+
 @dataclasses.dataclass(frozen=True)
 class Policy:
     """Base class: the protocol every cache policy implements (see the module docstring).
@@ -259,6 +285,11 @@ class Policy:
     rotated_keys: ClassVar[bool] = False
     codec: Codec = Identity()
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "init" in cls.__dict__:  # every policy's init checks its arguments first (`check_init`)
+            cls.init = _checked(cls.__dict__["init"])
+
     # -- sizes ---------------------------------------------------------------------------
     def capacity(self, max_len: int) -> int:
         """Number of slots the state holds for sequences of up to `max_len` tokens."""
@@ -266,6 +297,7 @@ class Policy:
 
     def init(self, batch: int, kv_heads: int, head_dim: int, dtype: Any, max_len: int) -> SlotState:
         """An empty state (all positions -1)."""
+        check_init(self, batch, kv_heads, head_dim, dtype, max_len)
         return empty_slots(self.codec, batch, kv_heads, head_dim, dtype, self.capacity(max_len))
 
     # -- one step ------------------------------------------------------------------------

@@ -72,14 +72,18 @@ def load_pattern(pattern: str | tuple) -> np.ndarray:
     else:
         path = pathlib.Path(pattern)
         if not path.is_file():
-            raise ValueError(f"duo.pattern={pattern!r}: no such file")
-        if path.suffix == ".npy":
-            arr = np.load(path).astype(np.float64)
-        elif path.suffix == ".json":
-            data = json.loads(path.read_text())
-            arr = np.asarray(data["scores"] if isinstance(data, dict) else data, dtype=np.float64)
-        else:  # the authors' full_attention_heads.tsv
-            arr = np.loadtxt(path, dtype=np.float64, delimiter="\t", ndmin=2)
+            raise ValueError(f"duo.pattern={pattern!r}: " + ("a folder, not a file" if path.is_dir() else "no such file"))
+        try:
+            if path.suffix == ".npy":
+                arr = np.load(path).astype(np.float64)
+            elif path.suffix == ".json":
+                data = json.loads(path.read_text())
+                arr = np.asarray(data["scores"] if isinstance(data, dict) else data, dtype=np.float64)
+            else:  # the authors' full_attention_heads.tsv
+                arr = np.loadtxt(path, dtype=np.float64, delimiter="\t", ndmin=2)
+        except (ValueError, TypeError, KeyError, OSError) as e:  # malformed, ragged rows, not numbers
+            raise ValueError(f"duo.pattern={pattern!r}: cannot be read as [layers, kv_heads] head scores "
+                             f"({type(e).__name__}: {e})") from None
     if arr.ndim != 2 or arr.size == 0:
         raise ValueError(f"duo.pattern: expected [layers, kv_heads] scores, got shape {arr.shape}")
     return arr

@@ -98,6 +98,7 @@ def check_state(policy: Any, state: Any, k: Array) -> None:
     if state_batch(state) != b:
         raise ValueError(f"attend: the state holds batch {state_batch(state)}, the step batch {b}")
     dtype = jax.tree.leaves(state.k)[0].dtype if jax.tree.leaves(state.k) else k.dtype
+    dtype = dtype if jnp.issubdtype(dtype, jnp.floating) else jnp.float32  # a codec's codes: shapes only
     want = jax.eval_shape(lambda: policy.init(b, kh, d, dtype, 256))
     got, ref = jax.tree.leaves(state.k), jax.tree.leaves(want.k)
     if len(got) != len(ref):
@@ -143,13 +144,40 @@ def check_positions(policy: Any, state: Any, pos: Array) -> None:
                              f"holds position {int(last[b])} (feed each position once, in order)")
 
 
-def check_step(policy: Any, state: Any, q: Array, k: Array, v: Array, pos: Array) -> None:
-    """The host checks of one `attend` call: shapes always (they are static), then the state's
-    layout and the positions when the arrays are concrete (an eager call)."""
+def check_args(policy: Any, state: Any, q: Any, k: Any, v: Any, pos: Any, rope: Any) -> None:
+    """What `attend` is given, before any shape: a Policy, a state, arrays, a RoPE of the step's
+    head_dim; at least one row, one token and one channel. One ValueError naming the argument."""
+    from kvpolicies.base import Policy
+
+    if not isinstance(policy, Policy):
+        hint = f" (build it: kvpolicies.get({policy!r}))" if isinstance(policy, str) else ""
+        raise ValueError(f"attend: policy must be a kvpolicies.Policy, got {type(policy).__name__} {policy!r}{hint}")
+    if state is None or isinstance(state, (str, bytes, int, float, dict)) or not jax.tree.leaves(state):
+        raise ValueError(f"attend: state must be the policy's state (policy.init(batch, kv_heads, head_dim, dtype, "
+                         f"max_len)), got {type(state).__name__}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("pos", pos)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise ValueError(f"attend: {name} must be an array, got {type(x).__name__} (wrap it: jnp.asarray({name}))")
+    if not (hasattr(rope, "apply") and hasattr(rope, "inv_freq")):
+        raise ValueError(f"attend: rope must be a kvpolicies.Rope (or its table), got {type(rope).__name__}")
+    if np.ndim(q) == 4:
+        b, t, _, d = q.shape
+        for name, n in (("batch B", b), ("new tokens T", t), ("head_dim D", d)):
+            if n == 0:
+                raise ValueError(f"attend: q has shape {tuple(q.shape)}: {name} must be >= 1")
+
+
+def check_step(policy: Any, state: Any, q: Array, k: Array, v: Array, pos: Array, rope: Any) -> None:
+    """The host checks of one `attend` call: its arguments (`check_args`) and shapes always (they
+    are static), then the state's layout and the positions when the arrays are concrete (eager)."""
+    check_args(policy, state, q, k, v, pos, rope)
     check_shapes(q, k, v, pos)
     if concrete(state, pos):
         check_state(policy, state, k)
         check_positions(policy, state, pos)
+    d, rd = q.shape[3], getattr(getattr(rope, "rope", rope), "head_dim", q.shape[3])
+    if rd != d:
+        raise ValueError(f"attend: rope is for head_dim {rd}, q and k have head_dim {d} (Rope({d}, theta))")
 
 
 def bad_positions(policy: Any, state: Any, pos: Int[Array, "B T"]) -> Bool[Array, "B T"]:

@@ -32,6 +32,14 @@ class Rope:
     theta: float = 10000.0
     scaling: tuple[tuple[str, Any], ...] | None = None
 
+    def __post_init__(self):
+        d = self.head_dim
+        if not isinstance(d, (int, np.integer)) or isinstance(d, (bool, np.bool_)) or d < 2 or d % 2:
+            raise ValueError(f"Rope head_dim={d!r}: must be an even int >= 2 (channels rotate in pairs)")
+        if isinstance(self.theta, bool) or not isinstance(self.theta, (int, float, np.number)) \
+                or not math.isfinite(self.theta) or self.theta <= 1:
+            raise ValueError(f"Rope theta={self.theta!r}: must be a finite number > 1 (the RoPE base, e.g. 10000.0)")
+
     def inv_freq(self) -> np.ndarray:
         """[D/2] float32 inverse frequencies (a trace-time constant)."""
         d = self.head_dim

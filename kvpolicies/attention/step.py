@@ -54,7 +54,7 @@ def attend(
     static argument); None: the defaults. It never changes which slots a query sees.
     """
     tuning = DEFAULT if tuning is None else tuning
-    limits.check_step(policy, state, q, k, v, pos)  # shapes; positions and layout when concrete (eager)
+    limits.check_step(policy, state, q, k, v, pos, rope)  # arguments, shapes; positions and layout when eager
     out, new_state, visible = attend_step(policy, state, q, k, v, pos, rope, scale, defer, tuning)
     if limits.concrete(state, pos):
         limits.check_cache(new_state, "attend: ")  # an exhausted paged pool, as an error

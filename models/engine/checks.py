@@ -6,10 +6,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from kvpolicies import limits
 from kvpolicies.base import Policy
+from kvpolicies.prompt import reads_prompt_state
+from models.llama import policy_runs
+from models.engine.extent import EngineCache, Maker, bare_shapes, refused
 
 MAX_LEN = 2**31 - 2**16  # positions are int32 (and kvzip feeds up to ~2K repeat tokens past a context)
 
@@ -152,3 +156,64 @@ class ArgumentChecks:
             raise ValueError(f"{what}: {after} + {written} tokens after the compression, past max_new="
                              f"{self.slot_limit} of this Engine(slots={self.slots}): its shape classes keep the exact "
                              "policies' tokens only until they would recompress; use an Engine without slots=")
+
+    # -- a state's extent and maker (models.engine.extent) -------------------------------------
+    def maker(self, prompt: bool = False) -> Maker:
+        """This engine's layout, as the caches it makes carry it (prompt: its prompt phase's)."""
+        key = "_maker_prompt" if prompt else "_maker"
+        if key not in self.__dict__:
+            c = self.cfg
+            dtype = np.dtype(self.cache_dtype if self.cache_dtype is not None else self._model.dtype).name
+            self.__dict__[key] = Maker(tuple(self.prompt_policies if prompt else self.policies), self.max_len,
+                                       (c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, c.d_model, c.vocab_size),
+                                       dtype)
+        return self.__dict__[key]
+
+    def _extent(self, cache: Any, what: str, bare: bool, batch: int) -> tuple[tuple, np.ndarray | None]:
+        """(the runs, the next position of each row [B]) of a decode-phase cache this engine made
+        for `batch` rows, or one clear ValueError. A bare tuple of run states (`bare`: allowed) is
+        checked against this engine's shapes and has no known length (None)."""
+        if isinstance(cache, EngineCache):
+            if cache.maker != self.maker():
+                raise refused(what, cache.maker, self.maker())
+            length = np.asarray(cache.length)
+            if length.shape != (batch,):
+                raise ValueError(f"tokens: batch {batch} does not match the cache's batch {length.shape[0]}")
+            return cache.runs, length
+        if not bare:
+            raise ValueError(f"{what}: expected the cache an Engine returned (init_cache, prefill, step), which "
+                             f"carries where it ends; got a bare {type(cache).__name__} of run states")
+        shapes = self.__dict__.setdefault("_bare_shapes", {})
+        if batch not in shapes:
+            shapes[batch] = jax.eval_shape(lambda: self._model.init_cache(self.policies, batch, self.max_len,
+                                                                          self.cache_dtype))
+        bare_shapes(cache, shapes[batch], what)
+        return tuple(cache), None
+
+    def _check_made(self, state: Any, what: str) -> None:
+        """A `Prompted` this engine made (its decode phase once compressed), or an uncompressed one
+        whose prompt phase this engine reads (`shares_prompt`): else one clear ValueError."""
+        made = getattr(state, "maker", None)
+        if made is None:
+            return  # a Prompted built by hand: the layout checks of `_adopt` / the steps apply
+        want = self.maker(prompt=not state.compressed)
+        if made == want:
+            return
+        if not state.compressed and made.model == want.model and made.max_len == want.max_len \
+                and made.dtype == want.dtype and self._reads(made.policies):
+            return
+        raise refused(what, made, want)
+
+    def _reads(self, policies: tuple) -> bool:
+        """Whether this engine's prompt phase takes, layer by layer, the prompt states of `policies`."""
+        n = self.cfg.n_layers
+        if [r[:2] for r in policy_runs(policies, n)] != [r[:2] for r in policy_runs(self.prompt_policies, n)]:
+            return False
+        return all(reads_prompt_state(a, b) for a, b in zip(self.prompt_policies, policies))
+
+    def _check_row(self, row: Any, batch: int) -> int:
+        """A batch row index in [0, batch), or ValueError naming it."""
+        row = check_int("row", row, 0)
+        if row >= batch:
+            raise ValueError(f"row={row}: the state has {batch} row{'s' if batch > 1 else ''} (row 0..{batch - 1})")
+        return row

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from kvpolicies.attend import recording
 from models.llama import Cache
 from models.engine.checks import check_int, check_pool, is_ragged
+from models.engine.extent import EngineCache
 
 def perplexity(nll: np.ndarray) -> float:
     return float(math.exp(float(np.mean(nll))))
@@ -36,35 +37,43 @@ class Generation:
             raise ValueError(f"generate: n={n} new tokens write {n - 1} after the compression, past max_new="
                              f"{self.slot_limit} of this Engine(slots={self.slots}); use an Engine without slots=")
 
-    def prefill(self, tokens, chunk: int | None = None, cache: Cache | None = None):
-        """Process a prompt [B, T] in chunks (None: one chunk); returns (last logits [B, V], cache).
+    def prefill(self, tokens, chunk: int | None = None, cache: EngineCache | None = None):
+        """Process a prompt [B, T] in chunks (None: one chunk); returns (last logits [B, V], cache:
+        an `EngineCache`, which carries where it ends and the engine layout that made it).
 
         A fresh prompt (cache=None) goes through each policy's prompt phase, then `after_prompt`
-        once (a prompt compressor compresses it there); with a cache, the tokens extend it.
+        once (a prompt compressor compresses it there); with a cache this engine made (init_cache,
+        prefill, step; another engine's is refused), the tokens extend it from where it ends,
+        through the decode policies.
         """
         tokens = self._tokens(tokens, "tokens", (2,))
         t = tokens.shape[1]
         if t == 0:
             raise ValueError(f"tokens: prefill needs a prompt of at least 1 token, got shape {tokens.shape}")
+        start = 0
         if cache is not None:
             self._refuse_streams("prefill(cache=...)")
+            cache, length = self._extent(cache, "prefill(cache=...)", bare=False, batch=tokens.shape[0])
+            start = int(length[0]) if (length == length[0]).all() else length
         chunk = self._chunk(chunk, t)
-        self._check_len(t, f"prompt of {t} tokens")
+        self._check_len(int(np.max(start)) + t, f"prompt of {int(np.max(start))} + {t} tokens" if cache is not None
+                        else f"prompt of {t} tokens")
         fresh = cache is None and self.compresses
         if fresh:
             self._check_repeat()
         cache_was_none = cache is None
-        cache = self.init_cache(tokens.shape[0], prompt=fresh) if cache is None else cache
+        cache = self._init_runs(tokens.shape[0], prompt=fresh) if cache is None else cache
         logits = None
         for s in range(0, t, chunk):
-            logits, cache = self._step(cache, tokens[:, s:s + chunk], s, prompt=fresh)
+            logits, cache = self._step(cache, tokens[:, s:s + chunk], start + s, prompt=fresh)
         if cache_was_none:
             self.prefills += 1
         self.prefill_tokens += t * tokens.shape[0]
         if fresh:
             self.prompts_compressed += 1
             cache = self.compress_cache(self._reconstruct(cache, tokens))
-        return logits, cache
+        end = np.broadcast_to(np.asarray(start, np.int32) + t, (tokens.shape[0],)).copy()  # [B]
+        return logits, EngineCache(tuple(cache), end, self.maker())
 
     def generate(self, prompt, n: int, chunk: int | None = None) -> np.ndarray:
         """Greedy decoding: prompt ids [B, T] (or [T]) -> n new ids [B, n] (or [n]); n = 0 gives an
@@ -96,7 +105,7 @@ class Generation:
             out = np.asarray(first)[:, None]
         else:
             pos = jnp.full(first.shape, t, jnp.int32)
-            rest = self._generate_rest(cache, first, pos, n - 1, t + n - 1)
+            rest = self._generate_rest(cache.runs, first, pos, n - 1, t + n - 1)
             out = np.concatenate([np.asarray(first)[:, None], np.asarray(rest)], axis=1)
         return out[0] if squeeze else out
 
@@ -166,7 +175,7 @@ class Generation:
             )
         n = tokens.shape[1] - 1
         self._check_len(n, f"stream of {n + 1} tokens ({n} fed to the model, the last only as a target)")
-        cache = self.init_cache(tokens.shape[0])
+        cache = self._init_runs(tokens.shape[0])
         out = []
         # A ragged last chunk is padded at its end to a whole chunk (its pads come after every real
         # token, so causal attention keeps them out of every real NLL), so that a stream compiles
@@ -189,4 +198,4 @@ class Generation:
         check_pool(cache)
         res = np.concatenate(out, axis=1)
         res = res[0] if squeeze else res
-        return (res, cache) if return_cache else res
+        return (res, EngineCache(cache, np.full(tokens.shape[0], n, np.int32), self.maker())) if return_cache else res

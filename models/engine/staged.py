@@ -45,6 +45,7 @@ class Prompted:
     fitted: "Staged | None" = None  # (the Engine; typed by its mixin: no import of models.engine.core)
     scored: tuple | None = None  # the reconstruction pass whose kvzip scores the cache holds (Engine.reconstruct)
     compressed_at: int = -1  # the length at `compress` (-1: not compressed by an engine): what followed it
+    maker: object = None  # the engine layout that made the cache (models.engine.extent.Maker; checked on entry)
 
 
 class Staged:
@@ -63,10 +64,10 @@ class Staged:
             raise ValueError(f"tokens: prompt needs at least 1 token, got shape {tokens.shape}")
         self._check_len(t, f"prompt of {t} tokens")
         self._check_repeat()
-        cache = self.init_cache(tokens.shape[0], prompt=True)
+        cache = self._init_runs(tokens.shape[0], prompt=True)
         self.prefills += 1
         empty = np.zeros((tokens.shape[0], 0), np.int32)
-        return self._feed(Prompted(cache, 0, None, False, empty), tokens, self._chunk(chunk, t, t), prompt=True,
+        return self._feed(Prompted(cache, 0, None, False, empty, maker=self.maker(True)), tokens, self._chunk(chunk, t, t), prompt=True,
                           fork=False)
 
     def _feed(self, state: Prompted, tokens: np.ndarray, chunk: int | tuple[int, ...], prompt: bool,
@@ -90,6 +91,7 @@ class Staged:
     def _check_state(self, state: Prompted, tokens, what: str) -> np.ndarray:
         if not isinstance(state, Prompted):
             raise ValueError(f"{what}: state must be a Prompted (from Engine.prompt), got {type(state).__name__}")
+        self._check_made(state, what)
         tokens = self._tokens(tokens, "tokens", (2,))
         if tokens.shape[0] != state.logits.shape[0]:
             raise ValueError(f"tokens: batch {tokens.shape[0]} does not match the state's batch "
@@ -123,7 +125,8 @@ class Staged:
         """An uncompressed state in this engine's prompt-phase layout: another engine's that this
         one `shares_prompt` with (evals.prefills) is adopted (`full` over a PromptPhase's dense
         slots: its keys rotated), whatever comes next (compress, more prompt, decoding)."""
-        return state if state.compressed else dataclasses.replace(state, cache=self._adopt(state.cache, what))
+        return state if state.compressed else dataclasses.replace(state, cache=self._adopt(state.cache, what),
+                                                                  maker=self.maker(True))
 
     def _adopt(self, cache: Cache, what: str = "compress") -> Cache:
         """A prompt-phase cache in this engine's prompt-phase runs (full's runs take the dense
@@ -152,9 +155,10 @@ class Staged:
             raise ValueError(f"compress: state must be a Prompted (from Engine.prompt), got {type(state).__name__}")
         if state.compressed:
             raise ValueError("compress: the state is already compressed")
+        self._check_made(state, "compress")
         cache = self._adopt(state.cache)
         # the state type of each run (a phase may add statistics after its first step, so not the full structure)
-        want = [type(st) for st in jax.eval_shape(lambda: self.init_cache(state.logits.shape[0], prompt=True))]
+        want = [type(st) for st in jax.eval_shape(lambda: self._init_runs(state.logits.shape[0], prompt=True))]
         if [type(st) for st in cache] != want:
             raise ValueError("compress: the state's cache does not have this engine's prompt-phase layout "
                              "(another model, max_len or prompt phase; see shares_prompt)")
@@ -164,7 +168,8 @@ class Staged:
         if self.compresses:
             self.prompts_compressed += 1
             cache = self.compress_cache(self._scored(state, cache))  # kvzip: its scores (a pass, or `reconstruct`'s)
-        return Prompted(cache, state.length, state.logits, True, state.tokens, compressed_at=state.length)
+        return Prompted(cache, state.length, state.logits, True, state.tokens, compressed_at=state.length,
+                        maker=self.maker())
 
     def fitted(self, state: Prompted, round_to: int = 1) -> tuple["Staged", Prompted]:
         """A state stored at what each layer keeps: (an engine whose layers' policies are re-sized
@@ -189,6 +194,7 @@ class Staged:
         if not isinstance(state, Prompted):
             raise ValueError(f"fitted: state must be a Prompted (Engine.prompt), got {type(state).__name__}")
         round_to = check_int("round_to", round_to, 1)
+        self._check_made(state, "fitted")
         if self.placement is not None:
             raise ValueError("fitted: not on a mesh (a per-layer size is not sharded yet)")
         if not any(isinstance(p, Fits) for p in self.policies):
@@ -228,7 +234,7 @@ class Staged:
         self.fit_records.append({"tokens": state.length, "rows": int(state.logits.shape[0]), "kept": held,
                                  "stored_bytes": tree_nbytes(cache),
                                  "layer_bytes": [tree_nbytes(st) for st in layers]})
-        return memo[policies], Prompted(cache, state.length, state.logits, True, state.tokens)
+        return memo[policies], Prompted(cache, state.length, state.logits, True, state.tokens, maker=memo[policies].maker())
 
     def kept_positions(self, state: Prompted, row: int = 0) -> list[list[np.ndarray]]:
         """The token positions the cache of `state` holds for batch row `row`: [layer][kv head] ->
@@ -240,6 +246,8 @@ class Staged:
             raise ValueError(f"kept_positions: state must be a Prompted, got {type(state).__name__}")
         if state.fitted is not None and state.fitted is not self:
             return state.fitted.kept_positions(state, row)
+        self._check_made(state, "kept_positions")
+        row = self._check_row(row, state.logits.shape[0])
         state = self._own(state, "kept_positions")
         k = self.cfg.n_kv_heads
         out: list[list[np.ndarray]] = []

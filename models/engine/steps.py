@@ -22,6 +22,7 @@ from kvpolicies.attention.tuning import Tuning
 from models.llama import Cache, Llama, policy_runs
 from models.reconstruct import model_scope, reconstruct, scored_runs
 from models.engine.checks import check_int, check_pool
+from models.engine.extent import EngineCache
 
 REACH_MIN = 1024  # the smallest length bucket (slots)
 
@@ -209,29 +210,41 @@ class Steps:
         return self._held_step(cache)
 
     # -- public API ---------------------------------------------------------------------------
-    def init_cache(self, batch: int = 1, prompt: bool = False) -> Cache:
-        """An empty cache (prompt: the prompt phase's, for `prefill` of a fresh prompt); on a mesh,
-        created in its shardings."""
+    def init_cache(self, batch: int = 1, prompt: bool = False) -> EngineCache:
+        """An empty cache (prompt: the prompt phase's, for `prefill` of a fresh prompt) of length 0,
+        carrying this engine's `maker` (models.engine.extent); on a mesh, created in its shardings."""
+        return EngineCache(self._init_runs(batch, prompt), np.zeros(batch, np.int32), self.maker(prompt))
+
+    def _init_runs(self, batch: int, prompt: bool = False) -> Cache:
         make = lambda: self._model.init_cache(self.prompt_policies if prompt else self.policies, batch,  # noqa: E731
                                               self.max_len, self.cache_dtype)
         return make() if self.placement is None else self.placement.create(make, batch, prompt)
 
-    def _step(self, cache: Cache, tokens, start: int, prompt: bool = False):
-        """The jitted step on checked tokens [B, T] at positions start..start+T-1."""
+    def _step(self, cache: Cache, tokens, start: int | np.ndarray, prompt: bool = False):
+        """The jitted step on checked tokens [B, T] at positions start..start+T-1 (start: an int, or
+        each row's [B])."""
         tokens = jnp.asarray(tokens, jnp.int32)
-        pos = jnp.broadcast_to(jnp.arange(start, start + tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        t = tokens.shape[1]
+        if np.ndim(start):  # each row from its own position
+            pos = jnp.asarray(np.asarray(start, np.int32)[:, None] + np.arange(t, dtype=np.int32))  # [B, T]
+        else:
+            pos = jnp.broadcast_to(jnp.arange(start, start + t, dtype=jnp.int32), tokens.shape)  # [B, T]
         logits, cache = self._logits_step(self.params, cache, tokens, pos, prompt=prompt,
-                                          reach=self._reach(start + tokens.shape[1], tokens.shape[1], prompt))
+                                          reach=self._reach(int(np.max(start)) + t, t, prompt))
         return logits, check_pool(cache)
 
-    def step(self, cache: Cache, tokens, start: int):
-        """Feed tokens [B, T] at positions start..start+T-1; returns last logits [B, V] and cache.
+    def step(self, cache: EngineCache | Cache, tokens, start: int | None = None):
+        """Feed tokens [B, T] at positions start..start+T-1 (None: from where the cache ends);
+        returns last logits [B, V] and the cache (an `EngineCache`).
 
-        Host tokens (numpy, lists) are checked id by id; a jax array (e.g. the argmax of the
-        previous step) is checked for shape and dtype, and its range on the device (one scalar
-        read back: the step waits for the ids, not for their values on the host).
+        `cache`: one this engine made (init_cache, prefill, step; another engine's is refused), or
+        a bare tuple of run states of this engine's shapes (then `start` is needed). A step may
+        leave a gap after the cache's end, never start inside it (it would write positions the
+        cache holds again). Host tokens (numpy, lists) are checked id by id; a jax array (e.g. the
+        argmax of the previous step) is checked for shape and dtype, and its range on the device
+        (one scalar read back: the step waits for the ids, not for their values on the host).
         """
-        start = check_int("start", start, 0)
+        start = None if start is None else check_int("start", start, 0)
         self._refuse_streams("step")
         if isinstance(tokens, jax.Array):
             if not jnp.issubdtype(tokens.dtype, jnp.integer) or tokens.ndim != 2:
@@ -245,5 +258,17 @@ class Steps:
         t = tokens.shape[1]
         if t == 0:
             raise ValueError("tokens: step needs at least 1 token, got shape " + str(tuple(tokens.shape)))
-        self._check_len(start + t, f"positions {start}..{start + t - 1} ({start + t} tokens)")
-        return self._step(cache, tokens, start)
+        runs, length = self._extent(cache, "step", bare=True, batch=tokens.shape[0])
+        if start is None:
+            if length is None:
+                raise ValueError("step: start=None needs a cache that carries where it ends (init_cache, prefill, "
+                                 "step); give start for a bare tuple of run states")
+            start = int(length[0]) if (length == length[0]).all() else length
+        elif length is not None and start < length.max():
+            raise ValueError(f"step: start={start} is inside the cache, which holds positions up to "
+                             f"{int(length.max()) - 1}: a step starts at or after the cache's end ({int(length.max())})")
+        end = int(np.max(start)) + t
+        self._check_len(end, f"positions {int(np.max(start))}..{end - 1} ({end} tokens)")
+        logits, runs = self._step(runs, tokens, start)
+        return logits, EngineCache(runs, np.broadcast_to(np.asarray(start, np.int32) + t, (tokens.shape[0],)).copy(),
+                                   self.maker())

@@ -281,7 +281,7 @@ def bad_data(tmp_path_factory):
     ("notext.jsonl", [], ["data.path={d}/notext.jsonl", "line 1", '"text" field']),
     ("short.txt", ["tokens=1000"], ["tokens=1000", "data.path={d}/short.txt", "has 9 bytes"]),
     ("absent.txt", [], ["data.path={d}/absent.txt: no such file"]),
-    ("folder.txt", [], ["data.path={d}/folder.txt: no such file"]),
+    ("folder.txt", [], ["data.path={d}/folder.txt: a folder, not a text file"]),  # not "no such file" (issue 61)
 ])
 def test_data_problems_name_the_file_before_the_model_loads(tmp_path, bad_data, capsys, no_weights, data, extra,
                                                             expected):
@@ -432,3 +432,97 @@ def test_log_lines_and_warnings_go_through_tqdm_write(monkeypatch):
     with progress.warnings_as_lines("evals.run"):
         warnings.warn("res.jsonl, line 3: not valid JSON, skipped")
     assert written == ["#1 : policy=sink", "evals.run: warning: res.jsonl, line 3: not valid JSON, skipped"]
+
+
+# -- issue 61: results, duo's pattern, Ctrl-C, wording, the planner ---------------------------------
+
+
+def test_a_line_with_only_a_matching_key_is_not_a_finished_run(tmp_path, text_file, monkeypatch, said):
+    monkeypatch.setattr(evrun, "load_task", lambda name: lambda ctx: TaskResult(metrics={"x": 1.0}))
+    res = tmp_path / "res.jsonl"
+    conf = conf_for(text_file, res, "policy=window", "window=8")
+    key = evrun.run_key(conf, evrun.resolve_policy(conf)[0])
+    res.write_text(json.dumps({"key": key}) + "\n")
+    row, ran = evrun.run_config(conf)
+    assert ran and row["metrics"] == {"x": 1.0} and not any("skip" in line for line in said)
+    assert not R.finished({"key": key}) and R.finished(R.read(res)[-1]) and R.done_keys(res) == {key}
+
+
+def test_table_does_not_overwrite_its_outputs_without_force(tmp_path, capsys):
+    res, prefix = tmp_path / "r.jsonl", tmp_path / "t"
+    R.append(res, {"key": "k", "task": "perplexity", "policy": {"name": "full", "codec": {"name": "none"}},
+                   "params": "", "model": {"name": "m", "layers": 2, "kv_heads": 1, "head_dim": 8, "dtype": "float32"},
+                   "config": {"data": {"name": "d"}}, "metrics": {"ppl": 2.0},
+                   "memory": {"state_bytes": 100, "max_len": 8, "dtype": "float32", "layers": 2}})
+    (tmp_path / "t.csv").write_text("mine\n")
+    with pytest.raises(SystemExit) as e:
+        table.main([str(res), "--out", str(prefix)])
+    assert e.value.code == 2 and f"--out {prefix}: {prefix}.csv exist; pass --force" in capsys.readouterr().err
+    assert (tmp_path / "t.csv").read_text() == "mine\n" and not (tmp_path / "t.md").exists()
+    table.main([str(res), "--out", str(prefix), "--force"])
+    assert (tmp_path / "t.csv").read_text() != "mine\n" and (tmp_path / "t.md").exists()
+
+
+@pytest.fixture(scope="module")
+def duo_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("duo")
+    (d / "bad.tsv").write_text("1\t0\nx\ty\n")
+    (d / "ragged.tsv").write_text("1\t0\n1\n")
+    return d
+
+
+@pytest.mark.parametrize("pattern, expected", [
+    (None, "policy=duo: duo needs a head pattern: pattern=<file or per-layer tuples>"),
+    ("absent.tsv", "policy=duo: duo.pattern='{d}/absent.tsv': no such file"),
+    ("bad.tsv", "policy=duo: duo.pattern='{d}/bad.tsv': cannot be read as [layers, kv_heads] head scores "
+                "(ValueError: could not convert string 'x'"),
+    ("ragged.tsv", "policy=duo: duo.pattern='{d}/ragged.tsv': cannot be read as [layers, kv_heads] head scores "
+                   "(ValueError: the number of columns changed from 2 to 1 at row 2"),
+], ids=["none", "absent", "bad", "ragged"])
+def test_duo_pattern_problems_are_one_line_before_the_model_loads(tmp_path, text_file, capsys, no_weights, duo_files,
+                                                                  pattern, expected):
+    extra = ["policy=duo"] + ([f"policy.pattern={duo_files}/{pattern}"] if pattern else [])
+    assert expected.format(d=duo_files) in cli_error(capsys, args_for(text_file, tmp_path / "r.jsonl", tmp_path,
+                                                                       *extra))
+
+
+def test_ctrl_c_in_the_suite_is_one_line(monkeypatch, capsys):
+    from evals import compiles, suite
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(suite, "run", interrupted)
+    monkeypatch.setattr(compiles, "use_persistent_cache", lambda *a, **k: None)
+    with pytest.raises(SystemExit) as e:
+        suite.main(["model=tiny_random"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert e.value.code == 130 and len(err) == 1 and err[0].startswith("evals.suite: interrupted:"), err
+
+
+def test_budget_and_an_explicit_policy_field_name_the_key_as_given(tmp_path, text_file, capsys, no_weights):
+    err = cli_error(capsys, args_for(text_file, tmp_path / "r.jsonl", tmp_path, "policy=sink", "policy.window=8",
+                                     "budget=0.5"))
+    assert "budget=0.5 and policy.window=8 both size the cache of sink: give one of them" in err
+    assert "(set by window=)" not in err
+
+
+def planner_error(capsys, argv) -> str:
+    from evals import planner
+
+    with pytest.raises(SystemExit) as e:
+        planner.main(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_planner_refuses_kv_heads_that_do_not_divide_the_query_heads(capsys):
+    assert planner_error(capsys, ["--kv-heads", "7"]).endswith(
+        "--kv-heads=7: Llama-3-8B's 32 query heads cannot be grouped over 7 kv heads (kv heads must divide them: "
+        "[1, 2, 4, 8, 16, 32])")
+
+
+def test_planner_names_a_config_that_is_not_json(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("model_type: llama\n")
+    assert f"{tmp_path}/config.json: not a JSON config.json (Expecting value" in planner_error(
+        capsys, ["--config", str(tmp_path)])

@@ -20,7 +20,8 @@ TINY = ["model=tiny_random", "tokens=400"]
 
 def test_explicit_value_equal_to_default_is_not_dropped():
     # window=4096 is the run-level default: given on the command line it still sizes the cache
-    with pytest.raises(C.ConfigError, match=r"budget=0.5 and window.window=4096 \(set by window=\) both size"):
+    with pytest.raises(C.ConfigError, match=r"budget=0.5 and policy.window=4096 both size the cache of window: give "
+                       r"one of them \(policy.window also follows window=\)"):
         C.validate(C.compose(["policy=window", "budget=0.5", "window=4096", *TINY]))
     with pytest.raises(C.ConfigError, match="both size the cache"):
         C.validate(C.compose(["policy=h2o", "budget=0.5", "policy.heavy=512", *TINY]))  # h2o's default heavy

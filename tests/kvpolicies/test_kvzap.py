@@ -302,7 +302,7 @@ def test_sparse_prefill_is_dms_masked_attention(tiny_qwen, chunk):
                                       eng.continue_generate(eng.compress(state), question, 3))
     dense = kvpolicies.get("kvzap", budget=30, max_new=max_new, window=window, rule="threshold",
                            threshold=threshold, surrogate="random")
-    sparse_bytes, dense_bytes = (tree_nbytes(Engine(model, p, max_len=t + max_new).init_cache(1, prompt=True))
+    sparse_bytes, dense_bytes = (tree_nbytes(Engine(model, p, max_len=t + max_new).init_cache(1, prompt=True).runs)
                                  for p in (pol, dense))
     assert sparse_bytes == cfg.n_layers * K * (pol.capacity(t + max_new) * (2 * cfg.head_dim * 4 + 8) + (t + max_new) * 4)
     assert sparse_bytes < dense_bytes

@@ -4,6 +4,7 @@ ValueError raised on the host before any compute, whose message names the argume
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import shutil
@@ -16,11 +17,14 @@ import tokenizers
 from safetensors.numpy import save_file
 
 import kvpolicies
+from kvpolicies.prompt import prompt_policy_of
 from models.config import LlamaConfig
 from models.engine import Engine, check_token_ids
 from models.llama import Llama
 from models.loading import check_gguf, check_hf_dir, load_gguf, load_hf, read_json, smollm2_gguf_path
+from models.reconstruct import RepeatPrompts
 from models.tokenizer import Tokenizer
+from tests.refs.registry import REFERENCES
 
 CFG = LlamaConfig(vocab_size=256, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8, d_ff=32)
 
@@ -404,3 +408,102 @@ def test_positions_are_int32_max_len_is_bounded_and_a_stream_runs_at_the_limit(m
         assert sorted(p for p in layer.tolist() if p >= 0) == list(range(MAX_LEN - 6, MAX_LEN))
     with pytest.raises(ValueError, match="max_len"):
         eng.step(cache, toks[:, :1], MAX_LEN)
+
+
+# ----------------------------------------------------------------------------------------------
+# A cache knows where it ends and which engine made it (issue 61): every registered policy
+# continues a state at its end (prefill(cache=), extend_prompt, feed equal one prefill of the
+# whole, to 2e-5 in float32), and a state another engine made is refused by every entry point.
+
+CFG2 = LlamaConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=32)
+IDS = np.random.default_rng(61).integers(1, 256, (1, 20)).astype(np.int32)
+REPEAT = RepeatPrompts(first=(5, 6, 7), next=(8, 9), suffix=(10, 11))
+
+
+def continued(name):
+    """The registry's small instance of `name` (tests/refs/registry.py), whose limits 12 tokens
+    cross: window, sink and the streaming rules evict, and continuing equals one prefill whatever
+    they evict; a policy with a dense prompt phase (h2o, tova, kivi, duo) runs its streaming rule
+    (`prompt="stream"`); a prompt compressor is sized to hold the 20 tokens (one prefill compresses
+    after all 20, two parts after the first 12: they agree only when nothing is evicted)."""
+    pol = REFERENCES[name][0][0] if name in REFERENCES else kvpolicies.get(name)
+    fields = {f.name for f in dataclasses.fields(pol)}
+    if "prompt" in fields:
+        return dataclasses.replace(pol, prompt="stream")
+    if prompt_policy_of(pol) != pol and "budget" in fields:
+        return dataclasses.replace(pol, budget=400)  # pyramidkv's smallest layer then holds 20 too
+    return pol
+
+
+@pytest.fixture(scope="module")
+def model2():
+    return Llama(CFG2)
+
+
+@pytest.mark.parametrize("name", sorted(kvpolicies.POLICIES))
+def test_every_policy_continues_a_state_where_it_ends(model2, name):
+    eng = Engine(model2, continued(name), max_len=40, repeat=REPEAT)
+    a, b = IDS[:, :12], IDS[:, 12:]
+    one = np.asarray(eng.prefill(IDS, chunk=12)[0])  # one prefill of the 20 (steps of 12 and 8: fewer traces)
+    _, cache = eng.prefill(a)
+    two, cache = eng.prefill(b, cache=cache)
+    assert np.asarray(cache.length).tolist() == [20]
+    np.testing.assert_allclose(np.asarray(two), one, atol=2e-5, rtol=0)
+    s = eng.prompt(a)
+    np.testing.assert_allclose(np.asarray(eng.extend_prompt(s, b).logits), one, atol=2e-5, rtol=0)
+    fed = eng.feed(eng.compress(s), b)
+    assert fed.length == 20
+    np.testing.assert_allclose(np.asarray(fed.logits), one, atol=2e-5, rtol=0)
+
+
+def test_a_state_from_another_engine_is_refused_everywhere(model):
+    full, window = Engine(model, kvpolicies.get("full"), 32), Engine(model, kvpolicies.get("window", window=8), 32)
+    short = Engine(model, kvpolicies.get("full"), 16)
+    ids = IDS[:, :6]
+    _, cache = full.prefill(ids)
+    state = full.prompt(ids)
+    other = "the state was made by another engine"
+    for eng, why in ((window, r"layer 0's policy Full\(.*\) there, Window\(.*\) here"),
+                     (short, r"max_len=32 there, 16 here")):
+        for what, call in (("prefill", lambda: eng.prefill(ids, cache=cache)),
+                           ("step", lambda: eng.step(cache, ids[:, :1])),
+                           ("extend_prompt", lambda: eng.extend_prompt(state, ids)),
+                           ("feed", lambda: eng.feed(state, ids)),
+                           ("continue_generate", lambda: eng.continue_generate(state, ids, 2)),
+                           ("kept_positions", lambda: eng.kept_positions(state))):
+            with pytest.raises(ValueError, match=f"^{what}.*: {other} \\({why}\\)"):
+                call()
+        untraced(eng)
+    # a state prompted by an engine with a smaller max_len: refused, not all-zero ids from NaN logits
+    with pytest.raises(ValueError, match=r"continue_generate: .* \(max_len=16 there, 32 here\)"):
+        full.continue_generate(short.prompt(ids), ids[:, :1], 4)
+    wide = Engine(Llama(CFG2), kvpolicies.get("full"), 32)
+    with pytest.raises(ValueError, match=r"step: .* \(a model of n_heads=2 there, 4 here\)"):
+        wide.step(cache, ids[:, :1])
+
+
+def test_a_bare_or_mismatched_cache_is_refused(eng):
+    _, cache = eng.prefill(IDS[:, :4])
+    with pytest.raises(ValueError, match=r"prefill\(cache=...\): expected the cache an Engine returned .* bare tuple"):
+        eng.prefill(IDS[:, :2], cache=tuple(cache))
+    with pytest.raises(ValueError, match=r"step: run 0 of the cache is not this engine's"):
+        eng.step(tuple(Engine(eng._model, kvpolicies.get("full"), 16).init_cache(1)), IDS[:, :1], 4)
+    with pytest.raises(ValueError, match=r"tokens: batch 2 does not match the cache's batch 1"):
+        eng.prefill(np.repeat(IDS[:, :2], 2, axis=0), cache=cache)
+    with pytest.raises(ValueError, match=r"step: start=2 is inside the cache, which holds positions up to 3"):
+        eng.step(cache, IDS[:, :1], 2)
+
+
+def test_step_continues_from_the_cache_end_by_default(eng):
+    want, _ = eng.prefill(IDS[:, :6], chunk=5)
+    _, cache = eng.prefill(IDS[:, :5])
+    got, cache = eng.step(cache, IDS[:, 5:6])  # start=None: position 5
+    assert np.asarray(cache.length).tolist() == [6]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
+
+
+def test_kept_positions_checks_the_row(eng):
+    state = eng.prompt(IDS[:, :4])
+    for row in (5, 1, -1, 0.5):
+        with pytest.raises(ValueError, match=rf"^row={row}: (the state has 1 row \(row 0..0\)|must be an int >= 0)"):
+            eng.kept_positions(state, row=row)
