@@ -39,17 +39,23 @@ token ids must be whole numbers in [0, vocab) (an integer array, or a float arra
 all whole numbers), batches rectangular, counts and chunk sizes ints in range, and the sequence
 within `max_len`; each violation is one ValueError naming the argument, the bad value and where.
 
-The package, by job: `checks` (argument checks), `steps` (the jitted steps, length buckets,
+A cache knows where it ends and which engine made it (`extent`: `EngineCache`, what `init_cache`,
+`prefill`, `step` and `score(return_cache=True)` return, and `Prompted` carry the next position
+and the engine's `Maker`): every entry point continues a state at its end, and refuses one another
+engine made (another policy, max_len or model) with one error, on the host.
+
+The package, by job: `checks` (argument checks), `extent` (a cache's length and maker), `steps` (the jitted steps, length buckets,
 kvzip's pass), `layers` (layer-by-layer decoding and a fitted engine's feeds), `staged` (`Prompted`: prompt, compress, forks),
 `generation` (prefill, generate, score), `core` (`Engine`, which joins them).
 """
 
 from models.engine.checks import MAX_LEN, check_policies, check_token_ids
 from models.engine.core import Engine, grid_slots
+from models.engine.extent import EngineCache, Maker
 from models.engine.generation import perplexity
 from models.engine.staged import Prompted
 from models.engine.layers import layer_weights, split_layers
 from models.engine.steps import REACH_MIN, reach_of
 
-__all__ = ["MAX_LEN", "REACH_MIN", "Engine", "grid_slots", "Prompted", "check_policies", "check_token_ids", "layer_weights",
+__all__ = ["MAX_LEN", "REACH_MIN", "Engine", "EngineCache", "Maker", "grid_slots", "Prompted", "check_policies", "check_token_ids", "layer_weights",
            "perplexity", "reach_of", "split_layers"]

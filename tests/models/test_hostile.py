@@ -10,6 +10,7 @@ import pathlib
 import shutil
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -497,6 +498,7 @@ def test_a_bare_or_mismatched_cache_is_refused(eng):
 def test_step_continues_from_the_cache_end_by_default(eng):
     want, _ = eng.prefill(IDS[:, :6], chunk=5)
     _, cache = eng.prefill(IDS[:, :5])
+    cache = jax.jit(lambda c: c)(cache)  # the length is a leaf, the maker static: both go through jit
     got, cache = eng.step(cache, IDS[:, 5:6])  # start=None: position 5
     assert np.asarray(cache.length).tolist() == [6]
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
