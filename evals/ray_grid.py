@@ -62,10 +62,12 @@ class Worker:
         """Run (or skip) one evals.run config; a summary of its row."""
         import logging
 
+        from evals import run as evrun
         from evals import shards
+        from evals.config import resolve_policy
 
         logging.getLogger("jax").setLevel(logging.WARNING)
-        row, ran = shards.run_config(conf)
+        row, ran = shards.run_in_shard(conf, evrun.run_key(conf, resolve_policy(conf)[0]), evrun.run_config)
         return {"key": row.get("key"), "ran": ran, "failed": row.get("failed"), "pid": os.getpid(),
                 "total_s": (row.get("timings") or {}).get("total_s")}
 

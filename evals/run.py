@@ -319,7 +319,8 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
 
     # under a launcher that runs jobs in other processes (joblib, submitit), each writes its own shard
     sharded = shards.launched_elsewhere()
-    row, ran = shards.run_config(conf) if sharded else run_config(conf)
+    row, ran = shards.run_in_shard(conf, run_key(conf, resolve_policy(conf)[0]), run_config) if sharded \
+        else run_config(conf)
     if ran:
         tqdm.write(markdown([row]))
         tqdm.write(f"[evals.run] appended to {shards.shard_path(conf['results']) if sharded else conf['results']}")
@@ -514,10 +515,11 @@ def _main(argv: list[str] | None) -> list[dict[str, Any]]:
         raise SystemExit(2) from None
     from evals import shards
 
-    launcher = shards.launcher_of(argv)
+    launcher = shards.launcher_of(argv)  # jobs in other processes (joblib, submitit): each writes a shard
+    confs = [validate(compose(o)) for o in job_overrides(argv) or []] if launcher is not None else []
     if launcher is not None:
         try:
-            shards.check_sweep(argv)
+            shards.check_sweep(confs, launcher)
         except ConfigError as e:
             print(f"evals.run: error: {e}", file=sys.stderr)
             raise SystemExit(2) from None
@@ -541,7 +543,7 @@ def _main(argv: list[str] | None) -> list[dict[str, Any]]:
         sys.argv = saved
         bar.close()
     if launcher is not None:  # the jobs ran in other processes: merge their shards, read their rows back
-        rows = shards.merge_sweep(argv, say=tqdm.write)
+        rows = shards.merge_sweep(confs, [run_key(c, resolve_policy(c)[0]) for c in confs], say=tqdm.write)
     if len(rows) > 1:
         from evals.table import markdown
 

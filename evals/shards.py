@@ -170,26 +170,19 @@ def _replace(results: Path, lines: list[bytes]) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def run_config(conf: dict[str, Any], worker: str | None = None) -> tuple[dict[str, Any], bool]:
-    """`evals.run.run_config` in the sharded mode: a key that the results file or any shard holds is
-    skipped (its row returned, ran=False); else the run appends its row to this process's shard
-    (no lock: the shard has one writer). Returns (row, ran)."""
-    import jax
+def run_in_shard(conf: dict[str, Any], key: str, run_config, worker: str | None = None) -> tuple[dict[str, Any], bool]:
+    """`run_config` (evals.run's) in the sharded mode: a `key` that the results file or any shard holds
+    is skipped (its row returned, ran=False); else the run goes to this process's shard (no lock,
+    neither the key's nor the file's: a shard has one writer). Returns (row, ran)."""
+    from evals.config import ConfigError
 
-    from evals import run as evrun
-    from evals.config import ConfigError, resolve_policy
-
-    policy, sizing = resolve_policy(conf)
-    key = evrun.run_key(conf, policy)
     if conf.get("force"):
         raise ConfigError("force=true: the sharded mode keeps the first successful row of a key (a merge never "
                           "duplicates one); redo a run in the single-file mode")
     row = find(conf["results"], key)
     if row is not None:
         return row, False
-    own = {**conf, "results": str(shard_path(conf["results"], worker))}
-    with jax.default_matmul_precision(evrun.MATMUL_PRECISION):
-        return evrun._run(own, policy, key, sizing), True
+    return run_config({**conf, "results": str(shard_path(conf["results"], worker))})
 
 
 # -- evals.run -m under Hydra's joblib or submitit launcher ---------------------------------------
@@ -214,35 +207,22 @@ def launched_elsewhere() -> bool:
     return HydraConfig.get().runtime.choices.get("hydra/launcher") not in (None, "basic")
 
 
-def _sweep(argv: list[str]) -> list[dict[str, Any]]:
-    """The validated config of every job of a sweep's command line."""
-    from evals.config import compose, validate
-    from evals.run import job_overrides
-
-    return [validate(compose(o)) for o in job_overrides(argv) or []]
-
-
-def check_sweep(argv: list[str]) -> None:
+def check_sweep(confs: list[dict[str, Any]], launcher: str) -> None:
     """ConfigError for what the sharded mode refuses: force=true (a merge keeps a key's first row)."""
     from evals.config import ConfigError
 
-    if any(c["force"] for c in _sweep(argv)):
-        raise ConfigError(f"force=true: under hydra/launcher={launcher_of(argv)} each job writes a shard and a merge "
-                          "keeps the first successful row of a key; redo runs without a launcher")
+    if any(c["force"] for c in confs):
+        raise ConfigError(f"force=true: under hydra/launcher={launcher} each job writes a shard and a merge keeps "
+                          "the first successful row of a key; redo runs without a launcher")
 
 
-def merge_sweep(argv: list[str], say=print) -> list[dict[str, Any]]:
-    """After a launcher's sweep: merge each results file's shards into it; the row of every job
-    (its last successful one, else its last), in the order of the jobs."""
-    from evals import run as evrun
-    from evals.config import resolve_policy
-
-    confs = _sweep(argv)
+def merge_sweep(confs: list[dict[str, Any]], keys: list[str], say=print) -> list[dict[str, Any]]:
+    """After a launcher's sweep of `confs` (run keys `keys`): merge each results file's shards into it;
+    the row of every job (its last successful one, else its last), in the order of the jobs."""
     for res in dict.fromkeys(c["results"] for c in confs):
         say(f"[evals.run] {merge(res).line(res)}")
     rows = []
-    for c in confs:
-        key = evrun.run_key(c, resolve_policy(c)[0])
+    for c, key in zip(confs, keys, strict=True):
         mine = [r for r in _rows(Path(c["results"])) if r.get("key") == key]
         ok = [r for r in mine if not r.get("failed")]
         if ok or mine:
