@@ -76,7 +76,9 @@ def tiny_run(request, tmp_path_factory):
 
 def ours(model: Llama, press: str, ratio: float, ctx: np.ndarray, question: np.ndarray):
     pol = kvpress(press, ratio, n_layers=model.cfg.n_layers, max_new=64, **FIELDS.get(press, {}))
-    eng = Engine(model, pol, max_len=N_CTX + N_Q + N_NEW, repeat=ByteTokenizer())  # kvzip: the ASCII ids kvpress used
+    # kvzip: the ASCII ids kvpress used; share_steps: engines of one prompt phase (a press's two ratios,
+    # knorm's and keydiff's...) compile its steps once, the same computation (tests/models/test_shape_classes.py)
+    eng = Engine(model, pol, max_len=N_CTX + N_Q + N_NEW, repeat=ByteTokenizer(), share_steps=True)
     state = eng.compress(eng.prompt(ctx[None]))
     kept = [[p.tolist() for p in layer] for layer in eng.kept_positions(state)]
     return kept, eng.continue_generate(state, question[None], N_NEW)[0].tolist()
