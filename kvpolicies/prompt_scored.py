@@ -13,7 +13,12 @@ and decoding appends into the `max_new` free slots.
 Our extension, for streams (`Engine.score`) and generation beyond `max_new`, the same for every
 subclass: decoding is token by token (`per_token`), and a token that finds no free slot (the
 view holds S + 1 tokens) triggers the same compression, to `kept()` tokens, ranked by what the
-state has seen so far. Memory is fixed whatever the length; chunk never changes a result.
+state has seen so far. Memory is fixed whatever the length; chunk never changes which tokens are
+kept. A chunk in which no head overflows (a question appended after the compression, as kvpress
+appends it) evicts nothing: when `observe` takes T queries at once (`@chunked`: snapkv's window
+mass, or nothing kept), it attends in one piece, as a dense forward does (`appends_quietly`), with
+the same slots after it as its single-token steps and outputs equal up to float rounding
+(tests/models/test_shape_classes.py); expected's and observed's statistics keep the steps.
 
 `ratio` (kvpress's compression ratio; 0 = off, `budget` sizes): the compression after the prompt
 keeps `kept_for(n)` of the n prompt tokens per kv head, kvpress's n_kept = max(1, int(n (1 - ratio)))
@@ -50,8 +55,14 @@ from kvpolicies.base import SlotState, View
 from kvpolicies.budgets import Budgeted
 from kvpolicies.checks import check_int
 from kvpolicies.prompt import KeptTable, PromptCompressor, PromptPhase, PromptState
-from kvpolicies.scored import Accumulated, Scored, pack, top_mask
+from kvpolicies.scored import Accumulated, Scored, append_packed, pack, top_mask
 from kvpolicies.slots import Pending, concat, view_of
+
+
+def chunked(observe):
+    """Mark a `PromptScored.observe` that takes a step of T queries as T single-token steps would."""
+    observe.chunked = True
+    return observe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,8 +167,11 @@ class PromptScored(Budgeted, KeptTable, PromptCompressor, Scored):
         """The ranking after the prompt, from the prompt phase's state (default: `rank`)."""
         return self.rank(slots, keys, stats, None)
 
+    @chunked
     def observe(self, slots: SlotState, stats: Any, view: View, seen: Any, count: Int[Array, "B K"], s: int):
-        """(slots, stats) after a decode step's query (default: unchanged)."""
+        """(slots, stats) after a decode step's query (default: unchanged). An override marked
+        `@chunked` takes a step of T queries as T single-token steps would (up to float rounding),
+        so that a chunk that evicts nothing attends in one piece (`appends_quietly`)."""
         return slots, stats
 
     def restart(self, slots: SlotState, over: Bool[Array, "B K 1"]) -> SlotState:
@@ -193,12 +207,22 @@ class PromptScored(Budgeted, KeptTable, PromptCompressor, Scored):
         slots, stats = self.observe(slots, stats, view, seen, count, s)
         over = self.overflows(count, s)  # [B, K, 1]: no free slot for the new token (or `interval`'s turn)
 
-        def evict():  # the ranking's sorts only on a step where some head overflows
+        def evict():  # the ranking's sorts and the packing only on a step where some head overflows
             prio, tie = self.rank(slots, view.k, stats, seen)
-            return jnp.where(over, top_mask(prio, tie, self.stream_kept(s)) & filled, filled)
+            kept = jnp.where(over, top_mask(prio, tie, self.stream_kept(s)) & filled, filled)
+            return pack(self.restart(slots, over), kept, s)
 
-        kept = jax.lax.cond(over.any(), evict, lambda: filled)
-        return self.join(pack(self.restart(slots, over), kept, s), stats)
+        # else the new tokens go to each head's first free slots (`append_packed`: pack's result, unsorted)
+        appends = ~over.any() & (new.pos >= 0).all()
+        return self.join(jax.lax.cond(appends, lambda: append_packed(slots, s), evict), stats)
+
+    def appends_quietly(self, state, t):
+        """No head overflows within the t tokens (nor `interval`'s turn comes), for a policy whose
+        `observe` is `@chunked` (else None: token by token)."""
+        if not getattr(type(self).observe, "chunked", False):
+            return None
+        count = (self.split(state)[0].pos >= 0).sum(axis=-1)  # [B, K] before the step
+        return ~self.overflows(count + t, state.pos.shape[-1]).any()
 
     def prompt_policy(self):
         return PromptPhase(codec=self.codec, of=self, obs_window=0, **self.collects)

@@ -107,6 +107,11 @@ def pack(slots: SlotState, kept: Bool[Array, "B Kp V"], s: int) -> SlotState:
     key = jnp.where(kept, slots.pos, LAST_KEY)  # [B, Kp, V]
     idx = stable_order((key,), s)  # [B, Kp, S]
     live = take_slots(kept, idx)  # [B, Kp, S]
+    return _take(slots, idx, live)
+
+
+def _take(slots: SlotState, idx: Int[Array, "B Kp S"], live: Bool[Array, "B Kp S"]) -> SlotState:
+    """Slot `idx` of every field (positions -1 and statistics 0 where not `live`)."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(slots):
         x = getattr(slots, f.name)
@@ -116,6 +121,19 @@ def pack(slots: SlotState, kept: Bool[Array, "B Kp V"], s: int) -> SlotState:
             out[f.name] = jnp.where(live, take_slots(x, idx), EMPTY if f.name == "pos" else 0.0).astype(x.dtype)
     return type(slots)(**out)
 
+
+def append_packed(slots: SlotState, s: int) -> SlotState:
+    """`pack(slots, slots.pos >= 0, s)` when nothing is evicted, without sorting: the view is s packed
+    slots (filled ones first, in text order) and t = V - s new tokens after them (all filled), c + t
+    <= s with c old filled slots. Slot j takes old slot j (j < c), new token j - c (c <= j < c + t),
+    else old slot j - t (empty: position -1, statistics 0), the indices `pack` computes by a sort:
+    the same values at the same indices in every field."""
+    t = slots.pos.shape[2] - s
+    c = (slots.pos[:, :, :s] >= 0).sum(axis=-1, dtype=jnp.int32)[..., None]  # [B, Kp, 1]
+    j = jnp.arange(s, dtype=jnp.int32)  # [S]
+    idx = jnp.where(j < c, j, jnp.where(j < c + t, s + j - c, j - t))  # [B, Kp, S]
+    live = j < c + t
+    return _take(slots, idx, live)
 
 
 # A step appends at most this many tokens to packed slots for `stable_order` to try a merge first

@@ -17,7 +17,7 @@ from jaxtyping import Array, Float, Int
 from kvpolicies.checks import check_int
 from kvpolicies.codecs import Codec, Identity
 from kvpolicies.prompt import PromptPhase, PromptState
-from kvpolicies.prompt_scored import PromptScored
+from kvpolicies.prompt_scored import PromptScored, chunked
 from kvpolicies.scored import LAST_KEY
 from kvpolicies.slots import take_slots
 
@@ -100,12 +100,14 @@ class SnapKV(PromptScored):
         pooled = take_slots(pooled, jnp.argsort(order, axis=-1))  # back to view order
         return jnp.where(cand, pooled, -jnp.inf)
 
+    @chunked
     def observe(self, slots, stats, view, seen, count, s):
         """Decode observation: a query among the last obs_window before the cache overflows
-        adds its attention to `mass`."""
-        obs = seen.scores[:, :, 0]  # [B, K, V] (one token per step)
-        mass = slots.mass + jnp.where((count >= s + 2 - self.obs_window)[..., None], obs, 0.0)
-        return dataclasses.replace(slots, mass=mass), stats
+        adds its attention to `mass` (a step's query i of T saw count - T + i + 1 tokens)."""
+        t = seen.scores.shape[2]
+        saw = count[..., None] - t + 1 + jnp.arange(t)  # [B, K, T]
+        obs = jnp.where((saw >= s + 2 - self.obs_window)[..., None], seen.scores, 0.0)  # [B, K, T, V]
+        return dataclasses.replace(slots, mass=slots.mass + obs.sum(axis=2)), stats  # one token: its row
 
     def restart(self, slots, over):
         return dataclasses.replace(slots, mass=jnp.where(over, 0.0, slots.mass))  # a new observation

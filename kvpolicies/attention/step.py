@@ -67,7 +67,16 @@ def attend(
 def attend_step(policy, state, q, k, v, pos, rope, scale, defer=False, tuning: Tuning = DEFAULT):
     """`attend` unchecked, plus the most keys any query of the step attended (int32 scalar)."""
     if policy.per_token and q.shape[1] > 1:
-        return token_by_token(policy, state, q, k, v, pos, rope, scale, tuning)
+        quiet = policy.appends_quietly(state, q.shape[1])  # None, or a traced bool: the chunk only appends
+        if quiet is None:
+            return token_by_token(policy, state, q, k, v, pos, rope, scale, tuning)
+        return jax.lax.cond(quiet, lambda: whole(policy, state, q, k, v, pos, rope, scale, False, tuning),
+                            lambda: token_by_token(policy, state, q, k, v, pos, rope, scale, tuning))
+    return whole(policy, state, q, k, v, pos, rope, scale, defer, tuning)
+
+
+def whole(policy, state, q, k, v, pos, rope, scale, defer=False, tuning: Tuning = DEFAULT):
+    """`attend_step` of the T tokens in one step (one piece or blocks)."""
     check_codec(policy)  # at trace time, before any compute
     st = prepare(policy, state, q, k, v, pos, rope, scale)
     if use_blocks(policy, st, tuning):

@@ -405,3 +405,27 @@ def _lex_desc(keys, lo, hi) -> bool:
     """Whether some adjacent pair of slots lo..hi is out of lexicographic order in some row."""
     flat = np.stack([x[..., lo:hi] for x in keys], axis=-1).reshape(-1, hi - lo, len(keys))
     return any(tuple(r[j + 1]) < tuple(r[j]) for r in flat for j in range(len(r) - 1))
+
+
+def test_append_packed_is_pack_of_a_view_that_evicts_nothing():
+    """`append_packed` (a decode step or quiet chunk that evicts nothing) gives `pack`'s state bit for
+    bit, every field (keys, values, positions, statistics, empty slots included): packed slots with
+    per-head counts, then t new filled tokens, c + t <= s."""
+    from kvpolicies.scored import Accumulated, append_packed, pack
+
+    rng = np.random.default_rng(7)
+    for i in range(8):
+        b, k, s, t, d = 2, 3, 12, (1, 4)[i % 2], 4  # one shape per t: few compilations
+        c = rng.integers(0, s - t + 1, (b, k))  # filled old slots per head, room for the t new
+        pos = np.full((b, k, s + t), -1, np.int32)
+        for r in range(b):
+            for h in range(k):
+                pos[r, h, :c[r, h]] = np.sort(rng.choice(40, c[r, h], replace=False))
+        pos[..., s:] = 40 + np.arange(t)
+        mass = np.where(pos >= 0, rng.random(pos.shape), 0.0).astype(np.float32)
+        kv = rng.standard_normal((2, b, k, s + t, d)).astype(np.float32)
+        view = Accumulated(jnp.asarray(kv[0]), jnp.asarray(kv[1]), jnp.asarray(pos), mass=jnp.asarray(mass))
+        want = pack(view, view.pos >= 0, s)
+        got = append_packed(view, s)
+        for f in ("k", "v", "pos", "mass"):
+            np.testing.assert_array_equal(np.asarray(getattr(got, f)), np.asarray(getattr(want, f)), err_msg=f)

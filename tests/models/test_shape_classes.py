@@ -204,3 +204,38 @@ def test_a_press_ratios_answer_as_rows_of_one_batch(model, tokens):
     alone = [e.continue_generate(s, q, GEN)[0] for e, s in zip(engines, states)]
     together = answer_rows(engines[0], states, q[0], GEN, lambda name, value: value)
     np.testing.assert_array_equal(together, np.stack(alone))
+
+
+@pytest.mark.parametrize("press", ["SnapKVPress", "KnormPress", "ExpectedAttentionPress"])
+def test_a_question_that_evicts_nothing_attends_in_one_piece(model, tokens, press, monkeypatch):
+    """A chunk of a per-token prompt scorer that no head overflows (`appends_quietly`: snapkv's and
+    knorm's, whose observation takes T queries at once) attends in one piece: the same positions
+    as its token-by-token steps, keys and values bit for bit, statistics and logits within float
+    rounding; expected (its query statistics per token) keeps its steps (None)."""
+    import jax
+
+    from kvpolicies.prompt_scored import PromptScored
+
+    ctx, q = tokens
+    pol = kvpress(press, 0.5, n_layers=CFG.n_layers, max_new=MAX_NEW, **PRESSES[press])
+    asked = []
+    own = PromptScored.appends_quietly
+    monkeypatch.setattr(PromptScored, "appends_quietly", lambda self, state, t: asked.append(own(self, state, t))
+                        or asked[-1])
+    eng = Engine(model, pol, max_len=MAX_LEN)
+    st = eng.compress(eng.prompt(ctx))
+    fed = eng.feed(st, q, chunk=Q)
+    monkeypatch.setattr(PromptScored, "appends_quietly", lambda self, state, t: None)
+    steps = Engine(model, pol, max_len=MAX_LEN).feed(st, q, chunk=Q)
+    assert asked  # traced once per layer run
+    if press == "ExpectedAttentionPress":
+        assert all(a is None for a in asked)
+    else:
+        assert all(a is not None for a in asked)
+    for a, b in zip(jax.tree.leaves(fed.cache), jax.tree.leaves(steps.cache)):
+        a, b = np.asarray(a), np.asarray(b)
+        if np.issubdtype(a.dtype, np.integer) or a.dtype == bool:
+            np.testing.assert_array_equal(a, b)
+        else:
+            np.testing.assert_allclose(a, b, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(fed.logits), np.asarray(steps.logits), atol=2e-5, rtol=0)
