@@ -253,8 +253,9 @@ class Staged:
         out: list[list[np.ndarray]] = []
         for (a, b, pol), run in zip(policy_runs(self.policies if state.compressed else self.prompt_policies,
                                                 self.cfg.n_layers), state.cache):
-            for i in range(b - a):
-                out.append(jax.tree.map(lambda x: np.asarray(x[i]), run).held(row, k, pol))
+            host = jax.tree.map(lambda x: None if jnp.issubdtype(x.dtype, jnp.floating) else np.asarray(x), run)
+            for i in range(b - a):  # positions and tables read back, never the keys or values (`held`)
+                out.append(jax.tree.map(lambda x: x[i], host).held(row, k, pol))
         return out
 
     def feed(self, state: Prompted, tokens, chunk: int | Sequence[int] | None = None) -> Prompted:

@@ -136,3 +136,27 @@ def test_interval_compresses_back_to_target_every_interval_tokens(name, tiny_mod
         layers = eng.kept_positions(state)
         assert all(len(h) == count for layer in layers for h in layer), (j, count, [len(h) for h in layers[0]])
         assert all(h.max() < T + j + 1 for layer in layers for h in layer)
+
+
+def test_kept_positions_reads_back_positions_not_keys_or_values(tiny_model, monkeypatch):
+    """What `kept_positions` copies to the host is the cache's integer fields (positions), never
+    its keys or values: every array it reads back is an integer array."""
+    import models.engine.staged as staged
+
+    eng = Engine(tiny_model, kvpolicies.get("snapkv", budget=5, obs_window=3, kernel=3, max_new=4), max_len=T + 4)
+    state = eng.compress(eng.prompt(np.arange(T, dtype=np.int32)[None] % 90))
+    read = []
+
+    class Recording:  # numpy, with asarray recording the dtype of what it reads
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+        @staticmethod
+        def asarray(x, *a, **k):
+            read.append(np.dtype(x.dtype))
+            return np.asarray(x, *a, **k)
+
+    monkeypatch.setattr(staged, "np", Recording())
+    kept = eng.kept_positions(state)
+    assert read and all(np.issubdtype(d, np.integer) for d in read), read
+    assert [len(p) for p in kept[-1]] == [8] * tiny_model.cfg.n_kv_heads
