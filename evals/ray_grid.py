@@ -21,6 +21,7 @@ never imports it.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,10 +83,12 @@ def connect(options: RayOptions) -> bool:
     if ray.is_initialized():
         return False
     kw: dict[str, Any] = dict(include_dashboard=False, configure_logging=False)
-    if options.address == "local":
-        ray.init(num_cpus=max(os.cpu_count() or 1, options.workers or 1), **kw)
-    else:
-        ray.init(address=options.address, **kw)
+    with warnings.catch_warnings():  # Ray's processes start by fork + exec: JAX's warning about fork is moot
+        warnings.filterwarnings("ignore", message="os.fork", category=RuntimeWarning)
+        if options.address == "local":
+            ray.init(num_cpus=max(os.cpu_count() or 1, options.workers or 1), **kw)
+        else:
+            ray.init(address=options.address, **kw)
     return True
 
 
