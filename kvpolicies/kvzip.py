@@ -46,6 +46,7 @@ not force the newest token), `prompts="kvpress"` (its repeat prompts and chat pr
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Literal
 
@@ -302,14 +303,22 @@ def model_scope_keep(scores: Float[Array, "L B K M"], pos: Int[Array, "L B 1 M"]
     layer, head, token first). Deviation: the sinks are never removed (kvpress removes them too
     past ratio 1 - n_sink / n; every head keeps a token, which the head pool's layout needs)."""
     n_layers, b, kh, m = scores.shape
+    table = np.asarray([min(int(n_layers * kh * n * ratio), n_layers * kh * max(n - n_sink, 0)) for n in range(m + 1)],
+                       np.int32)  # tokens removed for n context tokens (host: a ratio is data to the compiled choice)
+    return _model_scope_keep(scores, pos, jnp.asarray(table), n_sink)
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _model_scope_keep(scores: Float[Array, "L B K M"], pos: Int[Array, "L B 1 M"], table: Int[Array, "M1"],
+                      n_sink: int) -> Bool[Array, "L B K M"]:
+    """`model_scope_keep` compiled once per shape (every ratio: `table`)."""
+    n_layers, b, kh, m = scores.shape
     pos = jnp.broadcast_to(pos, scores.shape)
     filled = pos >= 0
     top = jnp.where(filled, scores, -jnp.inf).max(axis=(0, 2, 3))[None, :, None, None]  # [1, B, 1, 1]
     s = jnp.where(filled & (pos < n_sink), top + 1.0, jnp.where(filled, scores, jnp.inf))
     flat = jnp.moveaxis(s, 1, 0).reshape(b, n_layers * kh * m)  # [B, L*K*M] layer-major
-    table = np.asarray([min(int(n_layers * kh * n * ratio), n_layers * kh * max(n - n_sink, 0)) for n in range(m + 1)],
-                       np.int32)  # static
-    n_pruned = jnp.asarray(table)[filled[0, :, 0].sum(-1)][:, None]  # [B, 1]
+    n_pruned = table[filled[0, :, 0].sum(-1)][:, None]  # [B, 1]
     order = jnp.lexsort((jnp.broadcast_to(jnp.arange(flat.shape[1]), flat.shape), flat), axis=-1)  # lowest first
     pruned = jnp.argsort(order, axis=-1) < n_pruned
     return filled & ~jnp.moveaxis(pruned.reshape(b, n_layers, kh, m), 0, 1)

@@ -128,3 +128,42 @@ def test_per_layer_compression_is_one_inner_policy_per_layer():
         kvpress("PerLayerCompressionPress", 0.5, press="KnormPress", compression_ratios=[0.25, 0.75], n_layers=3)
     with pytest.raises(ValueError, match="compression_ratios"):
         kvpress("PerLayerCompressionPress", 0.5, press="KnormPress")
+
+
+def test_chunk_and_block_press_wrap_a_subset_scorer():
+    """ChunkPress keeps max(1, int(len (1 - r))) of each chunk (the last one shorter); BlockPress
+    kvpress's n_kept; both refuse scorers that read more than the tokens they rank (BlockPress: or
+    their order, LagKV's partitions)."""
+    from kvpolicies.compat import Blocked, Chunked
+
+    chunked = kvpress("ChunkPress", 0.75, press="LagKVPress", lag_size=8, chunk_length=64)
+    assert isinstance(chunked, Chunked) and chunked.press == kvpress("LagKVPress", 0.75, lag_size=8)
+    assert chunked.kept_for(150) == 16 + 16 + 5 and chunked.kept_for(3) == 1  # 64, 64, 22 tokens
+    assert kvpress("ChunkPress", 0.75, press="KeyDiffPress").kept_for(150) == 37  # one chunk of 1024
+    blocked = kvpress("BlockPress", 0.5, press=kvpress("KeyDiffPress", 0.5))
+    assert isinstance(blocked, Blocked) and (blocked.block_size, blocked.kept_for(320)) == (128, 160)
+    with pytest.raises(NotImplementedError, match="BlockPress over 'LagKVPress'"):
+        kvpress("BlockPress", 0.5, press="LagKVPress")
+    with pytest.raises(NotImplementedError, match="ChunkPress over 'SnapKVPress'"):
+        kvpress("ChunkPress", 0.5, press="SnapKVPress")
+    with pytest.raises(ValueError, match="press="):
+        kvpress("ChunkPress", 0.5)
+    with pytest.raises(ValueError, match="must be one of"):
+        Blocked(ratio=0.5, press=kvpress("LagKVPress", 0.5))
+
+
+def test_model_scope_keep_compiles_once_for_every_ratio():
+    """kvzip's model-wide choice is one compiled program per shape (not a dozen eager operations):
+    a ratio is data (its table of tokens removed), so ratios after the first compile nothing
+    (JAX's compilation events)."""
+    from evals.compiles import CompileLog
+
+    rng = np.random.default_rng(3)
+    scores = jnp.asarray(rng.random((3, 1, 2, 37)).astype(np.float32))  # a shape no other test compiles
+    pos = jnp.asarray(np.broadcast_to(np.arange(37, dtype=np.int32), (3, 1, 1, 37)))
+    with CompileLog() as first:
+        np.asarray(model_scope_keep(scores, pos, 0.25, 4))
+    with CompileLog() as log:
+        kept = [np.asarray(model_scope_keep(scores, pos, r, 4)).sum() for r in (0.5, 0.75, 0.875)]
+    assert first.programs <= 2 and log.programs == 0  # eagerly: 36 programs, one per operation
+    assert kept == [3 * 2 * 37 - int(3 * 2 * 37 * r) for r in (0.5, 0.75, 0.875)]
