@@ -48,9 +48,12 @@ torch.topk's order, we keep the newer token.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array
 
 from kvpolicies.adakv import AdaKV
 from kvpolicies.base import Policy
@@ -63,9 +66,10 @@ from kvpolicies.keydiff import KeyDiff
 from kvpolicies.kvzip import KVzip
 from kvpolicies.lagkv import LagKV
 from kvpolicies.observed import Observed
-from kvpolicies.prompt import PromptPhase
+from kvpolicies.prompt import PromptPhase, PromptState
 from kvpolicies.prompt_scored import PromptScored, rank_by
 from kvpolicies.random_keep import RandomKeep
+from kvpolicies.scored import top_mask
 from kvpolicies.snapkv import SnapKV
 
 SNAP_DEFAULTS = {"obs_window": 64, "kernel": 5, "pooling": "avg"}  # kvpress's SnapKVPress / PyramidKVPress
@@ -143,15 +147,110 @@ class PyramidLayer(SnapKV):
         return round(hi - self.layer * steps)
 
 
+@dataclasses.dataclass(frozen=True)
+class Wrapped(PromptScored):
+    """A kvpress wrapper over a prompt scorer `press` whose ranking reads only the slots it is given
+    (knorm, keydiff, lagkv, random): `prompt_rank` ranks subsets of the prompt (`press` sees the
+    others as empty slots); streams (and generation past `max_new`) take `press`'s own rule on overflow."""
+
+    press: PromptScored = None
+    budget: int = 1024
+    max_new: int = 256
+    codec: Codec = Identity()
+
+    takes: ClassVar[tuple[type, ...]] = (Knorm, KeyDiff, LagKV, RandomKeep)  # what `press` may be
+
+    def __post_init__(self):
+        super().__post_init__()
+        if type(self.press) not in self.takes:
+            raise ValueError(f"{self.label}.press={self.press!r}: must be one of "
+                             f"{[c.__name__ for c in self.takes]} (a prompt scorer that ranks any subset of the prompt)")
+
+    @property
+    def observes(self):
+        return self.press.observes
+
+    @property
+    def collects(self):
+        return self.press.collects
+
+    def rank(self, slots, keys, stats, seen):
+        return self.press.rank(slots, keys, stats, seen)
+
+    def subset_rank(self, state: PromptState, slots, keys, stats, subset: Array) -> Array:
+        """`press`'s priority of the slots in `subset` [B, K, V] ranked among themselves (-inf elsewhere)."""
+        sub = dataclasses.replace(slots, pos=jnp.where(subset, slots.pos, -1))
+        prio, _ = self.press.prompt_rank(state, sub, keys, stats)
+        return jnp.where(subset, prio, -jnp.inf)
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunked(Wrapped):
+    """kvpress's `ChunkPress(press, chunk_length)` (after FINCH, Corallo & Papotti 2024): the prompt cut
+    into chunks of `chunk_length` tokens from position 0, each scored by `press` on its own tokens and
+    keeping its own max(1, int(len (1 - ratio))) best; the question and answer appended."""
+
+    label = "chunked"
+    chunk_length: int = 1024
+
+    def kept_for(self, n):
+        c = self.chunk_length
+        return sum(max(1, int(min(c, n - i) * (1 - self.ratio))) for i in range(0, n, c))
+
+    def prompt_rank(self, state, slots, keys, stats):
+        pos, c = slots.pos, self.chunk_length
+        n = (pos >= 0).sum(axis=-1, keepdims=True)  # [B, K, 1] prompt tokens
+        kept = jnp.zeros(pos.shape, bool)
+        for i in range(0, pos.shape[-1], c):  # static: the prompt phase's slots
+            chunk = (pos >= i) & (pos < i + c)  # [B, K, V]
+            size = jnp.clip(n - i, 0, c)  # [B, K, 1]
+            want = jnp.maximum(1, jnp.floor(size * (1 - self.ratio))).astype(jnp.int32)  # kvpress's int()
+            kept = kept | (chunk & top_mask(self.subset_rank(state, slots, keys, stats, chunk), pos, want))
+        return rank_by(jnp.where(kept, 1.0, 0.0), pos)
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocked(Wrapped):
+    """kvpress's `BlockPress(press, block_size)`, the block-wise eviction of KeyDiff (Park et al. 2025):
+    the first n_kept prompt tokens are kept, then each block of `block_size` later tokens joins them
+    and `press`, scoring the kept tokens and the block together, keeps the n_kept best; the question
+    and answer appended. `press` must score a token set regardless of its order (knorm, keydiff,
+    random: kvpress hands it the kept tokens in score order, lagkv would read them as a sequence)."""
+
+    label = "blocked"
+    takes = (Knorm, KeyDiff, RandomKeep)
+    block_size: int = 128
+
+    def prompt_rank(self, state, slots, keys, stats):
+        pos = slots.pos
+        filled = pos >= 0
+        n = filled.sum(axis=-1, keepdims=True)  # [B, K, 1]
+        n_kept = jnp.asarray(self._counts(pos.shape[-1]))[n]  # [B, K, 1] kvpress's n_kept
+        bs = jnp.minimum(self.block_size, n)  # kvpress: block_size capped by the prompt
+
+        def block(b, kept):
+            lo = n_kept + b * bs  # [B, K, 1]
+            cand = kept | (filled & (pos >= lo) & (pos < lo + bs))
+            best = top_mask(self.subset_rank(state, slots, keys, stats, cand), pos, n_kept)
+            return jnp.where(lo < n, best & cand, kept)
+
+        kept = filled & (pos < n_kept)
+        n_blocks = -(-pos.shape[-1] // max(1, min(self.block_size, pos.shape[-1])))  # static bound
+        kept = jax.lax.fori_loop(0, n_blocks, block, kept)
+        return rank_by(jnp.where(kept, 1.0, 0.0), pos)
+
+
 PRESSES = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPress", "ExpectedAttentionPress",
            "ObservedAttentionPress", "TOVAPress", "AdaKVPress", "KVzipPress", "DuoAttentionPress",
-           "KeyDiffPress", "LagKVPress", "RandomPress", "PerLayerCompressionPress")
+           "KeyDiffPress", "LagKVPress", "RandomPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress")
 SUPPORTED = PRESSES
-WRAPPERS = ("AdaKVPress", "PerLayerCompressionPress")  # presses whose field `press` is an inner press
+WRAPPERS = ("AdaKVPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress")  # `press`: an inner press
 # the inner presses a wrapper takes today, with their own fields (kvpress names)
 INNER = {"AdaKVPress": ("SnapKVPress",),
          "PerLayerCompressionPress": ("SnapKVPress", "KnormPress", "KeyDiffPress", "LagKVPress", "ExpectedAttentionPress",
-                                      "ObservedAttentionPress", "TOVAPress", "StreamingLLMPress", "RandomPress")}
+                                      "ObservedAttentionPress", "TOVAPress", "StreamingLLMPress", "RandomPress"),
+         "ChunkPress": ("KnormPress", "KeyDiffPress", "LagKVPress", "RandomPress"),
+         "BlockPress": ("KnormPress", "KeyDiffPress", "RandomPress")}
 
 
 def press_of(policy: Policy) -> tuple[str, dict]:
@@ -309,6 +408,11 @@ def _duo(r: float, max_new: int, n_layers: int | None, fields: dict) -> Policy |
 def _scored(press: str, r: float, max_new: int, n_layers: int | None, fields: dict) -> Policy | tuple[Policy, ...]:
     """The presses that score tokens once after the context (SnapKV's family, Knorm, ...)."""
     snap = {"obs_window": fields.pop("window_size", 64), "kernel": fields.pop("kernel_size", 5), "pooling": "avg"}
+    if press in ("ChunkPress", "BlockPress"):  # the wrapper's size field, the rest the inner press's
+        cls, size, default = (Chunked, "chunk_length", 1024) if press == "ChunkPress" else (Blocked, "block_size", 128)
+        own = fields.pop(size, default)
+        inner = kvpress(fields.pop("press"), r, max_new=max_new, **{k: fields.pop(k) for k in list(fields)})
+        return cls(ratio=r, max_new=max_new, press=inner, **{size: own})
     if press == "AdaKVPress":
         fields.pop("press")  # SnapKVPress (`_inner`)
         return AdaKV(ratio=r, max_new=max_new, safeguard_window=True,

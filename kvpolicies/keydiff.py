@@ -33,7 +33,8 @@ class KeyDiff(PromptScored):
     The score is kvpress's `KeyDiffPress` (-cos(k, mean of k / ||k||), keys after RoPE as kvpress
     caches them), one top-k over the whole prompt. The paper evicts block by block while the
     prompt is prefilled in blocks; kvpress reaches that form through its `BlockPress` wrapper,
-    which `kvpolicies.compat` does not reproduce yet. `budget` counts every kept token (no sink
+    which `kvpolicies.compat.kvpress("BlockPress", r, press="KeyDiffPress")` reproduces (`compat.Blocked`).
+    `budget` counts every kept token (no sink
     or window is protected). Protocol and stream extension: `PromptScored` (the prompt held
     densely, ranked once; a stream recompresses on overflow, the anchor taken over the view's
     keys). Ties keep the newer token (kvpress: torch.topk's order).

@@ -31,14 +31,18 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_lay
             num_key_value_heads=2, max_position_embeddings=512)
 EXACT = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPress", "ExpectedAttentionPress",
          "ObservedAttentionPress", "TOVAPress", "AdaKVPress", "KVzipPress", "DuoAttentionPress",
-         "KeyDiffPress", "LagKVPress")
+         "KeyDiffPress", "LagKVPress", "ChunkPress", "BlockPress")
 # DuoAttentionPress given a head pattern (kvpress downloads the authors' for six checkpoints) and
 # streaming sizes that the 320-token context exceeds. LagKVPress at lag_size 32: 9 partitions of the
 # 316 tokens after the sinks, the budget a multiple of the 8 scored partitions at both ratios (at the
 # default 128 the sinks and the tail alone exceed the budget: a tie of score 1 that torch.topk breaks)
 FIELDS = {"DuoAttentionPress": {"head_scores": [[0.9, 0.1], [0.2, 0.7], [0.4, 0.6]], "sink_size": 16,
                                 "recent_size": 64},
-          "LagKVPress": {"lag_size": 32}, "RandomPress": {"seed": 0}}
+          "LagKVPress": {"lag_size": 32}, "RandomPress": {"seed": 0},
+          # the wrappers over KeyDiffPress: 5 chunks of 64 scored apart (default 1024: one chunk, KeyDiff
+          # itself); blocks of 32 after the first n_kept (the KeyDiff paper's block-wise eviction)
+          "ChunkPress": {"press": "KeyDiffPress", "chunk_length": 64},
+          "BlockPress": {"press": "KeyDiffPress", "block_size": 32}}
 # RandomPress: torch's draw cannot be matched, kvpress's counts are compared (our draw: test_prompt_matrix)
 # PerLayerCompressionPress(KeyDiffPress) at uneven per-layer ratios of mean 0.5 (kvpress's read-only
 # compression_ratio): kvpress compresses, then fails on the question (at equal ratios it is its inner press)
