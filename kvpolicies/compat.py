@@ -68,6 +68,7 @@ from kvpolicies.lagkv import LagKV
 from kvpolicies.observed import Observed
 from kvpolicies.prompt import PromptPhase, PromptState
 from kvpolicies.prompt_scored import PromptScored, rank_by
+from kvpolicies.pyramidkv import PyramidKV, PyramidLayer  # noqa: F401  (PyramidLayer: re-exported, it lived here)
 from kvpolicies.random_keep import RandomKeep
 from kvpolicies.scored import top_mask
 from kvpolicies.snapkv import SnapKV
@@ -116,35 +117,6 @@ class LastQuery(PromptScored):
 
     def prompt_policy(self):
         return PromptPhase(codec=self.codec, of=self, obs_window=1)
-
-
-@dataclasses.dataclass(frozen=True)
-class PyramidLayer(SnapKV):
-    """Layer `layer` of kvpress's `PyramidKVPress` (of `n_layers`): SnapKV keeping
-    `get_layer_budget(n)` tokens of an n-token prompt (window included)."""
-
-    label = "pyramid-layer"
-
-    layer: int = 0
-    n_layers: int = 1
-    beta: int = 20
-
-    def shape_class(self, slots):
-        """SnapKV's shape class: every layer of the pyramid shares one (its budget is a table)."""
-        return SnapKV(**{f.name: getattr(self, f.name) for f in dataclasses.fields(SnapKV)}).shape_class(slots)
-
-    def kept_for(self, n):
-        w, r = self.obs_window, self.ratio
-        cap = w + n * (1 - r)
-        lo = (cap - w) / self.beta
-        hi = (cap - w) * 2 - lo
-        if hi >= n - w:
-            hi = n - w
-            lo = (cap - w) * 2 - hi
-        if not n >= hi >= lo >= w:
-            return max(1, round(n * (1 - r)))
-        steps = (hi - lo) / (self.n_layers - 1) if self.n_layers > 1 else 0.0
-        return round(hi - self.layer * steps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -420,8 +392,6 @@ def _scored(press: str, r: float, max_new: int, n_layers: int | None, fields: di
     if press == "SnapKVPress":
         return SnapKV(ratio=r, max_new=max_new, **snap)
     if press == "PyramidKVPress":
-        from kvpolicies.pyramidkv import PyramidKV
-
         out = PyramidKV(ratio=r, max_new=max_new, beta=fields.pop("beta", 20), **snap)  # stack(n): PyramidLayers
         return out.stack(n_layers) if n_layers is not None else out
     if press == "KnormPress":

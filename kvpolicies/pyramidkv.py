@@ -23,7 +23,7 @@ class PyramidKV(Preset, SnapKV):
     `budget` is the uniform per-layer budget, so the stack's total equals uniform SnapKV's
     (and, below max_len, so do its stored bytes); `stack(n_layers)` gives the layer policies.
     Used alone (one layer) it is SnapKV with `budget`. With `ratio` set, the stack is kvpress's
-    `PyramidKVPress` schedule of each prompt's length (`kvpolicies.compat.PyramidLayer`).
+    `PyramidKVPress` schedule of each prompt's length (`PyramidLayer`).
 
     Defaults: beta = 20 (the paper's, the authors' code's and kvpress's), our SnapKV's
     otherwise (obs_window 32, kernel 7; kvpress's PyramidKVPress: 64 / 5). Deviations: the authors' code clips the bottom layer to the prompt length and
@@ -44,8 +44,35 @@ class PyramidKV(Preset, SnapKV):
     def stack(self, n_layers):
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(SnapKV)}
         if self.ratio:  # kvpress's sizing: its `get_layer_budget` of each prompt's length
-            from kvpolicies.compat import PyramidLayer
-
             return tuple(PyramidLayer(**fields, layer=i, n_layers=n_layers, beta=self.beta) for i in range(n_layers))
         return tuple(SnapKV(**{**fields, "budget": b})
                      for b in pyramid_budgets(self.budget * n_layers, n_layers, self.beta))
+
+
+@dataclasses.dataclass(frozen=True)
+class PyramidLayer(SnapKV):
+    """Layer `layer` of kvpress's `PyramidKVPress` (of `n_layers`): SnapKV keeping
+    `get_layer_budget(n)` tokens of an n-token prompt (window included)."""
+
+    label = "pyramid-layer"
+
+    layer: int = 0
+    n_layers: int = 1
+    beta: int = 20
+
+    def shape_class(self, slots):
+        """SnapKV's shape class: every layer of the pyramid shares one (its budget is a table)."""
+        return SnapKV(**{f.name: getattr(self, f.name) for f in dataclasses.fields(SnapKV)}).shape_class(slots)
+
+    def kept_for(self, n):
+        w, r = self.obs_window, self.ratio
+        cap = w + n * (1 - r)
+        lo = (cap - w) / self.beta
+        hi = (cap - w) * 2 - lo
+        if hi >= n - w:
+            hi = n - w
+            lo = (cap - w) * 2 - hi
+        if not n >= hi >= lo >= w:
+            return max(1, round(n * (1 - r)))
+        steps = (hi - lo) / (self.n_layers - 1) if self.n_layers > 1 else 0.0
+        return round(hi - self.layer * steps)

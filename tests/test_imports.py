@@ -151,11 +151,6 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-# circles left for now, each with why (an entry that no longer is a circle fails the test below)
-KNOWN_CYCLES = {("kvpolicies.compat", "kvpolicies.pyramidkv"):
-                "pyramidkv.stack (deferred) builds compat.PyramidLayer, whose home is pyramidkv.py"}
-
-
 def test_no_import_cycle():
     """No two modules of kvpolicies, models, evals, benchmarks import each other, directly or
     through others, counting imports under TYPE_CHECKING and inside functions (a deferred import
@@ -163,9 +158,7 @@ def test_no_import_cycle():
     known = project_modules()
     graph = {name: {m for _, m in imported(ast.parse(path.read_text()), name, path.name == "__init__.py", known)}
              - {name} for name, path in known.items()}
-    cycles = [c for c in import_cycles(graph) if tuple(c) not in KNOWN_CYCLES]
+    cycles = import_cycles(graph)
     assert not cycles, "import circles (break each: move the shared code down, or ask through a capability):\n" + \
         "\n".join(" <-> ".join(c) for c in cycles)
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # it can fail
-    stale = set(KNOWN_CYCLES) - {tuple(c) for c in import_cycles(graph)}
-    assert not stale, f"KNOWN_CYCLES lists circles that are gone: {sorted(stale)}"
