@@ -72,7 +72,7 @@ class Generation:
         if fresh:
             self.prompts_compressed += 1
             cache = self.compress_cache(self._reconstruct(cache, tokens))
-        end = np.broadcast_to(np.asarray(start, np.int32) + t, (tokens.shape[0],)).copy()  # [B]
+        end = jnp.asarray(np.broadcast_to(np.asarray(start, np.int32) + t, (tokens.shape[0],)))  # [B]
         return logits, EngineCache(tuple(cache), end, self.maker())
 
     def generate(self, prompt, n: int, chunk: int | None = None) -> np.ndarray:
@@ -198,4 +198,4 @@ class Generation:
         check_pool(cache)
         res = np.concatenate(out, axis=1)
         res = res[0] if squeeze else res
-        return (res, EngineCache(cache, np.full(tokens.shape[0], n, np.int32), self.maker())) if return_cache else res
+        return (res, EngineCache(cache, jnp.full(tokens.shape[0], n, jnp.int32), self.maker())) if return_cache else res

@@ -213,7 +213,7 @@ class Steps:
     def init_cache(self, batch: int = 1, prompt: bool = False) -> EngineCache:
         """An empty cache (prompt: the prompt phase's, for `prefill` of a fresh prompt) of length 0,
         carrying this engine's `maker` (models.engine.extent); on a mesh, created in its shardings."""
-        return EngineCache(self._init_runs(batch, prompt), np.zeros(batch, np.int32), self.maker(prompt))
+        return EngineCache(self._init_runs(batch, prompt), jnp.zeros(batch, jnp.int32), self.maker(prompt))
 
     def _init_runs(self, batch: int, prompt: bool = False) -> Cache:
         make = lambda: self._model.init_cache(self.prompt_policies if prompt else self.policies, batch,  # noqa: E731
@@ -238,9 +238,9 @@ class Steps:
         returns last logits [B, V] and the cache (an `EngineCache`).
 
         `cache`: one this engine made (init_cache, prefill, step; another engine's is refused), or
-        a bare tuple of run states of this engine's shapes (then `start` is needed). A step may
-        leave a gap after the cache's end, never start inside it (it would write positions the
-        cache holds again). Host tokens (numpy, lists) are checked id by id; a jax array (e.g. the
+        a bare tuple of run states of this engine's shapes (then `start` is needed). An explicit
+        `start` is the caller's: a gap after the cache's end, or a rewind (`full` then masks its
+        slots past `start` as future until they are written again). Host tokens (numpy, lists) are checked id by id; a jax array (e.g. the
         argmax of the previous step) is checked for shape and dtype, and its range on the device
         (one scalar read back: the step waits for the ids, not for their values on the host).
         """
@@ -264,11 +264,8 @@ class Steps:
                 raise ValueError("step: start=None needs a cache that carries where it ends (init_cache, prefill, "
                                  "step); give start for a bare tuple of run states")
             start = int(length[0]) if (length == length[0]).all() else length
-        elif length is not None and start < length.max():
-            raise ValueError(f"step: start={start} is inside the cache, which holds positions up to "
-                             f"{int(length.max()) - 1}: a step starts at or after the cache's end ({int(length.max())})")
         end = int(np.max(start)) + t
         self._check_len(end, f"positions {int(np.max(start))}..{end - 1} ({end} tokens)")
         logits, runs = self._step(runs, tokens, start)
-        return logits, EngineCache(runs, np.broadcast_to(np.asarray(start, np.int32) + t, (tokens.shape[0],)).copy(),
-                                   self.maker())
+        return logits, EngineCache(runs, jnp.asarray(np.broadcast_to(np.asarray(start, np.int32) + t,
+                                                                     (tokens.shape[0],))), self.maker())
