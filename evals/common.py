@@ -1,12 +1,12 @@
-"""What every eval task receives and returns (the contract between evals.run and the tasks), and what the
-retrieval tasks share: Wilson intervals, a prompt split into context and question, greedy answers."""
+"""What every eval task receives, returns and answers (`Task`: the contract between evals.run and the
+tasks), and what the retrieval tasks share: Wilson intervals, a prompt split into context and question, greedy answers."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -46,6 +46,53 @@ class TaskResult:
     arrays: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
     grid: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     curves: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+
+
+def grid_cells(task: dict[str, Any]) -> int:
+    """The sequences of a task's longest extent a run computes: one per (length, depth, trial) of
+    its config (a key it does not have counts once)."""
+    n = max(1, int(task.get("trials") or 1))
+    for key in ("lengths", "depths"):
+        n *= max(1, len(task.get(key) or [1]))
+    return n
+
+
+def lengths_field(task: dict[str, Any]) -> str:
+    """`task.lengths=[a, b]`: how errors and estimates name a task's lengths."""
+    v = task.get("lengths")
+    return "task.lengths=" + ("[" + ", ".join(map(str, v)) + "]" if isinstance(v, (list, tuple)) else str(v))
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """An eval task, as `evals.run` asks it: `run` does the work, the other hooks answer before any
+    weights load. `evals.config.TASKS` maps each task name to its Task (or to "module:NAME", imported
+    when a run needs it); the task's config is configs/task/<name>.yaml, or `defaults` when there is
+    no such file. Calling a Task runs it. Each hook takes the task's config (a dict with its `name`).
+
+    - `run(ctx)`: the task on a `TaskContext`, returning a `TaskResult`.
+    - `check(task)`: raises ValueError naming a bad key or value (every job is checked first).
+    - `extent(task)`: (the config field that sets it, prompt or stream tokens, tokens generated
+      after them, batch) of the run's longest sequence, or None: it sizes budgets and ratios,
+      checks the trained length and the memory, and estimates the run.
+    - `cells(task)`: how many sequences of that extent the run computes (the estimate's factor).
+    - `check_text(conf, tokenizer, text)`: the checks that need the tokenizer (`conf`: the run's
+      whole config; the text's length, prompt templates), raising ValueError with the whole message.
+    - `later_keys`: keys added after saved rows were keyed, with their defaults: at its default
+      such a key is left out of the run key, so those rows keep theirs (resume finds them).
+    - `defaults`: the config when configs/task/<name>.yaml does not exist.
+    """
+
+    run: Callable[[TaskContext], TaskResult]
+    check: Callable[[dict[str, Any]], Any] | None = None
+    extent: Callable[[dict[str, Any]], tuple[str, int, int, int] | None] | None = None
+    cells: Callable[[dict[str, Any]], int] = grid_cells
+    check_text: Callable[[dict[str, Any], Any, str | None], None] | None = None
+    later_keys: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    defaults: Mapping[str, Any] | None = None
+
+    def __call__(self, ctx: TaskContext) -> TaskResult:
+        return self.run(ctx)
 
 
 # JAX's compile phases (tracing, lowering, XLA compilation): their time spans, merged, are a run's

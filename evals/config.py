@@ -3,7 +3,7 @@ and validation with errors in our words.
 
 Groups (`configs/`): model/ (smollm2, gguf, hf, tiny_random, tiny_recall; built by
 `evals.zoo`), task/ (perplexity, passkey, niah, multikey, recall, the RULER-style ruler_* and
-multiquery of evals/ruler.py; run by the functions of `TASKS`), data/ (austen, mobydick, pg, path), and policy/, which has no files: `register_configs`
+multiquery of evals/ruler.py; run by the `evals.common.Task`s of `TASKS`), data/ (austen, mobydick, pg, path), and policy/, which has no files: `register_configs`
 derives one option per registered policy (`kvpolicies.POLICIES`) from its dataclass fields, so a
 new policy needs no config file. `policy_config` says what an option holds: every field at its
 dataclass default, except the fields of its `RUN_KEYS` entry, which follow the run-level key
@@ -60,27 +60,22 @@ from kvpolicies.prompt import prompt_policy_of
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 GROUPS = ("model", "policy", "task", "data")
 
-# Task name -> "module:function" taking a TaskContext and returning a TaskResult (imported lazily).
-TASKS: dict[str, str] = {
-    "perplexity": "evals.perplexity:run",
-    "passkey": "evals.retrieval:passkey",
-    "niah": "evals.retrieval:niah",
-    "multikey": "evals.retrieval:multikey",
-    "recall": "evals.retrieval:recall",
-    # RULER-style tasks and the SCBench-style multi-query task (evals/ruler.py), one function
-    **{name: "evals.ruler:run" for name in ("ruler_niah_single", "ruler_niah_multikey", "ruler_niah_multivalue",
-                                             "ruler_niah_multiquery", "ruler_vt", "ruler_cwe", "ruler_fwe",
-                                             "multiquery")},
-    "multiturn": "evals.multiturn:run",  # one context, N turns of question + answer (evals/multiturn.py)
-    "longgen": "evals.longgen:run",  # long greedy generations against full's own (evals/longgen.py)
+# Task name -> its `evals.common.Task` (what runs it and the hooks the run asks it), or "module:NAME"
+# of one, imported when a run needs it. A task of your own: docs/guide/eval-task.md.
+TASKS: dict[str, Any] = {
+    "perplexity": "evals.perplexity:TASK",
+    "passkey": "evals.retrieval:PASSKEY",
+    "niah": "evals.retrieval:NIAH",
+    "multikey": "evals.retrieval:MULTIKEY",
+    "recall": "evals.retrieval:RECALL",
+    # RULER-style tasks and the SCBench-style multi-query task (evals/ruler.py), one Task
+    **{name: "evals.ruler:TASK" for name in ("ruler_niah_single", "ruler_niah_multikey", "ruler_niah_multivalue",
+                                              "ruler_niah_multiquery", "ruler_vt", "ruler_cwe", "ruler_fwe",
+                                              "multiquery")},
+    "multiturn": "evals.multiturn:TASK",  # one context, N turns of question + answer (evals/multiturn.py)
+    "longgen": "evals.longgen:TASK",  # long greedy generations against full's own (evals/longgen.py)
 }
-RULER_TASKS = tuple(n for n, f in TASKS.items() if f == "evals.ruler:run")
-
-# Optional config checks run before any job ("module:function" taking the task dict, raising ValueError).
-TASK_CHECKS: dict[str, str] = {"perplexity": "evals.perplexity:check", "passkey": "evals.retrieval:check",
-                               "niah": "evals.retrieval:check", "multikey": "evals.retrieval:check",
-                               "recall": "evals.retrieval:check", **{n: "evals.ruler:check" for n in RULER_TASKS},
-                               "multiturn": "evals.multiturn:check", "longgen": "evals.longgen:check"}
+RULER_TASKS = tuple(n for n, f in TASKS.items() if f == "evals.ruler:TASK")
 
 
 @dataclasses.dataclass
@@ -160,8 +155,9 @@ def policy_config(name: str) -> dict[str, Any]:
 
 def register_configs() -> None:
     """Put the schema and a derived option per registered policy (see `policy_config`) into Hydra's
-    ConfigStore, except a policy with its own configs/policy/<name>.yaml. Idempotent: called before
-    every composition, so policies registered later are seen."""
+    ConfigStore, except a policy with its own configs/policy/<name>.yaml, and the `defaults` of each
+    task of TASKS without its configs/task/<name>.yaml. Idempotent: called before every
+    composition, so policies and tasks registered later are seen."""
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
@@ -174,6 +170,10 @@ def register_configs() -> None:
 
     for press in SUPPORTED:  # policy=kvpress.SnapKVPress ratio=0.5: kvpolicies.compat.kvpress
         cs.store(group="policy", name=f"kvpress.{press}", node={"name": f"kvpress.{press}", "ratio": "${ratio}"})
+    task_files = {p.stem for p in (CONFIG_DIR / "task").glob("*.yaml")}
+    for name in TASKS:  # a task registered in code, without configs/task/<name>.yaml: its Task's defaults
+        if name not in task_files and load_task(name).defaults is not None:
+            cs.store(group="task", name=name, node={**load_task(name).defaults, "name": name})
 
 
 def group_options(group: str) -> list[str]:
@@ -498,12 +498,29 @@ def ratio_policy(conf: dict[str, Any], policy: kvpolicies.Policy) -> tuple[kvpol
 
 
 def load_task(name: str):
-    """The task function of TASKS[name], imported now."""
-    module, _, fn = TASKS[name].partition(":")
-    try:
-        return getattr(importlib.import_module(module), fn)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"task={name}: cannot load {TASKS[name]} ({e})") from None
+    """The `evals.common.Task` of TASKS[name] (imported now; a plain function there is its `run`).
+    Calling it runs the task."""
+    from evals.common import Task
+
+    spec = TASKS[name]
+    if isinstance(spec, str):
+        module, _, attr = spec.partition(":")
+        try:
+            spec = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(f"task={name}: cannot load {TASKS[name]} ({e})") from None
+    return spec if isinstance(spec, Task) else Task(run=spec)
+
+
+def task_later_keys(task: dict[str, Any]) -> dict[str, Any]:
+    """The keys of a task config added after saved rows were keyed, with their defaults (the task's
+    `later_keys`): at its default, such a key is left out of the run key."""
+    return dict(load_task(task["name"]).later_keys)
+
+
+def task_cells(task: dict[str, Any]) -> int:
+    """How many sequences of its longest extent a task config's run computes (the task's `cells`)."""
+    return load_task(task["name"]).cells(task)
 
 
 DATA_KEYS = {"name", "spec", "path"}
@@ -550,12 +567,10 @@ def validate(cfg: DictConfig | dict[str, Any]) -> dict[str, Any]:
                           "of the prompt's tokens removed)")
     if r is not None and b is not None:
         raise ConfigError(f"ratio={r} and budget={b}: give one (ratio: tokens kept, kvpress's axis; budget: bytes)")
-    load_task(conf["task"]["name"])  # importable now, not after a long sweep
-    check = TASK_CHECKS.get(conf["task"]["name"])
-    if check:
-        module, _, fn = check.partition(":")
+    task = load_task(conf["task"]["name"])  # importable now, not after a long sweep
+    if task.check is not None:
         try:
-            getattr(importlib.import_module(module), fn)(dict(conf["task"]))
+            task.check(dict(conf["task"]))
         except ValueError as e:
             raise ConfigError(str(e)) from None
     if conf["data"].get("name") == "path" and not Path(conf["data"]["spec"]).is_file():
@@ -595,33 +610,9 @@ def _data_field(conf: dict[str, Any]) -> str:
 
 def task_extent(conf: dict[str, Any]) -> tuple[str, int, int, int] | None:
     """(the config field, prompt or stream length, tokens generated after it, batch) of the run's
-    longest sequence, or None for a task that declares none."""
-    task = conf["task"]
-    name = task["name"]
-    if name == "perplexity":
-        return f"tokens={task['tokens']}", task["tokens"], 0, 1
-    if name in ("passkey", "niah", "multikey"):
-        from evals import retrieval
-
-        t = retrieval.check(task)
-        gen = retrieval.PASSKEY_TOKENS if name == "passkey" else retrieval.NEEDLE_TOKENS
-        return f"task.lengths={t['lengths']}", max(t["lengths"]), gen, t["batch"]
-    if name in RULER_TASKS:
-        from evals import ruler
-
-        prompt, gen, batch = ruler.extent(task)
-        return f"task.lengths={_list(task.get('lengths'))}", prompt, gen, batch
-    if name == "multiturn":
-        from evals import multiturn
-
-        t = multiturn.check(task)
-        return f"task.lengths={_list(task.get('lengths'))}", multiturn.max_len(t) - t["gen"], t["gen"], 1
-    if name == "longgen":
-        from evals import longgen
-
-        prompt, gen = longgen.extent(task)
-        return f"task.lengths={_list(task.get('lengths'))}", prompt, gen, 1
-    return None
+    longest sequence, or None for a task that declares none (the task's `extent`)."""
+    task = load_task(conf["task"]["name"])
+    return None if task.extent is None else task.extent(conf["task"])
 
 
 def memory_limit() -> tuple[int, str]:
@@ -739,29 +730,17 @@ def policy_name(policy: kvpolicies.Policy) -> str:
 
 
 def check_text(conf: dict[str, Any], tokenizer: Any, text: str | None) -> None:
-    """The checks that need the tokenizer (run after it loads, before the weights): the text has
-    `tokens` + 1 tokens (perplexity); the shortest retrieval prompt fits its template, needles and
-    question. ConfigError naming the field."""
+    """The checks that need the tokenizer (run after it loads, before the weights), the task's own
+    (`check_text`: perplexity's text has `tokens` + 1 tokens; a retrieval task's shortest prompt
+    fits its template, needles and question). ConfigError naming the field."""
     if tokenizer is None:
         return
-    name = conf["task"]["name"]
-    try:
-        if name == "perplexity" and text is not None:
-            from evals.perplexity import token_prefix
-
-            token_prefix(tokenizer, text, conf["task"]["tokens"] + 1)
-        elif name in ("passkey", "niah", "multikey"):
-            from evals import retrieval
-
-            retrieval.check_prompts(conf["task"], tokenizer, conf["seed"])
-        elif name in RULER_TASKS:
-            from evals import ruler
-
-            ruler.check_prompts(conf["task"], tokenizer, conf["seed"])
-    except ValueError as e:
-        if name == "perplexity":
-            raise ConfigError(f"tokens={conf['task']['tokens']}: {e} ({_data_field(conf)})") from None
-        raise ConfigError(f"task.lengths={_list(conf['task'].get('lengths'))}: {e}") from None
+    task = load_task(conf["task"]["name"])
+    if task.check_text is not None:
+        try:
+            task.check_text(conf, tokenizer, text)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def _list(v: Any) -> str:

@@ -37,7 +37,7 @@ import kvpolicies
 from evals import prefills
 from evals import retrieval as R
 from evals import ruler
-from evals.common import TaskContext, TaskResult
+from evals.common import Task, TaskContext, TaskResult, lengths_field
 
 DEFAULTS = {"lengths": [2048], "trials": 4, "gen": 512, "steps": 24, "haystack": "pg"}
 INSTRUCTION = ("Read the essay below. After it comes an arithmetic problem: solve that problem, "
@@ -198,3 +198,6 @@ def means(cells: list[dict[str, float]]) -> dict[str, float]:
     """The mean of each number over trials (full's answers as `full_accuracy`)."""
     out = {k: float(np.mean([c[k] for c in cells])) for k in cells[0] if k not in ("span", "full_score")}
     return out | {"full_accuracy": float(np.mean([c["full_score"] for c in cells]))}
+
+
+TASK = Task(run=run, check=check, extent=lambda task: (lengths_field(task), *extent(task), 1))

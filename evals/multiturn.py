@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 from evals import prefills
 from evals import retrieval as R
 from evals import ruler
-from evals.common import TaskContext, TaskResult
+from evals.common import Task, TaskContext, TaskResult, lengths_field
 from evals.results import latest, load_array, read
 
 MODES = ("once", "every")
@@ -334,3 +334,13 @@ def run(ctx: TaskContext) -> TaskResult:
 
 if __name__ == "__main__":
     main()
+
+
+def extent(task: dict) -> tuple[str, int, int, int]:
+    """(field, context tokens, tokens after them: every turn's question and answer, batch 1)."""
+    t = check(task)
+    return lengths_field(task), max_len(t) - t["gen"], t["gen"], 1
+
+
+# `order` came after the first rows were keyed: at depth they keep their keys
+TASK = Task(run=run, check=check, extent=extent, later_keys={"order": "depth"})

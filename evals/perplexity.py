@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from evals.common import TaskContext, TaskResult, compile_time
+from evals.common import Task, TaskContext, TaskResult, compile_time
 
 KEYS = ("name", "tokens", "segment")
 
@@ -93,3 +93,21 @@ def run(ctx: TaskContext) -> TaskResult:
     metrics, curves = summarize(nll, segment, ctx.model.cfg.max_position)
     metrics.update(throughput(tokens, seconds, compiled.seconds))
     return TaskResult(metrics=metrics, arrays={"nll": nll.astype(np.float32)}, curves=curves)
+
+
+def check_text(conf: dict, tokenizer, text: str | None) -> None:
+    """The text has `tokens` + 1 tokens (the stream and its next token)."""
+    if text is None:
+        return
+    n = conf["task"]["tokens"]
+    try:
+        token_prefix(tokenizer, text, n + 1)
+    except ValueError as e:
+        data = conf["data"]
+        where = f"data.path={data['spec']}" if data.get("name") == "path" else \
+            f"data={data.get('name')} (spec {data['spec']!r})"
+        raise ValueError(f"tokens={n}: {e} ({where})") from None
+
+
+TASK = Task(run=run, check=check, extent=lambda task: (f"tokens={task['tokens']}", task["tokens"], 0, 1),
+            cells=lambda task: 1, check_text=check_text)

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from evals.common import Sample, TaskContext, TaskResult, answer, wilson
+from evals.common import Sample, Task, TaskContext, TaskResult, answer, lengths_field, wilson
 
 SNAP = 48  # a needle moves at most this many tokens from the asked depth to reach a sentence end
 
@@ -509,3 +509,27 @@ def recall(ctx: TaskContext) -> TaskResult:
         arrays[f"correct@{n}"], arrays[f"pair@{n}"] = correct, which
     metrics = _metrics(grid, cfg["n_pairs"], key="n_pairs") | {"chance": 1.0 / task.n_values}
     return TaskResult(metrics=metrics, arrays=arrays, grid=grid, curves=curves)
+
+
+# -- the tasks, as evals.run asks them (evals.common.Task) --------------------------------------------
+def extent(task: dict) -> tuple[str, int, int, int]:
+    """(field, longest prompt, tokens generated, batch) of passkey, niah or multikey."""
+    t = check(task)
+    gen = PASSKEY_TOKENS if task["name"] == "passkey" else NEEDLE_TOKENS
+    return lengths_field(t), max(t["lengths"]), gen, t["batch"]
+
+
+def check_text(conf: dict, tokenizer, text: str | None) -> None:
+    """The shortest prompt fits its template, needles and question (`check_prompts`)."""
+    try:
+        check_prompts(conf["task"], tokenizer, conf["seed"])
+    except ValueError as e:
+        raise ValueError(f"{lengths_field(conf['task'])}: {e}") from None
+
+
+# `protocol` came after the first rows were keyed: at query_aware they keep their keys
+_NEEDLES = dict(check=check, extent=extent, check_text=check_text, later_keys={"protocol": "query_aware"})
+PASSKEY = Task(run=passkey, **_NEEDLES)
+NIAH = Task(run=niah, **_NEEDLES)
+MULTIKEY = Task(run=multikey, **_NEEDLES)
+RECALL = Task(run=recall, check=check)

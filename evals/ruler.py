@@ -69,7 +69,8 @@ from tqdm.auto import tqdm
 
 from evals import prefills
 from evals import retrieval as R
-from evals.common import Sample, TaskContext, TaskResult, accuracy_record, answer, wilson  # noqa: F401  (re-exported)
+from evals.common import (Sample, Task, TaskContext, TaskResult, accuracy_record, answer,  # noqa: F401  (re-exported)
+                          lengths_field, wilson)
 
 PROTOCOLS = ("query_aware", "query_agnostic")
 DEPTH_GRID = np.linspace(0.0, 1.0, 40)  # RULER's 40 depths (0..100 %)
@@ -624,3 +625,15 @@ def shared_prefill(engines: Sequence, prompts: Sequence[Sample], n: int, protoco
             for k, s in enumerate(prompts):
                 out[i][k] = answer(engines[i], [s], n, protocol, chunk)[0]
     return out, {"prefills": store.prefills, "prefills_unshared": len(engines) * len(prompts)}
+
+
+def check_text(conf: dict, tokenizer, text: str | None) -> None:
+    """The shortest prompt fits its template and question (`check_prompts`)."""
+    try:
+        check_prompts(conf["task"], tokenizer, conf["seed"])
+    except ValueError as e:
+        raise ValueError(f"{lengths_field(conf['task'])}: {e}") from None
+
+
+# every task of TASKS, as evals.run asks it (evals.common.Task)
+TASK = Task(run=run, check=check, extent=lambda task: (lengths_field(task), *extent(task)), check_text=check_text)

@@ -50,7 +50,7 @@ from evals import results as R
 from evals import zoo
 from evals.common import TaskContext, TaskResult
 from evals.config import (CONFIG_DIR, ConfigError, check_text, compose, load_task, register_configs, resolve_policy,
-                          task_extent, validate)
+                          task_cells, task_extent, task_later_keys, validate)
 from evals.zoo import dtype
 from kvpolicies.budgets import context_kept
 
@@ -60,8 +60,6 @@ KEY_FIELDS = ("model", "data", "policy", "task", "chunk", "seed")
 LATER_FIELDS = {"ratio": 0.0, "pooling": "max", "safeguard_window": False, "interval": 0, "target": 0, "slots": 0}
 POLICY_LATER_FIELDS = {"kvzip": {"scope": "layer", "keep_last": True, "prompts": "authors"}, "duo": {"appended": 0},
                        "kvzap": {"prefill": "dense"}}
-# Task keys added after results were keyed, with their defaults (left out of the key there).
-TASK_LATER_FIELDS = {"multiturn": {"order": "depth"}}
 # Top-level keys that say how to run, not what: left out of the row's "config".
 NOT_IN_ROW = ("results", "progress", "force")
 
@@ -124,11 +122,10 @@ def run_key(conf: dict[str, Any], policy: kvpolicies.Policy) -> str:
         keyed["fit"] = conf["fit"]
     # task.extrapolate only allows a run (retrieval past the trained length), it changes no number
     keyed["task"] = {k: v for k, v in conf["task"].items() if k != "extrapolate"}
-    for field, default in TASK_LATER_FIELDS.get(keyed["task"].get("name"), {}).items():
+    # task keys added after rows were keyed (the task's `later_keys`): at the default, left out of the key
+    for field, default in task_later_keys(keyed["task"]).items():
         if keyed["task"].get(field, default) == default:
             keyed["task"].pop(field, None)
-    if keyed["task"].get("protocol") == "query_aware" and keyed["task"]["name"] in ("passkey", "niah", "multikey"):
-        del keyed["task"]["protocol"]  # the default: rows from before protocols existed keep their keys
     keyed["policy"] = R.policy_record(policy)  # as built: defaults included, interpolations resolved
     # a user's own text or checkpoint: its contents are part of the key (size, mtime, head/tail hash),
     # so a rewritten file is run again, not skipped as "already in"; built-in data and models keep their keys
@@ -417,10 +414,7 @@ def estimate(conf: dict[str, Any]) -> tuple[float, str] | None:
 
     stack = [p for a, b, p in policy_runs(layers, mc.n_layers) for _ in range(b - a)]
     capacity = max(p.capacity(length + gen) for p in stack)
-    task = conf["task"]
-    cells = 1 if task["name"] == "perplexity" else max(1, len(task.get("lengths") or [1])) * max(
-        1, len(task.get("depths") or [1])) * max(1, int(task.get("trials") or 1))
-    flops = cells * batch * model_flops(mc, length + gen, capacity)
+    flops = task_cells(conf["task"]) * batch * model_flops(mc, length + gen, capacity)
     rate = matmul_flops_per_s(mc.d_model, mc.d_ff, zoo.dtype(conf["model"]).name)
     return flops / rate, (f"{field}: ~{flops / 1e12:.3g} TFLOP of model and attention math at the {rate / 1e9:.3g} "
                           "GFLOP/s a matmul of this model's shape reached here; compilation and eviction work add "

@@ -30,12 +30,13 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from kvpolicies.base import Policy, SlotState
+from kvpolicies.base import Policy
 from kvpolicies import Rope, attend
 from kvpolicies.attend import Deferred, write_deferred
 from kvpolicies.rope import RopeTable
 from kvpolicies.slots import has_prefix_slots
 from models.config import LlamaConfig
+from models.protocol import Cache  # noqa: F401  (one state per run of identical policies; re-exported)
 
 LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 BIAS_KEYS = ("bq", "bk", "bv")
@@ -47,8 +48,6 @@ def layer_keys(cfg: LlamaConfig) -> tuple[str, ...]:
     """The per-layer weight names a config implies."""
     return (LAYER_KEYS + (BIAS_KEYS if cfg.qkv_bias else ()) + (QK_NORM_KEYS if cfg.qk_norm else ())
             + (POST_NORM_KEYS if cfg.post_norms else ()))
-
-Cache = tuple[SlotState, ...]  # one state per run of identical policies, leaves [L_run, ...]
 
 
 def init_params(cfg: LlamaConfig, seed: int = 0, std: float = 0.02) -> dict:
@@ -145,7 +144,8 @@ def with_tuning(model: "Llama", tuning) -> "Llama":
 
 
 class Llama(nnx.Module):
-    """Llama-family decoder. `Llama(cfg, params)` wraps canonical-layout weights as nnx.Params."""
+    """Llama-family decoder. `Llama(cfg, params)` wraps canonical-layout weights as nnx.Params.
+    It satisfies `models.protocol.LanguageModel`, what the engine calls."""
 
     def __init__(self, cfg: LlamaConfig, params: dict | None = None, dtype=jnp.float32):
         params = init_params(cfg) if params is None else params
@@ -239,6 +239,17 @@ class Llama(nnx.Module):
     def final(self, x: Float[Array, "B T d"]) -> Float[Array, "B T d"]:
         """The final norm (before `logits`)."""
         return rms_norm(x, self.final_norm[...], self.cfg.norm_eps)
+
+    def layer_weights(self) -> tuple[dict, ...]:
+        """Each layer's weights as separate arrays (a copy of the stacked layer weights, through
+        host memory, no compilation), with the q/k/v projections and the MLP's gate/up each
+        concatenated into one matrix (`wqkv`, `w_gu`: one matvec instead of three and two; `block`
+        splits the products): what `layer` takes (`models.engine.layers.layer_weights` keeps them)."""
+        stacked = {k: np.asarray(v[...]) for k, v in self.layers.items()}  # each [L, ...]
+        fused = {"wqkv": ("wq", "wk", "wv"), "w_gu": ("w_gate", "w_up")}
+        for name, parts in fused.items():
+            stacked[name] = np.concatenate([stacked.pop(k) for k in parts], axis=-1)
+        return tuple({k: jnp.array(a[i]) for k, a in stacked.items()} for i in range(self.cfg.n_layers))
 
     def layer(self, policy: Policy, local: bool, w: dict, x: Float[Array, "B T d"], pos: Int[Array, "B T"],
               state, tables: dict[str, RopeTable] | None = None, reach: int | None = None):

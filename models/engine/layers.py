@@ -23,18 +23,11 @@ _LAYER_WEIGHTS: "weakref.WeakKeyDictionary[Llama, tuple[dict, ...]]" = weakref.W
 
 
 def layer_weights(model: Llama) -> tuple[dict, ...]:
-    """Each layer's weights as separate arrays (a copy of the stacked layer weights, made once
-    per model through host memory, no compilation; shared by the model's engines), with the
-    q/k/v projections and the MLP's gate/up each concatenated into one matrix (`wqkv`, `w_gu`:
-    one matvec instead of three and two; `models.llama.block` splits the products).
-    Layer-by-layer decoding reads them in place."""
+    """Each layer's weights as arrays of their own (`model.layer_weights()`, the form its `layer`
+    takes), made once per model and shared by the model's engines. Layer-by-layer decoding reads
+    them in place."""
     if model not in _LAYER_WEIGHTS:
-        stacked = {k: np.asarray(v[...]) for k, v in model.layers.items()}  # each [L, ...]
-        fused = {"wqkv": ("wq", "wk", "wv"), "w_gu": ("w_gate", "w_up")}
-        for name, parts in fused.items():
-            stacked[name] = np.concatenate([stacked.pop(k) for k in parts], axis=-1)
-        _LAYER_WEIGHTS[model] = tuple({k: jnp.array(a[i]) for k, a in stacked.items()}
-                                      for i in range(model.cfg.n_layers))
+        _LAYER_WEIGHTS[model] = model.layer_weights()
     return _LAYER_WEIGHTS[model]
 
 
