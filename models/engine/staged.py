@@ -125,8 +125,7 @@ class Staged:
         """An uncompressed state in this engine's prompt-phase layout: another engine's that this
         one `shares_prompt` with (evals.prefills) is adopted (`full` over a PromptPhase's dense
         slots: its keys rotated), whatever comes next (compress, more prompt, decoding)."""
-        return state if state.compressed else dataclasses.replace(state, cache=self._adopt(state.cache, what),
-                                                                  maker=self.maker(True))
+        return state if state.compressed else dataclasses.replace(state, cache=self._adopt(state.cache, what), maker=self.maker(True))
 
     def _adopt(self, cache: Cache, what: str = "compress") -> Cache:
         """A prompt-phase cache in this engine's prompt-phase runs (full's runs take the dense

@@ -240,9 +240,10 @@ class Steps:
         `cache`: one this engine made (init_cache, prefill, step; another engine's is refused), or
         a bare tuple of run states of this engine's shapes (then `start` is needed). An explicit
         `start` is the caller's: a gap after the cache's end, or a rewind (`full` then masks its
-        slots past `start` as future until they are written again). Host tokens (numpy, lists) are checked id by id; a jax array (e.g. the
-        argmax of the previous step) is checked for shape and dtype, and its range on the device
-        (one scalar read back: the step waits for the ids, not for their values on the host).
+        slots past `start` as future until they are written again). Host tokens (numpy, lists)
+        are checked id by id; a jax array (e.g. the argmax of the previous step) is checked for
+        shape and dtype, and its range on the device (one scalar read back: the step waits for the
+        ids, not for their values on the host).
         """
         start = None if start is None else check_int("start", start, 0)
         self._refuse_streams("step")
