@@ -29,6 +29,9 @@ Guarantees (tested in tests/evals/test_hostile.py):
   before any model is loaded.
 - An array belongs to its row: `<results>.arrays/<key>.<name>.<content hash>.npy`, so a forced
   re-run never changes an earlier row's array and two results files never share one.
+- Many writers on many hosts (a grid on Ray, a SLURM sweep) use no lock: each process appends to its
+  own shard, `<results>.shards/<host>-<pid>.jsonl` (a shard's appends and key locks take none), and
+  `evals.shards.merge` builds the results file from them; `read` reads a shards folder as a file.
 
 Resuming: a row's `key` hashes the configuration that determines its numbers (model, data,
 policy as built, task, tokens, chunk, seed, and for a user's own data or checkpoint path its
