@@ -185,3 +185,13 @@ def test_a_joblib_sweep_of_four_jobs_merges_into_one_results_file(tmp_path, text
     assert "merged 2 shard(s) into" in proc.stdout + proc.stderr
     with pytest.raises(SystemExit):  # a launcher's sweep refuses force=true (a merge keeps a key's first row)
         evrun.main(argv + ["force=true"])  # (before Hydra launches anything)
+
+
+@pytest.mark.parametrize("extra, says", [(["executor=foo"], "choose from"), (["ray.workers=2"], "give executor=ray"),
+                                         (["executor=ray", "ray.workers=0"], "must be an int >= 1"),
+                                         (["executor=ray", "force=true"], "force=true")])
+def test_bad_executor_keys_are_config_errors_before_any_job(extra, says, text_file, tmp_path):
+    from evals.config import ConfigError
+
+    with pytest.raises(ConfigError, match=says):
+        compare.plan(grid_args(text_file, tmp_path / "r.jsonl") + extra)
