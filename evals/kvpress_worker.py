@@ -172,6 +172,8 @@ def make_press(name: str, ratio: float, fields: dict):
         return kvpress.PrefillDecodingPress(prefilling_press=getattr(kvpress, name)(compression_ratio=ratio, **fields),
                                             decoding_press=decoding)
     cls = getattr(kvpress, name)
+    if name == "ComposedPress":  # presses: [[name, ratio(, fields)], ...], each built here in turn
+        return cls([make_press(p[0], p[1], dict(p[2]) if len(p) > 2 else {}) for p in fields.pop("presses")])
     if "press" in fields or name == "AdaKVPress":  # a wrapper: its own fields, the rest the inner press's (by name)
         own = {f.name for f in dataclasses.fields(cls)} - {"press"}
         wrapper = {k: fields.pop(k) for k in list(fields) if k in own}

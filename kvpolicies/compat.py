@@ -212,9 +212,67 @@ class Blocked(Wrapped):
         return rank_by(jnp.where(kept, 1.0, 0.0), pos)
 
 
+@dataclasses.dataclass(frozen=True)
+class Composed(PromptScored):
+    """kvpress's `ComposedPress(presses)`: the presses applied in turn to the prompt, press i keeping
+    max(1, int(m (1 - r_i))) of the m tokens the previous ones kept; the question and answer
+    appended. The first press may be any prompt scorer of `kvpress` here (it ranks the whole prompt);
+    a later one ranks the kept tokens alone, in no particular order (kvpress hands it the cache the
+    previous press gathered, in score order), so it must be a scorer of token sets (knorm, keydiff,
+    random). Streams (and generation past `max_new`): the last press's rule on overflow."""
+
+    label = "composed"
+    takes_later: ClassVar[tuple[type, ...]] = (Knorm, KeyDiff, RandomKeep)
+
+    presses: tuple = ()
+    budget: int = 1024
+    max_new: int = 256
+    codec: Codec = Identity()
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.presses or not all(isinstance(p, PromptScored) for p in self.presses):
+            raise ValueError(f"composed.presses={self.presses!r}: must be prompt scorers (kvpress(...) results)")
+        later = [p for p in self.presses[1:] if type(p) not in self.takes_later]
+        if later:
+            raise ValueError(f"composed.presses: {type(later[0]).__name__} after the first press: a later press "
+                             f"must be one of {[c.__name__ for c in self.takes_later]} (it ranks the kept tokens alone)")
+
+    @property
+    def observes(self):
+        return self.presses[-1].observes
+
+    def kept_for(self, n):
+        for p in self.presses:
+            n = max(1, int(n * (1 - p.ratio)))
+        return n
+
+    def rank(self, slots, keys, stats, seen):
+        return self.presses[-1].rank(slots, keys, stats, seen)
+
+    def prompt_policy(self):
+        phase = self.presses[0].prompt_policy()
+        sinks = [p.collects["query_sink"] for p in self.presses[1:] if "query_sink" in p.collects]
+        if sinks and phase.query_sink < 0:  # a later press's RoPE frequencies (keydiff)
+            phase = dataclasses.replace(phase, query_sink=sinks[0])
+        return dataclasses.replace(phase, of=self)
+
+    def prompt_rank(self, state, slots, keys, stats):
+        pos = slots.pos
+        kept = pos >= 0  # [B, K, V]
+        m = kept.sum(axis=-1, keepdims=True)  # [B, K, 1]
+        for i, p in enumerate(self.presses):
+            m = jnp.maximum(1, jnp.floor(m * (1 - p.ratio))).astype(jnp.int32)  # kvpress's n_kept of what is left
+            sub = slots if i == 0 else dataclasses.replace(slots, pos=jnp.where(kept, pos, -1))
+            prio, tie = p.prompt_rank(state, sub, keys, stats)
+            kept = kept & top_mask(jnp.where(kept, prio, -jnp.inf), tie if i == 0 else pos, m)
+        return rank_by(jnp.where(kept, 1.0, 0.0), pos)
+
+
 PRESSES = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPress", "ExpectedAttentionPress",
            "ObservedAttentionPress", "TOVAPress", "AdaKVPress", "KVzipPress", "DuoAttentionPress",
-           "KeyDiffPress", "LagKVPress", "RandomPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress")
+           "KeyDiffPress", "LagKVPress", "RandomPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress",
+           "ComposedPress")
 SUPPORTED = PRESSES
 WRAPPERS = ("AdaKVPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress")  # `press`: an inner press
 # the inner presses a wrapper takes today, with their own fields (kvpress names)
@@ -301,6 +359,8 @@ def kvpress(name: str, compression_ratio: float, /, *, max_new: int = 256, n_lay
         raise ValueError(f"compression_ratio={r!r}: must be a number in [0, 1)")
     if press == "PerLayerCompressionPress":
         return _per_layer(r, max_new, n_layers, fields)
+    if press == "ComposedPress":
+        return _composed(r, max_new, fields)
     decoding = {k: fields.pop(k) for k in ("compression_interval", "target_size") if k in fields}
     if decoding:
         return _decoding(press, r, max_new, n_layers, decoding, fields)
@@ -360,6 +420,25 @@ def _per_layer(r: float, max_new: int, n_layers: int | None, fields: dict) -> tu
                          f"compression_ratios ({sum(ratios) / len(ratios)!r}, kvpress's read-only property)")
     inner = fields.pop("press")
     return tuple(kvpress(inner, ri, max_new=max_new, **fields) for ri in ratios)
+
+
+def _composed(r: float, max_new: int, fields: dict) -> Composed:
+    """kvpress's `ComposedPress(presses)`: `presses` as kvpress(...) results or [name, ratio(, fields)]
+    lists; kvpress sets its compression_ratio to 1 - prod(1 - r_i) (after a prefill): the one given
+    must be that."""
+    presses = fields.pop("presses", None)
+    if not isinstance(presses, (list, tuple)) or not presses:
+        raise ValueError("kvpress('ComposedPress'): give presses= (kvpress(...) results or [name, ratio, fields] lists)")
+    built = tuple(p if isinstance(p, Policy) else kvpress(p[0], p[1], max_new=max_new, **(p[2] if len(p) > 2 else {}))
+                  for p in presses)
+    if any(not isinstance(p, PromptScored) for p in built):
+        raise NotImplementedError(f"kvpolicies.compat.kvpress: ComposedPress of {built!r} (prompt scorers only; "
+                                  "kvpress refuses AdaKVPress and KVzipPress there too)")
+    kept = float(np.prod([1 - p.ratio for p in built]))
+    if abs(1 - kept - r) > 1e-9:
+        raise ValueError(f"kvpress('ComposedPress', {r}): compression_ratio is 1 - prod(1 - r_i) of its presses "
+                         f"({1 - kept!r}, what kvpress sets)")
+    return Composed(ratio=r, max_new=max_new, presses=built)
 
 
 def _duo(r: float, max_new: int, n_layers: int | None, fields: dict) -> Policy | tuple[Policy, ...]:

@@ -167,3 +167,22 @@ def test_model_scope_keep_compiles_once_for_every_ratio():
         kept = [np.asarray(model_scope_keep(scores, pos, r, 4)).sum() for r in (0.5, 0.75, 0.875)]
     assert first.programs <= 2 and log.programs == 0  # eagerly: 36 programs, one per operation
     assert kept == [3 * 2 * 37 - int(3 * 2 * 37 * r) for r in (0.5, 0.75, 0.875)]
+
+
+def test_composed_press_chains_kvpress_counts_and_refuses_what_it_cannot_chain():
+    """ComposedPress keeps max(1, int(m (1 - r_i))) of what the previous presses kept; its ratio is
+    1 - prod(1 - r_i); a later press must rank token sets (not SnapKV's rows, not LagKV's order)."""
+    from kvpolicies.compat import Composed
+
+    pol = kvpress("ComposedPress", 0.5, presses=[["SnapKVPress", 0.375, {"window_size": 8}], kvpress("KeyDiffPress", 0.2)])
+    assert isinstance(pol, Composed) and pol.presses[0].obs_window == 8
+    assert [pol.kept_for(n) for n in (320, 7, 1)] == [160, 3, 1]  # 320 -> 200 -> 160; 7 -> 4 -> 3; 1 -> 1 -> 1
+    assert (pol.prompt_policy().obs_window, pol.prompt_policy().query_sink) == (8, 4)  # snapkv's rows, keydiff's RoPE
+    with pytest.raises(ValueError, match="1 - prod"):
+        kvpress("ComposedPress", 0.6, presses=[["KnormPress", 0.5], ["KeyDiffPress", 0.5]])
+    with pytest.raises(ValueError, match="after the first press"):
+        kvpress("ComposedPress", 0.75, presses=[["KnormPress", 0.5], ["SnapKVPress", 0.5]])
+    with pytest.raises(NotImplementedError, match="prompt scorers only"):
+        kvpress("ComposedPress", 0.75, presses=[["AdaKVPress", 0.5], ["KnormPress", 0.5]])
+    with pytest.raises(ValueError, match="presses="):
+        kvpress("ComposedPress", 0.5)

@@ -31,7 +31,7 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_lay
             num_key_value_heads=2, max_position_embeddings=512)
 EXACT = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPress", "ExpectedAttentionPress",
          "ObservedAttentionPress", "TOVAPress", "AdaKVPress", "KVzipPress", "DuoAttentionPress",
-         "KeyDiffPress", "LagKVPress", "ChunkPress", "BlockPress")
+         "KeyDiffPress", "LagKVPress", "ChunkPress", "BlockPress", "ComposedPress")
 # DuoAttentionPress given a head pattern (kvpress downloads the authors' for six checkpoints) and
 # streaming sizes that the 320-token context exceeds. LagKVPress at lag_size 32: 9 partitions of the
 # 316 tokens after the sinks, the budget a multiple of the 8 scored partitions at both ratios (at the
@@ -43,6 +43,13 @@ FIELDS = {"DuoAttentionPress": {"head_scores": [[0.9, 0.1], [0.2, 0.7], [0.4, 0.
           # itself); blocks of 32 after the first n_kept (the KeyDiff paper's block-wise eviction)
           "ChunkPress": {"press": "KeyDiffPress", "chunk_length": 64},
           "BlockPress": {"press": "KeyDiffPress", "block_size": 32}}
+# ComposedPress(SnapKVPress, then KeyDiffPress on what it kept) at each ratio: kvpress's compression_ratio is
+# 1 - prod(1 - r_i) (320 -> 200 -> 160 tokens at 0.5, 320 -> 160 -> 80 at 0.75)
+COMPOSED = {0.5: [["SnapKVPress", 0.375], ["KeyDiffPress", 0.2]], 0.75: [["SnapKVPress", 0.5], ["KeyDiffPress", 0.5]]}
+
+
+def fields_of(press: str, ratio: float) -> dict:
+    return {"presses": COMPOSED[ratio]} if press == "ComposedPress" else FIELDS.get(press, {})
 # RandomPress: torch's draw cannot be matched, kvpress's counts are compared (our draw: test_prompt_matrix)
 # PerLayerCompressionPress(KeyDiffPress) at uneven per-layer ratios of mean 0.5 (kvpress's read-only
 # compression_ratio): kvpress compresses, then fails on the question (at equal ratios it is its inner press)
@@ -71,7 +78,7 @@ def tiny_run(request, tmp_path_factory):
     job = {"checkpoint": None, "save_to": str(tmp / "ckpt"),
            "tiny": {"kind": request.param, "seed": 0, "config": config},
            "context": ctx.tolist(), "question": question.tolist(), "n_new": N_NEW,
-           "presses": [[p, r, FIELDS.get(p, {})] for p in (*EXACT, "RandomPress") for r in RATIOS]
+           "presses": [[p, r, fields_of(p, r)] for p in (*EXACT, "RandomPress") for r in RATIOS]
            + [["PerLayerCompressionPress", 0.5, PER_LAYER]], "tokenizer": "ascii"}
     ref = run_kvpress(job, tmp)
     cfg, params = load_hf(tmp / "ckpt")
@@ -79,7 +86,7 @@ def tiny_run(request, tmp_path_factory):
 
 
 def ours(model: Llama, press: str, ratio: float, ctx: np.ndarray, question: np.ndarray):
-    pol = kvpress(press, ratio, n_layers=model.cfg.n_layers, max_new=64, **FIELDS.get(press, {}))
+    pol = kvpress(press, ratio, n_layers=model.cfg.n_layers, max_new=64, **fields_of(press, ratio))
     # kvzip: the ASCII ids kvpress used; share_steps: engines of one prompt phase (a press's two ratios,
     # knorm's and keydiff's...) compile its steps once, the same computation (tests/models/test_shape_classes.py)
     eng = Engine(model, pol, max_len=N_CTX + N_Q + N_NEW, repeat=ByteTokenizer(), share_steps=True)
