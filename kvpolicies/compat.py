@@ -1,4 +1,4 @@
-"""`kvpress(press, compression_ratio, **fields)`: the policy that reproduces a kvpress 0.5.5 press.
+"""`kvpress(name, compression_ratio, /, **fields)`: the policy that reproduces a kvpress 0.5.5 press.
 
 Shapes: B batch, K kv heads, S slots, V view slots, W observation rows.
 
@@ -33,6 +33,16 @@ sized by their `ratio` field (`PromptScored.kept_for`), with kvpress's defaults:
                             reachable offline) stream; sink_size 128 / recent_size 256 (kvpress's
                             on-the-fly values) trimmed once after the dense prompt, the question
                             and answer appended (`appended=max_new`)
+
+    KeyDiffPress            keydiff (-cos of the key after RoPE with the head's mean unit key)
+    LagKVPress              lagkv (n_sink 4, lag_size 128, cross_scoring False)
+    RandomPress             random with kvpress's counts and our draw (torch's cannot be reproduced)
+
+    Wrappers (`press=` the inner press: a class name, its fields among `fields`, or a kvpress(...) result):
+    PerLayerCompressionPress  one inner policy per layer at `compression_ratios[i]`
+    ChunkPress              `Chunked`: chunks of chunk_length (1024) scored apart (knorm, keydiff, lagkv, random)
+    BlockPress              `Blocked`: KeyDiff's block-wise eviction, blocks of block_size (128) (knorm, keydiff, random)
+    ComposedPress           `Composed`: `presses=` applied in turn (later ones: knorm, keydiff, random)
 
     KnormPress with compression_interval=I, target_size=T: kvpress's PrefillDecodingPress
                             (KnormPress(compression_ratio) on the prefill, DecodingPress(KnormPress(),
