@@ -337,3 +337,11 @@ class Policy:
         only in float rounding: keys summed in one piece, as a dense forward sums them); None (the
         default): always token by token."""
         return None
+
+    @property
+    def appends_only(self) -> bool:
+        """Static: every chunk that `appends_quietly` answers for is known to only append (an engine
+        refuses what would not: `Engine(slots=)`'s shape classes after their compression), so it
+        attends in one step with no token-by-token alternative compiled (a chunk that would evict
+        gets NaN outputs instead). Default False: the alternative is compiled, picked at run time."""
+        return False

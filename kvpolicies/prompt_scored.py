@@ -224,6 +224,11 @@ class PromptScored(Budgeted, KeptTable, PromptCompressor, Scored):
         count = (self.split(state)[0].pos >= 0).sum(axis=-1)  # [B, K] before the step
         return ~self.overflows(count + t, state.pos.shape[-1]).any()
 
+    @property
+    def appends_only(self):
+        """A shape class (`slots`): its engine refuses chunks past the free slots after the compression."""
+        return bool(self.slots) and not self.interval
+
     def prompt_policy(self):
         return PromptPhase(codec=self.codec, of=self, obs_window=0, **self.collects)
 

@@ -70,6 +70,9 @@ def attend_step(policy, state, q, k, v, pos, rope, scale, defer=False, tuning: T
         quiet = policy.appends_quietly(state, q.shape[1])  # None, or a traced bool: the chunk only appends
         if quiet is None:
             return token_by_token(policy, state, q, k, v, pos, rope, scale, tuning)
+        if policy.appends_only:  # no alternative compiled: a chunk that would evict gets NaN outputs
+            out, new_state, visible = whole(policy, state, q, k, v, pos, rope, scale, False, tuning)
+            return jnp.where(quiet, out, jnp.nan), new_state, visible
         return jax.lax.cond(quiet, lambda: whole(policy, state, q, k, v, pos, rope, scale, False, tuning),
                             lambda: token_by_token(policy, state, q, k, v, pos, rope, scale, tuning))
     return whole(policy, state, q, k, v, pos, rope, scale, defer, tuning)

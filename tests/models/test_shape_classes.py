@@ -239,3 +239,15 @@ def test_a_question_that_evicts_nothing_attends_in_one_piece(model, tokens, pres
         else:
             np.testing.assert_allclose(a, b, atol=2e-5, rtol=0)
     np.testing.assert_allclose(np.asarray(fed.logits), np.asarray(steps.logits), atol=2e-5, rtol=0)
+    # a shape class (its engine refuses chunks past the free slots): no token-by-token steps traced
+    monkeypatch.setattr(PromptScored, "appends_quietly", own)
+    if press != "ExpectedAttentionPress":
+        import kvpolicies.attention.step as attention_step
+
+        def refused(*a, **k):
+            raise AssertionError("a shape class traced token-by-token steps for a chunk that only appends")
+
+        monkeypatch.setattr(attention_step, "token_by_token", refused)
+    cls = Engine(model, pol, max_len=MAX_LEN, slots=grid_slots([pol], CFG.n_layers, MAX_LEN))
+    shaped = cls.feed(cls.compress(cls.prompt(ctx)), q, chunk=Q)
+    np.testing.assert_allclose(np.asarray(shaped.logits), np.asarray(fed.logits), atol=2e-5, rtol=0)

@@ -59,8 +59,10 @@ def test_blocks_equal_one_piece_for_every_policy(name, monkeypatch):
         for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(st_whole)):
             np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=1e-5, rtol=0)
         # one piece where compact reads per-slot probabilities, where chunks run as single-token
-        # steps (per_token), and where a policy narrows each query's slots (select: quest)
-        one_piece = {"scores", "logits"} & set(pol.observes) or pol.per_token or \
+        # steps (per_token, unless a chunk that only appends may attend whole: `appends_quietly`),
+        # and where a policy narrows each query's slots (select: quest)
+        steps_only = pol.per_token and pol.appends_quietly(st_whole, 1) is None
+        one_piece = {"scores", "logits"} & set(pol.observes) or steps_only or \
             type(pol).select is not kvpolicies.Policy.select
         assert bool(blocked) == (not one_piece), (repr(pol), len(blocked))
 
