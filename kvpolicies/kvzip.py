@@ -62,7 +62,7 @@ from kvpolicies.checks import check_choice, check_int
 from kvpolicies.codecs import Codec, Identity
 from kvpolicies.prompt import PromptPhase, PromptState, Reconstructor, reconstructs
 from kvpolicies.scored import top_mask
-from kvpolicies.slots import concat, encode_new, view_of
+from kvpolicies.slots import concat, encode_new, inverse_order, view_of
 
 LOWEST = jnp.finfo(jnp.float32).min
 
@@ -320,7 +320,7 @@ def _model_scope_keep(scores: Float[Array, "L B K M"], pos: Int[Array, "L B 1 M"
     flat = jnp.moveaxis(s, 1, 0).reshape(b, n_layers * kh * m)  # [B, L*K*M] layer-major
     n_pruned = table[filled[0, :, 0].sum(-1)][:, None]  # [B, 1]
     order = jnp.lexsort((jnp.broadcast_to(jnp.arange(flat.shape[1]), flat.shape), flat), axis=-1)  # lowest first
-    pruned = jnp.argsort(order, axis=-1) < n_pruned
+    pruned = inverse_order(order) < n_pruned
     return filled & ~jnp.moveaxis(pruned.reshape(b, n_layers, kh, m), 0, 1)
 
 

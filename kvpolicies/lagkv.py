@@ -19,7 +19,7 @@ from kvpolicies.codecs import Codec, Identity
 from kvpolicies.keydiff import rotated
 from kvpolicies.prompt_scored import PromptScored, rank_by
 from kvpolicies.scored import LAST_KEY
-from kvpolicies.slots import take_slots
+from kvpolicies.slots import inverse_order, take_slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +84,7 @@ class LagKV(PromptScored):
             part = jnp.concatenate([self._partition_scores(x, p_max) for x in (ks, vs)], axis=0)
             part = (part[: ks.shape[0]] + part[ks.shape[0]:]) / 2  # [B, K, P, L]
             if not self.cross_scoring:
-                part = jnp.argsort(jnp.argsort(part, axis=-1), axis=-1) / lag
+                part = inverse_order(jnp.argsort(part, axis=-1)) / lag
             tail = p_max * lag
             flat = jnp.pad(part.reshape(part.shape[:2] + (tail,)), ((0, 0), (0, 0), (ns, pos.shape[-1] - ns - tail)))
             scored = (i >= ns) & (i < ns + (n_part - 1) * lag)  # [B, K, V]: in a partition with one after it
@@ -92,7 +92,7 @@ class LagKV(PromptScored):
             prio = jnp.where(n >= ns + 2 * lag, long, short)
         else:
             prio = short
-        prio = take_slots(prio, jnp.argsort(order, axis=-1))  # back to view order
+        prio = take_slots(prio, inverse_order(order))  # back to view order
         return rank_by(prio, pos)
 
     def _partition_scores(self, x: Float[Array, "B K V D"], p_max: int) -> Float[Array, "B K P L"]:

