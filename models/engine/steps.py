@@ -225,10 +225,9 @@ class Steps:
         each row's [B])."""
         tokens = jnp.asarray(tokens, jnp.int32)
         t = tokens.shape[1]
-        if np.ndim(start):  # each row from its own position
-            pos = jnp.asarray(np.asarray(start, np.int32)[:, None] + np.arange(t, dtype=np.int32))  # [B, T]
-        else:
-            pos = jnp.broadcast_to(jnp.arange(start, start + t, dtype=jnp.int32), tokens.shape)  # [B, T]
+        # positions built on the host and copied in (no eager device operation between steps)
+        first = np.asarray(start, np.int32).reshape(-1, 1)  # [B or 1, 1]: each row from its own position
+        pos = jnp.asarray(np.broadcast_to(first + np.arange(t, dtype=np.int32), tokens.shape))  # [B, T]
         logits, cache = self._logits_step(self.params, cache, tokens, pos, prompt=prompt,
                                           reach=self._reach(int(np.max(start)) + t, t, prompt))
         return logits, check_pool(cache)
