@@ -25,7 +25,7 @@ from kvpolicies.base import SlotState
 from kvpolicies.checks import check_int
 from kvpolicies.codecs import Codec, Identity
 from kvpolicies.prompt import query_sums
-from kvpolicies.prompt_scored import PromptScored, rank_by
+from kvpolicies.prompt_scored import PromptScored, chunked, rank_by
 
 
 @jax.tree_util.register_dataclass
@@ -113,6 +113,7 @@ class Expected(PromptScored):
     def join(self, slots, stats):
         return ExpectedState(slots.k, slots.v, slots.pos, stats=stats)
 
+    @chunked
     def observe(self, slots, stats, view, seen, count, s):
         q = seen.q.reshape(seen.q.shape[:2] + (1, -1, seen.q.shape[-1]))  # [B, K, 1, G T, D]: pooled
         pos = jnp.tile(view.rope.q[..., 0], (1, seen.q.shape[2]))  # [B, G T]

@@ -12,7 +12,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from kvpolicies.codecs import Codec, Identity
-from kvpolicies.prompt_scored import PromptScored, rank_by
+from kvpolicies.prompt_scored import PromptScored, chunked, rank_by
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +39,9 @@ class Observed(PromptScored):
     max_new: int = 256
     codec: Codec = Identity()
 
+    @chunked
     def observe(self, slots, stats, view, seen, count, s):
-        return dataclasses.replace(slots, mass=slots.mass + seen.scores[:, :, 0]), stats  # [B, K, V]
+        return dataclasses.replace(slots, mass=slots.mass + seen.scores.sum(axis=2)), stats  # [B, K, V]: each query's
 
     def from_prompt(self, state, pos):
         slots, stats = super().from_prompt(state, pos)

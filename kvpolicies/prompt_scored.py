@@ -16,9 +16,9 @@ view holds S + 1 tokens) triggers the same compression, to `kept()` tokens, rank
 state has seen so far. Memory is fixed whatever the length; chunk never changes which tokens are
 kept. A chunk in which no head overflows (a question appended after the compression, as kvpress
 appends it) evicts nothing: when `observe` takes T queries at once (`@chunked`: snapkv's window
-mass, or nothing kept), it attends in one piece, as a dense forward does (`appends_quietly`), with
-the same slots after it as its single-token steps and outputs equal up to float rounding
-(tests/models/test_shape_classes.py); expected's and observed's statistics keep the steps.
+mass, expected's query sums, observed's column sums, or nothing kept), it attends in one piece,
+as a dense forward does (`appends_quietly`), with the same slots after it as its single-token
+steps, statistics and outputs equal up to float rounding (tests/models/test_shape_classes.py).
 
 `ratio` (kvpress's compression ratio; 0 = off, `budget` sizes): the compression after the prompt
 keeps `kept_for(n)` of the n prompt tokens per kv head, kvpress's n_kept = max(1, int(n (1 - ratio)))

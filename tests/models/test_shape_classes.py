@@ -206,12 +206,13 @@ def test_a_press_ratios_answer_as_rows_of_one_batch(model, tokens):
     np.testing.assert_array_equal(together, np.stack(alone))
 
 
-@pytest.mark.parametrize("press", ["SnapKVPress", "KnormPress", "ExpectedAttentionPress"])
+@pytest.mark.parametrize("press", ["SnapKVPress", "KnormPress", "ExpectedAttentionPress", "ObservedAttentionPress"])
 def test_a_question_that_evicts_nothing_attends_in_one_piece(model, tokens, press, monkeypatch):
-    """A chunk of a per-token prompt scorer that no head overflows (`appends_quietly`: snapkv's and
-    knorm's, whose observation takes T queries at once) attends in one piece: the same positions
-    as its token-by-token steps, keys and values bit for bit, statistics and logits within float
-    rounding; expected (its query statistics per token) keeps its steps (None)."""
+    """A chunk of a per-token prompt scorer that no head overflows (`appends_quietly`: each
+    observation takes T queries at once, `@chunked`) attends in one piece: the same positions as
+    its token-by-token steps, keys and values bit for bit, statistics (snapkv's window mass,
+    expected's query sums, observed's column sums) and logits within float rounding; its shape
+    class traces no token-by-token step at all."""
     import jax
 
     from kvpolicies.prompt_scored import PromptScored
@@ -227,11 +228,7 @@ def test_a_question_that_evicts_nothing_attends_in_one_piece(model, tokens, pres
     fed = eng.feed(st, q, chunk=Q)
     monkeypatch.setattr(PromptScored, "appends_quietly", lambda self, state, t: None)
     steps = Engine(model, pol, max_len=MAX_LEN).feed(st, q, chunk=Q)
-    assert asked  # traced once per layer run
-    if press == "ExpectedAttentionPress":
-        assert all(a is None for a in asked)
-    else:
-        assert all(a is not None for a in asked)
+    assert asked and all(a is not None for a in asked)  # traced once per layer run
     for a, b in zip(jax.tree.leaves(fed.cache), jax.tree.leaves(steps.cache)):
         a, b = np.asarray(a), np.asarray(b)
         if np.issubdtype(a.dtype, np.integer) or a.dtype == bool:
@@ -241,13 +238,12 @@ def test_a_question_that_evicts_nothing_attends_in_one_piece(model, tokens, pres
     np.testing.assert_allclose(np.asarray(fed.logits), np.asarray(steps.logits), atol=2e-5, rtol=0)
     # a shape class (its engine refuses chunks past the free slots): no token-by-token steps traced
     monkeypatch.setattr(PromptScored, "appends_quietly", own)
-    if press != "ExpectedAttentionPress":
-        import kvpolicies.attention.step as attention_step
+    import kvpolicies.attention.step as attention_step
 
-        def refused(*a, **k):
-            raise AssertionError("a shape class traced token-by-token steps for a chunk that only appends")
+    def refused(*a, **k):
+        raise AssertionError("a shape class traced token-by-token steps for a chunk that only appends")
 
-        monkeypatch.setattr(attention_step, "token_by_token", refused)
+    monkeypatch.setattr(attention_step, "token_by_token", refused)
     cls = Engine(model, pol, max_len=MAX_LEN, slots=grid_slots([pol], CFG.n_layers, MAX_LEN))
     shaped = cls.feed(cls.compress(cls.prompt(ctx)), q, chunk=Q)
     np.testing.assert_allclose(np.asarray(shaped.logits), np.asarray(fed.logits), atol=2e-5, rtol=0)
