@@ -193,12 +193,12 @@ class Staged:
         if not isinstance(state, Prompted):
             raise ValueError(f"fitted: state must be a Prompted (Engine.prompt), got {type(state).__name__}")
         round_to = check_int("round_to", round_to, 1)
-        self._check_made(state, "fitted")
         if self.placement is not None:
             raise ValueError("fitted: not on a mesh (a per-layer size is not sharded yet)")
         if not any(isinstance(p, Fits) for p in self.policies):
             raise ValueError(f"fitted: no layer's policy can be fit to what it kept (kvzap); got "
                              f"{sorted({type(p).__name__ for p in self.policies})}")
+        self._check_made(state, "fitted")
         kh = self.cfg.n_kv_heads
         if state.compressed:
             layers = split_layers(state.cache)
