@@ -186,13 +186,13 @@ class AdaKV(Budgeted, KeptTable, PromptCompressor, Policy):
             raise ValueError(f"AdaKV.compact needs the attention scores (observes={self.observes})")
         slots, head, p = view.carry
         kh, t = seen.scores.shape[1], seen.scores.shape[2]
-        if t != 1:
-            raise ValueError(f"AdaKV evicts after every token (per_token): got a step of {t} tokens")
         s, w = p // kh, self.obs_window
-        score = seen.scores[:, :, 0].sum(axis=1, keepdims=True)  # [B, 1, V]: each slot's own head (others are 0)
+        score = seen.scores.sum(axis=1)  # [B, T, V]: each query's attention to each slot of its own head
         filled = slots.pos >= 0  # [B, 1, V]
         n = filled.sum(axis=-1, keepdims=True)  # [B, 1, 1] slots in the view (K x tokens per head on average)
-        obs = slots.mass + jnp.where(n >= kh * (s + 2 - w), score, 0.0)  # the last w queries before overflow
+        saw = n[:, 0] - kh * (t - 1 - jnp.arange(t))  # [B, T]: the view of query i of the step (T > 1: a
+        # chunk that evicts nothing, `appends_quietly`; else one token)
+        obs = slots.mass + jnp.where((saw >= kh * (s + 2 - w))[..., None], score, 0.0).sum(axis=1, keepdims=True)
         over = n > p  # [B, 1, 1]
         per_head = head == jnp.arange(kh)[None, :, None]  # [B, K, V]
 
@@ -229,6 +229,17 @@ class AdaKV(Budgeted, KeptTable, PromptCompressor, Policy):
     # -- the paper's protocol: the whole prompt densely, then one compression --------------------
     def prompt_policy(self):
         return PromptPhase(codec=self.codec, of=self, obs_window=self.obs_window)
+
+    def appends_quietly(self, state, t):
+        """No pool overflows within the t tokens (each adds a slot to every head)."""
+        kh = state.pos.shape[1]
+        n = (state.pos >= 0).sum(axis=(1, 2))  # [B] filled slots of the pool
+        return ~(n + kh * t > kh * state.pos.shape[2]).any()
+
+    @property
+    def appends_only(self):
+        """A shape class (`slots`): its engine refuses chunks past the free slots after the compression."""
+        return bool(self.slots)
 
     def kept_table(self, max_len: int) -> np.ndarray | None:
         """[2, max_len + 1]: tokens per kv head on average kept after an n-token prompt (window

@@ -206,27 +206,26 @@ def test_a_press_ratios_answer_as_rows_of_one_batch(model, tokens):
     np.testing.assert_array_equal(together, np.stack(alone))
 
 
-@pytest.mark.parametrize("press", ["SnapKVPress", "KnormPress", "ExpectedAttentionPress", "ObservedAttentionPress"])
+@pytest.mark.parametrize("press", ["SnapKVPress", "KnormPress", "ExpectedAttentionPress", "ObservedAttentionPress", "AdaKVPress"])
 def test_a_question_that_evicts_nothing_attends_in_one_piece(model, tokens, press, monkeypatch):
     """A chunk of a per-token prompt scorer that no head overflows (`appends_quietly`: each
     observation takes T queries at once, `@chunked`) attends in one piece: the same positions as
     its token-by-token steps, keys and values bit for bit, statistics (snapkv's window mass,
-    expected's query sums, observed's column sums) and logits within float rounding; its shape
-    class traces no token-by-token step at all."""
+    expected's query sums, observed's column sums, adakv's pool mass) and logits within float
+    rounding; its shape class traces no token-by-token step at all."""
     import jax
-
-    from kvpolicies.prompt_scored import PromptScored
 
     ctx, q = tokens
     pol = kvpress(press, 0.5, n_layers=CFG.n_layers, max_new=MAX_NEW, **PRESSES[press])
+    kind = type(pol)
     asked = []
-    own = PromptScored.appends_quietly
-    monkeypatch.setattr(PromptScored, "appends_quietly", lambda self, state, t: asked.append(own(self, state, t))
+    own = kind.appends_quietly
+    monkeypatch.setattr(kind, "appends_quietly", lambda self, state, t: asked.append(own(self, state, t))
                         or asked[-1])
     eng = Engine(model, pol, max_len=MAX_LEN)
     st = eng.compress(eng.prompt(ctx))
     fed = eng.feed(st, q, chunk=Q)
-    monkeypatch.setattr(PromptScored, "appends_quietly", lambda self, state, t: None)
+    monkeypatch.setattr(kind, "appends_quietly", lambda self, state, t: None)
     steps = Engine(model, pol, max_len=MAX_LEN).feed(st, q, chunk=Q)
     assert asked and all(a is not None for a in asked)  # traced once per layer run
     for a, b in zip(jax.tree.leaves(fed.cache), jax.tree.leaves(steps.cache)):
@@ -237,7 +236,7 @@ def test_a_question_that_evicts_nothing_attends_in_one_piece(model, tokens, pres
             np.testing.assert_allclose(a, b, atol=2e-5, rtol=0)
     np.testing.assert_allclose(np.asarray(fed.logits), np.asarray(steps.logits), atol=2e-5, rtol=0)
     # a shape class (its engine refuses chunks past the free slots): no token-by-token steps traced
-    monkeypatch.setattr(PromptScored, "appends_quietly", own)
+    monkeypatch.setattr(kind, "appends_quietly", own)
     import kvpolicies.attention.step as attention_step
 
     def refused(*a, **k):
