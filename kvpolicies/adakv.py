@@ -37,7 +37,7 @@ from kvpolicies.checks import check_choice, check_int
 from kvpolicies.codecs import Codec, Identity
 from kvpolicies.prompt import KeptTable, PromptCompressor, PromptPhase, PromptState
 from kvpolicies.scored import LAST_KEY, Accumulated, stable_order, top_mask
-from kvpolicies.slots import concat, encode_new, take_slots
+from kvpolicies.slots import QuietChunks, concat, encode_new, take_slots
 from kvpolicies.snapkv import SnapKV
 
 
@@ -85,7 +85,7 @@ def head_of(pos: Int[Array, "B 1 V"], kv_heads: int) -> Int[Array, "B 1 V"]:
 
 
 @dataclasses.dataclass(frozen=True)
-class AdaKV(Budgeted, KeptTable, PromptCompressor, Policy):
+class AdaKV(Budgeted, KeptTable, PromptCompressor, QuietChunks, Policy):
     """SnapKV with head-adaptive budgets: a layer keeps K x budget candidates in all.
 
     Compression (after the prompt, and again on overflow for streams, as `snapkv`): every kv head

@@ -328,20 +328,3 @@ class Policy:
         fields of its own (Quest's page bounds) adds those writes (`Deferred.fields`)."""
         app = view.append
         return None if app is None or app.start is None else Deferred(app.slots, app.start)
-
-    def appends_quietly(self, state: SlotState, t: int) -> Bool[Array, ""] | None:
-        """For a `per_token` policy: whether a step of t tokens would only append them to `state`
-        (no token evicted, no statistic changed by what they attend), so that attention may take
-        the chunk in one piece and reach the state the t single-token steps would (a traced bool,
-        `kvpolicies.attention.step` picks the path with it; the outputs then differ from the steps'
-        only in float rounding: keys summed in one piece, as a dense forward sums them); None (the
-        default): always token by token."""
-        return None
-
-    @property
-    def appends_only(self) -> bool:
-        """Static: every chunk that `appends_quietly` answers for is known to only append (an engine
-        refuses what would not: `Engine(slots=)`'s shape classes after their compression), so it
-        attends in one step with no token-by-token alternative compiled (a chunk that would evict
-        gets NaN outputs instead). Default False: the alternative is compiled, picked at run time."""
-        return False

@@ -56,7 +56,7 @@ from kvpolicies.budgets import Budgeted
 from kvpolicies.checks import check_int
 from kvpolicies.prompt import KeptTable, PromptCompressor, PromptPhase, PromptState
 from kvpolicies.scored import Accumulated, Scored, append_packed, pack, top_mask
-from kvpolicies.slots import Pending, concat, view_of
+from kvpolicies.slots import Pending, QuietChunks, concat, view_of
 
 
 def chunked(observe):
@@ -66,7 +66,7 @@ def chunked(observe):
 
 
 @dataclasses.dataclass(frozen=True)
-class PromptScored(Budgeted, KeptTable, PromptCompressor, Scored):
+class PromptScored(Budgeted, KeptTable, PromptCompressor, QuietChunks, Scored):
     """Keep the `kept()` best-ranked tokens after the prompt, append after; recompress on overflow."""
 
     per_token = True

@@ -192,6 +192,34 @@ class PrefixSlots:
         return put_head(state, head, lead)
 
 
+class QuietChunks:
+    """Capability of a `per_token` policy (a decode-time evictor, whose chunks run as single-token
+    steps): it can say that a chunk of t tokens would only append them, no token evicted and no
+    statistic changed but by an observation that takes t queries at once, so that attention may
+    take that chunk in one step, as a dense forward does, and reach the state the t steps would
+    (outputs equal up to float rounding: keys summed in one piece). The prompt scorers and adakv
+    have it: a question after their compression only appends."""
+
+    def appends_quietly(self, state: Any, t: int) -> Any:
+        """A traced bool: the t tokens only append to `state`; None: always token by token."""
+        return None
+
+    @property
+    def appends_only(self) -> bool:
+        """Static: every chunk `appends_quietly` answers for is known to only append (an engine
+        refuses what would not: `Engine(slots=)`'s shape classes after their compression), so no
+        token-by-token alternative is compiled (a chunk that would evict gets NaN outputs)."""
+        return False
+
+
+def quiet_chunk(policy: Any, state: Any, t: int) -> tuple[Any, bool]:
+    """(`appends_quietly(state, t)`, `appends_only`) of a `QuietChunks` policy; (None, False) for any
+    other: its chunks run token by token."""
+    if not isinstance(policy, QuietChunks):
+        return None, False
+    return policy.appends_quietly(state, t), policy.appends_only
+
+
 def has_prefix_slots(policy: Any) -> bool:
     """Whether a step of `policy` at positions below n needs only the state's first n slots
     (`PrefixSlots`), so that the engine may hand it a length bucket."""

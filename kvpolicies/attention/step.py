@@ -23,6 +23,7 @@ from kvpolicies.attention.record import report
 from kvpolicies.attention.tuning import DEFAULT, Tuning
 from kvpolicies.base import Deferred, Policy, SlotState, check_codec
 from kvpolicies.rope import Rope, RopeTable
+from kvpolicies.slots import quiet_chunk
 
 
 def attend(
@@ -67,10 +68,10 @@ def attend(
 def attend_step(policy, state, q, k, v, pos, rope, scale, defer=False, tuning: Tuning = DEFAULT):
     """`attend` unchecked, plus the most keys any query of the step attended (int32 scalar)."""
     if policy.per_token and q.shape[1] > 1:
-        quiet = policy.appends_quietly(state, q.shape[1])  # None, or a traced bool: the chunk only appends
+        quiet, only = quiet_chunk(policy, state, q.shape[1])  # None, or a traced bool: the chunk only appends
         if quiet is None:
             return token_by_token(policy, state, q, k, v, pos, rope, scale, tuning)
-        if policy.appends_only:  # no alternative compiled: a chunk that would evict gets NaN outputs
+        if only:  # no alternative compiled: a chunk that would evict gets NaN outputs
             out, new_state, visible = whole(policy, state, q, k, v, pos, rope, scale, False, tuning)
             return jnp.where(quiet, out, jnp.nan), new_state, visible
         return jax.lax.cond(quiet, lambda: whole(policy, state, q, k, v, pos, rope, scale, False, tuning),

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import kvpolicies
+from kvpolicies.slots import quiet_chunk
 from tests.refs.helpers import run_policy
 from tests.refs.registry import REFERENCES, ROPE, qkv
 
@@ -61,7 +62,7 @@ def test_blocks_equal_one_piece_for_every_policy(name, monkeypatch):
         # one piece where compact reads per-slot probabilities, where chunks run as single-token
         # steps (per_token, unless a chunk that only appends may attend whole: `appends_quietly`),
         # and where a policy narrows each query's slots (select: quest)
-        steps_only = pol.per_token and pol.appends_quietly(st_whole, 1) is None
+        steps_only = pol.per_token and quiet_chunk(pol, st_whole, 1)[0] is None
         one_piece = {"scores", "logits"} & set(pol.observes) or steps_only or \
             type(pol).select is not kvpolicies.Policy.select
         assert bool(blocked) == (not one_piece), (repr(pol), len(blocked))
