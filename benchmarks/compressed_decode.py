@@ -33,9 +33,11 @@ from models.reconstruct import RepeatPrompts
 
 QUESTION_CHUNK = 4  # as evals.peer feeds a question into a compressed state
 # PerLayerCompressionPress needs per-layer ratios; KeyDiff, LagKV and Random decode as KnormPress (the same
-# PromptScored state, appended alike): timing them again adds nothing
+# PromptScored state, appended alike): timing them again adds nothing; the wrappers (Chunk, Block, Composed)
+# decode as the press they wrap
 DEFAULT_PRESSES = [p for p in PRESSES if p not in ("DuoAttentionPress", "PyramidKVPress", "PerLayerCompressionPress",
-                                                   "KeyDiffPress", "LagKVPress", "RandomPress")]
+                                                   "KeyDiffPress", "LagKVPress", "RandomPress", "ChunkPress",
+                                                   "BlockPress", "ComposedPress")]
 
 
 def best_of(fn, repeats: int) -> float:
@@ -61,7 +63,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--ratio", type=float, default=0.25, help="kvpress's compression ratio")
     ap.add_argument("--presses", nargs="+", default=DEFAULT_PRESSES, choices=[p for p in PRESSES
-                                                                              if p not in ("DuoAttentionPress", "PerLayerCompressionPress")])
+                                                                              if p not in ("DuoAttentionPress", "PerLayerCompressionPress",
+                                                                                           "ChunkPress", "BlockPress",
+                                                                                           "ComposedPress")])
     ap.add_argument("--question", type=int, default=64, help="question tokens after the context")
     ap.add_argument("--gen", type=int, default=30, help="greedy tokens of generate_s")
     ap.add_argument("--repeats", type=int, default=2)
