@@ -64,9 +64,10 @@ def _rows(path: Path) -> list[dict[str, Any]]:
 
 
 def done_keys(results: str | os.PathLike) -> set[str]:
-    """Keys with a successful row (not `failed`) in the results file or in any of its shards."""
+    """Keys with a finished row (`results.finished`: a run's fields, not `failed`) in the results file
+    or in any of its shards."""
     rows = _rows(Path(results)) + [r for s in shard_files(results) for r in _rows(s)]
-    return {r["key"] for r in rows if "key" in r and not r.get("failed")}
+    return {r["key"] for r in rows if "key" in r and R.finished(r)}
 
 
 def find(results: str | os.PathLike, key: str) -> dict[str, Any] | None:
@@ -76,7 +77,7 @@ def find(results: str | os.PathLike, key: str) -> dict[str, Any] | None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         rows = _rows(Path(results)) + [r for s in shard_files(results) for r in _rows(s)]
-    found = [r for r in rows if r.get("key") == key and not r.get("failed")]
+    found = [r for r in rows if r.get("key") == key and R.finished(r)]
     return found[-1] if found else None
 
 
@@ -126,7 +127,7 @@ def merge(results: str | os.PathLike, shards: Iterable[str | os.PathLike] | None
     paths = [Path(s) for s in shards] if shards is not None else shard_files(results)
     existing = _rows(results)
     seen = {identity(r) for r in existing}
-    done = {r.get("key") for r in existing if not r.get("failed")}
+    done = {r.get("key") for r in existing if R.finished(r)}
     out = Merged(shards=len(paths))
     lines: list[bytes] = []
     arrays = R.array_dir(results)
@@ -136,7 +137,7 @@ def merge(results: str | os.PathLike, shards: Iterable[str | os.PathLike] | None
             if ident in seen:
                 out.present += 1
                 continue
-            if not row.get("failed") and row.get("key") in done:
+            if R.finished(row) and row.get("key") in done:
                 out.duplicates += 1
                 continue
             moved = {}
@@ -146,7 +147,7 @@ def merge(results: str | os.PathLike, shards: Iterable[str | os.PathLike] | None
             clean = {k: v for k, v in row.items() if k not in ("_file", "_line")} | {"arrays": moved}
             lines.append((json.dumps(R.json_safe(clean), allow_nan=False, separators=(",", ":")) + "\n").encode())
             seen.add(ident)
-            if not row.get("failed"):
+            if R.finished(row):
                 done.add(row.get("key"))
             out.added += 1
     if lines:
@@ -228,7 +229,7 @@ def merge_sweep(confs: list[dict[str, Any]], keys: list[str], say=print) -> list
     rows = []
     for c, key in zip(confs, keys, strict=True):
         mine = [r for r in _rows(Path(c["results"])) if r.get("key") == key]
-        ok = [r for r in mine if not r.get("failed")]
+        ok = [r for r in mine if R.finished(r)]
         if ok or mine:
             rows.append((ok or mine)[-1])
     return rows

@@ -54,8 +54,8 @@ def assert_same_rows(a, b):
 def _row(key, value, tmp, worker, failed=None):
     shard = shards.shard_path(tmp / "r.jsonl", worker)
     rel = R.save_array(shard, key, "nll", np.full(3, value, np.float32))
-    R.append(shard, {"key": key, "metrics": {"ppl": value}, "arrays": {"nll": rel},
-                     **({"failed": failed} if failed else {})})
+    R.append(shard, {"key": key, "task": "perplexity", "policy": "full", "metrics": {"ppl": value},
+                     "arrays": {"nll": rel}, **({"failed": failed} if failed else {})})
 
 
 def test_shards_merge_once_skip_half_lines_and_read_like_a_results_file(tmp_path):
@@ -65,23 +65,24 @@ def test_shards_merge_once_skip_half_lines_and_read_like_a_results_file(tmp_path
     _row("c", float("nan"), tmp_path, "w2", failed="metric(s) ppl not finite")  # failed: merged, not done
     _row("a", 1.5, tmp_path, "w2")  # a second successful row of a done key (a retried job): left out
     assert not R.lock_path(shards.shard_path(res, "w1")).exists()  # a shard takes no lock
+    R.append(shards.shard_path(res, "w4"), {"key": "e"})  # a line holding only a key is not a finished run
     with open(shards.shard_path(res, "w3"), "wb") as f:  # a worker killed mid-row
         f.write(b'{"key": "d", "metrics": {"pp')
     with pytest.warns(UserWarning, match="w3.jsonl, line 1: not valid JSON"):
         assert shards.done_keys(res) == {"a", "b"}
     with pytest.warns(UserWarning, match="w3.jsonl, line 1: not valid JSON"):
         m = shards.merge(res)
-    assert (m.added, m.present, m.duplicates, m.shards) == (3, 0, 1, 3)
+    assert (m.added, m.present, m.duplicates, m.shards) == (4, 0, 1, 4)
     rows = R.read(res)
-    assert [r["key"] for r in rows] == ["a", "b", "c"] and rows[0]["metrics"]["ppl"] == 1.0
+    assert [r["key"] for r in rows] == ["a", "b", "c", "e"] and rows[0]["metrics"]["ppl"] == 1.0
     np.testing.assert_array_equal(R.load_array(rows[1], "nll"), np.full(3, 2.0, np.float32))
-    assert all(r["arrays"]["nll"].startswith("r.jsonl.arrays/") for r in rows)
+    assert all(r["arrays"]["nll"].startswith("r.jsonl.arrays/") for r in rows[:3]) and not rows[3]["arrays"]
     before = res.read_bytes()
     with pytest.warns(UserWarning, match="not valid JSON"):
         again = shards.merge(res)
-    assert (again.added, again.present) == (0, 3) and res.read_bytes() == before  # idempotent
+    assert (again.added, again.present) == (0, 4) and res.read_bytes() == before  # idempotent
     with pytest.warns(UserWarning, match="not valid JSON"):  # tables and figures read shards alike
-        assert sorted(r["key"] for r in R.read(shards.shard_dir(res))) == ["a", "a", "b", "c"]
+        assert sorted(r["key"] for r in R.read(shards.shard_dir(res))) == ["a", "a", "b", "c", "e"]
 
 
 # -- Ray ----------------------------------------------------------------------------------------
