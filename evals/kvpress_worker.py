@@ -9,7 +9,8 @@ A "tiny" job builds a random transformers model (biases and norms perturbed) and
 `save_to` first, for our loader. Per press, as kvpress's pipeline runs it: the context prefilled
 under `press(model)` into a DynamicCache (ObservedAttentionPress: eager attention, else sdpa),
 then the question at positions after the context and greedy tokens, no further compression.
-Out: {name@ratio: {"kept": [layer][kv head] positions, "answer": ids} or {"error": text} (with "kept" when
+Out: {name@ratio: {"kept": [layer][kv head] positions, "cache_bytes": bytes of the cache's key and value
+tensors after the compression, "answer": ids} or {"error": text} (with "kept" and "cache_bytes" when
 the press compressed and the question then failed: PyramidKVPress's uneven layers); kept
 positions are read by matching each cached key to the uncompressed cache's keys (exact copies).
 
@@ -201,10 +202,12 @@ def run(model, press, ctx, question, n_new, full_keys):
                 pos = pos[~torch.isin(torch.arange(len(pos)), drop)]
             heads.append(sorted(int(p) for p in pos))
         kept.append(heads)
+    # the bytes kvpress's cache holds after the compression (its key and value tensors, masked slots included)
+    held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
     try:
-        return {"kept": kept, "answer": greedy(model, cache, question, ctx.shape[1], n_new)}
+        return {"kept": kept, "cache_bytes": held, "answer": greedy(model, cache, question, ctx.shape[1], n_new)}
     except Exception as e:  # noqa: BLE001  kvpress compressed, then failed on the question: both are results
-        return {"kept": kept, "error": f"{type(e).__name__}: {e}"}
+        return {"kept": kept, "cache_bytes": held, "error": f"{type(e).__name__}: {e}"}
 
 
 class Tracker:
