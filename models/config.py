@@ -1,4 +1,4 @@
-"""Configuration of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2, Gemma 3).
+"""Configuration of a Llama-family decoder (Llama 2/3.x, Mistral, Qwen2, Qwen3, SmolLM2, Gemma 3).
 
 The canonical parameter layout every loader produces (numpy or jax arrays, float32):
 
@@ -18,7 +18,9 @@ The canonical parameter layout every loader produces (numpy or jax arrays, float
 Norm weights are the multipliers themselves: Gemma's "(1 + w)" convention is resolved by the loaders
 (GGUF files store 1 + w already; HF Gemma checkpoints get 1 added).
 
-Architecture features are fields that compose (no subclass per model): Gemma 3 is
+Architecture features are fields that compose (no subclass per model): Qwen3 is Llama with
+`qk_norm=True` (RMSNorm over each head's q and k before RoPE) and an explicit `head_dim`; Llama 3.1
+and 3.2 are Llama with the llama3 `rope_scaling` (3.2 with tied embeddings); Gemma 3 is
 `act="gelu_tanh", qk_norm=True, post_norms=True, embed_scale=sqrt(d)`, `layer_types` with five
 "local" layers of `sliding_window` tokens per "global" one, and `rope_theta_local` for the local
 layers. Which cache a local layer gets is the caller's choice of per-layer policy
@@ -64,7 +66,7 @@ class LlamaConfig:
     name: str = "llama"
     # -- features beyond Llama (defaults: plain Llama) --
     act: str = "silu"  # gated MLP activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)
-    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Gemma 3)
+    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3, Gemma 3)
     post_norms: bool = False  # RMSNorm on the attention and MLP outputs before each residual add (Gemma 2/3)
     embed_scale: float = 1.0  # token embeddings are multiplied by this (Gemma: sqrt(d_model))
     attn_scale: float | None = None  # attention logit scale; None: head_dim ** -0.5
@@ -135,3 +137,46 @@ def smollm2_135m() -> LlamaConfig:
         d_ff=1536, rope_theta=100000.0, norm_eps=1e-5, tie_embeddings=True,
         max_position=8192, name="SmolLM2-135M-Instruct",
     )
+
+
+def _llama3(factor: float) -> dict[str, Any]:
+    """Llama 3.1 / 3.2's published rope_scaling (config.json), with `factor` (8 for 3.1, 32 for 3.2)."""
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}
+
+
+# The published config.json shapes of the leaderboard's model families (and their smallest sizes),
+# for random-weight models of the real shape (timing without a checkpoint). Ids: the Instruct
+# models' bos and first eos.
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama-3.1-8b": dict(
+        vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, d_ff=14336,
+        rope_theta=500000.0, rope_scaling=_llama3(8.0), norm_eps=1e-5, max_position=131072,
+        bos_id=128000, eos_id=128001, name="Llama-3.1-8B-Instruct",
+    ),
+    "llama-3.2-1b": dict(
+        vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64, d_ff=8192,
+        rope_theta=500000.0, rope_scaling=_llama3(32.0), norm_eps=1e-5, tie_embeddings=True, max_position=131072,
+        bos_id=128000, eos_id=128001, name="Llama-3.2-1B-Instruct",
+    ),
+    "qwen3-8b": dict(
+        vocab_size=151936, d_model=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128, d_ff=12288,
+        rope_theta=1000000.0, norm_eps=1e-6, qk_norm=True, max_position=40960,
+        bos_id=151643, eos_id=151645, name="Qwen3-8B",
+    ),
+    "qwen3-0.6b": dict(
+        vocab_size=151936, d_model=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, d_ff=3072,
+        rope_theta=1000000.0, norm_eps=1e-6, qk_norm=True, tie_embeddings=True, max_position=40960,
+        bos_id=151643, eos_id=151645, name="Qwen3-0.6B",
+    ),
+}
+
+
+def shape_config(name: str) -> LlamaConfig:
+    """The LlamaConfig of a published model's shape (`SHAPES`: llama-3.1-8b, llama-3.2-1b, qwen3-8b,
+    qwen3-0.6b): layers, heads, head_dim, widths, vocabulary, RoPE base and scaling, QK-norm, tying.
+    `Llama(shape_config("qwen3-8b"))` is a random-weight model of the real shape (no checkpoint)."""
+    key = name.lower() if isinstance(name, str) else name
+    if key not in SHAPES:
+        raise ValueError(f"shape_config name={name!r}: known shapes are {sorted(SHAPES)}")
+    return LlamaConfig(**SHAPES[key])

@@ -1,13 +1,14 @@
-"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2, Gemma 3) in Flax NNX, one cache
+"""A Llama-family decoder (Llama 2/3.x, Mistral, Qwen2/3, SmolLM2, Gemma 3) in Flax NNX, one cache
 policy per layer.
 
 Shapes: B batch, T tokens in this step, V vocab, d model width, F MLP width, L layers,
 N query heads, K kv heads, D head dim.
 
-Gemma 3's differences are config fields (models/config.py): GeGLU (`act`), QK-norm, post-attention
-and post-MLP norms, scaled embeddings, and local layers with their own RoPE base. A local layer's
-sliding window is its cache policy's (`models.stacks.model_stack` gives it `window(512)`, which
-stores 512 slots), so the model has no second masking path.
+Qwen3 is Llama with QK-norm (`qk_norm`). Gemma 3's differences are config fields too
+(models/config.py): GeGLU (`act`), QK-norm, post-attention and post-MLP norms, scaled embeddings,
+and local layers with their own RoPE base. A local layer's sliding window is its cache policy's
+(`models.stacks.model_stack` gives it `window(512)`, which stores 512 slots), so the model has no
+second masking path.
 
 Weights of all layers are stacked on a leading L axis; consecutive layers with the same policy
 form a run that is one `lax.scan` (so a 30-layer model compiles one layer body). The cache is a

@@ -14,6 +14,7 @@ first, so a missing, damaged or truncated checkpoint is one ValueError naming th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib.util
 import math
@@ -175,7 +176,7 @@ def _gguf_tensor(tensor: Any) -> np.ndarray:
 _gguf_field = gguf_field
 
 
-GGUF_ARCHS = ("llama", "qwen2", "gemma3")
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 
 
 def gguf_config(
@@ -183,7 +184,8 @@ def gguf_config(
 ) -> LlamaConfig:
     """The LlamaConfig of a GGUF from its metadata (`meta(key) -> value or None`).
 
-    llama, qwen2 (qkv biases) and gemma3. Gemma 3's GGUF leaves implicit what llama.cpp hardcodes
+    llama (Llama 3.1 / 3.2's `rope_freqs` are read by `load_gguf`), qwen2 (qkv biases), qwen3 (QK-norm,
+    `attention.key_length` = head_dim) and gemma3. Gemma 3's GGUF leaves implicit what llama.cpp hardcodes
     for it, and so do we: local layers 5 of every 6 with RoPE base 10,000, logit scale
     head_dim ** -0.5 (query_pre_attn_scalar = head_dim for every size but 27B), GeGLU, QK-norm,
     post-norms, embeddings scaled by sqrt(d).
@@ -213,7 +215,7 @@ def gguf_config(
     if scaling != "none":
         raise ValueError(f"GGUF {arch}.rope.scaling.type={scaling!r}: only unscaled RoPE is supported for GGUF")
     n_layers = get("block_count")
-    gemma: dict[str, Any] = {}
+    gemma: dict[str, Any] = {"qk_norm": True} if arch == "qwen3" else {}
     if arch == "gemma3":
         gemma = dict(
             act="gelu_tanh", qk_norm=True, post_norms=True, embed_scale=_f32(math.sqrt(d_model)),
@@ -240,13 +242,76 @@ def gguf_config(
     )
 
 
+def llama_cpp_rope_freqs(scaling: dict[str, Any], head_dim: int, theta: float) -> np.ndarray:
+    """[D/2] float32 divisors of RoPE's inverse frequencies that llama.cpp's converter stores as
+    `rope_freqs.weight` for a llama3 `scaling` (1 for short wavelengths, `factor` for long ones,
+    1 / ((1 - s) / factor + s) on the ramp between), in float32 arithmetic as it does."""
+    from kvpolicies.rope import Rope
+
+    factor, lo, hi = (np.float32(scaling[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
+    old = np.float32(scaling["original_max_position_embeddings"])
+    wavelen = np.float32(2 * math.pi) / Rope(head_dim, theta).inv_freq()  # [D/2] float32
+    smooth = (old / wavelen - lo) / (hi - lo)
+    ramp = np.float32(1) / ((np.float32(1) - smooth) / factor + smooth)
+    out = np.where(wavelen < old / hi, np.float32(1), np.where(wavelen > old / lo, factor, ramp))
+    return out.astype(np.float32)
+
+
+def llama3_from_rope_freqs(freqs: np.ndarray, head_dim: int, theta: float) -> dict[str, Any] | None:
+    """The llama3 rope_scaling whose `llama_cpp_rope_freqs` are `freqs` (to float32 rounding:
+    rtol 1e-6), or None if every divisor is 1; ValueError if no llama3 scaling gives them.
+
+    `factor` is the largest divisor. On the ramp, s = (1/f - 1/factor) / (1 - 1/factor) equals
+    old / (hi - lo) / wavelength - lo / (hi - lo), which fixes the ramp's ends old / lo and old / hi
+    but not (old, lo, hi) themselves: we take lo = 1 (every Llama 3.x) and fit old and hi, or, with
+    fewer than two ramp frequencies, take hi = 4 (every Llama 3.x). Any choice with the same ends
+    gives the same inverse frequencies, which is what RoPE uses.
+    """
+    from kvpolicies.rope import Rope
+
+    f = np.asarray(freqs, np.float64).reshape(-1)  # [D/2]
+    if f.shape != (head_dim // 2,):
+        raise ValueError(f"{f.size} values for head_dim={head_dim}: expected head_dim / 2 = {head_dim // 2}")
+    if not np.all(np.isfinite(f)) or f.min() <= 0:
+        raise ValueError("divisors must be positive and finite")
+    if np.allclose(f, 1.0, rtol=0, atol=1e-6):
+        return None
+    factor = _f32(f.max())
+    wavelen = 2 * math.pi / Rope(head_dim, theta).inv_freq().astype(np.float64)  # [D/2], increasing
+    kept, scaled = np.isclose(f, 1.0, rtol=1e-6, atol=0), np.isclose(f, factor, rtol=1e-6, atol=0)
+    ramp = ~kept & ~scaled
+    s = (1 / f[ramp] - 1 / factor) / (1 - 1 / factor)
+    candidates = []
+    if ramp.sum() >= 2:  # s = a / wavelength + c with a = old / (hi - lo), c = -lo / (hi - lo); lo = 1
+        a, c = np.polyfit(1 / wavelen[ramp], s, 1)
+        if c < 0:
+            hi = 1 - 1 / c
+            candidates.append((1.0, float(f"{hi:.6g}"), -a / c))
+    if ramp.any():  # lo = 1, hi = 4: each ramp frequency gives old = wavelength * (3 s + 1)
+        candidates.append((1.0, 4.0, float(np.median(wavelen[ramp] * (3 * s + 1)))))
+    else:  # no ramp: any old with every kept wavelength < old / 4 and every scaled one > old
+        low = 4 * wavelen[kept].max() if kept.any() else 0.0
+        high = wavelen[scaled].min()
+        if low < high:
+            p2 = 2.0 ** math.ceil(math.log2(low)) if low > 0 else 2.0 ** math.floor(math.log2(high))
+            candidates.append((1.0, 4.0, p2 if low < p2 < high else (low + high) / 2))
+    for lo, hi, old in candidates:
+        scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": lo, "high_freq_factor": hi,
+                   "original_max_position_embeddings": max(1, int(round(old)))}
+        if np.allclose(llama_cpp_rope_freqs(scaling, head_dim, theta), f, rtol=1e-6, atol=0):
+            return scaling
+    raise ValueError(f"no llama3 rope_scaling gives these per-frequency divisors ({np.round(f, 4).tolist()})")
+
+
 def load_gguf(source: str | pathlib.Path | Any) -> tuple[LlamaConfig, Params]:
-    """Read a llama / qwen2 / gemma3 GGUF into (config, canonical float32 params).
+    """Read a llama / qwen2 / qwen3 / gemma3 GGUF into (config, canonical float32 params).
 
     `source` is a path, a `GGUFFile` or a `gguf.GGUFReader`; sharing one with
     `Tokenizer.from_gguf` saves parsing the metadata twice. Only llama.cpp's "llama" converter
-    permutes Q/K rows for interleaved RoPE; qwen2 and gemma3 are stored in transformers'
-    rotate-half order (llama.cpp runs them with NEOX RoPE).
+    permutes Q/K rows for interleaved RoPE; qwen2, qwen3 and gemma3 are stored in transformers'
+    rotate-half order (llama.cpp runs them with NEOX RoPE). A `rope_freqs.weight` tensor (Llama 3.1
+    / 3.2: llama.cpp's per-frequency divisors, computed from the llama3 rope_scaling at conversion)
+    is mapped back to that rope_scaling (`llama3_from_rope_freqs`).
     """
     reader = open_gguf(source)  # a path is checked first (a truncated file: one error naming it)
     path = pathlib.Path(reader.filename if isinstance(reader, GGUFFile) else reader.data.filename)
@@ -254,11 +319,6 @@ def load_gguf(source: str | pathlib.Path | Any) -> tuple[LlamaConfig, Params]:
     if arch not in GGUF_ARCHS:
         raise ValueError(f"GGUF general.architecture={arch!r}: supported are {GGUF_ARCHS} ({path})")
     tensors = {t.name: t for t in reader.tensors}
-    if "rope_freqs.weight" in tensors:
-        raise ValueError(
-            "GGUF has rope_freqs.weight (Llama-3.1 style per-frequency RoPE factors), which the GGUF loader "
-            "does not map back to rope_scaling; load the HF checkpoint with load_hf instead"
-        )
     if "token_embd.weight" not in tensors:
         raise ValueError(f"GGUF has no token_embd.weight ({path})")
     config = gguf_config(
@@ -269,6 +329,13 @@ def load_gguf(source: str | pathlib.Path | Any) -> tuple[LlamaConfig, Params]:
     permute = arch == "llama"
 
     used: set[str] = set()
+    if "rope_freqs.weight" in tensors:
+        used.add("rope_freqs.weight")
+        try:
+            scaling = llama3_from_rope_freqs(_gguf_tensor(tensors["rope_freqs.weight"]), config.head_dim, config.rope_theta)
+        except ValueError as e:
+            raise ValueError(f"GGUF rope_freqs.weight ({path}): {e}") from None
+        config = dataclasses.replace(config, rope_scaling=scaling)
 
     def get(name: str) -> np.ndarray:
         if name not in tensors:
@@ -317,7 +384,7 @@ def load_gguf(source: str | pathlib.Path | Any) -> tuple[LlamaConfig, Params]:
 # ----------------------------------------------------------------------------------------------
 # HF safetensors folders
 
-_HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
+_HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -355,12 +422,12 @@ def hf_config(cfg: dict[str, Any], name: str, has_lm_head: bool) -> LlamaConfig:
         raise ValueError(f"config.json hidden_act={cfg['hidden_act']!r}: only 'silu' (SwiGLU) is supported")
     if cfg.get("mlp_bias"):
         raise ValueError("config.json mlp_bias=true: MLP biases are not in the canonical layout")
-    if model_type == "llama" and cfg.get("attention_bias"):
-        # Llama's attention_bias also puts a bias on o_proj, which the layout has no slot for.
-        raise ValueError("config.json attention_bias=true (llama): the o_proj bias is not in the canonical layout")
+    if model_type in ("llama", "qwen3") and cfg.get("attention_bias"):
+        # Their attention_bias also puts a bias on o_proj, which the layout has no slot for.
+        raise ValueError(f"config.json attention_bias=true ({model_type}): the o_proj bias is not in the canonical layout")
 
     window = cfg.get("sliding_window")
-    if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
+    if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
         window = None
     if window is not None:
         warnings.warn(
@@ -394,6 +461,7 @@ def hf_config(cfg: dict[str, Any], name: str, has_lm_head: bool) -> LlamaConfig:
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(tie),
         qkv_bias=model_type == "qwen2",
+        qk_norm=model_type == "qwen3",  # RMSNorm over each head's q and k, before RoPE
         max_position=int(cfg.get("max_position_embeddings", 4096)),
         bos_id=_first_id(cfg.get("bos_token_id")),
         eos_id=_first_id(cfg.get("eos_token_id")),
@@ -402,7 +470,7 @@ def hf_config(cfg: dict[str, Any], name: str, has_lm_head: bool) -> LlamaConfig:
 
 
 def load_hf(folder: str | pathlib.Path) -> tuple[LlamaConfig, Params]:
-    """Read an HF checkpoint folder (llama / mistral / qwen2, safetensors) into (config, params)."""
+    """Read an HF checkpoint folder (llama / mistral / qwen2 / qwen3, safetensors) into (config, params)."""
     import ml_dtypes  # noqa: F401  (registers bfloat16 / float8 with numpy, which safetensors asks for)
     from safetensors import safe_open
 
@@ -447,6 +515,8 @@ def _load_hf_tensors(folder: pathlib.Path, cfg: dict[str, Any], where: dict[str,
             bk=(p + "self_attn.k_proj.bias", False),
             bv=(p + "self_attn.v_proj.bias", False),
         )
+    if config.qk_norm:
+        per_layer.update(q_norm=(p + "self_attn.q_norm.weight", False), k_norm=(p + "self_attn.k_norm.weight", False))
     params = _assemble(config, get, top, per_layer)
     # A tied checkpoint may still store lm_head.weight (a copy of the embedding); old ones store
     # RoPE inv_freq buffers. Anything else is a tensor we would silently drop.
