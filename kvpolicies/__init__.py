@@ -29,6 +29,7 @@ _REGISTRY = {
     "knorm": "knorm:Knorm",
     "keydiff": "keydiff:KeyDiff",
     "lagkv": "lagkv:LagKV",
+    "finch": "finch:Finch",
     "random": "random_keep:RandomKeep",
     "observed": "observed:Observed",
     "expected": "expected:Expected",

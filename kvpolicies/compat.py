@@ -69,6 +69,7 @@ from kvpolicies.adakv import AdaKV
 from kvpolicies.base import Policy
 from kvpolicies.codecs import Codec, Identity
 from kvpolicies.expected import Expected
+from kvpolicies.finch import Finch
 from kvpolicies.full import Full
 from kvpolicies.duo import Duo, load_pattern
 from kvpolicies.knorm import Knorm
@@ -282,7 +283,7 @@ class Composed(PromptScored):
 PRESSES = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPress", "ExpectedAttentionPress",
            "ObservedAttentionPress", "TOVAPress", "AdaKVPress", "KVzipPress", "DuoAttentionPress",
            "KeyDiffPress", "LagKVPress", "RandomPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress",
-           "ComposedPress")
+           "ComposedPress", "FinchPress")
 SUPPORTED = PRESSES
 WRAPPERS = ("AdaKVPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress")  # `press`: an inner press
 # the inner presses a wrapper takes today, with their own fields (kvpress names)
@@ -466,8 +467,23 @@ def _duo(r: float, max_new: int, n_layers: int | None, fields: dict) -> Policy |
     return out.stack(n_layers) if n_layers is not None else out
 
 
+def _finch(r: float, max_new: int, fields: dict) -> Finch:
+    """kvpress's `FinchPress`: `window_size` is the question's length (kvpress reads it from a delimiter
+    token between context and question, `update_model_and_tokenizer`): the prompt ends with the question."""
+    window = fields.pop("window_size", None)
+    if window is None:
+        raise ValueError("kvpress('FinchPress'): give window_size= (the question's tokens, which end the prompt; "
+                         "kvpress finds them from a delimiter token in the prompt)")
+    if fields.pop("chunk_length", None) is not None:
+        raise NotImplementedError("kvpolicies.compat.kvpress: FinchPress(chunk_length=...) (the top-k chunk by chunk)")
+    return Finch(ratio=r, max_new=max_new, obs_window=window, normalize=fields.pop("normalize_scores", True),
+                 rerotate=fields.pop("rerotate_keys", True))
+
+
 def _scored(press: str, r: float, max_new: int, n_layers: int | None, fields: dict) -> Policy | tuple[Policy, ...]:
     """The presses that score tokens once after the context (SnapKV's family, Knorm, ...)."""
+    if press == "FinchPress":
+        return _finch(r, max_new, fields)
     snap = {"obs_window": fields.pop("window_size", 64), "kernel": fields.pop("kernel_size", 5), "pooling": "avg"}
     if press in ("ChunkPress", "BlockPress"):  # the wrapper's size field, the rest the inner press's
         cls, size, default = (Chunked, "chunk_length", 1024) if press == "ChunkPress" else (Blocked, "block_size", 128)

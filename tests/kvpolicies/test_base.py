@@ -43,6 +43,7 @@ CAPABILITIES = {
     "h2o": ("heavy", True, False, False, False, False),
     "tova": ("budget", True, False, False, False, False),
     "snapkv": ("budget", True, False, False, False, False),
+    "finch": ("budget", True, False, False, False, False),
     "pyramidkv": ("budget", True, False, False, True, False),
     "knorm": ("budget", True, False, False, True, False),
     "random": ("budget", True, False, False, False, False),

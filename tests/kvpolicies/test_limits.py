@@ -30,6 +30,7 @@ SMALL = {
     "h2o": kvpolicies.get("h2o", heavy=4, recent=3),
     "tova": kvpolicies.get("tova", budget=6),
     "snapkv": kvpolicies.get("snapkv", budget=5, obs_window=3, kernel=3, max_new=4),
+    "finch": kvpolicies.get("finch", budget=5, obs_window=3, max_new=4),
     "pyramidkv": kvpolicies.get("pyramidkv", budget=5, obs_window=3, kernel=3, max_new=4),
     "knorm": kvpolicies.get("knorm", budget=6, max_new=3),
     "random": kvpolicies.get("random", budget=6, max_new=3, seed=1),

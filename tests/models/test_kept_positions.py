@@ -22,6 +22,7 @@ POLICIES = {
     "h2o": (kvpolicies.get("h2o", heavy=4, recent=3), 7),
     "tova": (kvpolicies.get("tova", budget=6), (6,)),
     "snapkv": (kvpolicies.get("snapkv", budget=5, obs_window=3, kernel=3, max_new=4), 8),
+    "finch": (kvpolicies.get("finch", budget=5, obs_window=3, max_new=4), 8),
     # a bare Engine runs the preset's stack: 2 layers at budgets 5 + 5 on the pyramid (the window in each)
     "pyramidkv": (kvpolicies.get("pyramidkv", budget=5, obs_window=3, kernel=3, max_new=4), "pyramid10"),
     "knorm": (kvpolicies.get("knorm", budget=6, max_new=3, dense_layers=0), (6,)),  # kvpress's every-layer form

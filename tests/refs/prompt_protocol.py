@@ -157,6 +157,19 @@ def kept_snapkv(pol, t, m):
     return [snapkv_layer(att, m, pol.obs_window, pol.kernel, b) for att in t["atts"]]
 
 
+def kept_finch(pol, t, m):
+    """FINCH (kvpress FinchPress, the authors' code): SnapKV's window mass without pooling, the row of
+    the query at position p weighted by p (normalize_scores), the top of the older tokens plus the window."""
+    n, w = t["atts"][0].shape[-1], pol.obs_window
+    b = int(n * (1 - pol.ratio)) - w if pol.ratio else pol.budget
+    out = []
+    for att in t["atts"]:
+        mass = (_by_kv_head(att, m)[:, :, -w:] * np.arange(n - w, n)[:, None]).sum(axis=(1, 2))  # [K, T]
+        out.append([sorted(sorted(range(n - w), key=lambda j: (-mass[h, j], -j))[:b] + list(range(n - w, n)))
+                    for h in range(m.k)])
+    return out
+
+
 def pyramid_schedule(budget, n_layers, beta):
     """PyramidKV's per-layer budgets (Cai et al. 2024; KVCache-Factory `pyramidkv_utils.py`): an
     arithmetic sequence from 2 k - k / beta at the bottom to k / beta at the top, k the uniform
@@ -325,6 +338,20 @@ class Decode:
 
     def after(self, layer, p, probs):
         """probs {h: (positions, [G, J] attention)} of query p in this layer."""
+
+
+class RerotatedDecode(Decode):
+    """Append-only decoding with the keys re-rotated (FINCH's rerotate_keys): the visible keys at their
+    ranks 0..J-1 and the query at J-1 (each of transformers' keys turned by its rank minus its position,
+    the query kept at p: the same distances)."""
+
+    def kv(self, layer, h, js, p, kr, v):
+        shift = p - len(js) + 1 + np.arange(len(js)) - np.asarray(js)  # [J]: the rank's position minus the text's
+        return rope_complex(kr[js][None], shift[None], self.inv)[0], v[js]
+
+    def start(self, kept, t, m):
+        super().start(kept, t, m)
+        self.inv = m.inv
 
 
 class H2ODecode(Decode):
@@ -498,6 +525,8 @@ def entries():
         "observed": Entry(get("observed", ratio=0.5), _plain(kept_observed)),
         "expected": Entry(get("expected", ratio=0.5), _plain(kept_expected)),
         "keydiff": Entry(get("keydiff", ratio=0.5), _plain(kept_keydiff)),
+        # obs_window 8 (the question's tokens; default 32): ratio 0.5 keeps the window and 16 of the 40 older tokens
+        "finch": Entry(get("finch", ratio=0.5, obs_window=8), _plain(kept_finch), RerotatedDecode),
         # lag_size 8 (default 128 > the prompt): 4 scored partitions, 2 kept of each beside the 16 sinks and tail
         "lagkv": Entry(get("lagkv", ratio=0.5, lag_size=8), _plain(kept_lagkv)),
         "adakv": Entry(get("adakv", ratio=0.2), _plain(kept_adakv)),  # 6 of 16 older tokens per head on average

@@ -76,6 +76,7 @@ REFERENCES = {
     "h2o": ([kvpolicies.get("h2o", heavy=4, recent=3)], _scored_ref),
     "tova": ([kvpolicies.get("tova", budget=6), kvpolicies.get("tova", budget=6, scope="head")], _scored_ref),
     "snapkv": ([kvpolicies.get("snapkv", budget=5, obs_window=3, kernel=3, max_new=4)], _scored_ref),
+    "finch": ([kvpolicies.get("finch", budget=5, obs_window=3, max_new=4)], _scored_ref),  # keys at their ranks
     "pyramidkv": ([kvpolicies.get("pyramidkv", budget=5, obs_window=3, kernel=3, max_new=4)], pyramid_ref),
     "knorm": ([kvpolicies.get("knorm", budget=6, max_new=3)], stream_ref),  # tests/refs/prompt_scored.py
     "random": ([kvpolicies.get("random", budget=6, max_new=3, seed=1)], stream_ref),

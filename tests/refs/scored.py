@@ -38,8 +38,10 @@ def simulate(pol, q, k, v, chunks, max_len=MAX_LEN):
     name = type(pol).__name__
     layer = name == "TOVA" and pol.scope == "layer"
     units = 1 if layer else K
-    cap = min(max_len, {"H2O": lambda: pol.heavy + pol.recent, "TOVA": lambda: pol.budget,
-                        "SnapKV": lambda: pol.budget + pol.obs_window + pol.max_new}[name]())
+    snap = lambda: pol.budget + pol.obs_window + pol.max_new  # noqa: E731
+    cap = min(max_len, {"H2O": lambda: pol.heavy + pol.recent, "TOVA": lambda: pol.budget, "SnapKV": snap,
+                        "Finch": snap}[name]())  # Finch: SnapKV at kernel 1, its keys re-rotated (below)
+    ranks = name == "Finch" and pol.rerotate
     out = np.zeros((b_, t, n, d))
     kept_all = []
     for b in range(b_):
@@ -51,8 +53,10 @@ def simulate(pol, q, k, v, chunks, max_len=MAX_LEN):
             for i, p in enumerate(range(s, e)):
                 for h in range(K):
                     js = np.array(sorted(kept[0 if layer else h] | set(range(s, p + 1))))
+                    kj = rope_complex(k[b, js, h], np.arange(len(js)), inv) if ranks else kr[b, js, h]  # [J, D]
                     for g in range(G):
-                        lg = kr[b, js, h] @ qr[b, p, h * G + g] / np.sqrt(d)
+                        qp = rope_complex(q[b, p, h * G + g], np.array(len(js) - 1), inv) if ranks else qr[b, p, h * G + g]
+                        lg = kj @ qp / np.sqrt(d)
                         w = np.exp(lg - lg.max())
                         w /= w.sum()
                         out[b, p, h * G + g] = w @ v[b, js, h]

@@ -1,0 +1,141 @@
+"""kvpress 0.5.5's scorer presses beside `kvpolicies.compat.kvpress` (FinchPress, ...): the same tiny
+random models (Llama, Qwen2) and token ids; kvpress prefills under the press in a subprocess with its
+own transformers (.venv/kvpress-ref, `WORKER` below, over evals/kvpress_worker.py), ours runs
+`Engine.prompt` -> `compress` -> `kept_positions` / `continue_generate`. Kept positions per (layer,
+kv head) and greedy answers must be identical."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kvpolicies.compat import kvpress
+from models.engine import Engine
+from models.llama import Llama
+from models.loading import load_hf
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+REF = ROOT / ".venv" / "kvpress-ref"
+pytestmark = [pytest.mark.ref, pytest.mark.kvpress, pytest.mark.skipif(not (REF / "kvpress").is_dir(),
+                                                      reason="kvpress not installed (bash scripts/setup.sh test)")]
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512)
+RATIOS = (0.5, 0.75)
+N_CTX, N_Q, N_NEW = 320, 8, 6
+DELIM, SUFFIX = 127, [10]  # FinchPress's delimiter (never in the ids: they are drawn below it); "\n" after it
+
+# kvpress's side: evals/kvpress_worker.py's model building, prefill and greedy decoding, plus what these
+# presses need. FinchPress: the prompt is context + delimiter + question (kvpress's evaluation with
+# query_aware; the embedding hook removes the delimiter and sets the window), the kept indices are the ones
+# KeyRerotationPress.rerotate_keys receives (the cached keys are re-rotated: they match no uncompressed
+# key), and the pipeline's question (here its "\n" suffix) continues at the compressed length.
+WORKER = r"""
+import json, sys, torch
+sys.path.insert(0, sys.argv[3])
+import kvpress_worker as w
+import kvpress
+from kvpress.presses.key_rerotation_press import KeyRerotationPress
+from transformers import DynamicCache
+
+job = json.load(open(sys.argv[1]))
+path = w.build_tiny(job["tiny"], job["save_to"])
+model = w.load(path, "sdpa")
+ctx, question = torch.tensor([job["context"]]), torch.tensor([job["question"]])
+with torch.no_grad():
+    full = DynamicCache()
+    model(input_ids=ctx, past_key_values=full, logits_to_keep=1)
+full_keys = [full.layers[i].keys[0] for i in range(len(full.layers))]
+seen = {}
+rerotate = KeyRerotationPress.rerotate_keys
+def recording(module, indices, keys):
+    seen[module.layer_idx] = indices[0].tolist()
+    return rerotate(module, indices, keys)
+KeyRerotationPress.rerotate_keys = staticmethod(recording)
+out = {}
+for name, ratio, fields in job["presses"]:
+    key = f"{name}@{ratio}"
+    try:
+        if name == "FinchPress":
+            press = kvpress.FinchPress(compression_ratio=ratio, **fields)
+            press.delimiter_token_id = job["delim"]
+            ids = torch.tensor([job["context"] + [job["delim"]] + job["question"]])
+            cache, seen = DynamicCache(), {}
+            with torch.no_grad(), press(model):
+                model.model(input_ids=ids, past_key_values=cache)
+            kept = [[sorted(h) for h in seen[i]] for i in range(len(seen))]
+            m, suffix = cache.get_seq_length(), torch.tensor([job["suffix"]])
+            with torch.no_grad():  # the suffix's logits (a copy of the cache: greedy decodes from the original)
+                logits = model(input_ids=suffix, past_key_values=w._copy(cache), position_ids=torch.tensor([[m]])).logits
+            answer = w.greedy(model, cache, suffix, m, job["n_new"])
+            out[key] = {"kept": kept, "answer": answer, "logits": logits[0, -1].tolist()}
+        else:
+            out[key] = w.run(model, w.make_press(name, ratio, dict(fields)), ctx, question, job["n_new"], full_keys)
+    except Exception as e:
+        out[key] = {"error": f"{type(e).__name__}: {e}"}
+json.dump(out, open(sys.argv[2], "w"))
+"""
+
+FIELDS = {"FinchPress": {}}
+PRESSES = tuple(FIELDS)
+
+
+def run_kvpress(job: dict, tmp: pathlib.Path, timeout: int = 600) -> dict:
+    (tmp / "job.json").write_text(json.dumps(job))
+    env = {**os.environ, "PYTHONPATH": str(REF), "CUDA_VISIBLE_DEVICES": "", "TRANSFORMERS_VERBOSITY": "error",
+           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    subprocess.run([sys.executable, "-c", WORKER, str(tmp / "job.json"), str(tmp / "out.json"), str(ROOT / "evals")],
+                   check=True, env=env, cwd=ROOT, timeout=timeout)
+    return json.loads((tmp / "out.json").read_text())
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny_run(request, tmp_path_factory):
+    """(our model, context ids, question ids, kvpress's results) for one tiny architecture."""
+    tmp = tmp_path_factory.mktemp(request.param)
+    rng = np.random.default_rng(5)
+    ctx, question = rng.integers(0, DELIM, N_CTX), rng.integers(0, DELIM, N_Q)
+    config = dict(TINY, tie_word_embeddings=request.param == "qwen2")
+    job = {"save_to": str(tmp / "ckpt"), "tiny": {"kind": request.param, "seed": 0, "config": config},
+           "context": ctx.tolist(), "question": question.tolist(), "suffix": SUFFIX, "delim": DELIM, "n_new": N_NEW,
+           "presses": [[p, r, FIELDS[p]] for p in PRESSES for r in RATIOS]}
+    ref = run_kvpress(job, tmp)
+    cfg, params = load_hf(tmp / "ckpt")
+    return Llama(cfg, params), ctx, question, ref
+
+
+def ours_finch(model: Llama, ratio: float, ctx: np.ndarray, question: np.ndarray, **fields):
+    """FINCH's protocol here: the context, then the question in the prompt phase (`extend_prompt`),
+    one compression, the suffix and the answer appended: (kept, answer, the suffix's logits)."""
+    pol = kvpress("FinchPress", ratio, window_size=len(question), max_new=16, **fields)
+    eng = Engine(model, pol, max_len=N_CTX + N_Q + len(SUFFIX) + N_NEW, share_steps=True)
+    state = eng.compress(eng.extend_prompt(eng.prompt(ctx[None]), question[None]))
+    kept = [[p.tolist() for p in layer] for layer in eng.kept_positions(state)]
+    logits = np.asarray(eng.feed(state, np.asarray([SUFFIX])).logits[0], np.float64)
+    return kept, eng.continue_generate(state, np.asarray([SUFFIX]), N_NEW)[0].tolist(), logits
+
+
+@pytest.mark.parametrize("ratio", RATIOS)
+def test_finch_keeps_kvpress_positions_and_answers(tiny_run, ratio):
+    """FinchPress (its defaults: scores normalized, keys re-rotated): kvpress keeps n_kept of the
+    context and question (the question always), we keep the same per (layer, kv head); with the keys
+    at their ranks the answers after the "\\n" suffix are kvpress's."""
+    model, ctx, question, ref = tiny_run
+    want = ref[f"FinchPress@{ratio}"]
+    assert "error" not in want, want
+    n_kept = int((N_CTX + N_Q) * (1 - ratio))
+    assert all(len(h) == n_kept and set(range(N_CTX, N_CTX + N_Q)) <= set(h) for layer in want["kept"] for h in layer)
+    kept, answer, logits = ours_finch(model, ratio, ctx, question)
+    assert kept == want["kept"]
+    assert answer == want["answer"]
+    err = np.abs(logits - want["logits"]).max()
+    assert err < 1e-4, err  # the keys at their ranks: kvpress's re-rotated cache
+    if ratio == 0.75:  # at text positions (rerotate_keys=False) the logits move by far more than rounding
+        _, _, moved = ours_finch(model, ratio, ctx, question, rerotate_keys=False)
+        assert np.abs(moved - want["logits"]).max() > 100 * err
