@@ -277,3 +277,19 @@ def test_what_qwen3_configs_cannot_run_is_refused():
         hf_config({**published, "attention_bias": True}, "x", has_lm_head=False)
     with pytest.warns(UserWarning, match="qwen3 sliding_window=4096 is ignored"):
         hf_config({**published, "use_sliding_window": True, "sliding_window": 4096}, "x", has_lm_head=False)
+
+
+def test_the_cli_takes_a_qwen3_folder(tmp_path):
+    """`evals.run model=hf model.path=FOLDER` validates a Qwen3 folder (config, tensors, tokenizer)
+    before loading it, as docs/guide/models.md tells."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from evals.run import preflight
+
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**{**TINY, "vocab_size": 256})).save_pretrained(tmp_path)
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}, merges=[]))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.save(str(tmp_path / "tokenizer.json"))  # bytes as tokens: 256 ids
+    args = ["model=hf", f"model.path={tmp_path}", "policy=sink", "window=64", "tokens=128"]
+    assert preflight(args) == (1, True)
