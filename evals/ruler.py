@@ -421,6 +421,8 @@ def check(task: dict, name: str | None = None) -> dict[str, Any]:
     raise ValueError naming them."""
     task = dict(task)
     name = name or task.get("name")
+    if name in LEADERBOARD_TASKS:
+        return ruler13.check(task | {"name": name})
     if name not in TASK_KEYS:
         raise ValueError(f"task name={name!r}: must be one of {sorted(TASK_KEYS)}")
     defaults = COMMON | TASK_KEYS[name]
@@ -470,6 +472,8 @@ def samples(cfg: dict[str, Any], tok: Any, text: str | None, length: int, seed: 
     """The prompts of one (length[, depth]) cell of a checked task config (`text`: the run's data,
     used when haystack=text)."""
     name, trials = cfg["name"], cfg["trials"]
+    if name in LEADERBOARD_TASKS:  # RULER's own tasks: their fixed haystacks (`text` unused)
+        return ruler13.samples(cfg, tok, length, seed)
     if cfg["haystack"] == "pg" and name == "ruler_cwe":
         from evals.data import paul_graham
 
@@ -497,7 +501,11 @@ def samples(cfg: dict[str, Any], tok: Any, text: str | None, length: int, seed: 
 def check_prompts(task: dict, tok: Any, seed: int) -> None:
     """Build the prompts of the shortest length over a filler haystack so that a length too short
     for the template raises now, before the model loads."""
-    cfg = dict(check(task), trials=1, haystack="filler")
+    cfg = dict(check(task), trials=1)
+    if cfg["name"] in LEADERBOARD_TASKS:
+        ruler13.samples(cfg, tok, min(cfg["lengths"]), seed)
+        return
+    cfg["haystack"] = "filler"
     n = min(cfg["lengths"])
     if n > 1 << 15:
         return
@@ -539,10 +547,10 @@ def run(ctx: TaskContext) -> TaskResult:
     if cfg["name"] == "multiquery":
         return run_multiquery(ctx, cfg)
     tok = ctx.tokenizer
-    needs_text = cfg["name"] not in ("ruler_fwe",) and cfg["haystack"] == "text"
+    needs_text = cfg["name"] not in ("ruler_fwe",) and cfg.get("haystack") == "text"
     if needs_text and ctx.text is None:
         raise ValueError(f"task {cfg['name']} needs a text (data=pg)")
-    hay = None if cfg["name"] in ("ruler_cwe", "ruler_fwe") else \
+    hay = None if cfg["name"] in ("ruler_cwe", "ruler_fwe") + LEADERBOARD_TASKS else \
         haystack(tok, cfg["haystack"], ctx.text, max(cfg["lengths"]) + QUESTION_ROOM)
     depths = cfg.get("depths") or [None]
     cells = [(n, d) for n in cfg["lengths"] for d in depths]
@@ -554,7 +562,7 @@ def run(ctx: TaskContext) -> TaskResult:
         for b in range(0, len(ss), cfg["batch"]):
             texts += [ids_text(tok, x) for x in answer(engine, ss[b:b + cfg["batch"]], cfg["gen"], cfg["protocol"],
                                                     ctx.chunk)]
-        sc = [string_match_all(t, s.refs) for t, s in zip(texts, ss)]
+        sc = [score(cfg, t, s.refs) for t, s in zip(texts, ss)]
         rec = {"length": n, "protocol": cfg["protocol"]} | ({"depth": d} if d is not None else {})
         grid.append(rec | accuracy_record(sc) | {"_scores": sc})
         scores.append(sc)
@@ -637,3 +645,7 @@ def check_text(conf: dict, tokenizer, text: str | None) -> None:
 
 # every task of TASKS, as evals.run asks it (evals.common.Task)
 TASK = Task(run=run, check=check, extent=lambda task: (lengths_field(task), *extent(task)), check_text=check_text)
+
+# RULER's 13 tasks under their own names (kvpress's leaderboard), built in evals/ruler13.py
+from evals import ruler13  # noqa: E402  (it imports this module)
+from evals.ruler13 import AVAILABLE, LEADERBOARD_TASKS, MISSING, leaderboard_task, score  # noqa: E402,F401
