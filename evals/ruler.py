@@ -25,6 +25,15 @@ Tasks (`ctx.task` keys; defaults are the task configs in configs/task/ruler_*.ya
 Common keys: lengths, trials, batch, gen (tokens generated), protocol, haystack (pg | text |
 filler), extrapolate (as evals.retrieval).
 
+RULER's own 13 tasks under RULER's names (niah_single_1 ... fwe, qa_1, qa_2: LEADERBOARD_TASKS, the
+set kvpress's leaderboard averages) are built by evals/ruler13.py with RULER's exact templates,
+haystacks (noise lines, the essays, needles) and key kinds; `check`, `samples`, `check_prompts` and
+`run` accept their names, `leaderboard_task(name, length, trials)` gives a checked config and
+`score(cfg, pred, refs)` RULER's metric of each (string_match_part for QA). qa_1 / qa_2 are named
+but not generated (MISSING: no registry package ships SQuAD or HotpotQA); AVAILABLE lists the 11.
+The tasks above keep their own wording (and `filler` stays the passkey filler joined by spaces,
+not RULER's noise lines), so their prompts are unchanged.
+
 Exact lengths (RULER's max_seq_length rule, exact instead of "at most"): a prompt of the RULER
 tasks has exactly `length - gen` tokens, chat template, instruction, context, question and answer
 prefix included, so prompt + answer = `length`. Contexts are built from token ids: haystack text
