@@ -30,6 +30,7 @@ _REGISTRY = {
     "keydiff": "keydiff:KeyDiff",
     "lagkv": "lagkv:LagKV",
     "finch": "finch:Finch",
+    "cur": "cur:CUR",
     "random": "random_keep:RandomKeep",
     "observed": "observed:Observed",
     "expected": "expected:Expected",

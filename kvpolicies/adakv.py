@@ -282,17 +282,18 @@ class AdaKV(Budgeted, KeptTable, PromptCompressor, QuietChunks, Policy):
 
 
 def pool_view(codec: Codec, state: HeadPool, k: Float[Array, "B K T D"], v: Float[Array, "B K T D"],
-              pos: Int[Array, "B T"]) -> View:
+              pos: Int[Array, "B T"], head: Int[Array, "B 1 P"] | None = None) -> View:
     """The view of a head pool plus the T new tokens of every head: [B, 1, V = P + K x T] slots
     (new tokens head-major), each kv head reading its own slots through the mask; carry =
-    (slots [B, 1, V], head of each slot [B, 1, V], P)."""
+    (slots [B, 1, V], head of each slot [B, 1, V], P). `head`: the pool slots' heads when the
+    pool stores them (`kvpolicies.adascored`'s counts; None: `head_of`'s rule)."""
     b, kh, t, _ = k.shape
     flat = lambda x: x.reshape(b, 1, kh * t, x.shape[-1])  # noqa: E731  [B, K, T, D] -> [B, 1, K*T, D]
     new = encode_new(codec, flat(k), flat(v), jnp.tile(pos, (1, kh)))  # head-major
     new = HeadPool(new.k, new.v, new.pos, mass=jnp.zeros(new.pos.shape, jnp.float32))
     pool = _map(_flat, state)  # [B, 1, P, ...]
     slots = concat(pool, new)  # [B, 1, V]
-    head = jnp.concatenate([head_of(pool.pos, kh),
+    head = jnp.concatenate([head_of(pool.pos, kh) if head is None else head,
                             jnp.broadcast_to(jnp.repeat(jnp.arange(kh, dtype=jnp.int32), t), (b, 1, kh * t))],
                            axis=-1)  # [B, 1, V]
     mask = head[:, :, None, :] == jnp.arange(kh)[None, :, None, None]  # [B, K, 1, V]

@@ -66,6 +66,7 @@ import numpy as np
 from jaxtyping import Array
 
 from kvpolicies.adakv import AdaKV
+from kvpolicies.adascored import AdaScored
 from kvpolicies.base import Policy
 from kvpolicies.codecs import Codec, Identity
 from kvpolicies.expected import Expected
@@ -81,7 +82,7 @@ from kvpolicies.prompt import PromptPhase, PromptState
 from kvpolicies.prompt_scored import PromptScored, rank_by
 from kvpolicies.pyramidkv import PyramidKV, PyramidLayer  # noqa: F401  (PyramidLayer: re-exported, it lived here)
 from kvpolicies.random_keep import RandomKeep
-from kvpolicies.scored import top_mask
+from kvpolicies.scored import pack, top_mask
 from kvpolicies.snapkv import SnapKV
 
 SNAP_DEFAULTS = {"obs_window": 64, "kernel": 5, "pooling": "avg"}  # kvpress's SnapKVPress / PyramidKVPress
@@ -224,6 +225,61 @@ class Blocked(Wrapped):
 
 
 @dataclasses.dataclass(frozen=True)
+class ChunkKV(Wrapped):
+    """kvpress's `ChunkKVPress(press, chunk_length)` (Liu et al. 2025, "ChunkKV: Semantic-Preserving KV
+    Cache Compression for Efficient Long-Context LLM Inference", arXiv:2502.00299): `press` scores the
+    whole prompt, each chunk of `chunk_length` tokens from position 0 (the last one shorter) is scored
+    by the mean over its tokens of the scores summed over kv heads, and the max(1, int(n_chunks (1 -
+    ratio))) best chunks are kept whole, in every head (a prompt shorter than one chunk: `press` alone).
+    The kept count depends on the choice: a short last chunk that wins keeps fewer than n_chunks_kept x
+    chunk_length tokens (the state is sized for the most). Tokens `press` always keeps score +inf here,
+    kvpress's max + 1 of the layer's scores (batch row 0's chunks serve every row there, ours each its
+    own). The authors rank chunks by SnapKV's observation attention, and also share the indices across
+    layers (`layer-wise index reuse`), which kvpress does not."""
+
+    label = "chunkkv"
+    chunk_length: int = 20
+
+    def kept_for(self, n):
+        """The most tokens kept of an n-token prompt (every kept chunk full)."""
+        c = self.chunk_length
+        if n < c:
+            return max(1, int(n * (1 - self.ratio)))
+        return min(n, max(1, int(-(-n // c) * (1 - self.ratio))) * c)
+
+    def kept_table(self, max_len):
+        return None  # the count depends on which chunks win
+
+    def chosen(self, state: PromptState, slots, keys, stats) -> Array:
+        """[B, K, M]: the prompt tokens kvpress's ChunkKVPress keeps (slot j holds token j)."""
+        pos, c = slots.pos, self.chunk_length
+        filled = pos >= 0
+        prio, tie = self.press.prompt_rank(state, slots, keys, stats)  # [B, K, M]
+        finite = filled & jnp.isfinite(prio)
+        top = jnp.max(jnp.where(finite, prio, -jnp.inf), axis=(1, 2), keepdims=True)  # [B, 1, 1]
+        score = jnp.where(filled, jnp.where(finite, prio, top + 1), 0.0).sum(axis=1)  # [B, M]: kvpress's max + 1
+        n = filled[:, 0].sum(axis=-1)  # [B] prompt tokens
+        m = score.shape[-1]
+        n_c = -(-m // c)  # static: chunks of the prompt phase's slots
+        sums = jnp.pad(score, ((0, 0), (0, n_c * c - m))).reshape(-1, n_c, c).sum(axis=-1)  # [B, C]
+        size = jnp.clip(n[:, None] - c * jnp.arange(n_c), 0, c)  # [B, C] tokens of each chunk
+        mean = jnp.where(size > 0, sums / jnp.maximum(size, 1), -jnp.inf)
+        want = jnp.maximum(1, jnp.floor((-(-n // c)) * (1 - self.ratio))).astype(jnp.int32)  # [B] chunks kept
+        top_c = top_mask(mean, jnp.broadcast_to(jnp.arange(n_c), mean.shape), want[:, None]) & (size > 0)  # [B, C]
+        whole = jnp.repeat(top_c, c, axis=-1)[:, None, :m] & filled  # [B, 1, M]
+        n_kept = jnp.maximum(1, jnp.floor(n * (1 - self.ratio))).astype(jnp.int32)[:, None, None]
+        alone = top_mask(prio, tie, n_kept) & filled  # [B, K, M]: `press` itself
+        return jnp.where((n < c)[:, None, None], alone, whole)
+
+    def after_prompt(self, state: PromptState, table=None):
+        s = self.capacity(state.slots)
+        keys = self.codec.decode(state.k, jnp.float32)  # [B, K, M, D]
+        pos = jnp.broadcast_to(state.pos, keys.shape[:3])  # [B, K, M]
+        slots, stats = self.from_prompt(state, pos)
+        return self.join(pack(slots, self.chosen(state, slots, keys, stats), s), stats)
+
+
+@dataclasses.dataclass(frozen=True)
 class Composed(PromptScored):
     """kvpress's `ComposedPress(presses)`: the presses applied in turn to the prompt, press i keeping
     max(1, int(m (1 - r_i))) of the m tokens the previous ones kept; the question and answer
@@ -283,15 +339,16 @@ class Composed(PromptScored):
 PRESSES = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPress", "ExpectedAttentionPress",
            "ObservedAttentionPress", "TOVAPress", "AdaKVPress", "KVzipPress", "DuoAttentionPress",
            "KeyDiffPress", "LagKVPress", "RandomPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress",
-           "ComposedPress", "FinchPress")
+           "ComposedPress", "FinchPress", "ChunkKVPress")
 SUPPORTED = PRESSES
-WRAPPERS = ("AdaKVPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress")  # `press`: an inner press
+WRAPPERS = ("AdaKVPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress", "ChunkKVPress")  # `press`: an inner press
 # the inner presses a wrapper takes today, with their own fields (kvpress names)
-INNER = {"AdaKVPress": ("SnapKVPress",),
+INNER = {"AdaKVPress": ("SnapKVPress", "KnormPress", "KeyDiffPress", "LagKVPress", "RandomPress", "StreamingLLMPress"),
          "PerLayerCompressionPress": ("SnapKVPress", "KnormPress", "KeyDiffPress", "LagKVPress", "ExpectedAttentionPress",
                                       "ObservedAttentionPress", "TOVAPress", "StreamingLLMPress", "RandomPress"),
          "ChunkPress": ("KnormPress", "KeyDiffPress", "LagKVPress", "RandomPress"),
-         "BlockPress": ("KnormPress", "KeyDiffPress", "RandomPress")}
+         "BlockPress": ("KnormPress", "KeyDiffPress", "RandomPress"),
+         "ChunkKVPress": ("KnormPress", "KeyDiffPress", "LagKVPress", "RandomPress")}
 
 
 def press_of(policy: Policy) -> tuple[str, dict]:
@@ -484,9 +541,14 @@ def _scored(press: str, r: float, max_new: int, n_layers: int | None, fields: di
     """The presses that score tokens once after the context (SnapKV's family, Knorm, ...)."""
     if press == "FinchPress":
         return _finch(r, max_new, fields)
+    if press == "AdaKVPress" and fields["press"] != "SnapKVPress":  # kvpolicies.adascored: any other scorer
+        inner, alpha = fields.pop("press"), fields.pop("alpha_safeguard", 0.2)
+        inner = kvpress(inner, r, max_new=max_new, **{k: fields.pop(k) for k in list(fields)})
+        return AdaScored(press=inner, ratio=r, alpha_safeguard=alpha, max_new=max_new)
     snap = {"obs_window": fields.pop("window_size", 64), "kernel": fields.pop("kernel_size", 5), "pooling": "avg"}
-    if press in ("ChunkPress", "BlockPress"):  # the wrapper's size field, the rest the inner press's
-        cls, size, default = (Chunked, "chunk_length", 1024) if press == "ChunkPress" else (Blocked, "block_size", 128)
+    if press in ("ChunkPress", "BlockPress", "ChunkKVPress"):  # the wrapper's size field, the rest the inner press's
+        cls, size, default = {"ChunkPress": (Chunked, "chunk_length", 1024), "BlockPress": (Blocked, "block_size", 128),
+                              "ChunkKVPress": (ChunkKV, "chunk_length", 20)}[press]
         own = fields.pop(size, default)
         inner = kvpress(fields.pop("press"), r, max_new=max_new, **{k: fields.pop(k) for k in list(fields)})
         return cls(ratio=r, max_new=max_new, press=inner, **{size: own})

@@ -44,6 +44,7 @@ CAPABILITIES = {
     "tova": ("budget", True, False, False, False, False),
     "snapkv": ("budget", True, False, False, False, False),
     "finch": ("budget", True, False, False, False, False),
+    "cur": ("budget", True, False, False, False, False),
     "pyramidkv": ("budget", True, False, False, True, False),
     "knorm": ("budget", True, False, False, True, False),
     "random": ("budget", True, False, False, False, False),

@@ -82,8 +82,9 @@ for name, ratio, fields in job["presses"]:
 json.dump(out, open(sys.argv[2], "w"))
 """
 
-FIELDS = {"FinchPress": {}}
+FIELDS = {"FinchPress": {}, "CURPress": {}}
 PRESSES = tuple(FIELDS)
+SCORERS = ("CURPress",)  # ScorerPresses of the context alone: kvpress's pipeline, the question appended
 
 
 def run_kvpress(job: dict, tmp: pathlib.Path, timeout: int = 600) -> dict:
@@ -139,3 +140,25 @@ def test_finch_keeps_kvpress_positions_and_answers(tiny_run, ratio):
     if ratio == 0.75:  # at text positions (rerotate_keys=False) the logits move by far more than rounding
         _, _, moved = ours_finch(model, ratio, ctx, question, rerotate_keys=False)
         assert np.abs(moved - want["logits"]).max() > 100 * err
+
+
+def ours(model: Llama, press: str, ratio: float, ctx: np.ndarray, question: np.ndarray):
+    pol = kvpress(press, ratio, max_new=16, **FIELDS[press])
+    eng = Engine(model, pol, max_len=N_CTX + N_Q + N_NEW, share_steps=True)
+    state = eng.compress(eng.prompt(ctx[None]))
+    kept = [[p.tolist() for p in layer] for layer in eng.kept_positions(state)]
+    return kept, eng.continue_generate(state, question[None], N_NEW)[0].tolist()
+
+
+@pytest.mark.parametrize("ratio", RATIOS)
+@pytest.mark.parametrize("press", SCORERS)
+def test_scorer_keeps_kvpress_positions_and_answers(tiny_run, press, ratio):
+    """CURPress: kvpress's n_kept per head, the same positions per (layer, kv head), the same answer."""
+    model, ctx, question, ref = tiny_run
+    want = ref[f"{press}@{ratio}"]
+    assert "error" not in want, want
+    assert all(len(h) == int(N_CTX * (1 - ratio)) for layer in want["kept"] for h in layer)
+    kept, answer = ours(model, press, ratio, ctx, question)
+    for i, (g, w) in enumerate(zip([h for layer in kept for h in layer], [h for layer in want["kept"] for h in layer])):
+        assert g == w, (press, ratio, divmod(i, model.cfg.n_kv_heads), sorted(set(g) ^ set(w))[:10])
+    assert answer == want["answer"]

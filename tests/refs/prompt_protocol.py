@@ -23,7 +23,7 @@ from tests.refs.headwise import adakv_allocate
 from tests.refs.kvzap import choose as kvzap_choose
 from tests.refs.kvzip import choose as kvzip_choose
 from tests.refs.oracle import default_inv_freq, rope_complex
-from tests.refs.prompt_scored import expected_scores, keydiff_scores, lagkv_scores, np_hash
+from tests.refs.prompt_scored import cur_scores, expected_scores, keydiff_scores, lagkv_scores, np_hash
 
 
 def _best(score: dict, n: int) -> set:
@@ -239,6 +239,13 @@ def kept_keydiff(pol, t, m):
     mean unit key of their head (tests/refs/prompt_scored.keydiff_scores)."""
     n = t["atts"][0].shape[-1]
     return _scored(t, m, _n_keep(pol, n), 0, lambda layer, h: dict(enumerate(keydiff_scores(t["keys"][layer][h]))))
+
+
+def kept_cur(pol, t, m):
+    """kvpress CURPress on transformers' cached keys and values (tests/refs/prompt_scored.cur_scores)."""
+    n = t["atts"][0].shape[-1]
+    return _scored(t, m, _n_keep(pol, n), 0, lambda layer, h: dict(enumerate(
+        cur_scores(pol, t["keys"][layer][h], t["values"][layer][h], np.arange(n)))))
 
 
 def kept_lagkv(pol, t, m):
@@ -525,6 +532,7 @@ def entries():
         "observed": Entry(get("observed", ratio=0.5), _plain(kept_observed)),
         "expected": Entry(get("expected", ratio=0.5), _plain(kept_expected)),
         "keydiff": Entry(get("keydiff", ratio=0.5), _plain(kept_keydiff)),
+        "cur": Entry(get("cur", ratio=0.5), _plain(kept_cur)),
         # obs_window 8 (the question's tokens; default 32): ratio 0.5 keeps the window and 16 of the 40 older tokens
         "finch": Entry(get("finch", ratio=0.5, obs_window=8), _plain(kept_finch), RerotatedDecode),
         # lag_size 8 (default 128 > the prompt): 4 scored partitions, 2 kept of each beside the 16 sinks and tail

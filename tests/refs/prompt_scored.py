@@ -67,6 +67,24 @@ def lagkv_scores(pol, keys_rot, vals):
     return out
 
 
+def cur_scores(pol, keys, vals, js):
+    """kvpress's CURPress.score on one kv head's held tokens in text order (keys [J, D], values [J, D],
+    positions js): squared norms divided by their sum over blocks of local_window tokens (zero-padded
+    at the end; 0: over all), combined by leverage_type, normalized to sum 1, the sinks set to 1."""
+    def lev(x):
+        x2 = (x.astype(np.float64) ** 2).sum(-1)
+        w = pol.local_window
+        if not w:
+            return x2 / x2.sum()
+        return np.array([x2[i] / x2[i - i % w:i - i % w + w].sum() for i in range(len(x2))])
+
+    k2, v2 = lev(keys), lev(vals)
+    s = {"kv_product": k2 * v2, "key": k2, "value": v2, "kv_avg": (k2 + v2) / 2}[pol.leverage]
+    s = s / s.sum()
+    s[np.asarray(js) < pol.n_sink] = 1.0
+    return s
+
+
 def avg_rope_matrix(start, n_future, inv):
     """kvpress's apply_avg_rope: R = mean_t (cos_t I + sin_t P), P the rotate-half matrix."""
     h = len(inv)
@@ -135,6 +153,8 @@ def simulate(pol, q, k, v, prompt_len=0, max_len=MAX_LEN):
             return dict(zip(js, keydiff_scores(kr[b, js, h])))
         if name == "LagKV":  # our stream extension: the held tokens in text order
             return dict(zip(js, lagkv_scores(pol, kr[b, js, h], v[b, js, h])))
+        if name == "CUR":  # blocks of the held tokens in text order
+            return dict(zip(js, cur_scores(pol, k[b, js, h], v[b, js, h], js)))
         return expected_scores(pol, [np.array(qs_pooled)], kr[b, js, h], v[b, js, h], js, last + 1, inv)
 
     for b in range(b_):
@@ -160,6 +180,8 @@ def simulate(pol, q, k, v, prompt_len=0, max_len=MAX_LEN):
                     sc = dict(zip(js, keydiff_scores(kr[b, :L, h])))
                 elif name == "LagKV":
                     sc = dict(zip(js, lagkv_scores(pol, kr[b, :L, h], v[b, :L, h])))
+                elif name == "CUR":
+                    sc = dict(zip(js, cur_scores(pol, kr[b, :L, h], v[b, :L, h], js)))
                 elif name == "Observed":  # kvpress: attentions.sum(2) / n_tokens_in_sum, mean over the group
                     col = probs.sum(1) / np.arange(L, 0, -1)  # [G, L]
                     sc = dict(zip(js, col.mean(0)))

@@ -81,6 +81,8 @@ REFERENCES = {
     "knorm": ([kvpolicies.get("knorm", budget=6, max_new=3)], stream_ref),  # tests/refs/prompt_scored.py
     "random": ([kvpolicies.get("random", budget=6, max_new=3, seed=1)], stream_ref),
     "keydiff": ([kvpolicies.get("keydiff", budget=6, max_new=3)], stream_ref),
+    # local_window 4: views of 10 tokens hold 3 blocks (the last one short)
+    "cur": ([kvpolicies.get("cur", budget=6, max_new=3, n_sink=1, local_window=4)], stream_ref),
     # lag_size 3: views of 10 tokens hold 2 scored partitions after the sink (cross_scoring: test_prompt_scored)
     "lagkv": ([kvpolicies.get("lagkv", budget=6, max_new=3, n_sink=1, lag_size=3)], stream_ref),
     "observed": ([kvpolicies.get("observed", budget=6, max_new=3)], stream_ref),
