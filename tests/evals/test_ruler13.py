@@ -263,3 +263,23 @@ def test_samples_are_deterministic_and_independent_of_how_many_are_asked():
     cfg = ruler.leaderboard_task("niah_single_2", 200)
     with pytest.raises(ValueError, match="too short"):
         ruler.check_prompts(cfg, tok, 0)  # the template does not fit: raised before any model loads
+
+
+def test_ruler_run_scores_rulers_task_with_its_metric():
+    """evals.ruler.run on one of RULER's names: its samples, answers cut at EOS, RULER's metric."""
+    import kvpolicies
+    from evals.common import TaskContext
+    from models.config import LlamaConfig
+    from models.llama import Llama
+    from tests.refs.texts import TOK  # the byte tokenizer with a chat template
+
+    task = {"name": "fwe", "lengths": [700], "trials": 2, "batch": 2, "gen": 3}
+    assert ruler.extent(task) == (697, 3, 2) and ruler.extent({"name": "vt"}) == (4066, 30, 1)
+    model = Llama(LlamaConfig(vocab_size=256, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, d_ff=32))
+    ctx = TaskContext(model=model, tokenizer=TOK, policies=kvpolicies.get("full"), text=None, progress=False,
+                      chunk=700, task=task)
+    res = ruler.run(ctx)
+    ss = ruler.samples(ruler.check(task), TOK, None, 700, ctx.seed)
+    want = [ruler.score("fwe", t, s.refs) for t, s in zip(res.arrays["outputs"][0], ss)]
+    assert res.arrays["score"].tolist() == [want] and res.grid[0]["protocol"] == "query_agnostic"
+    assert res.metrics["accuracy"] == pytest.approx(np.mean(want)) and res.metrics["prefills"] == 1
