@@ -215,9 +215,9 @@ def gguf_config(
     if scaling != "none":
         raise ValueError(f"GGUF {arch}.rope.scaling.type={scaling!r}: only unscaled RoPE is supported for GGUF")
     n_layers = get("block_count")
-    gemma: dict[str, Any] = {"qk_norm": True} if arch == "qwen3" else {}
+    implied: dict[str, Any] = {"qk_norm": True} if arch == "qwen3" else {}  # what the arch fixes
     if arch == "gemma3":
-        gemma = dict(
+        implied = dict(
             act="gelu_tanh", qk_norm=True, post_norms=True, embed_scale=_f32(math.sqrt(d_model)),
             attn_scale=head_dim ** -0.5, layer_types=gemma3_layer_types(n_layers),
             sliding_window=get("attention.sliding_window"), rope_theta_local=10000.0,
@@ -238,7 +238,7 @@ def gguf_config(
         bos_id=meta("tokenizer.ggml.bos_token_id"),
         eos_id=meta("tokenizer.ggml.eos_token_id"),
         name=path.name.removesuffix(".gguf"),
-        **gemma,
+        **implied,
     )
 
 
