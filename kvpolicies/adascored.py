@@ -84,9 +84,9 @@ class AdaScored(PromptCompressor, QuietChunks, Policy):
     Our extension (streams, generation past `max_new`): decoding is token by token, and a token
     that finds the pool full triggers the same choice over the pool's tokens, ranked by `press`'s
     stream rule (`rank`), to K x max(S - max_new, 1) tokens. `press` must rank from keys and
-    positions alone there (knorm, keydiff, lagkv, random, kvpress's StreamingLLM): a scorer whose
-    stream rule keeps statistics (snapkv, expected, observed) would need them per head in the pool
-    (SnapKV's: `adakv`)."""
+    positions alone there (no statistics kept: knorm, keydiff, lagkv, random, kvpress's StreamingLLM and
+    TOVA): a scorer whose stream rule keeps statistics (snapkv, expected, observed) would need them per
+    head in the pool (SnapKV's: `adakv`)."""
 
     per_token = True
 
@@ -97,16 +97,11 @@ class AdaScored(PromptCompressor, QuietChunks, Policy):
     codec: Codec = Identity()
 
     def __post_init__(self):
-        from kvpolicies.compat import SinkOnce
-        from kvpolicies.keydiff import KeyDiff
-        from kvpolicies.knorm import Knorm
-        from kvpolicies.lagkv import LagKV
-        from kvpolicies.random_keep import RandomKeep
-
-        takes = (Knorm, KeyDiff, LagKV, RandomKeep, SinkOnce)
-        if type(self.press) not in takes:
-            raise ValueError(f"adascored.press={self.press!r}: must be one of {[c.__name__ for c in takes]} "
-                             "(a prompt scorer whose stream rule reads keys and positions alone)")
+        cls = type(self.press)
+        if not isinstance(self.press, PromptScored) or self.press.accumulates or any(
+                getattr(cls, f) is not getattr(PromptScored, f) for f in ("observe", "split", "restart")):
+            raise ValueError(f"adascored.press={self.press!r}: must be a prompt scorer whose stream rule keeps no "
+                             "statistics (knorm, keydiff, lagkv, random, kvpress's StreamingLLM; adakv is SnapKV's)")
         r = self.ratio
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r < 1:
             raise ValueError(f"adascored.ratio={r!r}: must be a number in (0, 1)")
