@@ -69,6 +69,7 @@ from kvpolicies.adakv import AdaKV
 from kvpolicies.adascored import AdaScored
 from kvpolicies.base import Policy
 from kvpolicies.codecs import Codec, Identity
+from kvpolicies.cur import CUR
 from kvpolicies.expected import Expected
 from kvpolicies.finch import Finch
 from kvpolicies.full import Full
@@ -339,7 +340,7 @@ class Composed(PromptScored):
 PRESSES = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPress", "ExpectedAttentionPress",
            "ObservedAttentionPress", "TOVAPress", "AdaKVPress", "KVzipPress", "DuoAttentionPress",
            "KeyDiffPress", "LagKVPress", "RandomPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress",
-           "ComposedPress", "FinchPress", "ChunkKVPress")
+           "ComposedPress", "FinchPress", "CURPress", "ChunkKVPress")
 SUPPORTED = PRESSES
 WRAPPERS = ("AdaKVPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress", "ChunkKVPress")  # `press`: an inner press
 # the inner presses a wrapper takes today, with their own fields (kvpress names)
@@ -541,6 +542,13 @@ def _scored(press: str, r: float, max_new: int, n_layers: int | None, fields: di
     """The presses that score tokens once after the context (SnapKV's family, Knorm, ...)."""
     if press == "FinchPress":
         return _finch(r, max_new, fields)
+    if press == "CURPress":
+        if fields.pop("use_random_leverage", False):
+            raise NotImplementedError("kvpolicies.compat.kvpress: CURPress(use_random_leverage=True) (torch's "
+                                      "Gaussian projection cannot be reproduced)")
+        local = fields.pop("local_window_size", 16) if fields.pop("use_local_approximation", True) else 0
+        return CUR(ratio=r, max_new=max_new, n_sink=fields.pop("num_sinks", 4),
+                   leverage=fields.pop("leverage_type", "kv_product"), local_window=local)
     if press == "AdaKVPress" and fields["press"] != "SnapKVPress":  # kvpolicies.adascored: any other scorer
         inner, alpha = fields.pop("press"), fields.pop("alpha_safeguard", 0.2)
         inner = kvpress(inner, r, max_new=max_new, **{k: fields.pop(k) for k in list(fields)})
