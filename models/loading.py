@@ -332,7 +332,8 @@ def load_gguf(source: str | pathlib.Path | Any) -> tuple[LlamaConfig, Params]:
     if "rope_freqs.weight" in tensors:
         used.add("rope_freqs.weight")
         try:
-            scaling = llama3_from_rope_freqs(_gguf_tensor(tensors["rope_freqs.weight"]), config.head_dim, config.rope_theta)
+            freqs = _gguf_tensor(tensors["rope_freqs.weight"])  # [D/2]
+            scaling = llama3_from_rope_freqs(freqs, config.head_dim, config.rope_theta)
         except ValueError as e:
             raise ValueError(f"GGUF rope_freqs.weight ({path}): {e}") from None
         config = dataclasses.replace(config, rope_scaling=scaling)
@@ -424,7 +425,9 @@ def hf_config(cfg: dict[str, Any], name: str, has_lm_head: bool) -> LlamaConfig:
         raise ValueError("config.json mlp_bias=true: MLP biases are not in the canonical layout")
     if model_type in ("llama", "qwen3") and cfg.get("attention_bias"):
         # Their attention_bias also puts a bias on o_proj, which the layout has no slot for.
-        raise ValueError(f"config.json attention_bias=true ({model_type}): the o_proj bias is not in the canonical layout")
+        raise ValueError(
+            f"config.json attention_bias=true ({model_type}): the o_proj bias is not in the canonical layout"
+        )
 
     window = cfg.get("sliding_window")
     if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):

@@ -288,7 +288,8 @@ def test_the_cli_takes_a_qwen3_folder(tmp_path):
 
     torch.manual_seed(0)
     transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**{**TINY, "vocab_size": 256})).save_pretrained(tmp_path)
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}, merges=[]))
+    byte_ids = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=byte_ids, merges=[]))
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
     tok.save(str(tmp_path / "tokenizer.json"))  # bytes as tokens: 256 ids
     args = ["model=hf", f"model.path={tmp_path}", "policy=sink", "window=64", "tokens=128"]
