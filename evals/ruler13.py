@@ -107,6 +107,7 @@ TEMPLATES = {
 METRICS = {t: "string_match_part" if SPECS[t]["task"] == "qa" else "string_match_all" for t in LEADERBOARD_TASKS}
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
+DEPTHS = np.round(np.linspace(0, 100, num=40)) / 100  # niah.py's DEPTHS: 40 whole percentages
 ICL_TOKENS = 500  # vt's solved example: at most this many tokens (RULER's max_seq_length for it)
 KEYS = ("lengths", "trials", "batch", "gen", "protocol", "extrapolate", "metric")
 
@@ -293,7 +294,7 @@ def niah(tok: Any, name: str, n: int, rng: np.random.Generator) -> Sample:
     if sp["haystack"] == "essay":
         head, sep, tail = frame(tok, before, between, question, pre)
         ids, ends = _essay(tok, n)
-        at = list(np.sort(rng.choice(ruler.DEPTH_GRID, len(needles), replace=False)))
+        at = list(np.sort(rng.choice(DEPTHS, len(needles), replace=False)))
         p = R.build_prompt(head, sep + tail, ids, ends, n, [tok.encode(" " + x) for x in needles], at, refs[0])
         return Sample(p.tokens, tuple(refs), n - len(tail), p.needle_starts, p.depths)
     # noise / needle haystacks: one line each, joined by newlines; the template's newline before the

@@ -173,8 +173,14 @@ def test_needles_sit_at_their_stated_depths(made):
                 assert at.lstrip(" ").startswith("One of the special magic"), (name, at)
                 if hay == "essay":  # RULER's depth grid, snapped to a sentence end within SNAP tokens
                     fill = s.split - len(_head_ids(tok, s))
-                    assert np.min(np.abs(ruler.DEPTH_GRID - depth)) <= (R.SNAP + 1) / (fill - 200)
+                    grid = np.round(np.linspace(0, 100, num=40)) / 100  # niah.py: whole percentages
+                    assert np.min(np.abs(grid - depth)) <= (R.SNAP + 1) / (fill - 200)
                     assert text[start - 1].rstrip(" ").endswith((".", "!", "?", "\n", '."', '?"'))
+                    head = len(_head_ids(tok, s))
+                    needle = r" One of the special magic \w+ for \S+ is: \S+\."
+                    essay = re.sub(needle, "", tok.decode(list(map(int, s.tokens[head:s.split]))))
+                    before = re.sub(needle, "", tok.decode(list(map(int, s.tokens[head:start]))))
+                    assert abs(len(before) / len(essay) - depth) < 0.01  # the essay text before it
                 else:  # a whole line: after a newline, at a depth of whole lines
                     assert text[start - 1].endswith("\n")
                     head = len(_head_ids(tok, s))
