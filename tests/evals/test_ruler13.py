@@ -108,12 +108,25 @@ def test_rulers_metrics_on_hand_computed_cases():
     assert ruler.score("ruler_niah_single", "12345678", ["1234567"]) == 1.0  # the RULER-style tasks: all
 
 
+# kvpress's evaluation/benchmarks/ruler/create_huggingface_dataset.py: where its question starts (the
+# last match) and where its answer prefix starts
+QUESTION = {"niah": r"What (?:is|are all) the special magic", "vt": r"Question: Find all variables that are assigned "
+            r"the value", "cwe": r"Question: What are the 10 most common words in the above list\?",
+            "fwe": r"Question: Do not provide any explanation\."}
+ANSWER = {"niah": r"The special magic", "vt": r"Answer:", "cwe": r"Answer:", "fwe": r"Answer:"}
+
+
 def test_every_task_has_the_exact_length_and_rulers_template(made):
     tok, out = made
     for name, ss in out.items():
         for s in ss:
             assert len(s.tokens) == LENGTH - GEN[name.split("_")[0]], name  # prompt + answer = 4096
             q = tok.decode(list(map(int, s.tokens[s.split:])))
+            text = tok.decode(list(map(int, s.tokens)))
+            kind = name.split("_")[0]
+            assert list(re.finditer(QUESTION[kind], text))[-1].start() == len(text) - len(q), name  # kvpress's split
+            answer = q[re.search(ANSWER[kind], q).start():]  # kvpress's answer prefix: after the assistant header
+            assert "\n" not in answer and q[:-len(answer)].endswith("assistant\n"), name
             if name in NIAH:
                 one = NIAH[name][4] * NIAH[name][5] == 1
                 t = NIAH[name][2][:-1] if one else NIAH[name][2]
