@@ -67,7 +67,7 @@ from jaxtyping import Array
 
 from kvpolicies.adakv import AdaKV
 from kvpolicies.adascored import AdaScored
-from kvpolicies.base import Policy
+from kvpolicies.base import Policy, RopePositions
 from kvpolicies.codecs import Codec, Identity
 from kvpolicies.cur import CUR
 from kvpolicies.expected import Expected
@@ -281,6 +281,30 @@ class ChunkKV(Wrapped):
 
 
 @dataclasses.dataclass(frozen=True)
+class Rerotated(Wrapped):
+    """kvpress's `KeyRerotationPress(press)`: `press`'s choice after the prompt, then RoPE sees the kept keys
+    at their ranks 0..m-1 in the head's cache and the question and answer from m on (kvpress re-rotates the
+    cached keys, and its pipeline continues at the compressed length m; the same in every head, each keeps
+    m). Our keys are stored un-rotated: the view's RoPE positions, not a second rotation (float rounding
+    differs); masks still read text positions. Streams: `press`'s rule on overflow, ranks as above."""
+
+    label = "rerotated"
+
+    def prompt_rank(self, state, slots, keys, stats):
+        return self.press.prompt_rank(state, slots, keys, stats)
+
+    def extend(self, state, k, v, pos):
+        view = super().extend(state, k, v, pos)
+        # the stored slots are packed in text order (`pack`, `append_packed`): a slot's rank is its index
+        s, t = state.pos.shape[-1], pos.shape[1]
+        c = (state.pos >= 0).sum(axis=-1, dtype=jnp.int32)  # [B, K] tokens held (equal over the heads)
+        ranks = jnp.concatenate([jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), state.pos.shape),
+                                 c[..., None] + jnp.arange(t, dtype=jnp.int32)], axis=-1)  # [B, K, S + T]
+        q = c[:, :1] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
+        return dataclasses.replace(view, rope=RopePositions(q=q[..., None], k=ranks))
+
+
+@dataclasses.dataclass(frozen=True)
 class Composed(PromptScored):
     """kvpress's `ComposedPress(presses)`: the presses applied in turn to the prompt, press i keeping
     max(1, int(m (1 - r_i))) of the m tokens the previous ones kept; the question and answer
@@ -340,16 +364,18 @@ class Composed(PromptScored):
 PRESSES = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPress", "ExpectedAttentionPress",
            "ObservedAttentionPress", "TOVAPress", "AdaKVPress", "KVzipPress", "DuoAttentionPress",
            "KeyDiffPress", "LagKVPress", "RandomPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress",
-           "ComposedPress", "FinchPress", "CURPress", "ChunkKVPress")
+           "ComposedPress", "FinchPress", "CURPress", "ChunkKVPress", "KeyRerotationPress")
 SUPPORTED = PRESSES
-WRAPPERS = ("AdaKVPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress", "ChunkKVPress")  # `press`: an inner press
+WRAPPERS = ("AdaKVPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress", "ChunkKVPress",
+            "KeyRerotationPress")  # `press`: an inner press
 # the inner presses a wrapper takes today, with their own fields (kvpress names)
 INNER = {"AdaKVPress": ("SnapKVPress", "KnormPress", "KeyDiffPress", "LagKVPress", "RandomPress", "StreamingLLMPress"),
          "PerLayerCompressionPress": ("SnapKVPress", "KnormPress", "KeyDiffPress", "LagKVPress", "ExpectedAttentionPress",
                                       "ObservedAttentionPress", "TOVAPress", "StreamingLLMPress", "RandomPress"),
          "ChunkPress": ("KnormPress", "KeyDiffPress", "LagKVPress", "RandomPress"),
          "BlockPress": ("KnormPress", "KeyDiffPress", "RandomPress"),
-         "ChunkKVPress": ("KnormPress", "KeyDiffPress", "LagKVPress", "RandomPress")}
+         "ChunkKVPress": ("KnormPress", "KeyDiffPress", "LagKVPress", "RandomPress"),
+         "KeyRerotationPress": ("KnormPress", "KeyDiffPress", "LagKVPress", "RandomPress")}
 
 
 def press_of(policy: Policy) -> tuple[str, dict]:
@@ -554,6 +580,9 @@ def _scored(press: str, r: float, max_new: int, n_layers: int | None, fields: di
         inner = kvpress(inner, r, max_new=max_new, **{k: fields.pop(k) for k in list(fields)})
         return AdaScored(press=inner, ratio=r, alpha_safeguard=alpha, max_new=max_new)
     snap = {"obs_window": fields.pop("window_size", 64), "kernel": fields.pop("kernel_size", 5), "pooling": "avg"}
+    if press == "KeyRerotationPress":
+        inner = kvpress(fields.pop("press"), r, max_new=max_new, **{k: fields.pop(k) for k in list(fields)})
+        return Rerotated(ratio=r, max_new=max_new, press=inner)
     if press in ("ChunkPress", "BlockPress", "ChunkKVPress"):  # the wrapper's size field, the rest the inner press's
         cls, size, default = {"ChunkPress": (Chunked, "chunk_length", 1024), "BlockPress": (Blocked, "block_size", 128),
                               "ChunkKVPress": (ChunkKV, "chunk_length", 20)}[press]

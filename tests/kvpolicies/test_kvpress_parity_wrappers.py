@@ -1,5 +1,6 @@
-"""kvpress 0.5.5's wrappers AdaKVPress over scorers other than SnapKV (`kvpolicies.adascored`) and
-ChunkKVPress (`kvpolicies.compat.ChunkKV`) beside `kvpolicies.compat.kvpress`, as
+"""kvpress 0.5.5's wrappers AdaKVPress over scorers other than SnapKV (`kvpolicies.adascored`),
+ChunkKVPress (`kvpolicies.compat.ChunkKV`) and KeyRerotationPress (`compat.Rerotated`) beside
+`kvpolicies.compat.kvpress`, as
 tests/kvpolicies/test_kvpress_parity.py runs the others: the same tiny random Llama and token ids,
 kvpress's press prefilling the context in its own environment (evals/kvpress_worker.py), ours
 `Engine.prompt` -> `compress` -> `kept_positions` / `continue_generate`: kept positions per (layer,
@@ -42,15 +43,54 @@ N_CTX, N_Q, N_NEW = 320, 8, 6
 # 16 full chunks
 CASES = (("AdaKVPress", 0.5, {"press": "KeyDiffPress"}), ("AdaKVPress", 0.75, {"press": "KeyDiffPress"}),
          ("ChunkKVPress", 0.5, {"press": "KeyDiffPress", "chunk_length": 30}),
-         ("ChunkKVPress", 0.75, {"press": "KeyDiffPress"}))
+         ("ChunkKVPress", 0.75, {"press": "KeyDiffPress"}),
+         ("KeyRerotationPress", 0.5, {"press": "KeyDiffPress"}), ("KeyRerotationPress", 0.75, {"press": "KeyDiffPress"}))
+
+# kvpress's side: evals/kvpress_worker.py's model, prefill and greedy decoding; KeyRerotationPress re-rotates
+# the cached keys (they match no uncompressed key): its kept indices are the ones `rerotate_keys` receives,
+# and the question continues at the compressed length, as kvpress's pipeline does for this press
+WORKER = r"""
+import json, sys, torch
+sys.path.insert(0, sys.argv[3])
+import kvpress_worker as w
+from kvpress.presses.key_rerotation_press import KeyRerotationPress
+from transformers import DynamicCache
+
+job = json.load(open(sys.argv[1]))
+model = w.load(w.build_tiny(job["tiny"], job["save_to"]), "sdpa")
+ctx, question = torch.tensor([job["context"]]), torch.tensor([job["question"]])
+with torch.no_grad():
+    full = DynamicCache()
+    model(input_ids=ctx, past_key_values=full, logits_to_keep=1)
+full_keys = [full.layers[i].keys[0] for i in range(len(full.layers))]
+seen = {}
+rerotate = KeyRerotationPress.rerotate_keys
+def recording(module, indices, keys):
+    seen[module.layer_idx] = indices[0].tolist()
+    return rerotate(module, indices, keys)
+KeyRerotationPress.rerotate_keys = staticmethod(recording)
+out = {}
+for name, ratio, fields in job["presses"]:
+    press = w.make_press(name, ratio, dict(fields))
+    if name != "KeyRerotationPress":
+        out[f"{name}@{ratio}"] = w.run(model, press, ctx, question, job["n_new"], full_keys)
+        continue
+    cache = DynamicCache()
+    with torch.no_grad(), press(model):
+        model(input_ids=ctx, past_key_values=cache, logits_to_keep=1)
+    kept = [[sorted(h) for h in seen[i]] for i in range(len(seen))]
+    answer = w.greedy(model, cache, question, cache.get_seq_length(), job["n_new"])
+    out[f"{name}@{ratio}"] = {"kept": kept, "answer": answer}
+json.dump(out, open(sys.argv[2], "w"))
+"""
 
 
 def run_kvpress(job: dict, tmp: pathlib.Path) -> dict:
     (tmp / "job.json").write_text(json.dumps(job))
     env = {**os.environ, "PYTHONPATH": str(REF), "CUDA_VISIBLE_DEVICES": "", "TRANSFORMERS_VERBOSITY": "error",
            "HF_HUB_DISABLE_PROGRESS_BARS": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    subprocess.run([sys.executable, str(ROOT / "evals" / "kvpress_worker.py"), str(tmp / "job.json"),
-                    str(tmp / "out.json")], check=True, env=env, cwd=ROOT, timeout=600)
+    subprocess.run([sys.executable, "-c", WORKER, str(tmp / "job.json"), str(tmp / "out.json"), str(ROOT / "evals")],
+                   check=True, env=env, cwd=ROOT, timeout=600)
     return json.loads((tmp / "out.json").read_text())
 
 
@@ -108,6 +148,7 @@ def test_wrapper_keeps_kvpress_positions_and_answers(tiny_run, press, ratio, fie
         return
     assert "error" not in want, want
     assert answer == want["answer"]
+
 
 
 def test_counted_pool_stream_extension_matches_numpy():
