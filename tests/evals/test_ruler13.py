@@ -302,3 +302,64 @@ def test_ruler_run_scores_rulers_task_with_its_metric():
     want = [ruler.score("fwe", t, s.refs) for t, s in zip(res.arrays["outputs"][0], ss)]
     assert res.arrays["score"].tolist() == [want] and res.grid[0]["protocol"] == "query_agnostic"
     assert res.metrics["accuracy"] == pytest.approx(np.mean(want)) and res.metrics["prefills"] == 1
+
+
+QA = ("Answer the question based on the given documents. Only give me the answer and do not output any other "
+      "words.\n\nThe following are given documents.\n\n{context}\n\nAnswer the question based on the given documents. "
+      "Only give me the answer and do not output any other words.\n\nQuestion: {query} ", "Answer:")
+
+
+def _qa_files(tmp_path):
+    """Tiny files in RULER's formats: SQuAD 2.0 (articles of paragraphs, unanswerable questions
+    flagged) and HotpotQA's distractor setting (each question with its titled paragraphs)."""
+    import json
+
+    rng = np.random.default_rng(0)
+
+    def para(a, p):
+        return f"Article {a} paragraph {p} says that " + " ".join(rng.choice(["red", "sea", "tall", "old"], 30)) + "."
+    squad = {"data": [{"title": f"A{a}", "paragraphs": [
+        {"context": para(a, p), "qas": [
+            {"question": f"What does article {a} paragraph {p} say?", "is_impossible": False,
+             "answers": [{"text": f"answer {a}.{p}"}, {"text": f"ans {a}-{p}"}]},
+            {"question": "Unanswerable?", "is_impossible": True, "answers": []}]} for p in range(4)]}
+        for a in range(12)]}
+    hotpot = [{"question": f"Which {q}?", "answer": f"yes {q}",
+               "context": [[f"Title {q}-{c}", [f"Sentence one of {q}-{c}. ", "Sentence two."]] for c in range(3)]}
+              for q in range(20)]
+    (tmp_path / "squad.json").write_text(json.dumps(squad))
+    (tmp_path / "hotpotqa.json").write_text(json.dumps(hotpot))
+    return str(tmp_path / "squad.json"), str(tmp_path / "hotpotqa.json")
+
+
+def test_qa_from_rulers_own_files_gold_among_distractors(tmp_path):
+    from evals import zoo
+
+    tok = zoo.load_tokenizer({"name": "smollm2", "dtype": "float32"})
+    squad, hotpot = _qa_files(tmp_path)
+    for name, path in (("qa_1", squad), ("qa_2", hotpot)):
+        cfg = ruler.leaderboard_task(name, 1024, 3, qa_file=path)
+        assert (cfg["gen"], cfg["metric"]) == (32, "string_match_part")
+        for i, s in enumerate(ruler.samples(cfg, tok, None, 1024, 0)):
+            assert len(s.tokens) == 1024 - 32
+            q = tok.decode(list(map(int, s.tokens[s.split:])))
+            query = re.search(r"Question: (.*) <\|im_end\|>", q).group(1)
+            context = _parts(tok, s, QA, query=query).rstrip("\n")
+            docs = re.split(r"\n+Document \d+:\n", "\n" + context)[1:]
+            assert re.findall(r"Document (\d+):", context) == [str(j + 1) for j in range(len(docs))]
+            if name == "qa_1":  # RULER's question i: its paragraph, then its article's, then others
+                a, p = divmod(i, 4)
+                assert query == f"What does article {a} paragraph {p} say?" and s.refs == (f"answer {a}.{p}",
+                                                                                          f"ans {a}-{p}")
+                assert sum(d.startswith(f"Article {a} paragraph {p} says") for d in docs) == 1
+                assert sum(d.startswith(f"Article {a} ") for d in docs) == 4 and len(docs) > 6
+                assert len(set(docs)) == len(docs)
+            else:  # every paragraph given with the question, titled, among the others
+                assert query == f"Which {i}?" and s.refs == (f"yes {i}",)
+                assert {f"Title {i}-{c}\nSentence one of {i}-{c}. Sentence two." for c in range(3)} <= set(docs)
+                assert len(docs) > 10
+    assert ruler.score("qa_1", "It is ans 0-1, I think", ("answer 0.1", "ans 0-1")) == 1.0
+    with pytest.raises(ValueError, match="not RULER's squad file"):
+        ruler.samples(ruler.leaderboard_task("qa_1", 1024, 1, qa_file=hotpot), tok, None, 1024, 0)
+    with pytest.raises(ValueError, match="no such file"):
+        ruler.leaderboard_task("qa_2", qa_file=str(tmp_path / "nope.json"))
