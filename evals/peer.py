@@ -9,15 +9,20 @@ and how much of the same context each keeps.
 Keys (key=value):
 
     model=smollm2                 smollm2 (SmolLM2-135M-Instruct), qwen (Qwen2.5-Coder-0.5B-Instruct
-                                  Q4_K_M; `bash scripts/setup.sh long`), or tiny (a random 3-layer
-                                  Llama with SmolLM2's tokenizer, built by the worker: tests)
+                                  Q4_K_M; `bash scripts/setup.sh long`), tiny (a random 3-layer
+                                  Llama with SmolLM2's tokenizer, built by the worker: tests), or hf
+                                  with model_path=<an HF folder> (Llama 3.x, Qwen2/3, ...: on a GPU)
+    dtype=float32                 our side's dtype (bfloat16 on a GPU; kvpress's side stays float32)
     task=ruler_niah_single        a RULER task of evals.ruler: ruler_niah_single, ruler_niah_multikey,
-                                  ruler_niah_multivalue, ruler_niah_multiquery, ruler_vt, ruler_cwe, ruler_fwe
+                                  ruler_niah_multivalue, ruler_niah_multiquery, ruler_vt, ruler_cwe, ruler_fwe,
+                                  or one of RULER's own task names (niah_single_1 ... fwe: kvpress's
+                                  leaderboard, `evals.ruler.LEADERBOARD_TASKS`)
     tokens=2048                   each prompt + answer (RULER's exact length)
     samples=20                    prompts per cell (the task's trials, seed `seed`)
-    ratios=[0.25,0.5,0.75]        kvpress compression ratios in (0, 1); the full cache (ratio 0) always runs
+    ratios=[0.25,0.5,0.75,0.875]  kvpress compression ratios in (0, 1); the full cache (ratio 0) always runs
     presses=[...]                 default: PEER_PRESSES (kvpolicies.compat's but Random, PerLayerCompression; DuoAttentionPress
-                                  with a seeded random head pattern on both sides, `duo_pattern`)
+                                  with a seeded random head pattern on both sides, `duo_pattern`; none for
+                                  model=hf); RandomPress is also accepted (its draw is not kvpress's)
     gen=<task's>                  greedy tokens after the question (ruler_niah_single: 32)
     seed=0  chunk=512             the samples' seed; our prefill chunk (never changes a result; the rest
                                   of a context in power-of-two pieces, `pieces`, and the question in
@@ -33,6 +38,11 @@ Keys (key=value):
     overwrite=false               replace the files of another configuration under that stem (without
                                   it: an error before anything runs)
     table_only=false              compute nothing: the table of the samples both sides saved so far
+    query_aware=false             kvpress's --query_aware: the question is part of the compressed context;
+                                  after the compression come only the chat template's tail and the answer
+                                  prefix (files under <stem>_query_aware)
+    kvpress=true                  false: our side alone (kvpress's columns left empty; no kvpress needed,
+                                  but for model=tiny, whose checkpoint its worker builds)
     progress=true
 
 Protocol (kvpress's pipeline, query-agnostic): each RULER prompt is split where its question starts;
@@ -81,11 +91,13 @@ from evals.config import ConfigError
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 REF = ROOT / ".venv" / "kvpress-ref"
 WORKER = ROOT / "evals" / "kvpress_worker.py"
-MODELS = ("smollm2", "qwen", "tiny")
+MODELS = ("smollm2", "qwen", "tiny", "hf")
+DTYPES = ("float32", "bfloat16")
 PREFILLS = ("shared", "per_press")
 OWN_KEYS = ("model", "task", "tokens", "samples", "ratios", "presses", "gen", "seed", "chunk", "prefill", "out",
-            "compile_cache", "name", "overwrite", "table_only", "progress")
-DEFAULT_RATIOS = (0.25, 0.5, 0.75)
+            "compile_cache", "name", "overwrite", "table_only", "progress", "query_aware", "kvpress", "model_path",
+            "dtype")
+DEFAULT_RATIOS = (0.25, 0.5, 0.75, 0.875)  # kvpress's leaderboard's ratios
 # the tiny random Llama of model=tiny (the parity tests' shape, SmolLM2's vocabulary)
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
 SIDES = ("kvpress", "ours")
@@ -113,6 +125,10 @@ class Plan:
     overwrite: bool
     progress: bool
     table_only: bool = False
+    query_aware: bool = False  # the question compressed with the context (kvpress's --query_aware)
+    kvpress: bool = True  # run kvpress's side too (false: ours alone, no kvpress needed)
+    model_path: str | None = None  # model=hf: the HF folder (config.json, safetensors, tokenizer)
+    dtype: str = "float32"  # our side's weights and activations (kvpress's side: float32)
     compile_cache: pathlib.Path | None = None  # JAX's persistent compilation cache for our side
     config: str = ""  # the hash of everything that determines the numbers
     contexts: list[np.ndarray] = dataclasses.field(default_factory=list)
@@ -122,6 +138,18 @@ class Plan:
 
     def path(self, suffix: str) -> pathlib.Path:
         return self.out / f"{self.stem}{suffix}"
+
+    @property
+    def mconf(self) -> dict[str, Any]:
+        """The `evals.zoo` model config of our side (the config hash's model part)."""
+        if self.model == "hf":
+            return {"name": "hf", "path": self.model_path, "dtype": self.dtype}
+        return model_config(self.model) | ({"dtype": self.dtype} if self.dtype != "float32" else {})
+
+    @property
+    def sides(self) -> tuple[str, ...]:
+        """The sides this run computes and tables: both, or ours alone (kvpress=false)."""
+        return SIDES if self.kvpress else ("ours",)
 
     @property
     def cells(self) -> list[tuple[str, float]]:
@@ -156,6 +184,9 @@ def _bool(key: str, text: str) -> bool:
 PEER_PRESSES = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPress", "ExpectedAttentionPress",
                 "ObservedAttentionPress", "TOVAPress", "AdaKVPress", "KVzipPress", "DuoAttentionPress",
                 "KeyDiffPress", "LagKVPress")
+# compat's presses beyond PEER_PRESSES that `presses=` also accepts: RandomPress (a floor on kvpress's
+# leaderboard; its kept sets and answers differ from kvpress's by construction)
+EXTRA_PRESSES = ("RandomPress",)
 DUO_SEED = 0  # the head pattern both sides get for DuoAttentionPress (`duo_pattern`)
 
 
@@ -189,7 +220,7 @@ def parse(argv: Sequence[str]) -> Plan:
     from evals import ruler
     from evals.compare import list_value
     from evals.config import did_you_mean
-    supported = PEER_PRESSES
+    supported = PEER_PRESSES + EXTRA_PRESSES
 
     own: dict[str, str] = {}
     for item in argv:
@@ -202,15 +233,28 @@ def parse(argv: Sequence[str]) -> Plan:
     model = own.get("model", "smollm2")
     if model not in MODELS:
         raise ConfigError(f"model={model}: must be one of {list(MODELS)}{did_you_mean(model, MODELS)}")
+    if (model == "hf") != ("model_path" in own):
+        raise ConfigError("model=hf needs model_path=<an HF folder>" if model == "hf" else
+                          f"model_path= is for model=hf (model={model} is found by its package)")
+    dtype = own.get("dtype", "float32")
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype={dtype}: must be one of {list(DTYPES)}")
     task = own.get("task", "ruler_niah_single")
-    if task not in ruler.RULER_SET:
-        raise ConfigError(f"task={task}: must be a RULER task, one of {list(ruler.RULER_SET)}"
-                          f"{did_you_mean(task, ruler.RULER_SET)}")
-    presses = list_value("presses", own["presses"]) if "presses" in own else list(supported)
+    named = tuple(ruler.RULER_SET) + tuple(leaderboard_names())
+    if task in getattr(ruler, "MISSING", {}):
+        raise ConfigError(f"task={task}: {ruler.MISSING[task]}")
+    if task not in named:
+        raise ConfigError(f"task={task}: must be a RULER task, one of {list(named)}{did_you_mean(task, named)}")
+    presses = list_value("presses", own["presses"]) if "presses" in own else list(PEER_PRESSES)
+    if model == "hf" and "presses" not in own:
+        presses.remove("DuoAttentionPress")  # no head pattern for a folder's model (`duo_pattern`)
     for p in presses:
         if p not in supported:
             raise ConfigError(f"presses: {p!r} is not a kvpress press kvpolicies.compat reproduces"
                               f"{did_you_mean(p, supported)}; choose from {list(supported)}")
+    if model == "hf" and "DuoAttentionPress" in presses:
+        raise ConfigError("presses: DuoAttentionPress needs a head pattern, which evals.peer draws for its own "
+                          "models only (`duo_pattern`); leave it out for model=hf")
     ratios = []
     for r in (list_value("ratios", own["ratios"]) if "ratios" in own else [str(x) for x in DEFAULT_RATIOS]):
         try:
@@ -226,20 +270,33 @@ def parse(argv: Sequence[str]) -> Plan:
         raise ConfigError(f"prefill={prefill}: must be one of {list(PREFILLS)}")
     tokens = _int("tokens", own.get("tokens", "2048"), 64)
     try:
-        cfg = ruler.check({"name": task, "lengths": [tokens], "trials": 1, "protocol": "query_agnostic"}
-                          | ({"gen": _int("gen", own["gen"], 1)} if "gen" in own else {}))
+        gen = {"gen": _int("gen", own["gen"], 1)} if "gen" in own else {}
+        if task in ruler.RULER_SET:
+            cfg = ruler.check({"name": task, "lengths": [tokens], "trials": 1, "protocol": "query_agnostic"} | gen)
+        else:  # RULER's own task names (kvpress's leaderboard): their configs, RULER's tokens to generate
+            cfg = ruler.check(ruler.leaderboard_task(task, tokens, 1) | gen)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     samples = _int("samples", own.get("samples", "20"), 1)
     cfg["trials"] = cfg["batch"] = samples
-    stem = own.get("name") or f"peer_{model}_{task}_{tokens}"
+    query_aware = _bool("query_aware", own.get("query_aware", "false"))
+    stem = own.get("name") or f"peer_{model}_{task}_{tokens}" + ("_query_aware" if query_aware else "")
     out = pathlib.Path(own.get("out", "results/peer"))
     cache_key = own.get("compile_cache", str(out / ".jax-cache"))
     cache = None if cache_key.strip().lower() in ("none", "") else pathlib.Path(cache_key)
     return Plan(model, cfg, tokens, samples, ratios, presses, cfg["gen"], _int("seed", own.get("seed", "0"), 0),
                 _int("chunk", own.get("chunk", "512"), 1), prefill, out,
                 stem, _bool("overwrite", own.get("overwrite", "false")), _bool("progress", own.get("progress", "true")),
-                _bool("table_only", own.get("table_only", "false")), compile_cache=cache, argv=list(argv))
+                _bool("table_only", own.get("table_only", "false")), query_aware=query_aware,
+                kvpress=_bool("kvpress", own.get("kvpress", "true")), model_path=own.get("model_path"), dtype=dtype,
+                compile_cache=cache, argv=list(argv))
+
+
+def leaderboard_names() -> tuple[str, ...]:
+    """RULER's own task names (niah_single_1, ..., kvpress's leaderboard) that evals.ruler generates."""
+    from evals import ruler
+
+    return tuple(getattr(ruler, "AVAILABLE", ()))
 
 
 def check_reference() -> None:
@@ -258,7 +315,7 @@ def prepare(p: Plan) -> Plan:
     from evals import ruler, zoo
     from evals.results import config_key
 
-    mc = model_config(p.model)
+    mc = p.mconf
     try:
         if p.model != "tiny":
             zoo.describe(mc)  # the model file is there and whole
@@ -267,13 +324,43 @@ def prepare(p: Plan) -> Plan:
         samples = ruler.samples(p.task, tok, None, p.tokens, p.seed)
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from None
-    p.contexts = [np.asarray(s.tokens[:s.split], np.int32) for s in samples]
-    p.questions = [np.asarray(s.tokens[s.split:], np.int32) for s in samples]
+    try:
+        splits = [question_end(tok, s.tokens, s.split) if p.query_aware else s.split for s in samples]
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    p.contexts = [np.asarray(s.tokens[:k], np.int32) for s, k in zip(samples, splits)]
+    p.questions = [np.asarray(s.tokens[k:], np.int32) for s, k in zip(samples, splits)]
     p.refs = [tuple(s.refs) for s in samples]
     task = {k: v for k, v in p.task.items() if k not in ("trials", "batch")}  # sample i is the same for any count
     p.config = config_key({"model": mc if p.model != "tiny" else {"tiny": TINY, "vocab": tok.vocab_size},
-                           "task": task, "tokens": p.tokens, "seed": p.seed})
+                           "task": task, "tokens": p.tokens, "seed": p.seed} | ({"query_aware": True} if p.query_aware
+                                                                                  else {}))
     return p
+
+
+def question_end(tok, tokens: np.ndarray, split: int) -> int:
+    """Where the question's text ends in a prompt whose question starts at `split`: the start of the
+    last occurrence of what the chat template puts after the user's message (its end-of-turn and
+    the assistant's header; the answer prefix follows). kvpress's --query_aware appends the
+    question to the context, so the context is compressed with the question in it and only this
+    tail and the answer prefix come after the compression."""
+    from evals.retrieval import has_chat_template
+
+    sentinel = "\x00END\x00"
+    if has_chat_template(tok):
+        after = tok.apply_chat_template([{"role": "user", "content": f"x{sentinel}"}],
+                                        add_generation_prompt=True).split(sentinel)[1]
+    else:
+        after = "\n"  # evals.retrieval.frame's prompt without a chat template
+    want = list(tok.encode(after))
+    if not want:
+        raise ValueError(f"query_aware=true: the chat template puts no tokens after the user's message ({after!r})")
+    ids = [int(x) for x in tokens]
+    for k in range(len(ids) - len(want), split - 1, -1):
+        if ids[k:k + len(want)] == want:
+            return k
+    raise ValueError(f"query_aware=true: the chat template's tail {after!r} is not in the prompt's question part "
+                     "(a task whose answer prefix is not after the template's assistant header?)")
 
 
 # -- the saved lines ---------------------------------------------------------------------------------
@@ -352,7 +439,9 @@ def pending(p: Plan, side: str) -> list[tuple[int, str, float]]:
 
 
 def tiny_dir(p: Plan) -> pathlib.Path:
-    return p.out / f"{p.stem}.tiny"
+    """model=tiny's checkpoint (kvpress's worker builds it, seed 0): one per folder and length, shared
+    by the runs there (`evals.leaderboard`'s tasks)."""
+    return p.out / f"tiny_{max(p.tokens, 512)}.model"
 
 
 def worker_job(p: Plan, todo: Sequence[tuple[int, str, float]]) -> dict[str, Any]:
@@ -369,12 +458,14 @@ def worker_job(p: Plan, todo: Sequence[tuple[int, str, float]]) -> dict[str, Any
     if p.model == "tiny":
         from evals import zoo
 
-        vocab = zoo.load_tokenizer(model_config(p.model)).vocab_size
+        vocab = zoo.load_tokenizer(p.mconf).vocab_size
         job |= {"checkpoint": None, "save_to": str(tiny_dir(p)),
                 "tiny": {"kind": "llama", "seed": 0, "config": TINY | {
                     "vocab_size": vocab, "max_position_embeddings": max(p.tokens, 512)}}}
         tok = _gguf("smollm2")  # KVzipPress's repeat prompts: the tokenizer the tiny model's ids come from
         job["tokenizer_from"] = {"checkpoint": str(tok.parent), "gguf_file": tok.name}
+    elif p.model == "hf":
+        job |= {"checkpoint": str(pathlib.Path(p.model_path).expanduser())}
     else:
         path = _gguf(p.model)
         job |= {"checkpoint": str(path.parent), "gguf_file": path.name}
@@ -423,9 +514,9 @@ def load_ours(p: Plan):
         from models.tokenizer import attach
 
         cfg, params = load_hf(tiny_dir(p))
-        tok = zoo.load_tokenizer(model_config(p.model))
+        tok = zoo.load_tokenizer(p.mconf)
         return attach(Llama(cfg, params), tok), tok  # kvzip's repeat prompts read the model's tokenizer
-    return zoo.load_model(model_config(p.model))
+    return zoo.load_model(p.mconf)
 
 
 def pieces(n: int, chunk: int) -> list[int]:
@@ -619,11 +710,11 @@ def records(p: Plan, tok) -> list[dict[str, Any]]:
     per [layer][kv head]."""
     from evals import ruler
 
-    sides = {s: saved(p, s) for s in SIDES}
+    sides = {s: saved(p, s) for s in p.sides}
     out = []
     for c, r in p.cells:
         for i in range(p.samples):
-            lines = {s: sides[s].get((i, c, r)) for s in SIDES}
+            lines = {s: sides[s].get((i, c, r)) for s in p.sides}
             if any(v is None for v in lines.values()):
                 continue
             rec: dict[str, Any] = {"config": p.config, "press": c, "ratio": r, "sample": i,
@@ -634,9 +725,9 @@ def records(p: Plan, tok) -> list[dict[str, Any]]:
                     rec[s] = {"error": line["error"], "seconds": line.get("seconds")}
                     continue
                 text = ruler.ids_text(tok, line["answer"])
-                rec[s] = {"ids": line["answer"], "text": text, "score": ruler.string_match_all(text, p.refs[i]),
+                rec[s] = {"ids": line["answer"], "text": text, "score": score(p, text, p.refs[i]),
                           "seconds": line.get("seconds")}
-            if any("error" in rec[s] for s in SIDES):
+            if any("error" in rec[s] for s in p.sides) or len(p.sides) < 2:
                 out.append(rec)
                 continue
             k = len(lines["ours"]["kept"])
@@ -663,22 +754,23 @@ def summarize(p: Plan, recs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for c, r in p.cells:
         rs = [x for x in recs if x["press"] == c and x["ratio"] == r]
-        ok = [x for x in rs if "error" not in x["kvpress"] and "error" not in x["ours"]]
+        ok = [x for x in rs if all("error" not in x[s] for s in p.sides)]
         row: dict[str, Any] = {"press": c, "ratio": r, "samples": len(rs), "compared": len(ok), "config": p.config}
         for s in SIDES:
-            acc = accuracy_record([x[s]["score"] for x in ok])
+            acc = accuracy_record([x[s]["score"] for x in ok] if s in p.sides else [])
             row |= {f"{s}_accuracy": acc["accuracy"], f"{s}_ci_low": acc["ci_low"], f"{s}_ci_high": acc["ci_high"]}
+        both = ok if len(p.sides) == 2 else []
         for what in ("same_text", "same_ids", "same_score"):
-            row[what] = sum(x[what] for x in ok) / len(ok) if ok else float("nan")
-        js = [j for x in ok for layer in x["jaccard"] for j in layer]
+            row[what] = sum(x[what] for x in both) / len(both) if both else float("nan")
+        js = [j for x in both for layer in x["jaccard"] for j in layer]
         row["jaccard_mean"] = float(np.mean(js)) if js else float("nan")
         row["jaccard_min"] = float(np.min(js)) if js else float("nan")
-        errs = sorted({x[s]["error"] for x in rs for s in SIDES if "error" in x[s]})
+        errs = sorted({x[s]["error"] for x in rs for s in p.sides if "error" in x[s]})
         for side in SIDES:  # wall seconds per item (its share of a shared prefill included), mean over samples
-            secs = [x[side]["seconds"] for x in rs if x[side].get("seconds") is not None]
+            secs = [x[side]["seconds"] for x in rs if side in x and x[side].get("seconds") is not None]
             row[f"{side}_seconds"] = round(float(np.mean(secs)), 2) if secs else float("nan")
-        row["kvpress_errors"] = sum("error" in x["kvpress"] for x in rs)
-        row["ours_errors"] = sum("error" in x["ours"] for x in rs)
+        for side in SIDES:
+            row[f"{side}_errors"] = sum("error" in x.get(side, {}) for x in rs)
         row["error"] = errs[0] if errs else ""
         rows.append(row)
     return rows
@@ -728,7 +820,7 @@ def markdown(p: Plan, rows: Sequence[dict[str, Any]], title: str = "") -> str:
                      f"ours raised ({r['ours_errors']}/{r['samples']})"] + ["-"] * 5
             notes.append(f"{r['press']} at {r['ratio']:g}: {r['error']}")
         else:
-            j = "-" if n == 0 else f"{r['jaccard_mean']:.4f} ({r['jaccard_min']:.4f})"
+            j = "-" if n == 0 or r["jaccard_mean"] != r["jaccard_mean"] else f"{r['jaccard_mean']:.4f} ({r['jaccard_min']:.4f})"
             cells = [_acc(r, "kvpress"), _acc(r, "ours"), _frac(r["same_text"], n), _frac(r["same_ids"], n),
                      _frac(r["same_score"], n), j]
             if r["kvpress_errors"] or r["ours_errors"]:
@@ -736,9 +828,13 @@ def markdown(p: Plan, rows: Sequence[dict[str, Any]], title: str = "") -> str:
                              f"ours errors left out: {r['error']}")
         secs = [_secs(r.get(f"{side}_seconds", float("nan"))) for side in SIDES]
         lines.append("| " + " | ".join([r["press"], f"{r['ratio']:g}", str(r["samples"])] + cells + secs) + " |")
-    lines += ["", f"{p.model}, {p.task['name']} at {p.tokens} tokens (prompt + {p.gen} greedy tokens), "
-              f"samples: the prompts both sides finished (of {p.samples}, seed {p.seed}), kvpress's protocol: the context compressed once, "
-              "the question appended. Accuracy: RULER's string_match_all, Wilson 95 % interval in brackets. "
+    protocol = ("kvpress's protocol with --query_aware: the context and the question compressed together, the chat "
+                "template's tail and the answer prefix appended" if p.query_aware else
+                "kvpress's protocol: the context compressed once, the question appended")
+    finished = "both sides" if p.kvpress else "our side (kvpress=false: kvpress not run)"
+    lines += ["", f"{p.model}, {p.task.get('ruler_name', p.task['name'])} at {p.tokens} tokens (prompt + {p.gen} "
+              f"greedy tokens), samples: the prompts {finished} finished (of {p.samples}, seed {p.seed}), {protocol}. "
+              f"Accuracy: RULER's {p.task.get('metric', 'string_match_all')}, Wilson 95 % interval in brackets. "
               "Same answer text / ids / score: samples where kvpress 0.5.5 and kvpolicies give the same decoded "
               "answer (cut at EOS) / the same greedy ids / the same score. Kept Jaccard: |A ∩ B| / |A ∪ B| of "
               "the context positions each keeps, per (layer, kv head), mean (min) over samples, layers and heads. "
@@ -748,6 +844,15 @@ def markdown(p: Plan, rows: Sequence[dict[str, Any]], title: str = "") -> str:
     if notes:
         lines += [""] + [f"- {x}" for x in notes]
     return "\n".join(lines) + "\n"
+
+
+def score(p: Plan, text: str, refs: Sequence[str]) -> float:
+    """RULER's score of an answer for the run's task: string_match_part for QA, else string_match_all."""
+    from evals import ruler
+
+    if p.task.get("metric") == "string_match_part":
+        return ruler.string_match_part(text, refs)
+    return ruler.string_match_all(text, refs)
 
 
 def write(p: Plan, tok) -> list[dict[str, Any]]:
@@ -788,20 +893,20 @@ def map_count_note() -> str:
             f"vm.max_map_count={4 * MAP_COUNT_MIN}")
 
 
-def run(p: Plan) -> list[dict[str, Any]]:
+def run(p: Plan, model=None) -> list[dict[str, Any]]:
     """Both sides of every missing item (kvpress in a subprocess while ours runs here), then the
-    records and the table."""
+    records and the table; `model`: our model already loaded (`load_ours`), else loaded here."""
     from tqdm.auto import tqdm
 
     from evals import zoo
 
     p.out.mkdir(parents=True, exist_ok=True)
     if p.table_only:
-        return write(p, zoo.load_tokenizer(model_config(p.model)))
+        return write(p, zoo.load_tokenizer(p.mconf))
     p.path(".ours-done").unlink(missing_ok=True)  # a killed run's
     for s in SIDES:
         repair(p.path(f".{s}.jsonl"))
-    todo = {s: pending(p, s) for s in SIDES}
+    todo = {s: pending(p, s) if s in p.sides else [] for s in SIDES}
     total = p.samples * len(p.cells)
     print(f"[evals.peer] {len(p.cells)} rows (full + {len(p.presses)} presses x ratios "
           f"{', '.join(f'{r:g}' for r in p.ratios)}) x {p.samples} samples; to run: kvpress "
@@ -810,10 +915,10 @@ def run(p: Plan) -> list[dict[str, Any]]:
         print(note, file=sys.stderr)
     t0 = time.time()
     bars = {s: tqdm(total=total, initial=total - len(todo[s]), desc=s, unit="run", position=k,
-                    disable=not p.progress) for k, s in enumerate(SIDES)}
+                    disable=not p.progress or s not in p.sides) for k, s in enumerate(SIDES)}
     worker = None
     try:
-        if todo["kvpress"] or (p.model == "tiny" and not tiny_dir(p).is_dir()):
+        if todo["kvpress"] or (p.model == "tiny" and not tiny_dir(p).is_dir()):  # the tiny model: the worker builds it
             worker = start_worker(p, todo["kvpress"])
             if p.model == "tiny":  # our side loads the checkpoint the worker saves
                 _wait(p, worker, bars["kvpress"], total)
@@ -825,7 +930,8 @@ def run(p: Plan) -> list[dict[str, Any]]:
             bars["kvpress"].refresh()
 
         if todo["ours"]:
-            model, _ = load_ours(p)
+            if model is None:
+                model, _ = load_ours(p)
             run_ours(p, model, todo["ours"], tick)
         if worker is not None:
             p.path(".ours-done").touch()  # our side is done: the worker takes every core (`worker_job`)
@@ -836,7 +942,7 @@ def run(p: Plan) -> list[dict[str, Any]]:
             b.close()
         if worker is not None and worker.poll() is None:
             worker.terminate()
-        write(p, zoo.load_tokenizer(model_config(p.model)))
+        write(p, zoo.load_tokenizer(p.mconf))
         print(f"[evals.peer] interrupted: {p.path('.md')} holds the samples both sides finished", file=sys.stderr)
         raise
     finally:
@@ -845,7 +951,7 @@ def run(p: Plan) -> list[dict[str, Any]]:
         p.path(".ours-done").unlink(missing_ok=True)
         for b in bars.values():
             b.close()
-    rows = write(p, zoo.load_tokenizer(model_config(p.model)))
+    rows = write(p, zoo.load_tokenizer(p.mconf))
     print(f"[evals.peer] done in {time.time() - t0:.0f} s")
     full = rows[0]
     if full["compared"] and full["same_text"] < 1:
@@ -892,7 +998,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     with warnings_as_lines("evals.peer"), interrupt_as_line("evals.peer"):
         try:
             p = parse(argv)
-            check_reference()
+            if p.kvpress or p.model == "tiny":  # the tiny model is built (and saved) by the kvpress worker
+                check_reference()
             prepare(p)
             check_outputs(p)
         except ConfigError as e:

@@ -14,6 +14,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from evals import peer
@@ -189,9 +190,9 @@ class TestTable:
         from models.engine import Engine
 
         out, _ = tiny_run
-        (tmp_path / f"{STEM}.tiny").symlink_to(out / f"{STEM}.tiny")  # the checkpoint the worker wrote
         p = peer.prepare(peer.parse([a for a in ARGS if not a.startswith(("presses=", "ratios=", "samples="))] + [
             "samples=1", "presses=[KVzipPress,DuoAttentionPress]", "ratios=[0.25,0.5]", f"out={tmp_path}"]))
+        peer.tiny_dir(p).symlink_to(out / peer.tiny_dir(p).name)  # the checkpoint the worker wrote
         model, _ = peer.load_ours(p)
         calls = collections.Counter()
         for name in ("prompt", "_reconstruct"):
@@ -458,3 +459,39 @@ def test_the_worker_takes_every_core_once_the_file_exists(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
                          check=True).stdout.split()
     assert out[0] == "1" and out[1] == out[2], out
+
+
+def test_query_aware_splits_after_the_question(tmp_path):
+    """query_aware=true (kvpress's --query_aware): the same prompt ids, split where the chat
+    template's tail begins: the context ends with the question's text, and the part after the
+    compression is the tail (end of turn, assistant header) and the answer prefix only; the
+    files and the config hash are another run's."""
+    from evals import zoo
+
+    args = ["model=tiny", "tokens=320", "samples=2", "presses=[SnapKVPress]", "ratios=[0.5]", f"out={tmp_path}"]
+    plain = peer.prepare(peer.parse(args))
+    aware = peer.prepare(peer.parse(args + ["query_aware=true"]))
+    tok = zoo.load_tokenizer(peer.model_config("tiny"))
+    assert aware.stem == plain.stem + "_query_aware" and aware.config != plain.config
+    for i in range(2):
+        whole = np.concatenate([plain.contexts[i], plain.questions[i]])
+        assert np.array_equal(whole, np.concatenate([aware.contexts[i], aware.questions[i]]))
+        assert len(aware.contexts[i]) > len(plain.contexts[i])
+        question = tok.decode(aware.contexts[i][len(plain.contexts[i]):].tolist())
+        assert question.strip().startswith("What is the special magic") and question.rstrip().endswith("?")
+        after = tok.decode(aware.questions[i].tolist())
+        assert after.startswith("<|im_end|>\n<|im_start|>assistant\n") and after.endswith("mentioned in the provided text is")
+
+
+def test_kvpress_false_runs_ours_alone_and_hf_needs_a_folder(tmp_path):
+    """kvpress=false: only our side is pending and tabled; model=hf wants model_path= (and only it)."""
+    p = peer.parse(ARGS + [f"out={tmp_path}", "kvpress=false"])
+    assert p.sides == ("ours",) and peer.parse(ARGS).sides == peer.SIDES
+    for bad, says in ((["model=hf"], "needs model_path="), (["model_path=/x"], "is for model=hf"),
+                      (["model=hf", "model_path=/x", "presses=[DuoAttentionPress]"], "DuoAttentionPress needs a head"),
+                      (["dtype=float16"], "dtype=float16")):
+        with pytest.raises(peer.ConfigError, match=says):
+            peer.parse([a for a in ARGS if not a.startswith(("model=", "presses="))] + bad)
+    hf = peer.parse(["model=hf", f"model_path={tmp_path}", "dtype=bfloat16", "samples=1"])
+    assert hf.mconf == {"name": "hf", "path": str(tmp_path), "dtype": "bfloat16"}
+    assert peer.parse(["samples=1"]).mconf == {"name": "smollm2", "dtype": "float32"}  # the peer tables' hash: unchanged

@@ -1,0 +1,116 @@
+"""`python -m evals.leaderboard`: the command line's plans and errors (before any compute), and the
+tables built from saved answer lines, their averages recomputed by hand; end to end on the tiny
+model in the slow tests."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from evals import leaderboard as L
+from evals import peer, ruler, zoo
+from evals.config import ConfigError
+
+ARGS = ["model=tiny", "tokens=512", "samples=1", "tasks=[niah_single_1,niah_multikey_2]", "presses=[SnapKVPress]",
+        "ratios=[0.5]", "query_aware=[SnapKVPress]", "progress=false"]
+
+
+def test_plans_one_peer_run_per_task_and_mode(tmp_path):
+    b = L.parse(ARGS + [f"out={tmp_path}"])
+    assert [(p.task["name"], p.query_aware, p.presses, p.stem) for p in b.plans] == [
+        ("niah_single_1", False, ["SnapKVPress"], "niah_single_1"),
+        ("niah_single_1", True, ["SnapKVPress"], "niah_single_1_query_aware"),
+        ("niah_multikey_2", False, ["SnapKVPress"], "niah_multikey_2"),
+        ("niah_multikey_2", True, ["SnapKVPress"], "niah_multikey_2_query_aware")]
+    assert all(p.out == tmp_path / "tiny_512" and not p.kvpress and p.ratios == [0.5] for p in b.plans)
+    assert b.plans[0].gen == ruler.leaderboard_task("niah_single_1")["gen"] == 128  # RULER's tokens_to_generate
+    assert [p.stem for p in L.parse(ARGS + [f"out={tmp_path}", "shard=1/2"]).mine()] == [
+        "niah_single_1_query_aware", "niah_multikey_2_query_aware"]
+    whole = L.parse(["progress=false"])
+    assert whole.tasks == list(ruler.AVAILABLE) and len(whole.tasks) == 11
+    assert whole.plans[0].ratios == [0.25, 0.5, 0.75, 0.875] and whole.plans[0].tokens == 4096
+    assert "DuoAttentionPress" not in whole.presses and "RandomPress" in whole.presses
+    assert whole.aware == [p for p in L.QUERY_AWARE if p in peer.PEER_PRESSES + peer.EXTRA_PRESSES]
+
+
+@pytest.mark.parametrize("bad, says", [
+    ("tasks=[qa_1]", "no package on the registries ships SQuAD"),
+    ("tasks=[niah_single]", "not a task evals.ruler generates"),
+    ("presses=[SnapKV]", "not a press evals.peer runs"),
+    ("query_aware=[Nope]", "query_aware: 'Nope'"),
+    ("shard=2/2", "0 <= i < n"),
+    ("shard=x", "expected i/n"),
+    ("ratio=0.5", "unknown key"),
+    ("model=hf", "needs model_path="),
+])
+def test_errors_before_compute(bad, says, tmp_path):
+    with pytest.raises(ConfigError, match=says):
+        L.parse([a for a in ARGS if not a.startswith(bad.split("=")[0] + "=")] + [bad, f"out={tmp_path}"])
+
+
+def _answer(tok, text: str) -> list[int]:
+    return [int(x) for x in tok.encode(text)]
+
+
+def test_tables_average_the_tasks(tmp_path):
+    """Answer lines written by hand (right: the reference's ids; wrong: other words): each cell's
+    score, the average over the two tasks (x 100), a cell short of a task without an average, the
+    full cache once (the query-agnostic run's), and the CSV, markdown and figure files."""
+    b = L.prepare(L.parse(ARGS + [f"out={tmp_path}"]))
+    tok = zoo.load_tokenizer(b.plans[0].mconf)
+    right = {("niah_single_1", False): {"full": True, "SnapKVPress": True},
+             ("niah_single_1", True): {"SnapKVPress": False},
+             ("niah_multikey_2", False): {"full": True, "SnapKVPress": False},
+             ("niah_multikey_2", True): {"SnapKVPress": True, "full": False}}
+    for p in b.plans:
+        p.out.mkdir(parents=True, exist_ok=True)
+        with open(p.path(".ours.jsonl"), "w") as f:
+            for press, ok in right[(p.task["name"], p.query_aware)].items():
+                ids = _answer(tok, " " + p.refs[0][0] if ok else " no idea")
+                f.write(json.dumps({"sample": p.sample_id(0), "press": press, "ratio": 0.5 if press != "full" else 0.0,
+                                    "n": len(p.contexts[0]), "answer": ids, "kept": [], "seconds": 1.0}) + "\n")
+    avg = {(r["press"], r["ratio"]): r for r in L.write(b)}
+    assert avg[("full", 0.0)]["ours"] == 100.0 and avg[("full", 0.0)]["tasks"] == 2  # the aware run's full: not counted
+    assert avg[("SnapKVPress", 0.5)]["ours"] == 50.0
+    assert avg[("SnapKVPress (query-aware)", 0.5)]["ours"] == 50.0
+    assert all(r["kvpress"] != r["kvpress"] for r in avg.values())  # kvpress=false: no kvpress column
+    with open(tmp_path / "leaderboard_tiny_512.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["press"], float(r["ours"])) for r in rows] == [("full", 100.0), ("SnapKVPress", 50.0),
+                                                           ("SnapKVPress (query-aware)", 50.0)]
+    md = (tmp_path / "leaderboard_tiny_512.md").read_text()
+    assert md.startswith("`python -m evals.leaderboard model=tiny") and "| SnapKVPress | 0.5 | 100.0 | 0.0 | 50.0 |" in md
+    assert (tmp_path / "leaderboard_tiny_512.png").stat().st_size > 1000
+    # one task's query-aware cell missing: that row has no average
+    p = b.plans[3]
+    p.path(".ours.jsonl").write_text("")
+    avg = {(r["press"], r["ratio"]): r for r in L.write(b)}
+    assert avg[("SnapKVPress (query-aware)", 0.5)]["ours"] != avg[("SnapKVPress (query-aware)", 0.5)]["ours"]
+    assert avg[("SnapKVPress (query-aware)", 0.5)]["tasks"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (peer.REF / "kvpress").is_dir(), reason="the tiny model is built by kvpress's worker")
+def test_end_to_end_on_the_tiny_model(tmp_path, capsys):
+    """The whole command on the tiny model (one task, both modes): every item saved, the tables
+    written; a rerun computes nothing; each cell's score is RULER's metric of its saved answer."""
+    args = [a for a in ARGS if not a.startswith("tasks=")] + ["tasks=[niah_single_1]", f"out={tmp_path}",
+                                                             "compile_cache=none", "gen=4"]
+    avg = L.main(args)
+    b = L.prepare(L.parse(args))
+    tok = zoo.load_tokenizer(b.plans[0].mconf)
+    for p in b.plans:
+        lines = peer.read_lines(p.path(".ours.jsonl"))
+        assert len(lines) == 2 and all(len(x["answer"]) == 4 for x in lines)
+        for x in lines:
+            label = L.label(x["press"], p.query_aware)
+            if p.query_aware and x["press"] == "full":
+                continue
+            cell = next(r for r in avg if r["press"] == label and r["ratio"] == x["ratio"])
+            want = 100 * ruler.score(p.task, ruler.ids_text(tok, x["answer"]), p.refs[0])
+            assert cell["ours"] == want
+    capsys.readouterr()
+    L.main(args)
+    assert "to do 0" in capsys.readouterr().out
