@@ -22,6 +22,7 @@ the step says all its positions are below `reach` (length buckets, chosen by the
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 
@@ -71,6 +72,30 @@ def init_params(cfg: LlamaConfig, seed: int = 0, std: float = 0.02) -> dict:
     if not cfg.tie_embeddings:
         params["lm_head"] = w(d, cfg.vocab_size)
     return params
+
+
+def device_params(cfg: LlamaConfig, seed: int = 0, std: float = 0.02, dtype=jnp.bfloat16) -> dict:
+    """Random weights in the canonical layout drawn with `jax.random` on the default device, in
+    `dtype` (norms 1 + noise, the rest noise of `std`): a model of a real shape
+    (`models.config.shape_config`) for timing, built in seconds on an accelerator and without host
+    memory. `init_params` draws on the host in float32 (4 bytes a parameter, minutes for 8B
+    parameters); the two draws differ (init_params' numbers stay what they were)."""
+    from models.loading import expected_shapes
+
+    shapes = expected_shapes(cfg)
+    named = tuple(((), k, s) for k, s in shapes.items() if k != "layers")
+    named += tuple((("layers",), k, s) for k, s in shapes["layers"].items())
+    return _draw(named, jnp.dtype(dtype), jax.random.key(seed), jnp.float32(std))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _draw(named, dtype, key, std):
+    """One program for the whole tree (one compilation per shape set and dtype)."""
+    out: dict = {"layers": {}}
+    for k, (where, name, shape) in zip(jax.random.split(key, len(named)), named):
+        w = jax.random.normal(k, shape, dtype) * std.astype(dtype)
+        (out["layers"] if where else out)[name] = w + jnp.asarray(1, dtype) if name.endswith("norm") else w
+    return out
 
 
 ROPE_TABLE_BYTES = 32 << 20  # the largest RoPE cos/sin table `rope_tables` builds (bytes)

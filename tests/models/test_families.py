@@ -17,6 +17,7 @@ import dataclasses
 import math
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -294,3 +295,29 @@ def test_the_cli_takes_a_qwen3_folder(tmp_path):
     tok.save(str(tmp_path / "tokenizer.json"))  # bytes as tokens: 256 ids
     args = ["model=hf", f"model.path={tmp_path}", "policy=sink", "window=64", "tokens=128"]
     assert preflight(args) == (1, True)
+
+
+def test_device_params_give_a_real_shape_in_bfloat16():
+    """`device_params` draws the canonical tree of any shape on the device: Qwen3-8B's shapes (traced,
+    nothing allocated) with its published count, all bfloat16; a small draw has norms 1 + N(0, std)
+    and weights N(0, std), and is the same for a seed and not for another."""
+    from models.llama import device_params
+
+    cfg = shape_config("qwen3-8b")
+    traced = jax.eval_shape(lambda: device_params(cfg))
+    shapes = {k: v.shape for k, v in traced.items() if k != "layers"}
+    shapes["layers"] = {k: v.shape for k, v in traced["layers"].items()}
+    assert shapes == expected_shapes(cfg)
+    assert {a.dtype for a in jax.tree.leaves(traced)} == {jnp.dtype(jnp.bfloat16)}
+    assert sum(math.prod(a.shape) for a in jax.tree.leaves(traced)) == PUBLISHED["qwen3-8b"][1]
+
+    small = dataclasses.replace(shape_config("qwen3-0.6b"), vocab_size=512, d_model=128, n_layers=2, d_ff=256)
+    params = device_params(small, seed=1, std=0.05, dtype=jnp.float32)
+    wq, q_norm = np.asarray(params["layers"]["wq"]), np.asarray(params["layers"]["q_norm"])
+    assert abs(wq.std() / 0.05 - 1) < 0.02 and abs(wq.mean()) < 1e-3  # 2 x 128 x 2048 draws
+    assert abs((q_norm - 1).std() / 0.05 - 1) < 0.1 and abs(q_norm.mean() - 1) < 0.01  # 2 x 128 draws
+    assert np.array_equal(np.asarray(device_params(small, seed=1, std=0.05, dtype=jnp.float32)["embed"]),
+                          np.asarray(params["embed"]))
+    assert not np.array_equal(np.asarray(device_params(small, seed=2, dtype=jnp.float32)["embed"]),
+                              np.asarray(params["embed"]))
+    assert {k: v.shape for k, v in params["layers"].items()} == expected_shapes(small)["layers"]
