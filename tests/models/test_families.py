@@ -4,13 +4,13 @@ transformers builds tiny random Qwen3ForCausalLM and LlamaForCausalLM checkpoint
 saved with save_pretrained, no hub): Qwen3 with QK-norm and a head_dim that is not d / heads,
 Llama 3.1 with the llama3 rope_scaling (untied) and Llama 3.2 (tied embeddings, factor 32), each
 with an original context of 64 tokens and read at 96 positions. Our load of each folder gives
-transformers' logits to float32 rounding and the same greedy ids through `models.engine`. The same
-weights written as llama.cpp GGUF files (qwen3 arch with attn_q_norm / attn_k_norm; llama arch with
-Q/K rows permuted and the `rope_freqs` divisors computed as llama.cpp's converter does) load to the
-HF load's config and bit-identical weights (the greedy paths' top-2 logit gaps are at least 4.6e-3,
-against differences of 3e-6). `shape_config` is checked against the published config.json of each
-model (written below) and its published parameter count, `device_params` against the shapes and
-the distribution it draws, and `evals.run`'s preflight takes a Qwen3 folder.
+transformers' logits to float32 rounding and the same greedy ids through `models.engine` (the
+greedy paths' top-2 logit gaps are at least 4.6e-3, against differences of 3e-6). The same weights
+written as llama.cpp GGUF files (qwen3 arch with attn_q_norm / attn_k_norm; llama arch with Q/K
+rows permuted and the `rope_freqs` divisors computed as llama.cpp's converter does) load to the HF
+load's config and bit-identical weights. `shape_config` is checked against the published
+config.json of each model (written below) and its published parameter count, `device_params`
+against the shapes and the distribution it draws, and `evals.run`'s preflight takes a Qwen3 folder.
 """
 
 from __future__ import annotations
