@@ -70,16 +70,21 @@ MISSING = {"qa_1": _NO_QA.format("SQuAD 2.0 (dev)", "qa_1", "squad.json"),
            "qa_2": _NO_QA.format("HotpotQA (dev, distractor)", "qa_2", "hotpotqa.json")}
 AVAILABLE = tuple(t for t in LEADERBOARD_TASKS if t not in MISSING)
 
-# scripts/synthetic.yaml: the arguments of each task
+
+def _niah(haystack: str, key: str, value: str, k: int = 1, v: int = 1, q: int = 1) -> dict[str, Any]:
+    return {"task": "niah", "haystack": haystack, "key": key, "value": value, "k": k, "v": v, "q": q}
+
+
+# scripts/synthetic.yaml: the arguments of each task (niah: type_haystack, type_needle_k / _v, num_needle_k / v / q)
 SPECS: dict[str, dict[str, Any]] = {
-    "niah_single_1": {"task": "niah", "haystack": "noise", "key": "words", "value": "numbers", "k": 1, "v": 1, "q": 1},
-    "niah_single_2": {"task": "niah", "haystack": "essay", "key": "words", "value": "numbers", "k": 1, "v": 1, "q": 1},
-    "niah_single_3": {"task": "niah", "haystack": "essay", "key": "words", "value": "uuids", "k": 1, "v": 1, "q": 1},
-    "niah_multikey_1": {"task": "niah", "haystack": "essay", "key": "words", "value": "numbers", "k": 4, "v": 1, "q": 1},
-    "niah_multikey_2": {"task": "niah", "haystack": "needle", "key": "words", "value": "numbers", "k": 1, "v": 1, "q": 1},
-    "niah_multikey_3": {"task": "niah", "haystack": "needle", "key": "uuids", "value": "uuids", "k": 1, "v": 1, "q": 1},
-    "niah_multivalue": {"task": "niah", "haystack": "essay", "key": "words", "value": "numbers", "k": 1, "v": 4, "q": 1},
-    "niah_multiquery": {"task": "niah", "haystack": "essay", "key": "words", "value": "numbers", "k": 1, "v": 1, "q": 4},
+    "niah_single_1": _niah("noise", "words", "numbers"),
+    "niah_single_2": _niah("essay", "words", "numbers"),
+    "niah_single_3": _niah("essay", "words", "uuids"),
+    "niah_multikey_1": _niah("essay", "words", "numbers", k=4),
+    "niah_multikey_2": _niah("needle", "words", "numbers"),
+    "niah_multikey_3": _niah("needle", "uuids", "uuids"),
+    "niah_multivalue": _niah("essay", "words", "numbers", v=4),
+    "niah_multiquery": _niah("essay", "words", "numbers", q=4),
     "vt": {"task": "variable_tracking", "haystack": "noise", "chains": 1, "hops": 4},
     "cwe": {"task": "common_words_extraction", "freq_cw": 30, "freq_ucw": 3, "num_cw": 10},
     "fwe": {"task": "freq_words_extraction", "alpha": 2.0},
@@ -93,20 +98,20 @@ TEMPLATES = {
              "I will quiz you about the {type_needle_v} afterwards.\n{context}\nWhat are all the special magic "
              "{type_needle_v} for {query} mentioned in the provided text?",
              " The special magic {type_needle_v} for {query} mentioned in the provided text are", 128),
-    "variable_tracking": ("Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
-                          "{context}\nQuestion: Find all variables that are assigned the value {query} in the text above.",
-                          " Answer: According to the chain(s) of variable assignment in the text above, {num_v} "
-                          "variables are assigned the value {query}, they are: ", 30),
-    "common_words_extraction": ("Below is a numbered list of words. In these words, some appear more often than others. "
-                                "Memorize the ones that appear most often.\n{context}\nQuestion: What are the 10 most "
-                                "common words in the above list?",
-                                " Answer: The top 10 words that appear most often in the list are:", 120),
-    "freq_words_extraction": ("Read the following coded text and track the frequency of each coded word. Find the three "
-                              "most frequently appeared coded words. {context}\nQuestion: Do not provide any explanation. "
-                              "Please ignore the dots '....'. What are the three most frequently appeared words in the "
-                              "above coded text?",
-                              " Answer: According to the coded text above, the three most frequently appeared words are:",
-                              50),
+    "variable_tracking": (
+        "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
+        "Question: Find all variables that are assigned the value {query} in the text above.",
+        " Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables are assigned "
+        "the value {query}, they are: ", 30),
+    "common_words_extraction": (
+        "Below is a numbered list of words. In these words, some appear more often than others. Memorize the ones "
+        "that appear most often.\n{context}\nQuestion: What are the 10 most common words in the above list?",
+        " Answer: The top 10 words that appear most often in the list are:", 120),
+    "freq_words_extraction": (
+        "Read the following coded text and track the frequency of each coded word. Find the three most frequently "
+        "appeared coded words. {context}\nQuestion: Do not provide any explanation. Please ignore the dots '....'. "
+        "What are the three most frequently appeared words in the above coded text?",
+        " Answer: According to the coded text above, the three most frequently appeared words are:", 50),
     "qa": ("Answer the question based on the given documents. Only give me the answer and do not output any other "
            "words.\n\nThe following are given documents.\n\n{context}\n\nAnswer the question based on the given "
            "documents. Only give me the answer and do not output any other words.\n\nQuestion: {query}",
@@ -366,7 +371,8 @@ def vt_example(tok: Any, rng: np.random.Generator, hops: int) -> str:
         fits = len(tok.encode(_vt_text(chain, value, mid, [0] * len(chain)))) <= ICL_TOKENS
         lo, hi = (mid, hi) if fits else (lo, mid - 1)
     if lo < len(chain):
-        raise ValueError(f"vt's example: {ICL_TOKENS} tokens hold {lo} noise lines, fewer than its {len(chain)} chain lines")
+        raise ValueError(f"vt's example: {ICL_TOKENS} tokens hold {lo} noise lines, fewer than its {len(chain)} "
+                         "chain lines")
     at = sorted(rng.choice(lo, len(chain), replace=False).tolist())
     return _vt_text(chain, value, lo, at) + " " + " ".join(names) + "\n"
 
@@ -411,7 +417,8 @@ def cwe(tok: Any, name: str, n: int, rng: np.random.Generator, length: int) -> S
     ex_list = ex[:num_cw] * ex_cw + ex[num_cw:] * ex_ucw
     ex_list = [ex_list[i] for i in rng.permutation(len(ex_list))]
     numbered = " ".join(f"{i + 1}. {w}" for i, w in enumerate(ex_list))
-    example = (text + prefix).format(context=numbered) + " " + " ".join(f"{i + 1}. {w}" for i, w in enumerate(ex[:num_cw]))
+    answer = " ".join(f"{i + 1}. {w}" for i, w in enumerate(ex[:num_cw]))
+    example = (text + prefix).format(context=numbered) + " " + answer
     before, between, question, pre = _split_template(text, prefix)
     head, sep, tail = frame(tok, example + "\n" + before, between, question, pre)
     fill = n - len(head) - len(sep) - len(tail)
@@ -526,7 +533,8 @@ def qa(tok: Any, name: str, n: int, rng: np.random.Generator, index: int, path: 
         raise ValueError(f"a prompt of {n} tokens is too short for the gold document(s) of {name} question {index} "
                          f"({fill} tokens free)")
     perm = rng.permutation(len(bodies)).tolist()  # qa.py shuffles the documents
-    ids = [t for j, d in enumerate(perm) for t in (pieces("\n\n") if j else []) + pieces(f"Document {j + 1}:") + bodies[d]]
+    ids = [t for j, d in enumerate(perm)
+           for t in (pieces("\n\n") if j else []) + pieces(f"Document {j + 1}:") + bodies[d]]
     return _sample(head, ids + [ruler._pad_id(tok)] * (fill - len(ids)), sep, tail, q["outputs"])
 
 
