@@ -31,6 +31,7 @@ _REGISTRY = {
     "lagkv": "lagkv:LagKV",
     "finch": "finch:Finch",
     "cur": "cur:CUR",
+    "compactor": "compactor:Compactor",
     "random": "random_keep:RandomKeep",
     "observed": "observed:Observed",
     "expected": "expected:Expected",

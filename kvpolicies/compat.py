@@ -69,6 +69,7 @@ from kvpolicies.adakv import AdaKV
 from kvpolicies.adascored import AdaScored
 from kvpolicies.base import Policy, RopePositions
 from kvpolicies.codecs import Codec, Identity
+from kvpolicies.compactor import Compactor
 from kvpolicies.cur import CUR
 from kvpolicies.expected import Expected
 from kvpolicies.finch import Finch
@@ -364,7 +365,7 @@ class Composed(PromptScored):
 PRESSES = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPress", "ExpectedAttentionPress",
            "ObservedAttentionPress", "TOVAPress", "AdaKVPress", "KVzipPress", "DuoAttentionPress",
            "KeyDiffPress", "LagKVPress", "RandomPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress",
-           "ComposedPress", "FinchPress", "CURPress", "ChunkKVPress", "KeyRerotationPress")
+           "ComposedPress", "FinchPress", "CURPress", "CompactorPress", "NonCausalAttnPress", "LeverageScorePress", "ChunkKVPress", "KeyRerotationPress")
 SUPPORTED = PRESSES
 WRAPPERS = ("AdaKVPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress", "ChunkKVPress",
             "KeyRerotationPress")  # `press`: an inner press
@@ -564,10 +565,27 @@ def _finch(r: float, max_new: int, fields: dict) -> Finch:
                  rerotate=fields.pop("rerotate_keys", True))
 
 
+def _compactor(press: str, r: float, max_new: int, fields: dict) -> Compactor:
+    """kvpress's Compactor family: `CompactorPress` (leverage blended with non-causal chunked attention,
+    sinks 8 + 4), its parts `NonCausalAttnPress` (attention alone) and `LeverageScorePress` (leverage
+    alone), neither with sinks. The sketch is our draw (`kvpolicies.compactor.sketch`), not torch's."""
+    if press == "NonCausalAttnPress":
+        return Compactor(ratio=r, max_new=max_new, sink_start=0, sink_end=0, blending=0.0,
+                         chunk_size=fields.pop("chunk_size", 256))
+    if press == "LeverageScorePress":
+        return Compactor(ratio=r, max_new=max_new, sink_start=0, sink_end=0, attention=False,
+                         sketch_dim=fields.pop("sketch_dimension", 48))
+    return Compactor(ratio=r, max_new=max_new, sink_start=fields.pop("sink_size_start", 8),
+                     sink_end=fields.pop("sink_size_end", 4), chunk_size=fields.pop("chunk_size", 256),
+                     sketch_dim=fields.pop("sketch_dimension", 48), blending=fields.pop("blending", None))
+
+
 def _scored(press: str, r: float, max_new: int, n_layers: int | None, fields: dict) -> Policy | tuple[Policy, ...]:
     """The presses that score tokens once after the context (SnapKV's family, Knorm, ...)."""
     if press == "FinchPress":
         return _finch(r, max_new, fields)
+    if press in ("CompactorPress", "NonCausalAttnPress", "LeverageScorePress"):
+        return _compactor(press, r, max_new, fields)
     if press == "CURPress":
         if fields.pop("use_random_leverage", False):
             raise NotImplementedError("kvpolicies.compat.kvpress: CURPress(use_random_leverage=True) (torch's "

@@ -45,6 +45,7 @@ CAPABILITIES = {
     "snapkv": ("budget", True, False, False, False, False),
     "finch": ("budget", True, False, False, False, False),
     "cur": ("budget", True, False, False, False, False),
+    "compactor": ("budget", True, False, False, False, False),
     "pyramidkv": ("budget", True, False, False, True, False),
     "knorm": ("budget", True, False, False, True, False),
     "random": ("budget", True, False, False, False, False),

@@ -52,6 +52,20 @@ with torch.no_grad():
     full = DynamicCache()
     model(input_ids=ctx, past_key_values=full, logits_to_keep=1)
 full_keys = [full.layers[i].keys[0] for i in range(len(full.layers))]
+if job.get("tensors"):  # each layer's queries and keys before RoPE as kvpress's presses read them, its values
+    from kvpress.utils import get_prerope_key_states, get_prerope_query_states
+    got = {}
+    def grab(module, args, kwargs):
+        hs = kwargs["hidden_states"]
+        got[f"q{module.layer_idx}"] = get_prerope_query_states(module, hs)[0].numpy()
+        got[f"k{module.layer_idx}"] = get_prerope_key_states(module, hs)[0].numpy()
+    hooks = [layer.self_attn.register_forward_pre_hook(grab, with_kwargs=True) for layer in model.model.layers]
+    with torch.no_grad():
+        model(input_ids=ctx, logits_to_keep=1)
+    [h.remove() for h in hooks]
+    got.update({f"v{i}": full.layers[i].values[0].numpy() for i in range(len(full.layers))})
+    import numpy
+    numpy.savez(job["tensors"], **got)
 seen = {}
 rerotate = KeyRerotationPress.rerotate_keys
 def recording(module, indices, keys):
@@ -82,9 +96,10 @@ for name, ratio, fields in job["presses"]:
 json.dump(out, open(sys.argv[2], "w"))
 """
 
-FIELDS = {"FinchPress": {}, "CURPress": {}}
+FIELDS = {"FinchPress": {}, "CURPress": {}, "NonCausalAttnPress": {}, "LeverageScorePress": {}, "CompactorPress": {}}
 PRESSES = tuple(FIELDS)
-SCORERS = ("CURPress",)  # ScorerPresses of the context alone: kvpress's pipeline, the question appended
+SCORERS = ("CURPress", "NonCausalAttnPress")
+DRAWN = ("LeverageScorePress", "CompactorPress")  # a Gaussian sketch: torch's draw there, ours here  # ScorerPresses of the context alone: kvpress's pipeline, the question appended
 
 
 def run_kvpress(job: dict, tmp: pathlib.Path, timeout: int = 600) -> dict:
@@ -105,8 +120,9 @@ def tiny_run(request, tmp_path_factory):
     config = dict(TINY, tie_word_embeddings=request.param == "qwen2")
     job = {"save_to": str(tmp / "ckpt"), "tiny": {"kind": request.param, "seed": 0, "config": config},
            "context": ctx.tolist(), "question": question.tolist(), "suffix": SUFFIX, "delim": DELIM, "n_new": N_NEW,
-           "presses": [[p, r, FIELDS[p]] for p in PRESSES for r in RATIOS]}
+           "presses": [[p, r, FIELDS[p]] for p in PRESSES for r in RATIOS], "tensors": str(tmp / "tensors.npz")}
     ref = run_kvpress(job, tmp)
+    ref["tensors"] = dict(np.load(tmp / "tensors.npz"))
     cfg, params = load_hf(tmp / "ckpt")
     return Llama(cfg, params), ctx, question, ref
 
@@ -162,3 +178,32 @@ def test_scorer_keeps_kvpress_positions_and_answers(tiny_run, press, ratio):
     for i, (g, w) in enumerate(zip([h for layer in kept for h in layer], [h for layer in want["kept"] for h in layer])):
         assert g == w, (press, ratio, divmod(i, model.cfg.n_kv_heads), sorted(set(g) ^ set(w))[:10])
     assert answer == want["answer"]
+
+
+@pytest.mark.parametrize("ratio", RATIOS)
+@pytest.mark.parametrize("press", DRAWN)
+def test_sketched_presses_keep_kvpress_counts_and_our_draw(tiny_run, press, ratio):
+    """LeverageScorePress and CompactorPress sketch the keys with a Gaussian matrix: kvpress draws it
+    with torch.randn at every call, which JAX cannot reproduce; ours is `kvpolicies.compactor.sketch`.
+    kvpress keeps the counts we keep, and our kept positions per (layer, kv head) are the method
+    re-simulated in float64 numpy (tests/refs/prompt_scored.compactor_scores, from kvpress's code) on
+    kvpress's own queries, keys and values with our draw."""
+    from kvpolicies.compactor import sketch
+    from tests.refs.oracle import default_inv_freq
+    from tests.refs.prompt_scored import compactor_scores
+
+    model, ctx, question, ref = tiny_run
+    want = ref[f"{press}@{ratio}"]
+    assert "error" not in want, want
+    n_kept = int(N_CTX * (1 - ratio))
+    assert all(len(h) == n_kept for layer in want["kept"] for h in layer)
+    kept, _ = ours(model, press, ratio, ctx, question)
+    pol, t = kvpress(press, ratio), ref["tensors"]
+    kh, _, d = t["k0"].shape
+    phi = np.asarray(sketch(pol.seed, kh, d, pol.sketch_dim), np.float64)
+    inv = default_inv_freq(d, model.cfg.rope_theta)
+    for layer in range(model.cfg.n_layers):
+        sc = compactor_scores(pol, *(t[f"{x}{layer}"].astype(np.float64) for x in "qkv"), phi, inv)
+        for h in range(kh):
+            best = sorted(sorted(range(N_CTX), key=lambda j: (-sc[h, j], -j))[:n_kept])
+            assert kept[layer][h] == best, (press, ratio, layer, h, sorted(set(best) ^ set(kept[layer][h]))[:10])

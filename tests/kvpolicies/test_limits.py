@@ -32,6 +32,7 @@ SMALL = {
     "snapkv": kvpolicies.get("snapkv", budget=5, obs_window=3, kernel=3, max_new=4),
     "finch": kvpolicies.get("finch", budget=5, obs_window=3, max_new=4),
     "cur": kvpolicies.get("cur", budget=6, max_new=3, n_sink=1, local_window=4),
+    "compactor": kvpolicies.get("compactor", budget=6, max_new=3, sink_start=1, sink_end=1, sketch_dim=4),
     "pyramidkv": kvpolicies.get("pyramidkv", budget=5, obs_window=3, kernel=3, max_new=4),
     "knorm": kvpolicies.get("knorm", budget=6, max_new=3),
     "random": kvpolicies.get("random", budget=6, max_new=3, seed=1),

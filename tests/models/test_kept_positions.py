@@ -29,6 +29,7 @@ POLICIES = {
     "random": (kvpolicies.get("random", budget=6, max_new=3, seed=1), (6,)),
     "keydiff": (kvpolicies.get("keydiff", budget=6, max_new=3), (6,)),
     "cur": (kvpolicies.get("cur", budget=6, max_new=3, n_sink=1, local_window=4), (6,)),
+    "compactor": (kvpolicies.get("compactor", budget=6, max_new=3, sink_start=1, sink_end=1, sketch_dim=4), (6,)),
     "lagkv": (kvpolicies.get("lagkv", budget=6, max_new=3, n_sink=1, lag_size=3), (6,)),
     "observed": (kvpolicies.get("observed", budget=6, max_new=3), (6,)),
     "expected": (kvpolicies.get("expected", budget=6, max_new=3, n_sink=2, n_future_positions=8), (6,)),

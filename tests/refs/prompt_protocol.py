@@ -23,7 +23,7 @@ from tests.refs.headwise import adakv_allocate
 from tests.refs.kvzap import choose as kvzap_choose
 from tests.refs.kvzip import choose as kvzip_choose
 from tests.refs.oracle import default_inv_freq, rope_complex
-from tests.refs.prompt_scored import cur_scores, expected_scores, keydiff_scores, lagkv_scores, np_hash
+from tests.refs.prompt_scored import compactor_scores, cur_scores, expected_scores, keydiff_scores, lagkv_scores, np_hash
 
 
 def _best(score: dict, n: int) -> set:
@@ -246,6 +246,23 @@ def kept_cur(pol, t, m):
     n = t["atts"][0].shape[-1]
     return _scored(t, m, _n_keep(pol, n), 0, lambda layer, h: dict(enumerate(
         cur_scores(pol, t["keys"][layer][h], t["values"][layer][h], np.arange(n)))))
+
+
+def kept_compactor(pol, t, m):
+    """kvpress CompactorPress with our sketch (tests/refs/prompt_scored.compactor_scores) on transformers'
+    keys (un-rotated), values and the pre-RoPE queries of its hidden states."""
+    from kvpolicies.compactor import sketch
+
+    n = t["atts"][0].shape[-1]
+    phi = np.asarray(sketch(pol.seed, m.k, m.d, pol.sketch_dim), np.float64)
+
+    def scores(layer):
+        q = m.qkv(layer, t["hidden"][layer], np.arange(n))[0].transpose(1, 0, 2)  # [H, T, D]
+        k = rope_complex(t["keys"][layer], -np.arange(n)[None], m.inv)  # [K, T, D] before RoPE
+        return compactor_scores(pol, q, k, t["values"][layer], phi, m.inv)
+
+    sc = [scores(layer) for layer in range(m.n_layers)]
+    return _scored(t, m, _n_keep(pol, n), 0, lambda layer, h: dict(enumerate(sc[layer][h])))
 
 
 def kept_lagkv(pol, t, m):
@@ -533,6 +550,7 @@ def entries():
         "expected": Entry(get("expected", ratio=0.5), _plain(kept_expected)),
         "keydiff": Entry(get("keydiff", ratio=0.5), _plain(kept_keydiff)),
         "cur": Entry(get("cur", ratio=0.5), _plain(kept_cur)),
+        "compactor": Entry(get("compactor", ratio=0.5), _plain(kept_compactor)),  # one chunk, padded
         # obs_window 8 (the question's tokens; default 32): ratio 0.5 keeps the window and 16 of the 40 older tokens
         "finch": Entry(get("finch", ratio=0.5, obs_window=8), _plain(kept_finch), RerotatedDecode),
         # lag_size 8 (default 128 > the prompt): 4 scored partitions, 2 kept of each beside the 16 sinks and tail

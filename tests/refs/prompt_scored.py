@@ -85,6 +85,95 @@ def cur_scores(pol, keys, vals, js):
     return s
 
 
+def _z(x):
+    return (x - x.mean()) / max(x.std(ddof=1), 1e-6)
+
+
+def compactor_scores(pol, q, k, v, phi, inv, att=None):
+    """kvpress's CompactorPress / NonCausalAttnPress / LeverageScorePress scores of one layer, float64,
+    written from kvpress's code: q [H, n, D] queries and k [K, n, D] keys before RoPE, v [K, n, D],
+    phi [K, D, R] the sketch. -> [K, n], the sinks +inf. Between the sinks: blending z(leverage) +
+    z(pool3(non-causal chunked attention column sums x |v|)), z over every head. `att` [K, n]: the
+    attention term given instead (the stream extension's mass; q unused)."""
+    kh, n, d = k.shape
+    left = min(pol.sink_start, n)
+    right = min(pol.sink_end, max(0, n - left))
+    sl, m = slice(left, n - right), n - left - right
+    score = np.zeros((kh, m))
+    if pol.attention and att is not None:
+        x = np.pad(att[:, sl] * np.linalg.norm(v[:, sl], axis=-1), ((0, 0), (1, 1)))
+        score = _z((x[:, :-2] + x[:, 1:-1] + x[:, 2:]) / 3)
+    elif pol.attention:
+        cs, g = pol.chunk_size, q.shape[0] // kh
+        pos = np.arange(n)[None]
+        qr, kr = rope_complex(q, pos, inv)[:, sl], rope_complex(k, pos, inv)[:, sl]
+        n_ch = -(-m // cs)
+        pad = n_ch * cs - m
+        att = np.zeros((kh, n_ch * cs))
+        for h in range(q.shape[0]):
+            qq = np.concatenate([qr[h], np.zeros((pad, d))])
+            kk = np.concatenate([kr[h // g], np.zeros((pad, d))])
+            for c in range(n_ch):
+                dots = qq[c * cs:(c + 1) * cs] @ kk[c * cs:(c + 1) * cs].T
+                if c == n_ch - 1 and pad:  # kvpress: pad queries' rows 0, then pad keys' columns -1e-9
+                    bad = np.arange(c * cs, (c + 1) * cs) >= m
+                    dots[bad, :] = 0.0
+                    dots[:, bad] = -1e-9
+                w = np.exp(dots - dots.max(-1, keepdims=True))
+                att[h // g, c * cs:(c + 1) * cs] += (w / w.sum(-1, keepdims=True)).sum(0) / g  # mean over the group
+        x = att[:, :m] * np.linalg.norm(v[:, sl], axis=-1)
+        x = np.pad(x, ((0, 0), (1, 1)))
+        score = _z((x[:, :-2] + x[:, 1:-1] + x[:, 2:]) / 3)
+    weight = pol.weight if pol.attention else 1.0
+    if weight:
+        lev = np.zeros((kh, m))
+        for h in range(kh):
+            y = (k[h, sl] - k[h, sl].mean(0)) @ phi[h]  # [m, R]
+            gram = y.T @ y
+            gram = (gram + gram.T) / 2 + 1e-2 * np.eye(len(gram))
+            lev[h] = np.clip(np.einsum("jr,rj->j", y, np.linalg.solve(gram, y.T)), 0, None)
+        score = score + weight * _z(lev)
+    out = np.full((kh, n), np.inf)
+    out[:, sl] = score
+    return out
+
+
+def compactor_stream(pol, q, k, v, phi, max_len=MAX_LEN):
+    """Outputs [B, T, N, D] of a stream from token 0 through Compactor's stream extension: token by
+    token, every head's held tokens plus the new one attend (text positions), each slot's mass grows
+    by the attention it receives (summed over G), and a view of more than budget + max_new tokens
+    keeps per head the budget best by compactor_scores with that mass as the attention term."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    b_, t, n, d = q.shape
+    inv = default_inv_freq(d, THETA)
+    at = lambda x: np.broadcast_to(np.arange(t)[None, :, None], x.shape[:3])  # noqa: E731
+    qr, kr = rope_complex(q, at(q), inv), rope_complex(k, at(k), inv)
+    cap = min(max_len, pol.budget + pol.max_new)
+    out = np.zeros((b_, t, n, d))
+    for b in range(b_):
+        kept, mass = [[] for _ in range(K)], [dict() for _ in range(K)]
+        for p in range(t):
+            for h in range(K):
+                js = kept[h] + [p]
+                for g in range(G):
+                    lg = kr[b, js, h] @ qr[b, p, h * G + g] / np.sqrt(d)
+                    w = np.exp(lg - lg.max())
+                    w /= w.sum()
+                    out[b, p, h * G + g] = w @ v[b, js, h]
+                    for j, x in zip(js, w):
+                        mass[h][j] = mass[h].get(j, 0.0) + x
+                kept[h] = js
+            if len(kept[0]) > cap:
+                js = np.array(kept)  # [K, J] (every head holds as many)
+                att = np.array([[mass[h][j] for j in js[h]] for h in range(K)])
+                sc = compactor_scores(pol, None, np.stack([k[b, js[h], h] for h in range(K)]),
+                                      np.stack([v[b, js[h], h] for h in range(K)]), phi, inv, att=att)
+                kept = [sorted(js[h][sorted(range(len(js[h])), key=lambda i: (-sc[h, i], -js[h][i]))[:pol.budget]])
+                        for h in range(K)]
+                kept = [[int(j) for j in x] for x in kept]
+    return out
+
+
 def avg_rope_matrix(start, n_future, inv):
     """kvpress's apply_avg_rope: R = mean_t (cos_t I + sin_t P), P the rotate-half matrix."""
     h = len(inv)

@@ -46,6 +46,13 @@ def _scored_ref(pol, q, k, v, chunks):
     return simulate(pol, q, k, v, [1])[0]  # evicts after every token, whatever the chunk
 
 
+def _compactor_ref(pol, q, k, v, chunks):  # our sketch (the draw), the rule in numpy
+    from kvpolicies.compactor import sketch
+    from tests.refs.prompt_scored import compactor_stream
+
+    return compactor_stream(pol, q, k, v, np.asarray(sketch(pol.seed, K, D, pol.sketch_dim), np.float64))
+
+
 def _hier_ref(pol, q, k, v, chunks):
     return hier_oracle(q, k, v, pol)[0]
 
@@ -81,6 +88,8 @@ REFERENCES = {
     "knorm": ([kvpolicies.get("knorm", budget=6, max_new=3)], stream_ref),  # tests/refs/prompt_scored.py
     "random": ([kvpolicies.get("random", budget=6, max_new=3, seed=1)], stream_ref),
     "keydiff": ([kvpolicies.get("keydiff", budget=6, max_new=3)], stream_ref),
+    "compactor": ([kvpolicies.get("compactor", budget=6, max_new=3, sink_start=1, sink_end=1, sketch_dim=4)],
+                  _compactor_ref),
     # local_window 4: views of 10 tokens hold 3 blocks (the last one short)
     "cur": ([kvpolicies.get("cur", budget=6, max_new=3, n_sink=1, local_window=4)], stream_ref),
     # lag_size 3: views of 10 tokens hold 2 scored partitions after the sink (cross_scoring: test_prompt_scored)
