@@ -18,6 +18,7 @@ K int32 per layer and batch row. Nothing else: no per-slot statistic.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,9 +38,11 @@ from kvpolicies.slots import QuietChunks
 @dataclasses.dataclass
 class CountedPool(SlotState):
     """A layer's pool of P = K x S slots shared by its kv heads, K rows [B, K, S, ...] of one flat
-    pool grouped by head (rows are not heads), and `counts` [B, K] int32: each head's slots."""
+    pool grouped by head (rows are not heads), `counts` [B, K] int32: each head's slots, and `stats`:
+    the inner press's statistics beside its slots (expected's query sums; None for most)."""
 
     counts: Int[Array, "B K"]
+    stats: Any = None
 
     def held(self, row, kv_heads, policy):
         """Each head's segment of the flat pool (its `counts` slots, after the previous heads')."""
@@ -83,10 +86,9 @@ class AdaScored(PromptCompressor, QuietChunks, Policy):
 
     Our extension (streams, generation past `max_new`): decoding is token by token, and a token
     that finds the pool full triggers the same choice over the pool's tokens, ranked by `press`'s
-    stream rule (`rank`), to K x max(S - max_new, 1) tokens. `press` must rank from keys and
-    positions alone there (no statistics kept: knorm, keydiff, lagkv, random, kvpress's StreamingLLM and
-    TOVA): a scorer whose stream rule keeps statistics (snapkv, expected, observed) would need them per
-    head in the pool (SnapKV's: `adakv`)."""
+    stream rule (`rank`), to K x max(S - max_new, 1) tokens. Statistics `press` keeps beside its
+    slots (expected's query sums) are kept in the pool and updated by `press.observe`; per-slot ones
+    (snapkv's and observed's accumulated attention) are not supported (SnapKV's form is `adakv`)."""
 
     per_token = True
 
@@ -97,11 +99,10 @@ class AdaScored(PromptCompressor, QuietChunks, Policy):
     codec: Codec = Identity()
 
     def __post_init__(self):
-        cls = type(self.press)
-        if not isinstance(self.press, PromptScored) or self.press.accumulates or any(
-                getattr(cls, f) is not getattr(PromptScored, f) for f in ("observe", "split", "restart")):
-            raise ValueError(f"adascored.press={self.press!r}: must be a prompt scorer whose stream rule keeps no "
-                             "statistics (knorm, keydiff, lagkv, random, kvpress's StreamingLLM; adakv is SnapKV's)")
+        if not isinstance(self.press, PromptScored) or self.press.accumulates or self.press.interval or (
+                type(self.press).restart is not PromptScored.restart):
+            raise ValueError(f"adascored.press={self.press!r}: must be a prompt scorer without per-slot statistics "
+                             "(knorm, keydiff, lagkv, random, expected, kvpress's StreamingLLM; adakv is SnapKV's)")
         r = self.ratio
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r < 1:
             raise ValueError(f"adascored.ratio={r!r}: must be a number in (0, 1)")
@@ -134,40 +135,47 @@ class AdaScored(PromptCompressor, QuietChunks, Policy):
 
     def init(self, batch, kv_heads, head_dim, dtype, max_len):
         st = empty_slots(self.codec, batch, kv_heads, head_dim, dtype, self.capacity(max_len), kv_heads)  # [B, K, S, D]
-        return CountedPool(st.k, st.v, st.pos, counts=jnp.zeros((batch, kv_heads), jnp.int32))
+        shapes = jax.eval_shape(lambda: self.press.split(self.press.init(batch, kv_heads, head_dim, dtype, 1))[1])
+        stats = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)  # the press's statistics, empty
+        return CountedPool(st.k, st.v, st.pos, counts=jnp.zeros((batch, kv_heads), jnp.int32), stats=stats)
 
     # -- one decode step: the pool plus the new tokens in every head -----------------------------
     def extend(self, state, k, v, pos):
         b, kh, s = state.pos.shape
         pool = HeadPool(state.k, state.v, state.pos, mass=jnp.zeros(state.pos.shape, jnp.float32))
-        return pool_view(self.codec, pool, k, v, pos, head=heads_of(state.counts, kh * s))
+        view = pool_view(self.codec, pool, k, v, pos, head=heads_of(state.counts, kh * s))
+        return dataclasses.replace(view, carry=(*view.carry, state.stats))
 
     def compact(self, view, seen):
-        slots, head, p = view.carry  # [B, 1, V] flat slots, their heads, P
+        slots, head, p, stats = view.carry  # [B, 1, V] flat slots, their heads, P, the press's statistics
         b, kh = view.k.shape[:2]
         filled = slots.pos >= 0  # [B, 1, V]
+        mine = (head == jnp.arange(kh)[None, :, None]) & filled  # [B, K, V]: each head's slots
+        wide = lambda x: jnp.broadcast_to(x, (b, kh) + x.shape[2:])  # noqa: E731  [B, 1, V, ...] -> [B, K, V, ...]
+        per_head = SlotState(jax.tree.map(wide, slots.k), jax.tree.map(wide, slots.v), jnp.where(mine, slots.pos, EMPTY))
+        _, stats = self.press.observe(per_head, stats, view, seen, mine.sum(axis=-1), p // kh)  # e.g. query sums
         over = filled.sum(axis=-1, keepdims=True) > p  # [B, 1, 1]: no free slot (one token per head: per_token)
 
         def evict():  # the ranking's sorts only on a step where the pool overflows
-            mine = (head == jnp.arange(kh)[None, :, None]) & filled  # [B, K, V]
-            wide = lambda x: jnp.broadcast_to(x, (b, kh) + x.shape[2:])  # noqa: E731  [B, 1, V, ...] -> [B, K, V, ...]
-            per_head = SlotState(jax.tree.map(wide, slots.k), jax.tree.map(wide, slots.v), jnp.where(mine, slots.pos, EMPTY))
-            prio, tie = self.press.rank(per_head, view.k, None, seen)  # [B, K, V]
+            prio, tie = self.press.rank(per_head, view.k, stats, seen)  # [B, K, V]
             n_kept = jnp.full((b, 1, 1), max(p // kh - self.max_new, 1), jnp.int32)
             kept = allocate(prio, tie, mine, n_kept, self._safe(n_kept)).any(axis=1, keepdims=True)
             return jnp.where(over, kept, filled)  # [B, 1, V]
 
         kept = jax.lax.cond(over.any(), evict, lambda: filled)
-        return self._store(slots, kept, head, p, kh)
+        return self._store(slots, kept, head, p, kh, stats)
 
-    def _store(self, slots: HeadPool, kept: Bool[Array, "B 1 V"], head: Int[Array, "B 1 V"], p: int, kh: int
-               ) -> CountedPool:
+    def _store(self, slots: HeadPool, kept: Bool[Array, "B 1 V"], head: Int[Array, "B 1 V"], p: int, kh: int,
+               stats: Any) -> CountedPool:
         pool = as_rows(pack_by_head(slots, kept, head, p), kh)
         counts = ((head == jnp.arange(kh)[None, :, None]) & kept).sum(axis=-1, dtype=jnp.int32)  # [B, K]
-        return CountedPool(pool.k, pool.v, pool.pos, counts=counts)
+        return CountedPool(pool.k, pool.v, pool.pos, counts=counts, stats=stats)
 
     def appends_quietly(self, state, t):
-        """No pool overflows within the t tokens (each adds a slot to every head)."""
+        """No pool overflows within the t tokens (each adds a slot to every head); None (token by token)
+        when `press.observe` takes one query at a time."""
+        if not getattr(type(self.press).observe, "chunked", False):
+            return None
         kh = state.pos.shape[1]
         n = state.counts.sum(axis=-1)  # [B] filled slots of the pool
         return ~(n + kh * t > kh * state.pos.shape[2]).any()
@@ -189,4 +197,4 @@ class AdaScored(PromptCompressor, QuietChunks, Policy):
         n_kept = jnp.minimum(jnp.maximum(1, jnp.floor(n * (1 - self.ratio))), s).astype(jnp.int32)  # kvpress's int()
         kept = allocate(prio, tie, filled, n_kept, self._safe(n_kept))  # [B, K, M]
         pool = prompt_pool(state, kept, jnp.zeros((b, kh, m), jnp.float32), kh * s)
-        return CountedPool(pool.k, pool.v, pool.pos, counts=kept.sum(axis=-1, dtype=jnp.int32))
+        return CountedPool(pool.k, pool.v, pool.pos, counts=kept.sum(axis=-1, dtype=jnp.int32), stats=stats)

@@ -370,7 +370,8 @@ SUPPORTED = PRESSES
 WRAPPERS = ("AdaKVPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress", "ChunkKVPress",
             "KeyRerotationPress")  # `press`: an inner press
 # the inner presses a wrapper takes today, with their own fields (kvpress names)
-INNER = {"AdaKVPress": ("SnapKVPress", "KnormPress", "KeyDiffPress", "LagKVPress", "RandomPress", "StreamingLLMPress"),
+INNER = {"AdaKVPress": ("SnapKVPress", "KnormPress", "KeyDiffPress", "LagKVPress", "RandomPress", "StreamingLLMPress",
+                        "ExpectedAttentionPress"),
          "PerLayerCompressionPress": ("SnapKVPress", "KnormPress", "KeyDiffPress", "LagKVPress", "ExpectedAttentionPress",
                                       "ObservedAttentionPress", "TOVAPress", "StreamingLLMPress", "RandomPress"),
          "ChunkPress": ("KnormPress", "KeyDiffPress", "LagKVPress", "RandomPress"),

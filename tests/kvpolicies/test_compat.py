@@ -109,8 +109,8 @@ def test_press_name_is_positional_and_press_is_a_wrappers_inner_press():
         kvpress("AdaKVPress", 0.5, press=kvpress("SnapKVPress", 0.3))
     with pytest.raises(ValueError, match="given twice"):
         kvpress("AdaKVPress", 0.5, press=kvpress("SnapKVPress", 0.5), window_size=8)
-    with pytest.raises(NotImplementedError, match="only SnapKVPress"):  # its stream rule keeps statistics
-        kvpress("AdaKVPress", 0.5, press="ExpectedAttentionPress")
+    with pytest.raises(NotImplementedError, match="only SnapKVPress"):  # kvpress refuses it too (eager attention)
+        kvpress("AdaKVPress", 0.5, press="ObservedAttentionPress")
     with pytest.raises(ValueError, match="inner press"):
         kvpress("SnapKVPress", 0.5, press="KnormPress")
     with pytest.raises(TypeError):

@@ -22,13 +22,16 @@ import pytest
 
 from kvpolicies.adascored import AdaScored, CountedPool
 from kvpolicies.compat import kvpress
+from kvpolicies.expected import Expected
 from kvpolicies.knorm import Knorm
 from kvpolicies.memory import tree_nbytes
 from models.engine import Engine
 from models.llama import Llama
 from models.loading import load_hf
-from tests.refs.headwise import K, ROPE, attend_sets, qkv, rotated
+from tests.refs.headwise import K, ROPE, THETA, attend_sets, qkv, rotated
 from tests.refs.helpers import run_policy
+from tests.refs.oracle import default_inv_freq
+from tests.refs.prompt_scored import expected_scores
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 REF = ROOT / ".venv" / "kvpress-ref"
@@ -42,6 +45,7 @@ N_CTX, N_Q, N_NEW = 320, 8, 6
 # (kvpress then keeps 140 or 150 tokens per layer and fails on the question); at 20 (the default),
 # 16 full chunks
 CASES = (("AdaKVPress", 0.5, {"press": "KeyDiffPress"}), ("AdaKVPress", 0.75, {"press": "KeyDiffPress"}),
+         ("AdaKVPress", 0.6, {"press": "ExpectedAttentionPress"}),
          ("ChunkKVPress", 0.5, {"press": "KeyDiffPress", "chunk_length": 30}),
          ("ChunkKVPress", 0.75, {"press": "KeyDiffPress"}),
          ("KeyRerotationPress", 0.5, {"press": "KeyDiffPress"}), ("KeyRerotationPress", 0.75, {"press": "KeyDiffPress"}))
@@ -133,12 +137,14 @@ def test_wrapper_keeps_kvpress_positions_and_answers(tiny_run, press, ratio, fie
         # a head need not keep its newest token: the pool's segments come from the stored counts
         assert any(max(h) < N_CTX - 1 for layer in kept for h in layer)
         # kvpress masks: every head still holds all 320 tokens; ours stores K x S slots, S = n_kept of
-        # max_len + max_new (keys, values, an int32 position each), and K int32 counts
+        # max_len + max_new (keys, values, an int32 position each), K int32 counts and, for expected, its
+        # query sums (D + D^2 floats per kv head and a count: its stream rule's statistics)
         d, kh, n_layers = model.cfg.head_dim, model.cfg.n_kv_heads, model.cfg.n_layers
         assert want["cache_bytes"] == n_layers * 2 * kh * N_CTX * d * 4
         s = int((N_CTX + N_Q + N_NEW) * (1 - ratio)) + 64
-        assert tree_nbytes(state.cache) == n_layers * (kh * s * (2 * d * 4 + 4) + kh * 4)
-        print(f"AdaKVPress(KeyDiffPress) at {ratio}: ours {tree_nbytes(state.cache)} bytes, kvpress {want['cache_bytes']}")
+        stats = (kh * (d + d * d) + 1) * 4 if fields["press"] == "ExpectedAttentionPress" else 0
+        assert tree_nbytes(state.cache) == n_layers * (kh * s * (2 * d * 4 + 4) + kh * 4 + stats)
+        print(f"AdaKVPress({fields['press']}) at {ratio}: ours {tree_nbytes(state.cache)} bytes, kvpress {want['cache_bytes']}")
         assert tree_nbytes(state.cache) < want["cache_bytes"]
     if press == "ChunkKVPress" and fields.get("chunk_length") == 30:
         # 5 of 11 chunks: where the short last one (20 tokens) wins, 140 tokens, else 150; the layers
@@ -151,21 +157,26 @@ def test_wrapper_keeps_kvpress_positions_and_answers(tiny_run, press, ratio, fie
 
 
 
-def test_counted_pool_stream_extension_matches_numpy():
-    """AdaScored over knorm at the policy level: a dense 22-token prompt, one head-adaptive compression
-    (kvpress's rule), then decoding, whose pool overflows and is compressed again by the same rule over
-    the held tokens (to S - max_new per head on average). Outputs against float64 attention over each
-    head's own set; the kept sets against the allocation re-simulated; the counts against them."""
+@pytest.mark.parametrize("inner", ["knorm", "expected"])
+def test_counted_pool_stream_extension_matches_numpy(inner):
+    """AdaScored at the policy level: a dense 22-token prompt, one head-adaptive compression (kvpress's
+    rule), then decoding, whose pool overflows and is compressed again by the same rule over the held
+    tokens (to S - max_new per head on average), ranked by the inner press's stream rule: knorm's key
+    norms, or expected attention with the query statistics the pool keeps (the prompt's per query head,
+    then every query so far pooled over a kv head's query heads, as `expected`'s stream extension).
+    Outputs against float64 attention over each head's own set; the kept sets against the allocation
+    re-simulated; the counts against them."""
     ratio, alpha, max_new, max_len, L, T = 0.5, 0.2, 3, 30, 22, 40
-    pol = AdaScored(press=Knorm(ratio=ratio, dense_layers=0, max_new=max_new), ratio=ratio, alpha_safeguard=alpha,
-                    max_new=max_new)
+    press = (Knorm(ratio=ratio, dense_layers=0, max_new=max_new) if inner == "knorm" else
+             Expected(ratio=ratio, max_new=max_new, n_future_positions=16))
+    pol = AdaScored(press=press, ratio=ratio, alpha_safeguard=alpha, max_new=max_new)
     q, k, v = qkv(T, seed=3, head_scale=(1.3, 0.8))  # head 1's keys are shorter: it wins more tokens
     _, st = run_policy(pol.prompt_policy(), q[:, :L], k[:, :L], v[:, :L], [8], ROPE, max_len=max_len)
     st = jax.jit(pol.after_prompt)(st)
     assert isinstance(st, CountedPool)
     out, st = run_policy(pol, q[:, L:], k[:, L:], v[:, L:], [1], ROPE, max_len=max_len, state=st, start=L)
     s = pol.capacity(max_len)
-    ref_out, ref_kept, overflows = simulate(q, k, v, L, s, max_new, ratio, alpha)
+    ref_out, ref_kept, overflows = simulate(press, q, k, v, L, s, max_new, ratio, alpha)
     assert overflows >= 2
     got = [st.held(b, K, pol) for b in range(q.shape[0])]
     assert [[h.tolist() for h in row] for row in got] == ref_kept
@@ -186,26 +197,42 @@ def allocate(score, sets, n_kept, alpha):
     return kept
 
 
-def simulate(q, k, v, prompt_len, s, max_new, ratio, alpha):
-    """(outputs [B, T, N, D], kept [b][h] sorted, overflows) of Ada-KV over key norms: the prompt
-    dense, compressed once to K x n_kept; decoding appends to every head and, when the pool of K x s
-    slots overflows, the held tokens are compressed to K x (s - max_new)."""
+def simulate(press, q, k, v, prompt_len, s, max_new, ratio, alpha):
+    """(outputs [B, T, N, D], kept [b][h] sorted, overflows) of Ada-KV over `press`'s scores (knorm:
+    minus the norms of the un-rotated keys; expected: tests/refs/prompt_scored.expected_scores): the
+    prompt dense, compressed once to K x n_kept; decoding appends to every head and, when the pool of
+    K x s slots overflows, the held tokens are compressed to K x (s - max_new)."""
     qr, kr = rotated(q, k)
+    inv = default_inv_freq(q.shape[-1], THETA)
     norm = np.linalg.norm(np.asarray(k, np.float64), axis=-1)  # [B, T, K]: of the un-rotated keys
+    g = q.shape[2] // K
     out, kept_all, overflows = np.zeros(q.shape), [], 0
+
+    def scores(b, sets, p, pooled):  # each head's scores of its tokens, after the query at position p
+        if isinstance(press, Knorm):
+            return [{j: -norm[b, j, h] for j in sets[h]} for h in range(K)]
+        qs = np.asarray(q, np.float64)[b, press.n_sink:p + 1]  # [n, N, D]: the queries the statistics hold
+        out_ = []
+        for h in range(K):
+            qh = qs[:, h * g:(h + 1) * g].transpose(1, 0, 2)  # [G, n, D]: one Gaussian per query head
+            js = sorted(sets[h])
+            out_.append(expected_scores(press, qh.reshape(1, -1, qh.shape[-1]) if pooled else qh, kr[b, js, h],
+                                        np.asarray(v, np.float64)[b, js, h], js, max(js) + 1, inv))
+        return out_
+
     for b in range(q.shape[0]):
-        score = [{j: -norm[b, j, h] for j in range(q.shape[1])} for h in range(K)]
         for p in range(prompt_len):
             for h in range(K):
-                out[b, p, 2 * h:2 * h + 2] = attend_sets(qr, kr, v, b, p, h, range(p + 1))[0]
+                out[b, p, g * h:g * h + g] = attend_sets(qr, kr, v, b, p, h, range(p + 1))[0]
         n_kept = max(1, int(prompt_len * (1 - ratio)))
-        kept = allocate(score, [set(range(prompt_len))] * K, n_kept, alpha)
+        sets = [set(range(prompt_len))] * K
+        kept = allocate(scores(b, sets, prompt_len - 1, False), sets, n_kept, alpha)
         for p in range(prompt_len, q.shape[1]):
             kept = [x | {p} for x in kept]
             for h in range(K):
-                out[b, p, 2 * h:2 * h + 2] = attend_sets(qr, kr, v, b, p, h, kept[h])[0]
+                out[b, p, g * h:g * h + g] = attend_sets(qr, kr, v, b, p, h, kept[h])[0]
             if sum(map(len, kept)) > K * s:
-                kept = allocate(score, kept, max(s - max_new, 1), alpha)
+                kept = allocate(scores(b, kept, p, True), kept, max(s - max_new, 1), alpha)
                 overflows += b == 0
         kept_all.append([sorted(x) for x in kept])
     return out, kept_all, overflows
