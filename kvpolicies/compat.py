@@ -282,6 +282,74 @@ class ChunkKV(Wrapped):
 
 
 @dataclasses.dataclass(frozen=True)
+class EntropyChunkKV(ChunkKV):
+    """kvpress's `EntropyGatedChunkKVPress(press, chunk_length=10, low_entropy_chunk_length=4)` (kvpress's
+    extension of ChunkKV, arXiv:2502.00299): chunks scored as `ChunkKV` and taken greedily in decreasing
+    score until kvpress's n_kept = max(1, int(n (1 - ratio))) tokens are spent; a chunk whose score is
+    at least the (lower) median and whose normalised score entropy is below the median keeps only its
+    `low_entropy_chunk_length` best tokens, the others are kept whole (or their best, when the budget
+    ends inside them); the budget left is spent on the best remaining tokens. The same tokens in every
+    kv head (kvpress: batch row 0's choice for every row; ours each row's)."""
+
+    label = "entropy-chunkkv"
+    chunk_length: int = 10
+    low_entropy_chunk_length: int = 4
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not (isinstance(self.low_entropy_chunk_length, int) and self.chunk_length > self.low_entropy_chunk_length >= 1):
+            raise ValueError(f"entropy-chunkkv: low_entropy_chunk_length={self.low_entropy_chunk_length!r} must be an "
+                             f"int in [1, chunk_length={self.chunk_length})")
+
+    def kept_for(self, n):
+        return max(1, int(n * (1 - self.ratio)))
+
+    def chosen(self, state, slots, keys, stats):
+        pos, c, eps = slots.pos, self.chunk_length, 1e-8  # kvpress's EPSILON
+        filled = pos >= 0
+        prio, _ = self.press.prompt_rank(state, slots, keys, stats)  # [B, K, M]
+        finite = filled & jnp.isfinite(prio)
+        top = jnp.max(jnp.where(finite, prio, -jnp.inf), axis=(1, 2), keepdims=True)  # [B, 1, 1]
+        score = jnp.where(filled, jnp.where(finite, prio, top + 1), 0.0).sum(axis=1)  # [B, M]: kvpress's max + 1
+        n = filled[:, 0].sum(axis=-1)  # [B] prompt tokens
+        m = score.shape[-1]
+        n_c = -(-m // c)  # static
+        tok = jnp.pad(score, ((0, 0), (0, n_c * c - m))).reshape(-1, n_c, c)  # [B, C, c]
+        at = (c * jnp.arange(n_c))[:, None] + jnp.arange(c)  # [C, c] token positions
+        valid = at[None] < n[:, None, None]  # [B, C, c]
+        size = valid.sum(axis=-1)  # [B, C]
+        live = size > 0
+        mean = jnp.where(live, jnp.where(valid, tok, 0.0).sum(axis=-1) / jnp.maximum(size, 1), -jnp.inf)  # [B, C]
+        low = jnp.minimum(jnp.min(jnp.where(valid, tok, jnp.inf), axis=-1, keepdims=True), 0.0)  # [B, C, 1]
+        shifted = jnp.where(valid, tok - low, 0.0)
+        prob = shifted / (shifted.sum(axis=-1, keepdims=True) + eps)
+        ent = -jnp.where(valid, prob * jnp.log(prob + eps), 0.0).sum(axis=-1)  # [B, C]
+        ent = jnp.where(size > 1, jnp.clip(ent / jnp.log(jnp.maximum(size, 2)), 0.0, 1.0), 0.0)
+        n_live = live.sum(axis=-1, keepdims=True)  # [B, 1]
+        median = lambda x: jnp.take_along_axis(jnp.sort(jnp.where(live, x, jnp.inf), axis=-1),  # noqa: E731
+                                               (n_live - 1) // 2, axis=-1)  # torch.median: the lower one
+        spiky = (mean >= median(mean)) & (ent < median(ent))  # [B, C]
+        order = jnp.argsort(jnp.where(live, -mean, jnp.inf), axis=-1)  # [B, C]: best first, stable
+
+        def take(budget, i):  # the i-th best chunk: how many of its tokens
+            ch = order[:, i]  # [B]
+            sz = jnp.take_along_axis(size, ch[:, None], axis=-1)[:, 0]
+            k = jnp.clip(jnp.minimum(sz, budget), 0)
+            k = jnp.where(jnp.take_along_axis(spiky, ch[:, None], axis=-1)[:, 0],
+                          jnp.minimum(k, self.low_entropy_chunk_length), k)
+            return budget - k, (ch, k)
+
+        budget = jnp.maximum(1, jnp.floor(n * (1 - self.ratio))).astype(jnp.int32)  # [B]
+        left, (chs, ks) = jax.lax.scan(take, budget, jnp.arange(n_c))  # ks [C, B]: per visit
+        want = jnp.zeros((score.shape[0], n_c), jnp.int32).at[jnp.arange(score.shape[0])[:, None], chs.T].set(ks.T)
+        best = top_mask(jnp.where(valid, tok, -jnp.inf), jnp.broadcast_to(at, tok.shape), want[..., None])  # [B, C, c]
+        keep = (best & valid).reshape(-1, n_c * c)[:, :m]  # [B, M]
+        rest = top_mask(jnp.where(keep | (pos[:, 0] < 0), -jnp.inf, score), pos[:, 0], left[:, None])
+        keep = keep | (rest & ~keep & (pos[:, 0] >= 0))  # the budget left: the best remaining tokens
+        return keep[:, None, :] & filled
+
+
+@dataclasses.dataclass(frozen=True)
 class Rerotated(Wrapped):
     """kvpress's `KeyRerotationPress(press)`: `press`'s choice after the prompt, then RoPE sees the kept keys
     at their ranks 0..m-1 in the head's cache and the question and answer from m on (kvpress re-rotates the
@@ -365,10 +433,11 @@ class Composed(PromptScored):
 PRESSES = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPress", "ExpectedAttentionPress",
            "ObservedAttentionPress", "TOVAPress", "AdaKVPress", "KVzipPress", "DuoAttentionPress",
            "KeyDiffPress", "LagKVPress", "RandomPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress",
-           "ComposedPress", "FinchPress", "CURPress", "CompactorPress", "NonCausalAttnPress", "LeverageScorePress", "ChunkKVPress", "KeyRerotationPress")
+           "ComposedPress", "FinchPress", "CURPress", "CompactorPress", "NonCausalAttnPress", "LeverageScorePress",
+           "ChunkKVPress", "KeyRerotationPress", "EntropyGatedChunkKVPress")
 SUPPORTED = PRESSES
 WRAPPERS = ("AdaKVPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress", "ChunkKVPress",
-            "KeyRerotationPress")  # `press`: an inner press
+            "KeyRerotationPress", "EntropyGatedChunkKVPress")  # `press`: an inner press
 # the inner presses a wrapper takes today, with their own fields (kvpress names)
 INNER = {"AdaKVPress": ("SnapKVPress", "KnormPress", "KeyDiffPress", "LagKVPress", "RandomPress", "StreamingLLMPress",
                         "ExpectedAttentionPress"),
@@ -377,7 +446,8 @@ INNER = {"AdaKVPress": ("SnapKVPress", "KnormPress", "KeyDiffPress", "LagKVPress
          "ChunkPress": ("KnormPress", "KeyDiffPress", "LagKVPress", "RandomPress"),
          "BlockPress": ("KnormPress", "KeyDiffPress", "RandomPress"),
          "ChunkKVPress": ("KnormPress", "KeyDiffPress", "LagKVPress", "RandomPress"),
-         "KeyRerotationPress": ("KnormPress", "KeyDiffPress", "LagKVPress", "RandomPress")}
+         "KeyRerotationPress": ("KnormPress", "KeyDiffPress", "LagKVPress", "RandomPress"),
+         "EntropyGatedChunkKVPress": ("KnormPress", "KeyDiffPress", "LagKVPress", "RandomPress")}
 
 
 def press_of(policy: Policy) -> tuple[str, dict]:
@@ -602,6 +672,11 @@ def _scored(press: str, r: float, max_new: int, n_layers: int | None, fields: di
     if press == "KeyRerotationPress":
         inner = kvpress(fields.pop("press"), r, max_new=max_new, **{k: fields.pop(k) for k in list(fields)})
         return Rerotated(ratio=r, max_new=max_new, press=inner)
+    if press == "EntropyGatedChunkKVPress":
+        sizes = {"chunk_length": fields.pop("chunk_length", 10),
+                 "low_entropy_chunk_length": fields.pop("low_entropy_chunk_length", 4)}
+        inner = kvpress(fields.pop("press"), r, max_new=max_new, **{k: fields.pop(k) for k in list(fields)})
+        return EntropyChunkKV(ratio=r, max_new=max_new, press=inner, **sizes)
     if press in ("ChunkPress", "BlockPress", "ChunkKVPress"):  # the wrapper's size field, the rest the inner press's
         cls, size, default = {"ChunkPress": (Chunked, "chunk_length", 1024), "BlockPress": (Blocked, "block_size", 128),
                               "ChunkKVPress": (ChunkKV, "chunk_length", 20)}[press]

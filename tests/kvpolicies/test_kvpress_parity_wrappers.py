@@ -48,7 +48,9 @@ CASES = (("AdaKVPress", 0.5, {"press": "KeyDiffPress"}), ("AdaKVPress", 0.75, {"
          ("AdaKVPress", 0.6, {"press": "ExpectedAttentionPress"}),
          ("ChunkKVPress", 0.5, {"press": "KeyDiffPress", "chunk_length": 30}),
          ("ChunkKVPress", 0.75, {"press": "KeyDiffPress"}),
-         ("KeyRerotationPress", 0.5, {"press": "KeyDiffPress"}), ("KeyRerotationPress", 0.75, {"press": "KeyDiffPress"}))
+         ("KeyRerotationPress", 0.5, {"press": "KeyDiffPress"}), ("KeyRerotationPress", 0.75, {"press": "KeyDiffPress"}),
+         ("EntropyGatedChunkKVPress", 0.5, {"press": "KeyDiffPress"}),
+         ("EntropyGatedChunkKVPress", 0.75, {"press": "KeyDiffPress", "chunk_length": 30}))
 
 # kvpress's side: evals/kvpress_worker.py's model, prefill and greedy decoding; KeyRerotationPress re-rotates
 # the cached keys (they match no uncompressed key): its kept indices are the ones `rerotate_keys` receives,
@@ -152,6 +154,12 @@ def test_wrapper_keeps_kvpress_positions_and_answers(tiny_run, press, ratio, fie
         assert sorted({len(h) for layer in kept for h in layer}) == [140, 150]
         assert "size of tensor" in want.get("error", ""), want.get("error")
         return
+    if press == "EntropyGatedChunkKVPress":  # kvpress's n_kept exactly, the same set in every head
+        assert all(len(h) == n_kept and h == layer[0] for layer in kept for h in layer)
+        c = fields.get("chunk_length", 10)
+        parts = [np.bincount(np.asarray(layer[0]) // c, minlength=-(-N_CTX // c)) for layer in kept]
+        whole = [np.minimum(c, N_CTX - c * np.arange(len(parts[0])))]
+        assert any(((0 < n) & (n < w)).any() for n in parts for w in whole)  # spiky chunks cut (or the top-up)
     assert "error" not in want, want
     assert answer == want["answer"]
 
