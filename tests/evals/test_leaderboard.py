@@ -91,26 +91,63 @@ def test_tables_average_the_tasks(tmp_path):
     assert avg[("SnapKVPress (query-aware)", 0.5)]["tasks"] == 1
 
 
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory):
+    """A tiny random Llama saved by transformers (no hub) with SmolLM2's tokenizer: an HF folder."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from models.loading import smollm2_gguf_path
+
+    folder = tmp_path_factory.mktemp("tiny-hf")
+    gguf = smollm2_gguf_path()
+    tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(not (peer.REF / "kvpress").is_dir(), reason="the tiny model is built by kvpress's worker")
-def test_end_to_end_on_the_tiny_model(tmp_path, capsys):
-    """The whole command on the tiny model (one task, both modes): every item saved, the tables
-    written; a rerun computes nothing; each cell's score is RULER's metric of its saved answer."""
-    args = [a for a in ARGS if not a.startswith("tasks=")] + ["tasks=[niah_single_1]", f"out={tmp_path}",
-                                                             "compile_cache=none", "gen=4"]
-    avg = L.main(args)
-    b = L.prepare(L.parse(args))
+def test_gpu_script_dry_run_end_to_end(tiny_hf, tmp_path):
+    """scripts/gpu_leaderboard.sh with DRY_RUN=1 (no GPU, float32) on a tiny HF folder: the whole
+    command, one task in both modes; every item saved, each cell's score RULER's metric of its
+    saved answer; a rerun computes nothing."""
+    import os
+    import subprocess
+    import sys
+
+    keys = ["tasks=[niah_single_1]", "tokens=512", "presses=[SnapKVPress]", "ratios=[0.5]",
+            "query_aware=[SnapKVPress]", "gen=4", "progress=false", "compile_cache=none"]
+    env = {**os.environ, "DRY_RUN": "1", "OUT": str(tmp_path), "PY": sys.executable}
+
+    def script():
+        return subprocess.run(["bash", "scripts/gpu_leaderboard.sh", str(tiny_hf), "1", *keys], env=env,
+                              capture_output=True, text=True, timeout=900, cwd=peer.ROOT)
+
+    r = script()
+    assert r.returncode == 0, r.stderr[-3000:]
+    b = L.prepare(L.parse(["model=hf", f"model_path={tiny_hf}", "samples=1", f"out={tmp_path}", *keys]))
+    assert b.stem == f"leaderboard_{tiny_hf.name}_512" and (tmp_path / f"{b.stem}.png").is_file()
+    with open(tmp_path / f"{b.stem}.csv") as f:
+        avg = {(r["press"], float(r["ratio"])): float(r["ours"]) for r in csv.DictReader(f)}
     tok = zoo.load_tokenizer(b.plans[0].mconf)
     for p in b.plans:
         lines = peer.read_lines(p.path(".ours.jsonl"))
-        assert len(lines) == 2 and all(len(x["answer"]) == 4 for x in lines)
+        assert sorted((x["press"], x["ratio"]) for x in lines) == [("SnapKVPress", 0.5), ("full", 0.0)]
         for x in lines:
-            label = L.label(x["press"], p.query_aware)
-            if p.query_aware and x["press"] == "full":
-                continue
-            cell = next(r for r in avg if r["press"] == label and r["ratio"] == x["ratio"])
-            want = 100 * ruler.score(p.task, ruler.ids_text(tok, x["answer"]), p.refs[0])
-            assert cell["ours"] == want
-    capsys.readouterr()
-    L.main(args)
-    assert "to do 0" in capsys.readouterr().out
+            if not (p.query_aware and x["press"] == "full"):
+                want = 100 * ruler.score(p.task, ruler.ids_text(tok, x["answer"]), p.refs[0])
+                assert avg[(L.label(x["press"], p.query_aware), x["ratio"])] == want and len(x["answer"]) == 4
+    again = script()
+    assert again.returncode == 0 and "to do 0" in again.stdout
+
+
+def test_gpu_script_refuses_a_folder_without_config(tmp_path):
+    import subprocess
+
+    r = subprocess.run(["bash", "scripts/gpu_leaderboard.sh", str(tmp_path)], capture_output=True, text=True,
+                       cwd=peer.ROOT, env={"DRY_RUN": "1", "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 2 and "has no config.json" in r.stderr
