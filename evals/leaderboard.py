@@ -23,7 +23,8 @@ Keys (key=value):
     presses=[...]           default: LEADERBOARD_PRESSES (the compat catalogue that `evals.peer` runs,
                             without DuoAttentionPress, whose head pattern here is random, not trained)
     ratios=[0.25,0.5,0.75,0.875]
-    query_aware=[...]       presses also run query-aware (default: those of QUERY_AWARE that compat has)
+    query_aware=[...]       presses also run query-aware (default: those of QUERY_AWARE that compat has;
+                            [] for none)
     kvpress=false           true: kvpress 0.5.5 runs beside ours on every item (its average in its own
                             column; `bash scripts/setup.sh test`)
     gen=<task's>            greedy tokens (default: RULER's tokens_to_generate per task)
@@ -126,8 +127,10 @@ def parse(argv: Sequence[str]) -> Board:
                               f"choose from {available}")
     presses = list_value("presses", own["presses"]) if "presses" in own else default_presses()
     supported = peer.PEER_PRESSES + peer.EXTRA_PRESSES
-    aware = (list_value("query_aware", own["query_aware"]) if "query_aware" in own
-             else [p for p in QUERY_AWARE if p in supported])
+    if "query_aware" not in own:
+        aware = [p for p in QUERY_AWARE if p in supported]
+    else:  # [] or none: no query-aware rows
+        aware = [] if own["query_aware"].strip() in ("[]", "none") else list_value("query_aware", own["query_aware"])
     for key, ps in (("presses", presses), ("query_aware", aware)):
         for p in ps:
             if p not in supported:
