@@ -98,8 +98,23 @@ json.dump(out, open(sys.argv[2], "w"))
 
 FIELDS = {"FinchPress": {}, "CURPress": {}, "NonCausalAttnPress": {}, "LeverageScorePress": {}, "CompactorPress": {}}
 PRESSES = tuple(FIELDS)
-SCORERS = ("CURPress", "NonCausalAttnPress")
-DRAWN = ("LeverageScorePress", "CompactorPress")  # a Gaussian sketch: torch's draw there, ours here  # ScorerPresses of the context alone: kvpress's pipeline, the question appended
+SCORERS = ("CURPress", "NonCausalAttnPress")  # ScorerPresses of the context alone: kvpress's pipeline, the question appended
+DRAWN = ("LeverageScorePress", "CompactorPress")  # a Gaussian sketch: torch's draw there, ours here
+
+
+def planned(model: str, press: str, ratio: float) -> bool:
+    """The cases run (suite time): the tiny Llama every press at both ratios (the sketched ones at 0.5),
+    the tiny Qwen2 (biases, tied embeddings) each deterministic press and CompactorPress at 0.5."""
+    if model == "llama":
+        return press not in DRAWN or ratio == 0.5
+    return ratio == 0.5 and press != "LeverageScorePress"
+
+
+def plan(request) -> None:
+    kind = request.node.callspec.params["tiny_run"]
+    press = request.node.callspec.params.get("press", "FinchPress")
+    if not planned(kind, press, request.node.callspec.params["ratio"]):
+        pytest.skip(f"{press} at {request.node.callspec.params['ratio']} on the tiny {kind}: not planned (suite time)")
 
 
 def run_kvpress(job: dict, tmp: pathlib.Path, timeout: int = 600) -> dict:
@@ -120,7 +135,8 @@ def tiny_run(request, tmp_path_factory):
     config = dict(TINY, tie_word_embeddings=request.param == "qwen2")
     job = {"save_to": str(tmp / "ckpt"), "tiny": {"kind": request.param, "seed": 0, "config": config},
            "context": ctx.tolist(), "question": question.tolist(), "suffix": SUFFIX, "delim": DELIM, "n_new": N_NEW,
-           "presses": [[p, r, FIELDS[p]] for p in PRESSES for r in RATIOS], "tensors": str(tmp / "tensors.npz")}
+           "presses": [[p, r, FIELDS[p]] for p in PRESSES for r in RATIOS if planned(request.param, p, r)],
+           "tensors": str(tmp / "tensors.npz")}
     ref = run_kvpress(job, tmp)
     ref["tensors"] = dict(np.load(tmp / "tensors.npz"))
     cfg, params = load_hf(tmp / "ckpt")
@@ -139,10 +155,11 @@ def ours_finch(model: Llama, ratio: float, ctx: np.ndarray, question: np.ndarray
 
 
 @pytest.mark.parametrize("ratio", RATIOS)
-def test_finch_keeps_kvpress_positions_and_answers(tiny_run, ratio):
+def test_finch_keeps_kvpress_positions_and_answers(tiny_run, ratio, request):
     """FinchPress (its defaults: scores normalized, keys re-rotated): kvpress keeps n_kept of the
     context and question (the question always), we keep the same per (layer, kv head); with the keys
     at their ranks the answers after the "\\n" suffix are kvpress's."""
+    plan(request)
     model, ctx, question, ref = tiny_run
     want = ref[f"FinchPress@{ratio}"]
     assert "error" not in want, want
@@ -153,7 +170,7 @@ def test_finch_keeps_kvpress_positions_and_answers(tiny_run, ratio):
     assert answer == want["answer"]
     err = np.abs(logits - want["logits"]).max()
     assert err < 1e-4, err  # the keys at their ranks: kvpress's re-rotated cache
-    if ratio == 0.75:  # at text positions (rerotate_keys=False) the logits move by far more than rounding
+    if ratio == 0.75:  # at text positions (the tiny Llama) (rerotate_keys=False) the logits move by far more than rounding
         _, _, moved = ours_finch(model, ratio, ctx, question, rerotate_keys=False)
         assert np.abs(moved - want["logits"]).max() > 100 * err
 
@@ -168,8 +185,10 @@ def ours(model: Llama, press: str, ratio: float, ctx: np.ndarray, question: np.n
 
 @pytest.mark.parametrize("ratio", RATIOS)
 @pytest.mark.parametrize("press", SCORERS)
-def test_scorer_keeps_kvpress_positions_and_answers(tiny_run, press, ratio):
-    """CURPress: kvpress's n_kept per head, the same positions per (layer, kv head), the same answer."""
+def test_scorer_keeps_kvpress_positions_and_answers(tiny_run, press, ratio, request):
+    """CURPress, NonCausalAttnPress: kvpress's n_kept per head, the same positions per (layer, kv head),
+    the same answer."""
+    plan(request)
     model, ctx, question, ref = tiny_run
     want = ref[f"{press}@{ratio}"]
     assert "error" not in want, want
@@ -182,22 +201,27 @@ def test_scorer_keeps_kvpress_positions_and_answers(tiny_run, press, ratio):
 
 @pytest.mark.parametrize("ratio", RATIOS)
 @pytest.mark.parametrize("press", DRAWN)
-def test_sketched_presses_keep_kvpress_counts_and_our_draw(tiny_run, press, ratio):
+def test_sketched_presses_keep_kvpress_counts_and_our_draw(tiny_run, press, ratio, request):
     """LeverageScorePress and CompactorPress sketch the keys with a Gaussian matrix: kvpress draws it
     with torch.randn at every call, which JAX cannot reproduce; ours is `kvpolicies.compactor.sketch`.
     kvpress keeps the counts we keep, and our kept positions per (layer, kv head) are the method
     re-simulated in float64 numpy (tests/refs/prompt_scored.compactor_scores, from kvpress's code) on
-    kvpress's own queries, keys and values with our draw."""
+    kvpress's own queries, keys and values with our draw. With the sketch's 48 dimensions above the
+    tiny models' head_dim 16 the sketch has full rank and the leverage barely depends on the draw
+    (only through the 1e-2 jitter): kvpress's kept sets are then ours up to near ties."""
     from kvpolicies.compactor import sketch
     from tests.refs.oracle import default_inv_freq
     from tests.refs.prompt_scored import compactor_scores
 
+    plan(request)
     model, ctx, question, ref = tiny_run
     want = ref[f"{press}@{ratio}"]
     assert "error" not in want, want
     n_kept = int(N_CTX * (1 - ratio))
     assert all(len(h) == n_kept for layer in want["kept"] for h in layer)
     kept, _ = ours(model, press, ratio, ctx, question)
+    pairs = [(set(g), set(w)) for gl, wl in zip(kept, want["kept"]) for g, w in zip(gl, wl)]
+    assert np.mean([len(g & w) / len(g | w) for g, w in pairs]) >= 0.98
     pol, t = kvpress(press, ratio), ref["tensors"]
     kh, _, d = t["k0"].shape
     phi = np.asarray(sketch(pol.seed, kh, d, pol.sketch_dim), np.float64)
