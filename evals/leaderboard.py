@@ -32,6 +32,8 @@ Keys (key=value):
     shard=0/1               run the tasks i, i + n, ... of the grid only (lock-free: every task has its
                             own files); table_only=true then builds the tables from all shards' files
     out=results/leaderboard table_only=false
+    qa_dir=<folder>         RULER's own squad.json / hotpotqa.json (its download_qa_dataset.sh): qa_1 / qa_2
+                            join the tasks (no package ships them: without it the average covers 11)
 
 Files: `<out>/<model>_<tokens>/` holds one `evals.peer` run per task and mode (`<task>` and
 `<task>_query_aware` stems: resumable line files); `<out>/leaderboard_<model>_<tokens>.{md,csv,png,pdf}`:
@@ -55,9 +57,10 @@ from evals import peer
 from evals.config import ConfigError
 
 KEYS = ("model", "model_path", "dtype", "tokens", "samples", "tasks", "presses", "ratios", "query_aware", "kvpress",
-        "gen", "seed", "chunk", "compile_cache", "progress", "shard", "out", "table_only")
+        "gen", "seed", "chunk", "compile_cache", "progress", "shard", "out", "table_only", "qa_dir")
 # kvpress's evaluation/leaderboard.sh: the presses it also runs with --query_aware
 QUERY_AWARE = ("SnapKVPress", "AdaKVPress", "FinchPress", "ChunkKVPress")
+QA_FILES = {"qa_1": "squad.json", "qa_2": "hotpotqa.json"}  # RULER's scripts/data/synthetic/json/ names
 PASS_THROUGH = ("model_path", "dtype", "samples", "gen", "seed", "chunk", "compile_cache", "progress")
 
 
@@ -117,10 +120,16 @@ def parse(argv: Sequence[str]) -> Board:
         if key not in KEYS:
             raise ConfigError(f"{key}: unknown key{did_you_mean(key, KEYS)}; the keys: {', '.join(KEYS)}")
         own[key] = value
-    available = list(ruler.AVAILABLE)
+    qa = {}  # qa_1 / qa_2 from RULER's own files in qa_dir
+    if "qa_dir" in own:
+        folder = pathlib.Path(own["qa_dir"]).expanduser()
+        qa = {t: folder / f for t, f in QA_FILES.items() if (folder / f).is_file()}
+        if not qa:
+            raise ConfigError(f"qa_dir={own['qa_dir']}: holds neither of RULER's {sorted(QA_FILES.values())}")
+    available = [t for t in ruler.LEADERBOARD_TASKS if t in ruler.AVAILABLE or t in qa]
     tasks = list_value("tasks", own["tasks"]) if "tasks" in own else available
     for t in tasks:
-        if t in ruler.MISSING:
+        if t in ruler.MISSING and t not in qa:
             raise ConfigError(f"tasks: {t}: {ruler.MISSING[t]}")
         if t not in available:
             raise ConfigError(f"tasks: {t!r} is not a task evals.ruler generates{did_you_mean(t, available)}; "
@@ -151,7 +160,7 @@ def parse(argv: Sequence[str]) -> Board:
         for mode, ps in (("agnostic", presses), ("aware", aware)):
             if not ps:
                 continue
-            argv_t = common + [f"task={t}", f"presses=[{','.join(ps)}]"]
+            argv_t = common + [f"task={t}", f"presses=[{','.join(ps)}]"] + ([f"qa_file={qa[t]}"] if t in qa else [])
             argv_t += ["query_aware=true", f"name={t}_query_aware"] if mode == "aware" else [f"name={t}"]
             plans.append(peer.parse(argv_t))
     board = Board(name, plans[0].tokens if plans else int(tokens), tasks, presses, plans[0].ratios if plans else [],

@@ -38,6 +38,8 @@ Keys (key=value):
     overwrite=false               replace the files of another configuration under that stem (without
                                   it: an error before anything runs)
     table_only=false              compute nothing: the table of the samples both sides saved so far
+    qa_file=<path>                task=qa_1 / qa_2: RULER's own SQuAD / HotpotQA file (squad.json /
+                                  hotpotqa.json; no package ships them)
     query_aware=false             kvpress's --query_aware: the question is part of the compressed context;
                                   after the compression come only the chat template's tail and the answer
                                   prefix (files under <stem>_query_aware)
@@ -96,7 +98,7 @@ DTYPES = ("float32", "bfloat16")
 PREFILLS = ("shared", "per_press")
 OWN_KEYS = ("model", "task", "tokens", "samples", "ratios", "presses", "gen", "seed", "chunk", "prefill", "out",
             "compile_cache", "name", "overwrite", "table_only", "progress", "query_aware", "kvpress", "model_path",
-            "dtype")
+            "dtype", "qa_file")
 DEFAULT_RATIOS = (0.25, 0.5, 0.75, 0.875)  # kvpress's leaderboard's ratios
 # the tiny random Llama of model=tiny (the parity tests' shape, SmolLM2's vocabulary)
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
@@ -241,9 +243,9 @@ def parse(argv: Sequence[str]) -> Plan:
         raise ConfigError(f"dtype={dtype}: must be one of {list(DTYPES)}")
     task = own.get("task", "ruler_niah_single")
     named = tuple(ruler.RULER_SET) + tuple(leaderboard_names())
-    if task in getattr(ruler, "MISSING", {}):
-        raise ConfigError(f"task={task}: {ruler.MISSING[task]}")
-    if task not in named:
+    if task in getattr(ruler, "MISSING", {}) and "qa_file" not in own:
+        raise ConfigError(f"task={task}: {ruler.MISSING[task]} (here: qa_file=<the file>)")
+    if task not in named and task not in getattr(ruler, "MISSING", {}):
         raise ConfigError(f"task={task}: must be a RULER task, one of {list(named)}{did_you_mean(task, named)}")
     presses = list_value("presses", own["presses"]) if "presses" in own else list(PEER_PRESSES)
     if model == "hf" and "presses" not in own:
@@ -274,7 +276,7 @@ def parse(argv: Sequence[str]) -> Plan:
         if task in ruler.RULER_SET:
             cfg = ruler.check({"name": task, "lengths": [tokens], "trials": 1, "protocol": "query_agnostic"} | gen)
         else:  # RULER's own task names (kvpress's leaderboard): their configs, RULER's tokens to generate
-            cfg = ruler.check(ruler.leaderboard_task(task, tokens, 1) | gen)
+            cfg = ruler.check(ruler.leaderboard_task(task, tokens, 1, qa_file=own.get("qa_file")) | gen)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     samples = _int("samples", own.get("samples", "20"), 1)

@@ -151,3 +151,21 @@ def test_gpu_script_refuses_a_folder_without_config(tmp_path):
     r = subprocess.run(["bash", "scripts/gpu_leaderboard.sh", str(tmp_path)], capture_output=True, text=True,
                        cwd=peer.ROOT, env={"DRY_RUN": "1", "PATH": "/usr/bin:/bin"})
     assert r.returncode == 2 and "has no config.json" in r.stderr
+
+
+def test_qa_dir_adds_qa_from_ruler_s_files(tmp_path):
+    """qa_dir= with RULER's squad.json / hotpotqa.json: qa_1 and qa_2 join the tasks (scored by
+    string_match_part); a folder without them is refused; without it they say why they are missing."""
+    from tests.evals.test_ruler13 import _qa_files
+
+    data = tmp_path / "qa"
+    data.mkdir()
+    _qa_files(data)
+    b = L.parse(["model=tiny", "tokens=1024", "presses=[SnapKVPress]", "query_aware=[]", f"qa_dir={data}",
+                 f"out={tmp_path}"])
+    assert b.tasks == list(ruler.AVAILABLE) + ["qa_1", "qa_2"]
+    qa = [p for p in b.plans if p.task["name"].startswith("qa_")]
+    assert [p.task["metric"] for p in qa] == ["string_match_part"] * 2
+    assert qa[0].task["qa_file"] == str(data / "squad.json")
+    with pytest.raises(ConfigError, match="holds neither"):
+        L.parse(["model=tiny", f"qa_dir={tmp_path / 'nothing'}"])
