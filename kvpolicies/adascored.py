@@ -144,7 +144,9 @@ class AdaScored(PromptCompressor, QuietChunks, Policy):
         b, kh, s = state.pos.shape
         pool = HeadPool(state.k, state.v, state.pos, mass=jnp.zeros(state.pos.shape, jnp.float32))
         view = pool_view(self.codec, pool, k, v, pos, head=heads_of(state.counts, kh * s))
-        return dataclasses.replace(view, carry=(*view.carry, state.stats))
+        wide = lambda x: jnp.broadcast_to(x, (b, kh) + x.shape[2:])  # noqa: E731  [B, 1, V] -> [B, K, V]
+        return dataclasses.replace(view, pos=wide(view.pos), rope=view.rope._replace(k=wide(view.rope.k)),
+                                   carry=(*view.carry, state.stats))
 
     def compact(self, view, seen):
         slots, head, p, stats = view.carry  # [B, 1, V] flat slots, their heads, P, the press's statistics
