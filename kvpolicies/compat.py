@@ -68,6 +68,7 @@ from jaxtyping import Array
 from kvpolicies.adakv import AdaKV
 from kvpolicies.adascored import AdaScored
 from kvpolicies.base import Policy, RopePositions
+from kvpolicies.checks import check_int
 from kvpolicies.codecs import Codec, Identity
 from kvpolicies.compactor import Compactor
 from kvpolicies.cur import CUR
@@ -241,6 +242,10 @@ class ChunkKV(Wrapped):
 
     label = "chunkkv"
     chunk_length: int = 20
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_int(self.label, "chunk_length", self.chunk_length, 1)
 
     def kept_for(self, n):
         """The most tokens kept of an n-token prompt (every kept chunk full)."""

@@ -287,3 +287,29 @@ def test_smollm2_wrapper_equals_kvpress(smollm2_run, press, ratio, fields):
           f"answers equal {answer == want['answer']}")
     assert np.mean(js) >= 0.98
     assert answer == want["answer"]
+
+
+def test_wrappers_refuse_bad_fields_before_any_compute():
+    """The front door's errors: fields named, inner presses the wrappers cannot take refused."""
+    from kvpolicies.compat import ChunkKV, EntropyChunkKV, Rerotated
+    from kvpolicies.snapkv import SnapKV
+
+    assert isinstance(kvpress("AdaKVPress", 0.5, press="KnormPress"), AdaScored)
+    assert kvpress("AdaKVPress", 0.5, press=kvpress("KeyDiffPress", 0.5)) == kvpress("AdaKVPress", 0.5, press="KeyDiffPress")
+    assert kvpress("ChunkKVPress", 0.5, press="KnormPress") == ChunkKV(ratio=0.5, press=Knorm(ratio=0.5, dense_layers=0))
+    assert isinstance(kvpress("KeyRerotationPress", 0.5, press="LagKVPress", lag_size=16), Rerotated)
+    assert kvpress("EntropyGatedChunkKVPress", 0.5, press="KnormPress").chunk_length == 10  # kvpress's default
+    with pytest.raises(ValueError, match="chunk_length=0"):
+        kvpress("ChunkKVPress", 0.5, press="KnormPress", chunk_length=0)
+    with pytest.raises(ValueError, match="low_entropy_chunk_length=10"):
+        EntropyChunkKV(ratio=0.5, press=Knorm(ratio=0.5), low_entropy_chunk_length=10)
+    with pytest.raises(ValueError, match="per-slot statistics"):  # SnapKV's accumulated attention: `adakv`
+        AdaScored(press=SnapKV(ratio=0.5), ratio=0.5)
+    with pytest.raises(ValueError, match="wrapper's ratio"):
+        AdaScored(press=Knorm(ratio=0.25), ratio=0.5)
+    with pytest.raises(ValueError, match="alpha_safeguard"):
+        kvpress("AdaKVPress", 0.5, press="KnormPress", alpha_safeguard=1.5)
+    with pytest.raises(NotImplementedError, match="ChunkKVPress over 'SnapKVPress'"):
+        kvpress("ChunkKVPress", 0.5, press="SnapKVPress")
+    with pytest.raises(ValueError, match="give press="):
+        kvpress("KeyRerotationPress", 0.5)
