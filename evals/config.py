@@ -72,6 +72,10 @@ TASKS: dict[str, Any] = {
     **{name: "evals.ruler:TASK" for name in ("ruler_niah_single", "ruler_niah_multikey", "ruler_niah_multivalue",
                                               "ruler_niah_multiquery", "ruler_vt", "ruler_cwe", "ruler_fwe",
                                               "multiquery")},
+    # RULER's 13 tasks under RULER's own names (evals/ruler13.py; kvpress's leaderboard)
+    **{name: f"evals.ruler:NAMED_TASKS.{name}" for name in (
+        "niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2", "niah_multikey_3",
+        "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2")},
     "multiturn": "evals.multiturn:TASK",  # one context, N turns of question + answer (evals/multiturn.py)
     "longgen": "evals.longgen:TASK",  # long greedy generations against full's own (evals/longgen.py)
 }
@@ -506,8 +510,10 @@ def load_task(name: str):
     if isinstance(spec, str):
         module, _, attr = spec.partition(":")
         try:
-            spec = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as e:
+            spec = importlib.import_module(module)
+            for part in attr.split("."):  # "module:NAME" or "module:DICT.key"
+                spec = spec[part] if isinstance(spec, dict) else getattr(spec, part)
+        except (ImportError, AttributeError, KeyError) as e:
             raise ConfigError(f"task={name}: cannot load {TASKS[name]} ({e})") from None
     return spec if isinstance(spec, Task) else Task(run=spec)
 

@@ -658,3 +658,16 @@ TASK = Task(run=run, check=check, extent=lambda task: (lengths_field(task), *ext
 # RULER's 13 tasks under their own names (kvpress's leaderboard), built in evals/ruler13.py
 from evals import ruler13  # noqa: E402  (it imports this module)
 from evals.ruler13 import AVAILABLE, LEADERBOARD_TASKS, MISSING, leaderboard_task, score  # noqa: E402,F401
+
+
+def _named_task(name: str) -> Task:
+    """`evals.run task=<RULER's name>`: this module's Task with the name's defaults (RULER's gen and
+    metric, 4,096 tokens, kvpress's query-agnostic protocol; qa_1 / qa_2: `task.qa_file=` needed)."""
+    spec = ruler13.SPECS[name]
+    gen = ruler13.TEMPLATES[spec["task"]][2]
+    base = {"lengths": [4096], "trials": 1, "batch": 1, "gen": gen, "protocol": "query_agnostic",
+            "extrapolate": False, "metric": ruler13.METRICS[name]}
+    return dataclasses.replace(TASK, defaults=base | ({"qa_file": None} if spec["task"] == "qa" else {}))
+
+
+NAMED_TASKS = {name: _named_task(name) for name in LEADERBOARD_TASKS}

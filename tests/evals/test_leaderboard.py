@@ -169,3 +169,19 @@ def test_qa_dir_adds_qa_from_ruler_s_files(tmp_path):
     assert qa[0].task["qa_file"] == str(data / "squad.json")
     with pytest.raises(ConfigError, match="holds neither"):
         L.parse(["model=tiny", f"qa_dir={tmp_path / 'nothing'}"])
+
+
+def test_evals_run_takes_ruler_s_names():
+    """`evals.run task=<RULER's name>`: RULER's defaults (4,096 tokens, its tokens_to_generate and
+    metric, kvpress's query-agnostic protocol), validated before any weights load; qa_1 without
+    task.qa_file says why it is missing."""
+    from evals.config import compose, load_task
+    from evals.run import preflight
+
+    conf = compose(["task=vt", "policy=snapkv", "budget=0.25"])
+    assert {k: conf["task"][k] for k in ("lengths", "gen", "protocol", "metric")} == {
+        "lengths": [4096], "gen": 30, "protocol": "query_agnostic", "metric": "string_match_all"}
+    assert load_task("qa_2").defaults["metric"] == "string_match_part"
+    assert preflight(["task=niah_multikey_3", "policy=snapkv", "budget=0.25"])[0] == 1
+    with pytest.raises(ConfigError, match="task.qa_file=<path to its squad.json>"):
+        preflight(["task=qa_1", "policy=full"])
