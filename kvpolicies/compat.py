@@ -86,6 +86,7 @@ from kvpolicies.knorm import Knorm
 from kvpolicies.keydiff import KeyDiff
 from kvpolicies.kvzip import KVzip
 from kvpolicies.lagkv import LagKV
+from kvpolicies.merging import Merging
 from kvpolicies.observed import Observed
 from kvpolicies.prompt import PromptPhase, PromptState
 from kvpolicies.prompt_scored import PromptScored, rank_by
@@ -444,13 +445,14 @@ class Composed(PromptScored):
 PRESSES = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPress", "ExpectedAttentionPress",
            "ObservedAttentionPress", "TOVAPress", "AdaKVPress", "KVzipPress", "DuoAttentionPress",
            "KeyDiffPress", "LagKVPress", "RandomPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress",
-           "ComposedPress", "FinchPress", "CURPress", "CompactorPress", "NonCausalAttnPress", "LeverageScorePress",
+           "ComposedPress", "FinchPress", "CURPress", "MergingPress", "CompactorPress", "NonCausalAttnPress", "LeverageScorePress",
            "ChunkKVPress", "KeyRerotationPress", "EntropyGatedChunkKVPress")
 SUPPORTED = PRESSES
-WRAPPERS = ("AdaKVPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress", "ChunkKVPress",
+WRAPPERS = ("MergingPress", "AdaKVPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress", "ChunkKVPress",
             "KeyRerotationPress", "EntropyGatedChunkKVPress")  # `press`: an inner press
 # the inner presses a wrapper takes today, with their own fields (kvpress names)
-INNER = {"AdaKVPress": ("SnapKVPress", "KnormPress", "KeyDiffPress", "LagKVPress", "RandomPress", "StreamingLLMPress",
+INNER = {"MergingPress": ("KnormPress", "KeyDiffPress", "LagKVPress", "RandomPress", "CURPress"),
+         "AdaKVPress": ("SnapKVPress", "KnormPress", "KeyDiffPress", "LagKVPress", "RandomPress", "StreamingLLMPress",
                         "ExpectedAttentionPress"),
          "PerLayerCompressionPress": ("SnapKVPress", "KnormPress", "KeyDiffPress", "LagKVPress", "ExpectedAttentionPress",
                                       "ObservedAttentionPress", "TOVAPress", "StreamingLLMPress", "RandomPress"),
@@ -469,6 +471,10 @@ def press_of(policy: Policy) -> tuple[str, dict]:
         return "KnormPress", {}
     if isinstance(policy, KeyDiff):
         return "KeyDiffPress", {}
+    if isinstance(policy, CUR):
+        return "CURPress", {"num_sinks": policy.n_sink, "leverage_type": policy.leverage,
+                            "use_local_approximation": bool(policy.local_window),
+                            "local_window_size": policy.local_window or 16}
     if isinstance(policy, LagKV):
         return "LagKVPress", {"n_sink": policy.n_sink, "lag_size": policy.lag_size,
                               "cross_scoring": policy.cross_scoring}
@@ -666,6 +672,12 @@ def _scored(press: str, r: float, max_new: int, n_layers: int | None, fields: di
     """The presses that score tokens once after the context (SnapKV's family, Knorm, ...)."""
     if press == "FinchPress":
         return _finch(r, max_new, fields)
+    if press == "MergingPress":  # its own fields, the rest the inner press's
+        if fields.pop("merge_fraction", 1.0) != 1.0:
+            raise NotImplementedError("kvpolicies.compat.kvpress: MergingPress(merge_fraction < 1) (its quantile gate)")
+        threshold = fields.pop("similarity_threshold", 0.0)
+        inner = kvpress(fields.pop("press"), r, max_new=max_new, **{k: fields.pop(k) for k in list(fields)})
+        return Merging(ratio=r, max_new=max_new, press=inner, similarity_threshold=threshold)
     if press in ("CompactorPress", "NonCausalAttnPress", "LeverageScorePress"):
         return _compactor(press, r, max_new, fields)
     if press == "CURPress":

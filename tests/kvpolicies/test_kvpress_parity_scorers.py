@@ -91,23 +91,34 @@ for name, ratio, fields in job["presses"]:
             out[key] = {"kept": kept, "answer": answer, "logits": logits[0, -1].tolist()}
         else:
             out[key] = w.run(model, w.make_press(name, ratio, dict(fields)), ctx, question, job["n_new"], full_keys)
+            if name in job.get("logits_of", []):  # the question's last logits after the compressed context
+                cache = DynamicCache()
+                with torch.no_grad(), w.make_press(name, ratio, dict(fields))(model):
+                    model(input_ids=ctx, past_key_values=cache, logits_to_keep=1)
+                n, q = ctx.shape[1], question.shape[1]
+                with torch.no_grad():
+                    logits = model(input_ids=question, past_key_values=cache,
+                                   position_ids=torch.arange(n, n + q)[None]).logits
+                out[key]["logits"] = logits[0, -1].tolist()
     except Exception as e:
         out[key] = {"error": f"{type(e).__name__}: {e}"}
 json.dump(out, open(sys.argv[2], "w"))
 """
 
-FIELDS = {"FinchPress": {}, "CURPress": {}, "NonCausalAttnPress": {}, "LeverageScorePress": {}, "CompactorPress": {}}
+FIELDS = {"FinchPress": {}, "CURPress": {}, "NonCausalAttnPress": {}, "LeverageScorePress": {}, "CompactorPress": {},
+          "MergingPress": {"press": "KeyDiffPress"}}
 PRESSES = tuple(FIELDS)
-SCORERS = ("CURPress", "NonCausalAttnPress")  # ScorerPresses of the context alone: kvpress's pipeline, the question appended
+SCORERS = ("CURPress", "NonCausalAttnPress", "MergingPress")  # ScorerPresses of the context alone: kvpress's pipeline, the question appended
 DRAWN = ("LeverageScorePress", "CompactorPress")  # a Gaussian sketch: torch's draw there, ours here
 
 
 def planned(model: str, press: str, ratio: float) -> bool:
     """The cases run (suite time): the tiny Llama every press at both ratios (the sketched ones at 0.5),
-    the tiny Qwen2 (biases, tied embeddings) each deterministic press and CompactorPress at 0.5."""
+    the tiny Qwen2 (biases, tied embeddings) each deterministic press but the MergingPress wrapper, and
+    CompactorPress, at 0.5."""
     if model == "llama":
         return press not in DRAWN or ratio == 0.5
-    return ratio == 0.5 and press != "LeverageScorePress"
+    return ratio == 0.5 and press not in ("LeverageScorePress", "MergingPress")
 
 
 def plan(request) -> None:
@@ -136,7 +147,7 @@ def tiny_run(request, tmp_path_factory):
     job = {"save_to": str(tmp / "ckpt"), "tiny": {"kind": request.param, "seed": 0, "config": config},
            "context": ctx.tolist(), "question": question.tolist(), "suffix": SUFFIX, "delim": DELIM, "n_new": N_NEW,
            "presses": [[p, r, FIELDS[p]] for p in PRESSES for r in RATIOS if planned(request.param, p, r)],
-           "tensors": str(tmp / "tensors.npz")}
+           "tensors": str(tmp / "tensors.npz"), "logits_of": ["MergingPress"]}
     ref = run_kvpress(job, tmp)
     ref["tensors"] = dict(np.load(tmp / "tensors.npz"))
     cfg, params = load_hf(tmp / "ckpt")
@@ -175,25 +186,35 @@ def test_finch_keeps_kvpress_positions_and_answers(tiny_run, ratio, request):
         assert np.abs(moved - want["logits"]).max() > 100 * err
 
 
-def ours(model: Llama, press: str, ratio: float, ctx: np.ndarray, question: np.ndarray):
-    pol = kvpress(press, ratio, max_new=16, **FIELDS[press])
+def ours(model: Llama, press: str, ratio: float, ctx: np.ndarray, question: np.ndarray, logits: bool = False):
+    """(kept, answer) through `kvpress(press, ratio)` (and the question's last logits)."""
+    pol = kvpress(press, ratio, max_new=16, **FIELDS.get(press, {}))
     eng = Engine(model, pol, max_len=N_CTX + N_Q + N_NEW, share_steps=True)
     state = eng.compress(eng.prompt(ctx[None]))
     kept = [[p.tolist() for p in layer] for layer in eng.kept_positions(state)]
-    return kept, eng.continue_generate(state, question[None], N_NEW)[0].tolist()
+    answer = eng.continue_generate(state, question[None], N_NEW)[0].tolist()
+    if not logits:
+        return kept, answer
+    return kept, answer, np.asarray(eng.feed(state, question[None]).logits[0], np.float64)
 
 
 @pytest.mark.parametrize("ratio", RATIOS)
 @pytest.mark.parametrize("press", SCORERS)
 def test_scorer_keeps_kvpress_positions_and_answers(tiny_run, press, ratio, request):
-    """CURPress, NonCausalAttnPress: kvpress's n_kept per head, the same positions per (layer, kv head),
-    the same answer."""
+    """CURPress, NonCausalAttnPress, MergingPress(KeyDiffPress): kvpress's n_kept per head, the same
+    positions per (layer, kv head), the same answer. MergingPress: the merged values are the question's:
+    its logits within 1e-4 of kvpress's, and KeyDiffPress alone (no merge) moves them by far more."""
     plan(request)
     model, ctx, question, ref = tiny_run
     want = ref[f"{press}@{ratio}"]
     assert "error" not in want, want
     assert all(len(h) == int(N_CTX * (1 - ratio)) for layer in want["kept"] for h in layer)
-    kept, answer = ours(model, press, ratio, ctx, question)
+    kept, answer, *logits = ours(model, press, ratio, ctx, question, logits=press == "MergingPress")
+    if logits:
+        err = np.abs(logits[0] - want["logits"]).max()
+        assert err < 1e-4, err
+        unmerged = ours(model, "KeyDiffPress", ratio, ctx, question, logits=True)[2]
+        assert np.abs(unmerged - want["logits"]).max() > 100 * err
     for i, (g, w) in enumerate(zip([h for layer in kept for h in layer], [h for layer in want["kept"] for h in layer])):
         assert g == w, (press, ratio, divmod(i, model.cfg.n_kv_heads), sorted(set(g) ^ set(w))[:10])
     assert answer == want["answer"]
