@@ -89,7 +89,7 @@ from kvpolicies.lagkv import LagKV
 from kvpolicies.merging import Merging
 from kvpolicies.observed import Observed
 from kvpolicies.prompt import PromptPhase, PromptState
-from kvpolicies.prompt_scored import PromptScored, rank_by
+from kvpolicies.prompt_scored import PromptScored, chunked, rank_by
 from kvpolicies.pyramidkv import PyramidKV, PyramidLayer  # noqa: F401  (PyramidLayer: re-exported, it lived here)
 from kvpolicies.random_keep import RandomKeep
 from kvpolicies.scored import pack, top_mask
@@ -235,7 +235,54 @@ class Blocked(Wrapped):
 
 
 @dataclasses.dataclass(frozen=True)
-class ChunkKV(Wrapped):
+class Delegating(Wrapped):
+    """A kvpress wrapper whose inner `press` ranks the whole prompt (not a subset): it may also keep
+    statistics for its stream rule (snapkv's observation mass, expected's query sums), which this
+    wrapper keeps and updates as `press` does; its prompt phase is `press`'s (snapkv's rows)."""
+
+    takes = (Knorm, KeyDiff, LagKV, RandomKeep, SnapKV, Expected)
+
+    @property
+    def accumulates(self):
+        return self.press.accumulates
+
+    def init(self, batch, kv_heads, head_dim, dtype, max_len):
+        slots = super().init(batch, kv_heads, head_dim, dtype, max_len)  # `accumulates`: with the mass
+        shapes = jax.eval_shape(lambda: self.press.split(self.press.init(batch, kv_heads, head_dim, dtype, 1))[1])
+        return self.join(slots, jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes))
+
+    @chunked  # the inner presses' observe all take a step's T queries (`chunked`)
+    def observe(self, slots, stats, view, seen, count, s):
+        return self.press.observe(slots, stats, view, seen, count, s)
+
+    def restart(self, slots, over):
+        return self.press.restart(slots, over)
+
+    def split(self, state):
+        return self.press.split(state)
+
+    def join(self, slots, stats):
+        return self.press.join(slots, stats)
+
+    def from_prompt(self, state, pos):
+        return self.press.from_prompt(state, pos)
+
+    def prompt_policy(self):
+        return dataclasses.replace(self.press.prompt_policy(), of=self)
+
+    def kvpress_scores(self, state: PromptState, prio: Array) -> Array:
+        """`press`'s prompt priorities [B, K, M] in the units of kvpress's `press.score` where they differ
+        by a factor: snapkv sums the window's rows over the G query heads and the kernel, kvpress averages
+        (G read from the rows: each filled row of a kv head sums to G)."""
+        if type(self.press) is not SnapKV:
+            return prio
+        g = state.rows[:, :1].sum(axis=-1).max(axis=-1)[:, :, None]  # [B, 1, 1]: G (a full row sums to G)
+        kernel = self.press.kernel if self.press.pooling == "avg" else 1
+        return prio / (g * self.press.obs_window * kernel)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkKV(Delegating):
     """kvpress's `ChunkKVPress(press, chunk_length)` (Liu et al. 2025, "ChunkKV: Semantic-Preserving KV
     Cache Compression for Efficient Long-Context LLM Inference", arXiv:2502.00299): `press` scores the
     whole prompt, each chunk of `chunk_length` tokens from position 0 (the last one shorter) is scored
@@ -269,9 +316,7 @@ class ChunkKV(Wrapped):
         pos, c = slots.pos, self.chunk_length
         filled = pos >= 0
         prio, tie = self.press.prompt_rank(state, slots, keys, stats)  # [B, K, M]
-        finite = filled & jnp.isfinite(prio)
-        top = jnp.max(jnp.where(finite, prio, -jnp.inf), axis=(1, 2), keepdims=True)  # [B, 1, 1]
-        score = jnp.where(filled, jnp.where(finite, prio, top + 1), 0.0).sum(axis=1)  # [B, M]: kvpress's max + 1
+        score = self.head_sums(state, prio, filled)  # [B, M]
         n = filled[:, 0].sum(axis=-1)  # [B] prompt tokens
         m = score.shape[-1]
         n_c = -(-m // c)  # static: chunks of the prompt phase's slots
@@ -284,6 +329,14 @@ class ChunkKV(Wrapped):
         n_kept = jnp.maximum(1, jnp.floor(n * (1 - self.ratio))).astype(jnp.int32)[:, None, None]
         alone = top_mask(prio, tie, n_kept) & filled  # [B, K, M]: `press` itself
         return jnp.where((n < c)[:, None, None], alone, whole)
+
+    def head_sums(self, state: PromptState, prio: Array, filled: Array) -> Array:
+        """[B, M]: kvpress's `press.score` summed over kv heads, tokens it always keeps (+inf here) at
+        its max + 1 (the largest finite score of the layer, batch row 0's in kvpress, each row's here)."""
+        prio = self.kvpress_scores(state, prio)
+        finite = filled & jnp.isfinite(prio)
+        top = jnp.max(jnp.where(finite, prio, -jnp.inf), axis=(1, 2), keepdims=True)  # [B, 1, 1]
+        return jnp.where(filled, jnp.where(finite, prio, top + 1), 0.0).sum(axis=1)  # [B, M]
 
     def after_prompt(self, state: PromptState, table=None):
         s = self.capacity(state.slots)
@@ -320,9 +373,7 @@ class EntropyChunkKV(ChunkKV):
         pos, c, eps = slots.pos, self.chunk_length, 1e-8  # kvpress's EPSILON
         filled = pos >= 0
         prio, _ = self.press.prompt_rank(state, slots, keys, stats)  # [B, K, M]
-        finite = filled & jnp.isfinite(prio)
-        top = jnp.max(jnp.where(finite, prio, -jnp.inf), axis=(1, 2), keepdims=True)  # [B, 1, 1]
-        score = jnp.where(filled, jnp.where(finite, prio, top + 1), 0.0).sum(axis=1)  # [B, M]: kvpress's max + 1
+        score = self.head_sums(state, prio, filled)  # [B, M]
         n = filled[:, 0].sum(axis=-1)  # [B] prompt tokens
         m = score.shape[-1]
         n_c = -(-m // c)  # static
@@ -362,7 +413,7 @@ class EntropyChunkKV(ChunkKV):
 
 
 @dataclasses.dataclass(frozen=True)
-class Rerotated(Wrapped):
+class Rerotated(Delegating):
     """kvpress's `KeyRerotationPress(press)`: `press`'s choice after the prompt, then RoPE sees the kept keys
     at their ranks 0..m-1 in the head's cache and the question and answer from m on (kvpress re-rotates the
     cached keys, and its pipeline continues at the compressed length m; the same in every head, each keeps
@@ -458,9 +509,9 @@ INNER = {"MergingPress": ("KnormPress", "KeyDiffPress", "LagKVPress", "RandomPre
                                       "ObservedAttentionPress", "TOVAPress", "StreamingLLMPress", "RandomPress"),
          "ChunkPress": ("KnormPress", "KeyDiffPress", "LagKVPress", "RandomPress"),
          "BlockPress": ("KnormPress", "KeyDiffPress", "RandomPress"),
-         "ChunkKVPress": ("KnormPress", "KeyDiffPress", "LagKVPress", "RandomPress"),
-         "KeyRerotationPress": ("KnormPress", "KeyDiffPress", "LagKVPress", "RandomPress"),
-         "EntropyGatedChunkKVPress": ("KnormPress", "KeyDiffPress", "LagKVPress", "RandomPress")}
+         "ChunkKVPress": ("KnormPress", "KeyDiffPress", "LagKVPress", "RandomPress", "SnapKVPress", "ExpectedAttentionPress"),
+         "KeyRerotationPress": ("KnormPress", "KeyDiffPress", "LagKVPress", "RandomPress", "SnapKVPress", "ExpectedAttentionPress"),
+         "EntropyGatedChunkKVPress": ("KnormPress", "KeyDiffPress", "LagKVPress", "RandomPress", "SnapKVPress", "ExpectedAttentionPress")}
 
 
 def press_of(policy: Policy) -> tuple[str, dict]:
