@@ -27,17 +27,18 @@ import jax
 import numpy as np
 
 import kvpolicies
-from kvpolicies.compat import PRESSES, kvpress
+from kvpolicies.compat import PRESSES, WRAPPERS, kvpress
 from models.engine import Engine
 from models.reconstruct import RepeatPrompts
 
 QUESTION_CHUNK = 4  # as evals.peer feeds a question into a compressed state
 # PerLayerCompressionPress needs per-layer ratios; KeyDiff, LagKV and Random decode as KnormPress (the same
 # PromptScored state, appended alike): timing them again adds nothing; the wrappers (Chunk, Block, Composed)
-# decode as the press they wrap
-DEFAULT_PRESSES = [p for p in PRESSES if p not in ("DuoAttentionPress", "PyramidKVPress", "PerLayerCompressionPress",
-                                                   "KeyDiffPress", "LagKVPress", "RandomPress", "ChunkPress",
-                                                   "BlockPress", "ComposedPress")]
+# decode as the press they wrap (AdaKVPress, over SnapKVPress by default, has its own head pool); CUR and the
+# Compactor family decode as a PromptScored state too; FinchPress needs the question's length (window_size)
+DEFAULT_PRESSES = [p for p in PRESSES if (p not in WRAPPERS or p == "AdaKVPress") and p not in (
+    "DuoAttentionPress", "PyramidKVPress", "KeyDiffPress", "LagKVPress", "RandomPress", "ComposedPress", "FinchPress",
+    "CURPress", "NonCausalAttnPress", "LeverageScorePress", "CompactorPress")]
 
 
 def best_of(fn, repeats: int) -> float:
