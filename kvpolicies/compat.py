@@ -37,9 +37,18 @@ sized by their `ratio` field (`PromptScored.kept_for`), with kvpress's defaults:
     KeyDiffPress            keydiff (-cos of the key after RoPE with the head's mean unit key)
     LagKVPress              lagkv (n_sink 4, lag_size 128, cross_scoring False)
     RandomPress             random with kvpress's counts and our draw (torch's cannot be reproduced)
+    FinchPress              finch: window_size = the question's tokens, which end the prompt (kvpress: a
+                            delimiter token), the question's attention rows weighted by position, keys
+                            re-rotated to their ranks
+    CURPress                cur (num_sinks 4, kv_product leverage over local windows of 16)
+    CompactorPress          compactor (leverage of sketched keys + non-causal chunked attention, sinks 8 + 4);
+    NonCausalAttnPress,     its attention alone and its leverage alone (no sinks); the sketch is our draw
+    LeverageScorePress      (kvpolicies.compactor.sketch), torch's cannot be reproduced
 
     Wrappers (`press=` the inner press: a class name, its fields among `fields`, or a kvpress(...) result):
     PerLayerCompressionPress  one inner policy per layer at `compression_ratios[i]`
+    MergingPress            `Merging`: evicted values folded into the most similar kept token (knorm,
+                            keydiff, lagkv, random, cur; kvpolicies.merging)
     ChunkPress              `Chunked`: chunks of chunk_length (1024) scored apart (knorm, keydiff, lagkv, random)
     BlockPress              `Blocked`: KeyDiff's block-wise eviction, blocks of block_size (128) (knorm, keydiff, random)
     ComposedPress           `Composed`: `presses=` applied in turn (later ones: knorm, keydiff, random)
