@@ -164,6 +164,9 @@ class Compactor(PromptScored):
             return float(self.blending)
         return self.ratio if self.ratio else 0.35
 
+    def shape_class(self, slots):
+        return dataclasses.replace(super().shape_class(slots), blending=self.weight)  # the ratio's blending, kept
+
     def prompt_policy(self):
         return QueryPhase(codec=self.codec, of=self, obs_window=0)
 

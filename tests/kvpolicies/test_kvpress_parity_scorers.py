@@ -252,3 +252,11 @@ def test_sketched_presses_keep_kvpress_counts_and_our_draw(tiny_run, press, rati
         for h in range(kh):
             best = sorted(sorted(range(N_CTX), key=lambda j: (-sc[h, j], -j))[:n_kept])
             assert kept[layer][h] == best, (press, ratio, layer, h, sorted(set(best) ^ set(kept[layer][h]))[:10])
+
+
+def test_compactor_shape_class_keeps_the_ratio_s_blending():
+    """A shape class drops the ratio (its counts come as data); CompactorPress's blending defaults to the
+    ratio, so the shape class pins it (0.35 would be kvpress's fallback without a ratio)."""
+    pol = kvpress("CompactorPress", 0.75)
+    assert pol.weight == 0.75 and pol.shape_class(128).weight == 0.75 and pol.shape_class(128).ratio == 0
+    assert kvpress("CompactorPress", 0.75, blending=0.2).shape_class(128).weight == 0.2
