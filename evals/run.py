@@ -250,7 +250,12 @@ def start_distributed(argv: list[str]) -> None:
         raise ConfigError(f"distributed={given[-1]}: under hydra/launcher={shards.launcher_of(argv)} each job is one "
                           "process; run a model over several processes with one evals.run per process")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(**args[0])
+    try:
+        jax.distributed.initialize(**args[0])
+    except (ValueError, RuntimeError) as e:  # no cluster found (auto), a coordinator never reached
+        hint = " (auto: no cluster found in the environment; name it with I/N@HOST:PORT)" if not args[0] else ""
+        raise ConfigError(f"distributed={given[-1]}: jax.distributed.initialize failed: "
+                          f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}{hint}") from None
 
 
 def _run(conf: dict[str, Any], policy: kvpolicies.Policy, key: str, sizing: dict[str, Any] | None = None,
