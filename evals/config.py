@@ -744,7 +744,8 @@ def distributed_args(value: Any) -> dict[str, Any] | None:
         return {}
     m = re.fullmatch(r"(\d+)/(\d+)@(\S+):(\d+)", text)
     if m is None or not int(m[1]) < int(m[2]):
-        raise ConfigError(f"distributed={value}: must be {DISTRIBUTED}, with 0 <= I < N (e.g. distributed=0/2@host0:1234)")
+        raise ConfigError(f"distributed={value}: must be {DISTRIBUTED}, with 0 <= I < N (e.g. "
+                          "distributed=0/2@host0:1234)")
     return {"coordinator_address": f"{m[3]}:{m[4]}", "num_processes": int(m[2]), "process_id": int(m[1])}
 
 

@@ -10,12 +10,12 @@ folder of the driver (evals.compiles; on a cluster, a folder every node can read
 writes its rows to its own shard of the results file (`evals.shards`: no lock, so a network
 filesystem serves); when every job is done the driver merges the shards into the results file.
 
-What survives: a job whose key the results file or any shard already holds is not sent again
-(a rerun resumes; `force=true` sends every job, and the merge keeps each key's newest row); an actor that dies (a killed process, a lost node) is restarted and its job
-retried (`max_restarts`, `max_task_retries`), and the retried job first looks for its key in the
-shards, so a worker that died after writing its row and before reporting is not run twice; a
-half-written row is never merged. Ray is imported only here: the default executor (in-process)
-never imports it.
+What survives: a job whose key the results file or any shard already holds is not sent again (a
+rerun resumes; `force=true` sends every job, and the merge keeps each key's newest row); an actor
+that dies (a killed process, a lost node) is restarted and its job retried (`max_restarts`,
+`max_task_retries`), and the retried job first looks for its key in the shards, so a worker that
+died after writing its row and before reporting is not run twice; a half-written row is never
+merged. Ray is imported only here: the default executor (in-process) never imports it.
 """
 
 from __future__ import annotations

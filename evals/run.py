@@ -26,8 +26,9 @@ failed, with NaN metrics, is redone); two processes on one key and file run it o
 (`evals.results`). `distributed=auto` (or I/N@HOST:PORT) runs one model over several processes, one
 evals.run each: the command calls `jax.distributed.initialize` before anything else, `mesh=` spans
 every process's devices, process 0 decides whether a run is already done and writes the rows, the
-others compute with it (`start_distributed`, docs/guide/scale.md). Ctrl-C ends the command with one line (`interrupt_as_line`). Hydra's own output
-(logs, the composed config) goes to `outputs/` (git-ignored); the job does not change directory.
+others compute with it (`start_distributed`, docs/guide/scale.md). Ctrl-C ends the command with one
+line (`interrupt_as_line`). Hydra's own output (logs, the composed config) goes to `outputs/`
+(git-ignored); the job does not change directory.
 """
 
 from __future__ import annotations

@@ -118,7 +118,8 @@ class Merged:
 
     def line(self, results: str | os.PathLike) -> str:
         return (f"merged {self.shards} shard(s) into {results}: {self.added} row(s) added, {self.present} already "
-                f"there" + (f", {self.duplicates} older or duplicate row(s) of a key left out" if self.duplicates else ""))
+                f"there" + (f", {self.duplicates} older or duplicate row(s) of a key left out" if self.duplicates
+                            else ""))
 
 
 def _copy_array(src: Path, dst: Path) -> None:
