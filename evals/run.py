@@ -254,7 +254,8 @@ def start_distributed(argv: list[str]) -> None:
     try:
         jax.distributed.initialize(**args[0])
     except (ValueError, RuntimeError) as e:  # no cluster found (auto), a coordinator never reached
-        hint = " (auto: no cluster found in the environment; name it with I/N@HOST:PORT)" if not args[0] else ""
+        hint = " (auto: no cluster found in the environment; name it with I/N@HOST:PORT)" \
+            if not args[0] and isinstance(e, ValueError) else ""
         raise ConfigError(f"distributed={given[-1]}: jax.distributed.initialize failed: "
                           f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}{hint}") from None
 
