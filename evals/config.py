@@ -102,6 +102,7 @@ class RunConfig:
     progress: bool = True
     force: bool = False
     mesh: Any = None  # [data, model]: run the engines sharded on that many devices (models/sharding.py)
+    distributed: str = "off"  # off | auto | I/N@HOST:PORT: one model over N processes (jax.distributed; evals.run)
     fit: int = 0  # n >= 1: store each prompt's layers at what they kept (kvzap's threshold), n tokens per head
 
 
@@ -584,6 +585,7 @@ def validate(cfg: DictConfig | dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"data.path={conf['data']['spec']}: {what}")
     if conf["codec"] not in kvpolicies.CODECS:
         raise ConfigError(f"codec={conf['codec']!r}: must be one of {sorted(kvpolicies.CODECS)}")
+    check_distributed(conf.get("distributed", "off"))
     check_mesh(conf.get("mesh"))
     if overrides is not None and conf["policy"].get("name") in kvpolicies.POLICIES:
         conf["_explicit"] = overridden_fields(conf["policy"]["name"], overrides)
@@ -626,7 +628,7 @@ def memory_limit() -> tuple[int, str]:
     this machine's physical RAM)."""
     import jax
 
-    d = jax.devices()[0]
+    d = jax.local_devices()[0]  # (distributed=: this process's device)
     stats = d.memory_stats() if d.platform != "cpu" else None
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"]), f"the {d.device_kind}'s memory"
@@ -729,6 +731,45 @@ def check_mesh(mesh: Any) -> None:
         make_mesh(*mesh)
     except ValueError as e:
         raise ConfigError(f"mesh={_list(mesh)}: {e}") from None
+
+
+DISTRIBUTED = "off | auto | I/N@HOST:PORT (process I of N, the coordinator at HOST:PORT)"
+
+
+def distributed_args(value: Any) -> dict[str, Any] | None:
+    """`distributed`'s arguments of `jax.distributed.initialize`: None for off (one process), {} for
+    auto (JAX finds the cluster: SLURM's srun, Open MPI's mpirun, a TPU pod, Kubernetes; the coordinator
+    from $JAX_COORDINATOR_ADDRESS where set), and coordinator_address, num_processes, process_id for
+    I/N@HOST:PORT. ConfigError for anything else."""
+    import re
+
+    text = str(value).strip()
+    if text.lower() in ("off", "none", "false"):
+        return None
+    if text.lower() == "auto":
+        return {}
+    m = re.fullmatch(r"(\d+)/(\d+)@(\S+):(\d+)", text)
+    if m is None or not int(m[1]) < int(m[2]):
+        raise ConfigError(f"distributed={value}: must be {DISTRIBUTED}, with 0 <= I < N (e.g. "
+                          "distributed=0/2@host0:1234)")
+    return {"coordinator_address": f"{m[3]}:{m[4]}", "num_processes": int(m[2]), "process_id": int(m[1])}
+
+
+def check_distributed(value: Any) -> None:
+    """`distributed` parses (`distributed_args`), and when it is not off, jax.distributed was started by
+    the command (evals.run starts it before anything else; other commands do not), with the number of
+    processes it names. ConfigError otherwise."""
+    args = distributed_args(value)
+    if args is None:
+        return
+    import jax
+
+    if not jax.distributed.is_initialized():
+        raise ConfigError(f"distributed={value}: only `python -m evals.run` starts jax.distributed (one command per "
+                          "process, docs/guide/scale.md); this command runs in one process")
+    if "num_processes" in args and jax.process_count() != args["num_processes"]:
+        raise ConfigError(f"distributed={value}: {args['num_processes']} processes named, {jax.process_count()} "
+                          "joined")
 
 
 def policy_name(policy: kvpolicies.Policy) -> str:

@@ -29,6 +29,8 @@ Keys (key=value):
                             column; `bash scripts/setup.sh test`)
     gen=<task's>            greedy tokens (default: RULER's tokens_to_generate per task)
     seed=0  chunk=512  compile_cache=<out>/.jax-cache  progress=true   as in evals.peer
+    executor=ray            each task's presses on Ray actors (`evals.peer executor=ray`; ray.address=,
+                            ray.workers=; the `scale` extra)
     shard=0/1               run the tasks i, i + n, ... of the grid only (lock-free: every task has its
                             own files); table_only=true then builds the tables from all shards' files
     out=results/leaderboard table_only=false
@@ -57,11 +59,13 @@ from evals import peer
 from evals.config import ConfigError
 
 KEYS = ("model", "model_path", "dtype", "tokens", "samples", "tasks", "presses", "ratios", "query_aware", "kvpress",
-        "gen", "seed", "chunk", "compile_cache", "progress", "shard", "out", "table_only", "qa_dir")
+        "gen", "seed", "chunk", "compile_cache", "progress", "shard", "out", "table_only", "qa_dir", "executor",
+        "ray.address", "ray.workers")
 # kvpress's evaluation/leaderboard.sh: the presses it also runs with --query_aware
 QUERY_AWARE = ("SnapKVPress", "AdaKVPress", "FinchPress", "ChunkKVPress")
 QA_FILES = {"qa_1": "squad.json", "qa_2": "hotpotqa.json"}  # RULER's scripts/data/synthetic/json/ names
-PASS_THROUGH = ("model_path", "dtype", "samples", "gen", "seed", "chunk", "compile_cache", "progress")
+PASS_THROUGH = ("model_path", "dtype", "samples", "gen", "seed", "chunk", "compile_cache", "progress", "executor",
+                "ray.address", "ray.workers")
 
 
 def default_presses() -> list[str]:

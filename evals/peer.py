@@ -46,6 +46,10 @@ Keys (key=value):
     kvpress=true                  false: our side alone (kvpress's columns left empty; no kvpress needed,
                                   but for model=tiny, whose checkpoint its worker builds)
     progress=true
+    executor=ray                  our side's items on Ray actors, a press's items per task, each actor's
+                                  lines in its own shard of .ours.jsonl (evals.peer_grid); default
+                                  executor=local: in this process, Ray not imported
+    ray.address=local|auto|<host:port>  ray.workers=2    as evals.compare's (docs/guide/scale.md)
 
 Protocol (kvpress's pipeline, query-agnostic): each RULER prompt is split where its question starts;
 the context is prefilled and compressed once, then the question is appended at the following
@@ -103,6 +107,7 @@ DEFAULT_RATIOS = (0.25, 0.5, 0.75, 0.875)  # kvpress's leaderboard's ratios
 # the tiny random Llama of model=tiny (the parity tests' shape, SmolLM2's vocabulary)
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
 SIDES = ("kvpress", "ours")
+OWN_KEYS += ("executor", "ray.address", "ray.workers")  # evals.peer_grid: our side on Ray actors
 
 
 # -- the command line -------------------------------------------------------------------------------
@@ -137,6 +142,12 @@ class Plan:
     questions: list[np.ndarray] = dataclasses.field(default_factory=list)
     refs: list[tuple[str, ...]] = dataclasses.field(default_factory=list)
     argv: list[str] = dataclasses.field(default_factory=list)
+    ray: Any = None  # executor=ray's options (evals.ray_grid.RayOptions, from argv), else None: ours in this process
+
+    def __post_init__(self):
+        from evals.peer_grid import options
+
+        self.ray = options(self.argv)
 
     def path(self, suffix: str) -> pathlib.Path:
         return self.out / f"{self.stem}{suffix}"
@@ -384,9 +395,12 @@ def read_lines(path: pathlib.Path) -> list[dict[str, Any]]:
 
 
 def saved(p: Plan, side: str) -> dict[tuple[int, str, float], dict[str, Any]]:
-    """{(sample index, press, ratio): line} of this configuration in a side file."""
+    """{(sample index, press, ratio): line} of this configuration in a side file and its shards
+    (executor=ray's, `evals.peer_grid.lines`)."""
+    from evals.peer_grid import lines
+
     ids = {p.sample_id(i): i for i in range(p.samples)}
-    return {(ids[x["sample"]], x["press"], float(x["ratio"])): x for x in read_lines(p.path(f".{side}.jsonl"))
+    return {(ids[x["sample"]], x["press"], float(x["ratio"])): x for x in lines(p.path(f".{side}.jsonl"))
             if x["sample"] in ids}
 
 
@@ -931,7 +945,11 @@ def run(p: Plan, model=None) -> list[dict[str, Any]]:
             bars["kvpress"].n = _count(p, "kvpress")
             bars["kvpress"].refresh()
 
-        if todo["ours"]:
+        if todo["ours"] and p.ray is not None:  # on Ray actors, a shard each, merged at the end
+            from evals.peer_grid import run_ours as on_ray
+
+            on_ray(p, todo["ours"], tick, say=tqdm.write)
+        elif todo["ours"]:
             if model is None:
                 model, _ = load_ours(p)
             run_ours(p, model, todo["ours"], tick)

@@ -10,12 +10,12 @@ folder of the driver (evals.compiles; on a cluster, a folder every node can read
 writes its rows to its own shard of the results file (`evals.shards`: no lock, so a network
 filesystem serves); when every job is done the driver merges the shards into the results file.
 
-What survives: a job whose key the results file or any shard already holds is not sent again
-(a rerun resumes); an actor that dies (a killed process, a lost node) is restarted and its job
-retried (`max_restarts`, `max_task_retries`), and the retried job first looks for its key in the
-shards, so a worker that died after writing its row and before reporting is not run twice; a
-half-written row is never merged. Ray is imported only here: the default executor (in-process)
-never imports it.
+What survives: a job whose key the results file or any shard already holds is not sent again (a
+rerun resumes; `force=true` sends every job, and the merge keeps each key's newest row); an actor
+that dies (a killed process, a lost node) is restarted and its job retried (`max_restarts`,
+`max_task_retries`), and the retried job first looks for its key in the shards, so a worker that
+died after writing its row and before reporting is not run twice; a half-written row is never
+merged. Ray is imported only here: the default executor (in-process) never imports it.
 """
 
 from __future__ import annotations
@@ -113,8 +113,8 @@ def run(confs: Sequence[dict[str, Any]], results: str | os.PathLike, options: Ra
 
     results = Path(results).resolve()
     confs = [{**c, "results": str(results), "progress": False} for c in confs]
-    done = shards.done_keys(results)
-    todo = [c for c in confs if evrun.run_key(c, resolve_policy(c)[0]) not in done]
+    done = shards.done_keys(results)  # force=true: every job again (the merge keeps a key's newest row)
+    todo = [c for c in confs if c.get("force") or evrun.run_key(c, resolve_policy(c)[0]) not in done]
     if len(todo) < len(confs):
         say(f"[ray] {len(confs) - len(todo)} of {len(confs)} jobs already in {results} or its shards: skipped")
     started = connect(options) if todo else False

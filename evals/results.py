@@ -471,7 +471,7 @@ def peak_device_bytes() -> int | None:
     """Peak memory in use on the first device since the process started (None on CPU)."""
     import jax
 
-    stats = jax.devices()[0].memory_stats()
+    stats = jax.local_devices()[0].memory_stats()  # (a process of a distributed run: its own)
     return None if not stats else stats.get("peak_bytes_in_use")
 
 

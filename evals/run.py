@@ -23,8 +23,12 @@ obviously cannot fit in memory and an unwritable results location (`evals.config
 vocabulary. A run expected to take over a minute prints an estimate first (`estimate`). A run whose
 config key is already in the results file is skipped (`force=true` redoes it; a row recorded as
 failed, with NaN metrics, is redone); two processes on one key and file run it once
-(`evals.results`). Ctrl-C ends the command with one line (`interrupt_as_line`). Hydra's own output
-(logs, the composed config) goes to `outputs/` (git-ignored); the job does not change directory.
+(`evals.results`). `distributed=auto` (or I/N@HOST:PORT) runs one model over several processes, one
+evals.run each: the command calls `jax.distributed.initialize` before anything else, `mesh=` spans
+every process's devices, process 0 decides whether a run is already done and writes the rows, the
+others compute with it (`start_distributed`, docs/guide/scale.md). Ctrl-C ends the command with one
+line (`interrupt_as_line`). Hydra's own output (logs, the composed config) goes to `outputs/`
+(git-ignored); the job does not change directory.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ LATER_FIELDS = {"ratio": 0.0, "pooling": "max", "safeguard_window": False, "inte
 POLICY_LATER_FIELDS = {"kvzip": {"scope": "layer", "keep_last": True, "prompts": "authors"}, "duo": {"appended": 0},
                        "kvzap": {"prefill": "dense"}}
 # Top-level keys that say how to run, not what: left out of the row's "config".
-NOT_IN_ROW = ("results", "progress", "force")
+NOT_IN_ROW = ("results", "progress", "force", "distributed")
 
 
 # -- one run --------------------------------------------------------------------------------------
@@ -200,18 +204,64 @@ def run_config(conf: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     key = run_key(conf, policy)
     results = conf["results"]
     wait = lambda: say(f"[evals.run] waiting: another process is running key {key} on {results}")  # noqa: E731
-    with R.key_lock(results, key, on_wait=wait):
+    lead = jax.process_index() == 0  # distributed=: process 0 reads and writes the results, every process computes
+    with R.key_lock(results, key, on_wait=wait) if lead else contextlib.nullcontext():
         done = [r for r in R.read(results) if r.get("key") == key and R.finished(r)] \
-            if Path(results).is_file() else []
-        if done and not conf["force"]:
+            if lead and Path(results).is_file() else []
+        row = done[-1] if done and not conf["force"] else None
+        if jax.process_count() > 1:  # every process runs or skips as process 0 decided
+            row = broadcast_json(row)
+        if row is not None:
             say(f"[evals.run] skip {key}: already in {results} (force=true redoes it)")
-            return done[-1], False
+            return row, False
         with jax.default_matmul_precision(MATMUL_PRECISION):
-            return _run(conf, policy, key, sizing), True
+            return _run(conf, policy, key, sizing, write=lead), True
 
 
-def _run(conf: dict[str, Any], policy: kvpolicies.Policy, key: str, sizing: dict[str, Any] | None = None
-         ) -> dict[str, Any]:
+def broadcast_json(obj: Any) -> Any:
+    """Process 0's `obj` (JSON), in every process of a jax.distributed run (a collective: every process
+    calls it at the same point)."""
+    import json
+
+    from jax.experimental import multihost_utils
+
+    lead = jax.process_index() == 0
+    data = np.frombuffer(json.dumps(obj).encode(), np.uint8) if lead else np.zeros(0, np.uint8)
+    n = int(multihost_utils.broadcast_one_to_all(np.int32(data.size)))
+    buf = data if lead else np.zeros(n, np.uint8)
+    return json.loads(np.asarray(multihost_utils.broadcast_one_to_all(buf)).astype(np.uint8).tobytes())
+
+
+def start_distributed(argv: list[str]) -> None:
+    """`distributed=` of the command line (evals.config.distributed_args): jax.distributed.initialize
+    before anything else touches JAX's devices (once; not under a Hydra launcher, whose jobs are one
+    process each: a ConfigError). CPU processes join through gloo collectives."""
+    from evals import shards
+    from evals.config import distributed_args
+
+    given = [a.split("=", 1)[1] for a in argv if a.split("=", 1)[0].lstrip("+~") == "distributed"]
+    values = {v for a in given for v in a.split(",")} if "-m" in argv or "--multirun" in argv else set(given[-1:])
+    args = [a for a in map(distributed_args, values) if a is not None]
+    if not args or jax.distributed.is_initialized():
+        return
+    if len(values) > 1:
+        raise ConfigError(f"distributed={','.join(sorted(values))}: one value for the whole command (its processes "
+                          "join once)")
+    if shards.launcher_of(argv) is not None:
+        raise ConfigError(f"distributed={given[-1]}: under hydra/launcher={shards.launcher_of(argv)} each job is one "
+                          "process; run a model over several processes with one evals.run per process")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(**args[0])
+    except (ValueError, RuntimeError) as e:  # no cluster found (auto), a coordinator never reached
+        hint = " (auto: no cluster found in the environment; name it with I/N@HOST:PORT)" \
+            if not args[0] and isinstance(e, ValueError) else ""
+        raise ConfigError(f"distributed={given[-1]}: jax.distributed.initialize failed: "
+                          f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}{hint}") from None
+
+
+def _run(conf: dict[str, Any], policy: kvpolicies.Policy, key: str, sizing: dict[str, Any] | None = None,
+         write: bool = True) -> dict[str, Any]:
     say = tqdm.write
     results = conf["results"]
     record = R.policy_record(policy)
@@ -271,7 +321,7 @@ def _run(conf: dict[str, Any], policy: kvpolicies.Policy, key: str, sizing: dict
     fitted = fit_summary([r for e in ctx.engines for r in e.fit_records], mc.n_kv_heads) if conf.get("fit") else None
     if fitted and memory and fitted["prompts"]:
         memory = {**memory, "fitted_bytes": fitted["stored_bytes_mean"]}
-    arrays = {name: R.save_array(results, key, name, a) for name, a in res.arrays.items()}
+    arrays = {name: R.save_array(results, key, name, a) for name, a in res.arrays.items()} if write else {}
     failed = failure(res.metrics)
     if failed:
         say(f"[evals.run] error: run {key} failed: {failed}; recorded with `failed` (a re-run redoes it)")
@@ -300,7 +350,8 @@ def _run(conf: dict[str, Any], policy: kvpolicies.Policy, key: str, sizing: dict
         "arrays": arrays,
         **({"failed": failed} if failed else {}),
     }
-    R.append(results, row)
+    if write:  # (not in processes 1.. of a distributed run: process 0 writes the row)
+        R.append(results, row)
     return R.json_safe(row)
 
 
@@ -320,7 +371,9 @@ def run_job(cfg: DictConfig) -> dict[str, Any]:
         else run_config(conf)
     if ran:
         tqdm.write(markdown([row]))
-        tqdm.write(f"[evals.run] appended to {shards.shard_path(conf['results']) if sharded else conf['results']}")
+        tqdm.write(f"[evals.run] appended to {shards.shard_path(conf['results']) if sharded else conf['results']}"
+                   if jax.process_index() == 0 else f"[evals.run] process {jax.process_index()} of a distributed run: "
+                   "process 0 appended the row")
     return row
 
 
@@ -503,6 +556,7 @@ def _main(argv: list[str] | None) -> list[dict[str, Any]]:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        start_distributed(argv)
         n_jobs, progress = preflight(argv)
     except ConfigError as e:
         print(f"evals.run: error: {e}", file=sys.stderr)

@@ -11,8 +11,12 @@ own shard, so no two writers ever share a file and no lock is taken:
 `merge(results)` builds the results file from the shards:
 - every complete row of every shard is appended once: a row already in the results file (the same
   contents, its arrays named by their content hash) is not appended again, so a merge is
-  idempotent, and a second successful row of a key already there (a task that Ray retried after
-  its worker wrote the row and died before it reported) is left out, so no key is duplicated;
+  idempotent;
+- of the successful rows of one key (in the results file and every shard) only the newest counts
+  (`newest`: the latest `time`, then the greatest content hash: the same choice whatever the
+  order the files are read in): it is appended unless the results file holds it already, and the
+  others are left out, so no key gains a second row unless a newer one was run (`force=true`,
+  below). Readers take a key's last row, so the appended newest row is the one they see;
 - a half-written line (a worker killed mid-row) is not JSON: it is skipped with a warning, never merged;
 - arrays are copied into `<results>.arrays/` under the same names (temp then rename) and the
   row's paths rewritten to them; a row never points at a missing array;
@@ -21,6 +25,9 @@ own shard, so no two writers ever share a file and no lock is taken:
 
 A re-run of a grid skips every key that any shard or the results file already holds (`done_keys`),
 so a killed worker's items are run again by the rerun (or by Ray's task retries) and no other.
+`force=true` in this mode redoes every job the worker is given, whatever the shards hold: its new row
+goes to the worker's shard, and the merge appends it as the key's newest row (the old rows stay
+above it, as `force=true` leaves them in one results file).
 `evals.results.read` reads a shards folder like a results file (every shard's rows), so tables
 and figures read shards or merged files alike.
 """
@@ -71,14 +78,13 @@ def done_keys(results: str | os.PathLike) -> set[str]:
 
 
 def find(results: str | os.PathLike, key: str) -> dict[str, Any] | None:
-    """The last successful row of `key` in the results file or its shards, or None. Called by workers
-    while others write: a shard's last line may be half-written for now (skipped without a warning;
-    the merge, after the grid, warns of a line a dead worker left)."""
+    """The newest successful row of `key` in the results file or its shards (`newest`), or None.
+    Called by workers while others write: a shard's last line may be half-written for now (skipped
+    without a warning; the merge, after the grid, warns of a line a dead worker left)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         rows = _rows(Path(results)) + [r for s in shard_files(results) for r in _rows(s)]
-    found = [r for r in rows if r.get("key") == key and R.finished(r)]
-    return found[-1] if found else None
+    return newest([r for r in rows if r.get("key") == key])
 
 
 def identity(row: dict[str, Any]) -> str:
@@ -88,9 +94,22 @@ def identity(row: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def _rank(row: dict[str, Any]) -> tuple[str, str]:
+    return str(row.get("time") or ""), identity(row)
+
+
+def newest(rows: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
+    """The newest of `rows`' successful rows: the latest `time` (UTC, ISO 8601), ties (and rows without
+    a time) to the greatest content hash (`identity`), so that every reader and every merge picks the
+    same row whatever the order of the files; None without a successful row."""
+    ok = [r for r in rows if R.finished(r)]
+    return max(ok, key=_rank) if ok else None
+
+
 @dataclass
 class Merged:
-    """What a merge did: rows appended, rows already there, duplicate keys left out, shards read."""
+    """What a merge did: rows appended, rows already there, older (or duplicate) successful rows of a
+    key left out, shards read."""
 
     added: int = 0
     present: int = 0
@@ -99,7 +118,8 @@ class Merged:
 
     def line(self, results: str | os.PathLike) -> str:
         return (f"merged {self.shards} shard(s) into {results}: {self.added} row(s) added, {self.present} already "
-                f"there" + (f", {self.duplicates} duplicate key(s) left out" if self.duplicates else ""))
+                f"there" + (f", {self.duplicates} older or duplicate row(s) of a key left out" if self.duplicates
+                            else ""))
 
 
 def _copy_array(src: Path, dst: Path) -> None:
@@ -127,29 +147,30 @@ def merge(results: str | os.PathLike, shards: Iterable[str | os.PathLike] | None
     paths = [Path(s) for s in shards] if shards is not None else shard_files(results)
     existing = _rows(results)
     seen = {identity(r) for r in existing}
-    done = {r.get("key") for r in existing if R.finished(r)}
+    read = [(shard, row) for shard in paths for row in _rows(shard)]
+    best: dict[Any, tuple[str, str]] = {}  # key -> rank of its newest successful row, anywhere
+    for row in existing + [row for _, row in read]:
+        if R.finished(row):
+            best[row["key"]] = max(best.get(row["key"], ("", "")), _rank(row))
     out = Merged(shards=len(paths))
     lines: list[bytes] = []
     arrays = R.array_dir(results)
-    for shard in paths:
-        for row in _rows(shard):
-            ident = identity(row)
-            if ident in seen:
-                out.present += 1
-                continue
-            if R.finished(row) and row.get("key") in done:
-                out.duplicates += 1
-                continue
-            moved = {}
-            for name, rel in (row.get("arrays") or {}).items():
-                _copy_array(shard.parent / rel, arrays / Path(rel).name)
-                moved[name] = f"{arrays.name}/{Path(rel).name}"
-            clean = {k: v for k, v in row.items() if k not in ("_file", "_line")} | {"arrays": moved}
-            lines.append((json.dumps(R.json_safe(clean), allow_nan=False, separators=(",", ":")) + "\n").encode())
-            seen.add(ident)
-            if R.finished(row):
-                done.add(row.get("key"))
-            out.added += 1
+    for shard, row in read:
+        ident = identity(row)
+        if ident in seen:
+            out.present += 1
+            continue
+        if R.finished(row) and best[row["key"]][1] != ident:  # an older row of the key (or a tie lost)
+            out.duplicates += 1
+            continue
+        moved = {}
+        for name, rel in (row.get("arrays") or {}).items():
+            _copy_array(shard.parent / rel, arrays / Path(rel).name)
+            moved[name] = f"{arrays.name}/{Path(rel).name}"
+        clean = {k: v for k, v in row.items() if k not in ("_file", "_line")} | {"arrays": moved}
+        lines.append((json.dumps(R.json_safe(clean), allow_nan=False, separators=(",", ":")) + "\n").encode())
+        seen.add(ident)
+        out.added += 1
     if lines:
         _replace(results, lines)
     return out
@@ -177,14 +198,10 @@ def _replace(results: Path, lines: list[bytes]) -> None:
 
 def run_in_shard(conf: dict[str, Any], key: str, run_config, worker: str | None = None) -> tuple[dict[str, Any], bool]:
     """`run_config` (evals.run's) in the sharded mode: a `key` that the results file or any shard holds
-    is skipped (its row returned, ran=False); else the run goes to this process's shard (no lock,
-    neither the key's nor the file's: a shard has one writer). Returns (row, ran)."""
-    from evals.config import ConfigError
-
-    if conf.get("force"):
-        raise ConfigError("force=true: the sharded mode keeps the first successful row of a key (a merge never "
-                          "duplicates one); redo a run in the single-file mode")
-    row = find(conf["results"], key)
+    is skipped (its newest row returned, ran=False) unless conf["force"]; else the run goes to this
+    process's shard (no lock, neither the key's nor the file's: a shard has one writer), a forced
+    run's row after any row of its key there (the merge takes the newest). Returns (row, ran)."""
+    row = None if conf.get("force") else find(conf["results"], key)
     if row is not None:
         return row, False
     return run_config({**conf, "results": str(shard_path(conf["results"], worker))})
@@ -213,25 +230,26 @@ def launched_elsewhere() -> bool:
 
 
 def check_sweep(confs: list[dict[str, Any]], launcher: str) -> None:
-    """ConfigError for what the sharded mode refuses: force=true (a merge keeps a key's first row)."""
+    """ConfigError for what a launcher's sweep refuses: `distributed` (a launcher's job is one process;
+    a model over several processes is one evals.run per process, docs/guide/scale.md)."""
     from evals.config import ConfigError
 
-    if any(c["force"] for c in confs):
-        raise ConfigError(f"force=true: under hydra/launcher={launcher} each job writes a shard and a merge keeps "
-                          "the first successful row of a key; redo runs without a launcher")
+    for c in confs:
+        if c.get("distributed", "off") != "off":
+            raise ConfigError(f"distributed={c['distributed']}: under hydra/launcher={launcher} each job is one "
+                              "process; run a model over several processes with one evals.run per process")
 
 
 def merge_sweep(confs: list[dict[str, Any]], keys: list[str], say=print) -> list[dict[str, Any]]:
     """After a launcher's sweep of `confs` (run keys `keys`): merge each results file's shards into it;
-    the row of every job (its last successful one, else its last), in the order of the jobs."""
+    the row of every job (its newest successful one, else its last), in the order of the jobs."""
     for res in dict.fromkeys(c["results"] for c in confs):
         say(f"[evals.run] {merge(res).line(res)}")
     rows = []
     for c, key in zip(confs, keys, strict=True):
         mine = [r for r in _rows(Path(c["results"])) if r.get("key") == key]
-        ok = [r for r in mine if R.finished(r)]
-        if ok or mine:
-            rows.append((ok or mine)[-1])
+        if mine:
+            rows.append(newest(mine) or mine[-1])
     return rows
 
 

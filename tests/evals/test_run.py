@@ -162,8 +162,8 @@ def test_budget_conflicts_and_unsized_policies():
     (["task=foo"], ["task=foo: no such task; choose one of: longgen, multikey, multiquery, multiturn, niah, passkey, perplexity, recall, ruler"]),
     (["window=abc"], ["window=abc: window must be int"]),
     (["progress=maybe"], ["progress=maybe: progress must be bool"]),
-    (["windw=5"], ["windw: unknown key (did you mean 'window'?); the config has keys: budget, chunk, codec, data, fit, force, "
-                   "mesh, model, n_sink"]),
+    (["windw=5"], ["windw: unknown key (did you mean 'window'?); the config has keys: budget, chunk, codec, data, distributed, fit, "
+                   "force, mesh, model, n_sink"]),
     (["mesh=[2]"], ["mesh=[2]: must be [data, model], two ints >= 1 (e.g. mesh=[2,4]), or null"]),
     (["mesh=[0,1]"], ["mesh=[0, 1]: must be [data, model], two ints >= 1"]),
     (["mesh=abc"], ["mesh=abc: must be [data, model]"]),

@@ -1,5 +1,7 @@
 """Issue 60: grids beyond one process. Shards of many writers merge into the results file with
-nothing lost or duplicated (a half-written line never merged, a merge idempotent); a Ray local
+nothing lost or duplicated (a half-written line never merged, a merge idempotent, a key's newest row
+kept whatever the order the shards are read in); force=true in the sharded mode redoes a job into
+its shard and the merge appends it as the key's newest row; a Ray local
 cluster of 2 workers runs an evals.compare grid whose merged rows equal the in-process grid's
 (metrics and arrays); a worker killed mid-grid (after a row, halfway through the next line, before
 reporting) leaves the grid complete after Ray's retry, and a rerun sends nothing; Hydra's joblib launcher runs a
@@ -8,6 +10,7 @@ Timings measured on the 2 shared cores: docs/guide/scale.md."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -51,11 +54,12 @@ def assert_same_rows(a, b):
 # -- shards, without Ray --------------------------------------------------------------------------
 
 
-def _row(key, value, tmp, worker, failed=None):
+def _row(key, value, tmp, worker, failed=None, second=1):
     shard = shards.shard_path(tmp / "r.jsonl", worker)
     rel = R.save_array(shard, key, "nll", np.full(3, value, np.float32))
-    R.append(shard, {"key": key, "task": "perplexity", "policy": "full", "metrics": {"ppl": value},
-                     "arrays": {"nll": rel}, **({"failed": failed} if failed else {})})
+    R.append(shard, {"key": key, "time": f"2026-12-05T20:00:{second:02d}+00:00", "task": "perplexity",
+                     "policy": "full", "metrics": {"ppl": value}, "arrays": {"nll": rel},
+                     **({"failed": failed} if failed else {})})
 
 
 def test_shards_merge_once_skip_half_lines_and_read_like_a_results_file(tmp_path):
@@ -63,7 +67,7 @@ def test_shards_merge_once_skip_half_lines_and_read_like_a_results_file(tmp_path
     _row("a", 1.0, tmp_path, "w1")
     _row("b", 2.0, tmp_path, "w2")
     _row("c", float("nan"), tmp_path, "w2", failed="metric(s) ppl not finite")  # failed: merged, not done
-    _row("a", 1.5, tmp_path, "w2")  # a second successful row of a done key (a retried job): left out
+    _row("a", 1.5, tmp_path, "w2", second=0)  # an older successful row of a done key: left out
     assert not R.lock_path(shards.shard_path(res, "w1")).exists()  # a shard takes no lock
     R.append(shards.shard_path(res, "w4"), {"key": "e"})  # a line holding only a key is not a finished run
     with open(shards.shard_path(res, "w3"), "wb") as f:  # a worker killed mid-row
@@ -83,6 +87,44 @@ def test_shards_merge_once_skip_half_lines_and_read_like_a_results_file(tmp_path
     assert (again.added, again.present) == (0, 4) and res.read_bytes() == before  # idempotent
     with pytest.warns(UserWarning, match="not valid JSON"):  # tables and figures read shards alike
         assert sorted(r["key"] for r in R.read(shards.shard_dir(res))) == ["a", "a", "b", "c", "e"]
+    _row("a", 1.75, tmp_path, "w5", second=2)  # a newer row (force=true): appended after the old one
+    with pytest.warns(UserWarning, match="not valid JSON"):
+        m = shards.merge(res)
+    assert (m.added, m.duplicates) == (1, 1)
+    assert [r["metrics"]["ppl"] for r in R.read(res) if r["key"] == "a"] == [1.0, 1.75]  # readers take the last
+    assert shards.find(res, "a")["metrics"]["ppl"] == 1.75  # (a worker's look-up: no warning)
+
+
+def test_rows_of_one_key_at_the_same_second_merge_the_same_whatever_the_order(tmp_path):
+    _row("k", 1.0, tmp_path, "w1")
+    _row("k", 2.0, tmp_path, "w2")
+    files = shards.shard_files(tmp_path / "r.jsonl")
+    merged = []
+    for order in (files, files[::-1]):
+        res = tmp_path / f"{len(merged)}" / "r.jsonl"
+        merged.append(shards.merge(res, order))
+        merged[-1] = (merged[-1].added, merged[-1].duplicates, [r["metrics"] for r in R.read(res)])
+    assert merged[0] == merged[1] and merged[0][:2] == (1, 1)
+    assert merged[0][2] == [shards.newest(R.read(files[0]) + R.read(files[1]))["metrics"]]
+
+
+def test_force_in_the_sharded_mode_redoes_the_job_and_the_merge_keeps_its_row(local_grid, tmp_path):
+    p, local, _ = local_grid
+    job = next(j for j in p.jobs if j.policy == "window")
+    res = tmp_path / "r.jsonl"
+    conf = {**job.conf, "results": str(res)}
+    evrun.run_config(conf)  # the single-file mode (its steps compiled by the grid above)
+    old = json.loads(res.read_text())  # the row, as if run long ago
+    res.write_text(json.dumps(old | {"time": "2000-01-01T00:00:00+00:00"}) + "\n")
+    assert shards.run_in_shard(conf, job.key, evrun.run_config)[1] is False  # done: skipped
+    again, ran = shards.run_in_shard({**conf, "force": True}, job.key, evrun.run_config)
+    assert ran and again["time"] > "2000-01-01T00:00:00+00:00"
+    assert [r["key"] for r in R.read(shards.shard_path(res))] == [job.key]  # into this process's shard
+    m = shards.merge(res)
+    rows = R.read(res)
+    assert (m.added, m.duplicates, len(rows)) == (1, 0, 2) and rows[-1]["time"] == again["time"]
+    assert shards.find(res, job.key)["time"] == again["time"] and shards.merge(res).added == 0
+    assert_same_rows({job.key: rows[-1]}, {job.key: local[job.key]})  # the same run, redone
 
 
 # -- Ray ----------------------------------------------------------------------------------------
@@ -184,8 +226,8 @@ def test_a_joblib_sweep_of_four_jobs_merges_into_one_results_file(tmp_path, text
     assert sorted((r["policy"]["window"], r["config"]["seed"]) for r in rows) == [(8, 0), (8, 1), (16, 0), (16, 1)]
     assert len(shards.shard_files(res)) == 2  # two joblib workers, a shard each
     assert "merged 2 shard(s) into" in proc.stdout + proc.stderr
-    with pytest.raises(SystemExit):  # a launcher's sweep refuses force=true (a merge keeps a key's first row)
-        evrun.main(argv + ["force=true"])  # (before Hydra launches anything)
+    with pytest.raises(SystemExit):  # a launcher's job is one process: distributed= is refused
+        evrun.main(argv + ["distributed=auto"])  # (before Hydra launches anything)
 
 
 @pytest.mark.parametrize("extra, says", [(["executor=foo"], "choose from"), (["ray.workers=2"], "give executor=ray"),
@@ -196,3 +238,29 @@ def test_bad_executor_keys_are_config_errors_before_any_job(extra, says, text_fi
 
     with pytest.raises(ConfigError, match=says):
         compare.plan(grid_args(text_file, tmp_path / "r.jsonl") + extra)
+
+
+# -- distributed= (the 2-process run: tests/evals/test_distributed_run.py) ----------------------------
+
+
+@pytest.mark.parametrize("value, says", [("bogus", "must be off | auto"), ("2/2@host0:1234", "0 <= I < N"),
+                                         ("auto", "only `python -m evals.run` starts")])
+def test_distributed_is_checked_before_anything_runs(value, says, text_file, tmp_path):
+    from evals.config import ConfigError, compose, validate
+
+    with pytest.raises(ConfigError, match=says):  # (evals.compare and evals.suite validate the same way)
+        validate(compose(["model=tiny_random", "data=path", f"data.path={text_file}", f"distributed={value}"]))
+
+
+def test_distributed_values_and_the_command_s_refusals(capsys):
+    from evals.config import distributed_args
+
+    assert distributed_args("off") is None and distributed_args("auto") == {}
+    assert distributed_args("1/4@host0:1234") == {"coordinator_address": "host0:1234", "num_processes": 4,
+                                                  "process_id": 1}
+    for argv, says in ((["-m", "distributed=0/2@a:1,1/2@a:1"], "one value for the whole command"),
+                       (["-m", "hydra/launcher=joblib", "distributed=auto"], "each job is one process"),
+                       (["distributed=auto"], "distributed=auto: jax.distributed.initialize failed: ")):
+        with pytest.raises(SystemExit):
+            evrun.main(argv)
+        assert says in capsys.readouterr().err
