@@ -43,16 +43,18 @@ N_CTX, N_Q, N_NEW = 320, 8, 6
 # (press, ratio, fields); the worker keys results by name@ratio, so each press runs at its own ratios.
 # ChunkKVPress at chunk_length 30: 10 full chunks and one of 20 tokens, which wins in some layers
 # (kvpress then keeps 140 or 150 tokens per layer and fails on the question); at 20 (the default),
-# 16 full chunks; over SnapKVPress (its window at kvpress's max + 1, our sums over G and the kernel in
+# 16 full chunks, over SnapKVPress (its window at kvpress's max + 1, our sums over G and the kernel in
 # kvpress's units)
-CASES = (("AdaKVPress", 0.5, {"press": "KeyDiffPress"}), ("AdaKVPress", 0.75, {"press": "KeyDiffPress"}),
-         ("AdaKVPress", 0.6, {"press": "ExpectedAttentionPress"}),
+# Each wrapper at two ratios in the suite (its time); KVP_KVPRESS_FULL=1 adds AdaKVPress(KeyDiffPress) at 0.75
+# and ChunkKVPress(KeyDiffPress) at 0.75 with chunks of 20
+CASES = (("AdaKVPress", 0.5, {"press": "KeyDiffPress"}), ("AdaKVPress", 0.6, {"press": "ExpectedAttentionPress"}),
          ("ChunkKVPress", 0.5, {"press": "KeyDiffPress", "chunk_length": 30}),
-         ("ChunkKVPress", 0.75, {"press": "KeyDiffPress"}),
          ("ChunkKVPress", 0.6, {"press": "SnapKVPress"}),  # kvpress's leaderboard row `chunkkv`
          ("KeyRerotationPress", 0.5, {"press": "KeyDiffPress"}), ("KeyRerotationPress", 0.75, {"press": "KeyDiffPress"}),
          ("EntropyGatedChunkKVPress", 0.5, {"press": "KeyDiffPress"}),
-         ("EntropyGatedChunkKVPress", 0.75, {"press": "KeyDiffPress", "chunk_length": 30}))
+         ("EntropyGatedChunkKVPress", 0.75, {"press": "KeyDiffPress", "chunk_length": 30})) + (
+    (("AdaKVPress", 0.75, {"press": "KeyDiffPress"}), ("ChunkKVPress", 0.75, {"press": "KeyDiffPress"}))
+    if os.environ.get("KVP_KVPRESS_FULL") else ())
 
 # kvpress's side: evals/kvpress_worker.py's model, prefill and greedy decoding; KeyRerotationPress re-rotates
 # the cached keys (they match no uncompressed key): its kept indices are the ones `rerotate_keys` receives,
