@@ -513,7 +513,7 @@ WRAPPERS = ("MergingPress", "AdaKVPress", "PerLayerCompressionPress", "ChunkPres
 # the inner presses a wrapper takes today, with their own fields (kvpress names)
 INNER = {"MergingPress": ("KnormPress", "KeyDiffPress", "LagKVPress", "RandomPress", "CURPress"),
          "AdaKVPress": ("SnapKVPress", "KnormPress", "KeyDiffPress", "LagKVPress", "RandomPress", "StreamingLLMPress",
-                        "ExpectedAttentionPress"),
+                        "ExpectedAttentionPress", "TOVAPress", "PyramidKVPress"),
          "PerLayerCompressionPress": ("SnapKVPress", "KnormPress", "KeyDiffPress", "LagKVPress", "ExpectedAttentionPress",
                                       "ObservedAttentionPress", "TOVAPress", "StreamingLLMPress", "RandomPress"),
          "ChunkPress": ("KnormPress", "KeyDiffPress", "LagKVPress", "RandomPress"),
@@ -747,6 +747,9 @@ def _scored(press: str, r: float, max_new: int, n_layers: int | None, fields: di
         local = fields.pop("local_window_size", 16) if fields.pop("use_local_approximation", True) else 0
         return CUR(ratio=r, max_new=max_new, n_sink=fields.pop("num_sinks", 4),
                    leverage=fields.pop("leverage_type", "kv_product"), local_window=local)
+    if press == "AdaKVPress" and fields["press"] == "PyramidKVPress":  # AdaKVPress reads only its score: SnapKV's
+        fields["press"] = "SnapKVPress"
+        fields.pop("beta", None)
     if press == "AdaKVPress" and fields["press"] != "SnapKVPress":  # kvpolicies.adascored: any other scorer
         inner, alpha = fields.pop("press"), fields.pop("alpha_safeguard", 0.2)
         inner = kvpress(inner, r, max_new=max_new, **{k: fields.pop(k) for k in list(fields)})

@@ -45,15 +45,17 @@ N_CTX, N_Q, N_NEW = 320, 8, 6
 # (kvpress then keeps 140 or 150 tokens per layer and fails on the question); at 20 (the default),
 # 16 full chunks, over SnapKVPress (its window at kvpress's max + 1, our sums over G and the kernel in
 # kvpress's units)
-# Each wrapper at two ratios in the suite (its time); KVP_KVPRESS_FULL=1 adds AdaKVPress(KeyDiffPress) at 0.75
-# and ChunkKVPress(KeyDiffPress) at 0.75 with chunks of 20
+# Each wrapper at two ratios in the suite (its time); KVP_KVPRESS_FULL=1 adds AdaKVPress(KeyDiffPress) at 0.75,
+# ChunkKVPress(KeyDiffPress) at 0.75 with chunks of 20, AdaKVPress over TOVAPress (one score shared by the
+# heads: each keeps n_kept) and over PyramidKVPress (AdaKVPress reads only its score, SnapKV's: our `adakv`)
 CASES = (("AdaKVPress", 0.5, {"press": "KeyDiffPress"}), ("AdaKVPress", 0.6, {"press": "ExpectedAttentionPress"}),
          ("ChunkKVPress", 0.5, {"press": "KeyDiffPress", "chunk_length": 30}),
          ("ChunkKVPress", 0.6, {"press": "SnapKVPress"}),  # kvpress's leaderboard row `chunkkv`
          ("KeyRerotationPress", 0.5, {"press": "KeyDiffPress"}), ("KeyRerotationPress", 0.75, {"press": "KeyDiffPress"}),
          ("EntropyGatedChunkKVPress", 0.5, {"press": "KeyDiffPress"}),
          ("EntropyGatedChunkKVPress", 0.75, {"press": "KeyDiffPress", "chunk_length": 30})) + (
-    (("AdaKVPress", 0.75, {"press": "KeyDiffPress"}), ("ChunkKVPress", 0.75, {"press": "KeyDiffPress"}))
+    (("AdaKVPress", 0.75, {"press": "KeyDiffPress"}), ("ChunkKVPress", 0.75, {"press": "KeyDiffPress"}),
+     ("AdaKVPress", 0.7, {"press": "TOVAPress"}), ("AdaKVPress", 0.65, {"press": "PyramidKVPress"}))
     if os.environ.get("KVP_KVPRESS_FULL") else ())
 
 # kvpress's side: evals/kvpress_worker.py's model, prefill and greedy decoding; KeyRerotationPress re-rotates
@@ -139,6 +141,7 @@ def test_wrapper_keeps_kvpress_positions_and_answers(tiny_run, press, ratio, fie
     n_kept = int(N_CTX * (1 - ratio))
     if press == "AdaKVPress":
         assert all(sum(map(len, layer)) == len(layer) * n_kept for layer in kept)
+    if press == "AdaKVPress" and fields["press"] in ("KeyDiffPress", "ExpectedAttentionPress"):
         assert any(len(h) != n_kept for layer in kept for h in layer)  # the heads' shares differ
         # a head need not keep its newest token: the pool's segments come from the stored counts
         assert any(max(h) < N_CTX - 1 for layer in kept for h in layer)
