@@ -53,11 +53,12 @@ sized by their `ratio` field (`PromptScored.kept_for`), with kvpress's defaults:
     BlockPress              `Blocked`: KeyDiff's block-wise eviction, blocks of block_size (128) (knorm, keydiff, random)
     ComposedPress           `Composed`: `presses=` applied in turn (later ones: knorm, keydiff, random)
     AdaKVPress              over any other scorer without per-slot statistics (knorm, keydiff, lagkv,
-                            random, StreamingLLM, expected): `kvpolicies.adascored.AdaScored`
+                            random, StreamingLLM, TOVA, expected): `kvpolicies.adascored.AdaScored`
+                            (PyramidKVPress: its score is SnapKV's, so `adakv`)
     ChunkKVPress            `ChunkKV`: chunks of chunk_length (20) kept whole by their mean score (knorm,
-                            keydiff, lagkv, random)
+                            keydiff, lagkv, random, snapkv, expected; `Delegating`)
     EntropyGatedChunkKVPress  `EntropyChunkKV`: ChunkKV's chunks (10), spiky ones cut to their 4 best
-    KeyRerotationPress      `Rerotated`: the inner press, RoPE at the kept keys' ranks (knorm, keydiff, lagkv, random)
+    KeyRerotationPress      `Rerotated`: the inner press, RoPE at the kept keys' ranks (as ChunkKV's)
 
     KnormPress with compression_interval=I, target_size=T: kvpress's PrefillDecodingPress
                             (KnormPress(compression_ratio) on the prefill, DecodingPress(KnormPress(),
