@@ -157,6 +157,8 @@ def use_tokenizer(job: dict) -> None:
 
 
 def make_press(name: str, ratio: float, fields: dict):
+    if ":" in name:  # evals.peer's "Wrapper:Inner": the wrapper, its inner press given in fields["press"]
+        name = name.split(":", 1)[0]
     if name == "DuoAttentionPress":  # given a head pattern (kvpress downloads the authors' or scores BookSum)
         scores = np.clip(np.asarray(fields.pop("head_scores"), float), 0, 1)
         sizes = (fields.pop("sink_size", 128), fields.pop("recent_size", 256))

@@ -62,7 +62,7 @@ KEYS = ("model", "model_path", "dtype", "tokens", "samples", "tasks", "presses",
         "gen", "seed", "chunk", "compile_cache", "progress", "shard", "out", "table_only", "qa_dir", "executor",
         "ray.address", "ray.workers")
 # kvpress's evaluation/leaderboard.sh: the presses it also runs with --query_aware
-QUERY_AWARE = ("SnapKVPress", "AdaKVPress", "FinchPress", "ChunkKVPress")
+QUERY_AWARE = ("SnapKVPress", "AdaKVPress", "FinchPress", "ChunkKVPress:SnapKVPress")
 QA_FILES = {"qa_1": "squad.json", "qa_2": "hotpotqa.json"}  # RULER's scripts/data/synthetic/json/ names
 PASS_THROUGH = ("model_path", "dtype", "samples", "gen", "seed", "chunk", "compile_cache", "progress", "executor",
                 "ray.address", "ray.workers")

@@ -198,8 +198,10 @@ PEER_PRESSES = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPres
                 "ObservedAttentionPress", "TOVAPress", "AdaKVPress", "KVzipPress", "DuoAttentionPress",
                 "KeyDiffPress", "LagKVPress")
 # compat's presses beyond PEER_PRESSES that `presses=` also accepts: RandomPress (a floor on kvpress's
-# leaderboard; its kept sets and answers differ from kvpress's by construction)
-EXTRA_PRESSES = ("RandomPress",)
+# leaderboard; its kept sets and answers differ from kvpress's by construction), and wrappers over an
+# inner press, named "Wrapper:Inner" (kvpress's leaderboard rows chunkkv, adakv_expected_attention)
+EXTRA_PRESSES = ("RandomPress", "ChunkKVPress:SnapKVPress", "AdaKVPress:ExpectedAttentionPress",
+                 "KeyRerotationPress:ExpectedAttentionPress", "EntropyGatedChunkKVPress:SnapKVPress")
 DUO_SEED = 0  # the head pattern both sides get for DuoAttentionPress (`duo_pattern`)
 
 
@@ -220,9 +222,17 @@ def duo_pattern(model: str) -> list[list[float]]:
     return np.random.default_rng(DUO_SEED).random(shape).round(3).tolist()
 
 
+def press_name(press: str) -> str:
+    """The kvpress class of a row's press: "ChunkKVPress:SnapKVPress" names a wrapper over an inner press."""
+    return press.split(":", 1)[0]
+
+
 def press_fields(model: str, press: str) -> dict[str, Any]:
-    """The fields both sides give `press` beyond kvpress's defaults: Duo's head pattern (and on the
-    tiny model, whose prompts are shorter than kvpress's sink 128 + recent 256, sink 16 + recent 64)."""
+    """The fields both sides give `press` beyond kvpress's defaults: a wrapper's inner press
+    ("Wrapper:Inner" names), Duo's head pattern (and on the tiny model, whose prompts are shorter
+    than kvpress's sink 128 + recent 256, sink 16 + recent 64)."""
+    if ":" in press:
+        return {"press": press.split(":", 1)[1]}
     if press != "DuoAttentionPress":
         return {}
     return {"head_scores": duo_pattern(model)} | ({"sink_size": 16, "recent_size": 64} if model == "tiny" else {})
@@ -592,7 +602,8 @@ def engine_slots(p: Plan, model, max_len: int, max_new: int) -> dict[str, int]:
     from kvpolicies.compat import kvpress
     from models.engine import grid_slots
 
-    return {c: grid_slots([kvpress(c, r, n_layers=model.cfg.n_layers, max_new=max_new, **press_fields(p.model, c))
+    return {c: grid_slots([kvpress(press_name(c), r, n_layers=model.cfg.n_layers, max_new=max_new,
+                                   **press_fields(p.model, c))
                            for r in p.ratios], model.cfg.n_layers, max_len) for c in p.presses}
 
 
@@ -646,7 +657,8 @@ def run_ours(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=lambda
             states: list = []  # (engine, uncompressed prompt state) of this sample
             for c, r in cells:
                 if (c, r) not in engines:
-                    pol = kvpress("SnapKVPress" if c == "full" else c, r, n_layers=model.cfg.n_layers, max_new=max_new,
+                    pol = kvpress("SnapKVPress" if c == "full" else press_name(c), r, n_layers=model.cfg.n_layers,
+                                  max_new=max_new,
                                   **press_fields(p.model, c))
                     engines[(c, r)] = Engine(model, pol, max_len=max_len, slots=slots.get(c, 0), share_steps=True)
             wide = shared_phase(model, [engines[x] for x in cells], max_len, pieces(len(ctx), p.chunk), shared)

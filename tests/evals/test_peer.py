@@ -495,3 +495,18 @@ def test_kvpress_false_runs_ours_alone_and_hf_needs_a_folder(tmp_path):
     hf = peer.parse(["model=hf", f"model_path={tmp_path}", "dtype=bfloat16", "samples=1"])
     assert hf.mconf == {"name": "hf", "path": str(tmp_path), "dtype": "bfloat16"}
     assert peer.parse(["samples=1"]).mconf == {"name": "smollm2", "dtype": "float32"}  # the peer tables' hash: unchanged
+
+
+def test_a_wrapper_over_an_inner_press_by_name(tmp_path):
+    """"Wrapper:Inner" rows (kvpress's leaderboard chunkkv = ChunkKVPress over SnapKVPress): our side
+    builds kvpress("ChunkKVPress", r, press="SnapKVPress"), the worker's job carries the same name and
+    inner press (kvpress_worker.make_press splits it)."""
+    from kvpolicies.compat import kvpress
+
+    p = peer.prepare(peer.parse(["model=tiny", "tokens=320", "samples=1", "presses=[ChunkKVPress:SnapKVPress]",
+                                 "ratios=[0.5]", f"out={tmp_path}"]))
+    assert peer.press_name("ChunkKVPress:SnapKVPress") == "ChunkKVPress"
+    assert peer.press_fields("tiny", "ChunkKVPress:SnapKVPress") == {"press": "SnapKVPress"}
+    job = peer.worker_job(p, peer.pending(p, "kvpress"))
+    assert ["ChunkKVPress:SnapKVPress", 0.5, {"press": "SnapKVPress"}] in job["samples"][0]["presses"]
+    assert kvpress(peer.press_name("ChunkKVPress:SnapKVPress"), 0.5, press="SnapKVPress") is not None
