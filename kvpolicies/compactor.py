@@ -152,7 +152,8 @@ class Compactor(PromptScored):
         for name, lo in (("sink_start", 0), ("sink_end", 0), ("chunk_size", 1), ("sketch_dim", 1)):
             check_int("compactor", name, getattr(self, name), lo)
         check_int("compactor", "seed", self.seed, 0, 2**32 - 1)
-        if self.blending is not None and (isinstance(self.blending, bool) or not isinstance(self.blending, (int, float))):
+        b = self.blending
+        if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float))):
             raise ValueError(f"compactor.blending={self.blending!r}: must be a number or None (the ratio)")
         if not isinstance(self.attention, bool):
             raise ValueError(f"compactor.attention={self.attention!r}: must be True or False")

@@ -86,7 +86,8 @@ for name, ratio, fields in job["presses"]:
             kept = [[sorted(h) for h in seen[i]] for i in range(len(seen))]
             m, suffix = cache.get_seq_length(), torch.tensor([job["suffix"]])
             with torch.no_grad():  # the suffix's logits (a copy of the cache: greedy decodes from the original)
-                logits = model(input_ids=suffix, past_key_values=w._copy(cache), position_ids=torch.tensor([[m]])).logits
+                logits = model(input_ids=suffix, past_key_values=w._copy(cache),
+                               position_ids=torch.tensor([[m]])).logits
             answer = w.greedy(model, cache, suffix, m, job["n_new"])
             out[key] = {"kept": kept, "answer": answer, "logits": logits[0, -1].tolist()}
         else:
@@ -108,7 +109,8 @@ json.dump(out, open(sys.argv[2], "w"))
 FIELDS = {"FinchPress": {}, "CURPress": {}, "NonCausalAttnPress": {}, "LeverageScorePress": {}, "CompactorPress": {},
           "MergingPress": {"press": "KeyDiffPress"}}
 PRESSES = tuple(FIELDS)
-SCORERS = ("CURPress", "NonCausalAttnPress", "MergingPress")  # ScorerPresses of the context alone: kvpress's pipeline, the question appended
+# presses of the context alone (kvpress's pipeline, the question appended)
+SCORERS = ("CURPress", "NonCausalAttnPress", "MergingPress")
 DRAWN = ("LeverageScorePress", "CompactorPress")  # a Gaussian sketch: torch's draw there, ours here
 
 
@@ -181,7 +183,7 @@ def test_finch_keeps_kvpress_positions_and_answers(tiny_run, ratio, request):
     assert answer == want["answer"]
     err = np.abs(logits - want["logits"]).max()
     assert err < 1e-4, err  # the keys at their ranks: kvpress's re-rotated cache
-    if ratio == 0.75:  # at text positions (the tiny Llama) (rerotate_keys=False) the logits move by far more than rounding
+    if ratio == 0.75:  # the tiny Llama: at text positions (rerotate_keys=False) the logits move by far more
         _, _, moved = ours_finch(model, ratio, ctx, question, rerotate_keys=False)
         assert np.abs(moved - want["logits"]).max() > 100 * err
 

@@ -23,7 +23,8 @@ from tests.refs.headwise import adakv_allocate
 from tests.refs.kvzap import choose as kvzap_choose
 from tests.refs.kvzip import choose as kvzip_choose
 from tests.refs.oracle import default_inv_freq, rope_complex
-from tests.refs.prompt_scored import compactor_scores, cur_scores, expected_scores, keydiff_scores, lagkv_scores, np_hash
+from tests.refs.prompt_scored import (compactor_scores, cur_scores, expected_scores, keydiff_scores, lagkv_scores,
+                                      np_hash)
 
 
 def _best(score: dict, n: int) -> set:

@@ -55,7 +55,8 @@ def simulate(pol, q, k, v, chunks, max_len=MAX_LEN):
                     js = np.array(sorted(kept[0 if layer else h] | set(range(s, p + 1))))
                     kj = rope_complex(k[b, js, h], np.arange(len(js)), inv) if ranks else kr[b, js, h]  # [J, D]
                     for g in range(G):
-                        qp = rope_complex(q[b, p, h * G + g], np.array(len(js) - 1), inv) if ranks else qr[b, p, h * G + g]
+                        qp = (rope_complex(q[b, p, h * G + g], np.array(len(js) - 1), inv) if ranks
+                              else qr[b, p, h * G + g])
                         lg = kj @ qp / np.sqrt(d)
                         w = np.exp(lg - lg.max())
                         w /= w.sum()
