@@ -634,7 +634,10 @@ def run_ours(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=lambda
     ratios of a press run one shape class (`Engine(slots=)`, `engine_slots`), so they share their
     compiled steps; per sample, the prompt compressors whose prompt phases one phase covers
     (`shared_phase`), or that share a prompt phase, compress one prefill (full last: it takes any
-    dense prompt state), and kvzip's ratios one reconstruction pass (`Engine.reconstruct`)."""
+    dense prompt state), and kvzip's ratios one reconstruction pass (`Engine.reconstruct`). A press's
+    ratios answer as one batch as soon as they are compressed, and their states are freed then: a
+    sample never holds the whole grid's states (the leaderboard's 17 presses x 4 ratios at 4K took
+    15.5 GB and were killed before this)."""
     import jax
 
     from evals.compiles import CompileLog
@@ -664,7 +667,8 @@ def run_ours(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=lambda
                     engines[(c, r)] = Engine(model, pol, max_len=max_len, slots=slots.get(c, 0), share_steps=True)
             wide = shared_phase(model, [engines[x] for x in cells], max_len, pieces(len(ctx), p.chunk), shared)
             ready: dict[Any, list] = {}  # per set of shared steps: (press, ratio, engine, state, kept, phases, seconds)
-            for c, r in sorted(cells, key=lambda x: x[0] == "full"):
+            order = sorted(cells, key=lambda x: x[0] == "full")
+            for k, (c, r) in enumerate(order):
                 t0 = time.time()
                 ph = Phases(log)
                 eng = engines[(c, r)]
@@ -691,20 +695,27 @@ def run_ours(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=lambda
                 held = {"stored": filled_bytes(st.cache), "allocated": tree_nbytes(st.cache)}  # after the compression
                 ready.setdefault((eng.policies, eng.max_len) if eng.slots else (c, r), []).append(
                     (c, r, eng, st, (kept, held), ph.done(), time.time() - t0))
-            for group in ready.values():
-                t1 = time.time()
-                eng, ph = group[0][2], Phases(log)
-                ids = answer_rows(eng, [x[3] for x in group], q, p.gen, ph)
-                share = {k: v / len(group) for k, v in ph.done().items()}  # the batch's time, shared out
-                secs = (time.time() - t1) / len(group)
-                for (c, r, _, _, (kept, held), own, spent), row in zip(group, ids):
-                    phases = {k: round(own.get(k, 0) + share.get(k, 0), 3) for k in own.keys() | share.keys()}
-                    line = {"sample": p.sample_id(i), "press": c, "ratio": r, "n": len(ctx),
-                            "answer": [int(x) for x in row], "kept": kept, "bytes": held,
-                            "seconds": round(spent + secs, 2), "phases": phases | {"batch": len(group)}}
-                    f.write(json.dumps(line) + "\n")
-                    f.flush()
-                    tick()
+                if k + 1 == len(order) or order[k + 1][0] != c:  # a press's ratios are compressed: answer them,
+                    for group in ready.values():  # then free their states (a sample's grid never held at once)
+                        _answer_group(p, i, group, q, len(ctx), log, f, tick)
+                    ready.clear()
+
+
+def _answer_group(p: Plan, i: int, group: list, q: np.ndarray, n: int, log, f, tick) -> None:
+    """The greedy answers of one batch of compressed states (a press's ratios), a line each."""
+    t1 = time.time()
+    eng, ph = group[0][2], Phases(log)
+    ids = answer_rows(eng, [x[3] for x in group], q, p.gen, ph)
+    share = {k: v / len(group) for k, v in ph.done().items()}  # the batch's time, shared out
+    secs = (time.time() - t1) / len(group)
+    for (c, r, _, _, (kept, held), own, spent), row in zip(group, ids):
+        phases = {k: round(own.get(k, 0) + share.get(k, 0), 3) for k in own.keys() | share.keys()}
+        line = {"sample": p.sample_id(i), "press": c, "ratio": r, "n": n,
+                "answer": [int(x) for x in row], "kept": kept, "bytes": held,
+                "seconds": round(spent + secs, 2), "phases": phases | {"batch": len(group)}}
+        f.write(json.dumps(line) + "\n")
+        f.flush()
+        tick()
 
 
 def answer_rows(eng, states: list, q: np.ndarray, gen: int, ph) -> np.ndarray:
