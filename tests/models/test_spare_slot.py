@@ -133,7 +133,10 @@ def test_the_compiled_step_writes_the_state_in_place(model):
     w, x, pos = layer_weights(model)[0], eng._embed_step(eng.params, jnp.zeros((1,), jnp.int32)), jnp.full((1,), N)
     old = split_layers(st.cache)[0]
     new = split_layers(st.cache, (sp,))[0]
-    low = lambda step, p, s: step.lower(w, s, x, pos, eng._layer_tables(), policy=p, local=False, reach=None).compile()  # noqa: E731
+
+    def low(step, p, state):
+        return step.lower(w, state, x, pos, eng._layer_tables(), policy=p, local=False, reach=None).compile()
+
     cold, cnew = low(eng._layer_step, pol, old), low(eng._layer_step_in_place, sp, new)
     b, k, s, d = old.k.shape
     assert _state_moves(cold.as_text(), f"f32[{b},{k},{s + 1},{d}]")  # the view [stored S, new token]
