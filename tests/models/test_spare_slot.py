@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from kvpolicies import attend
+from kvpolicies.codecs import Absmax, Identity
 from kvpolicies.compat import kvpress
 from kvpolicies.rope import Rope
 from kvpolicies.slots import spare_slots, spared
@@ -46,20 +47,21 @@ def _same_state(a, b, where: str) -> None:
             np.testing.assert_array_equal(x, y, err_msg=f"{where}: {f.name}")
 
 
-@pytest.mark.parametrize("press", sorted(PRESSES))
-def test_a_step_in_the_spare_slot_equals_the_concatenated_step(press):
+@pytest.mark.parametrize("press, codec", [(p, Identity()) for p in sorted(PRESSES)] + [("SnapKVPress", Absmax())])
+def test_a_step_in_the_spare_slot_equals_the_concatenated_step(press, codec):
     """attend through the spared policy on a padded packed state, per-head fills differing: outputs
-    bit for bit, and after every step the state without its spare slot equals the other one's."""
+    bit for bit, and after every step the state without its spare slot equals the other one's
+    (int8 keys and values too: every leaf of a codec's encoding)."""
     b, k, g, s, d = 2, 2, 3, 24, 8
     rng = np.random.default_rng(1)
-    pol = kvpress(press, 0.5, max_new=8, **PRESSES[press]).shape_class(s)
+    pol = dataclasses.replace(kvpress(press, 0.5, max_new=8, **PRESSES[press]).shape_class(s), codec=codec)
     sp = spared(pol)
     assert spare_slots(sp) == 1 and spare_slots(pol) == 0 and spared(kvpress(press, 0.5)) is None  # shape classes only
     st = pol.init(b, k, d, jnp.float32, 100)
     fill = np.array([[5, 12], [17, 9]])  # tokens held per (row, kv head): the first free slot differs
     pos = np.where(np.arange(s) < fill[..., None], np.arange(s) * 3, -1).astype(np.int32)
-    keys = rng.standard_normal((b, k, s, d)).astype(np.float32)
-    st = dataclasses.replace(st, k=jnp.asarray(keys), v=jnp.asarray(-keys[..., ::-1]), pos=jnp.broadcast_to(
+    keys = jnp.asarray(rng.standard_normal((b, k, s, d)).astype(np.float32))
+    st = dataclasses.replace(st, k=codec.encode(keys), v=codec.encode(-keys[..., ::-1]), pos=jnp.broadcast_to(
         jnp.asarray(pos), st.pos.shape))
     if hasattr(st, "mass"):
         st = dataclasses.replace(st, mass=jnp.asarray(np.where(pos >= 0, rng.random((b, k, s)), 0).astype(np.float32)))
