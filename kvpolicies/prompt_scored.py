@@ -56,7 +56,7 @@ from kvpolicies.budgets import Budgeted
 from kvpolicies.checks import check_int
 from kvpolicies.prompt import KeptTable, PromptCompressor, PromptPhase, PromptState
 from kvpolicies.scored import Accumulated, Scored, append_packed, pack, top_mask
-from kvpolicies.slots import Pending, QuietChunks, concat, view_of
+from kvpolicies.slots import Pending, QuietChunks, Spare, SpareSlot, concat, move_spare, pad_slot, view_of, write_spare
 
 
 def chunked(observe):
@@ -66,7 +66,7 @@ def chunked(observe):
 
 
 @dataclasses.dataclass(frozen=True)
-class PromptScored(Budgeted, KeptTable, PromptCompressor, QuietChunks, Scored):
+class PromptScored(Budgeted, KeptTable, PromptCompressor, QuietChunks, SpareSlot, Scored):
     """Keep the `kept()` best-ranked tokens after the prompt, append after; recompress on overflow."""
 
     per_token = True
@@ -82,6 +82,8 @@ class PromptScored(Budgeted, KeptTable, PromptCompressor, QuietChunks, Scored):
     # a shape class's decode slots per kv head (`KeptTable.shape_class`; 0: sized by ratio or budget):
     # the count kept after the prompt is then given as data (`after_prompt(state, table)`)
     slots: int = dataclasses.field(default=0, metadata={"engine": True})  # set by the engine, not a CLI field
+    # decode steps write their token into a spare slot after the S (`SpareSlot`; a shape class's decoding)
+    spare: bool = dataclasses.field(default=False, metadata={"engine": True})
 
     def __post_init__(self):
         check_int(self.label, "budget", self.budget, 0)
@@ -193,12 +195,27 @@ class PromptScored(Budgeted, KeptTable, PromptCompressor, QuietChunks, Scored):
         return Accumulated(state.k, state.v, pos, mass=jnp.zeros(pos.shape, jnp.float32)), None
 
     # -- the protocol -------------------------------------------------------------------------
+    def init(self, batch, kv_heads, head_dim, dtype, max_len):
+        st = super().init(batch, kv_heads, head_dim, dtype, max_len)
+        return pad_slot(st) if self.spare else st
+
     def extend(self, state, k, v, pos):
         slots, stats = self.split(state)
         new = self._new(slots, k, v, pos)
+        if self.spare:  # the token into the spare slot and the first free one (`SpareSlot`)
+            if k.shape[2] != 1:
+                raise ValueError(f"{self.label}(spare=True): a step of one token at a time, got {k.shape[2]}")
+            at = (slots.pos[..., :-1] >= 0).sum(axis=-1, dtype=jnp.int32)  # [B, K]: the first free slot (packed)
+            buf = write_spare(slots, new, at)  # [B, K, S + 1, ...]
+            return view_of(self.codec, buf, pos, k.dtype, carry=(Spare(buf, at), stats))
         return view_of(self.codec, concat(slots, new), pos, k.dtype, carry=(Pending(slots, new), stats))
 
     def compact(self, view, seen):
+        if isinstance(view.carry[0], Spare):  # appends only (`appends_only`; an overflow's outputs are NaN)
+            (buf, at), stats = view.carry
+            count = (buf.pos >= 0).sum(axis=-1)  # [B, K] tokens in the view
+            buf, stats = self.observe(buf, stats, view, seen, count, buf.slots - 1)
+            return self.join(move_spare(buf, at), stats)
         (old, new), stats = view.carry
         slots = concat(old, new)  # [B, K, V, ...]; one new token (per_token)
         s = old.slots
@@ -222,12 +239,28 @@ class PromptScored(Budgeted, KeptTable, PromptCompressor, QuietChunks, Scored):
         if not getattr(type(self).observe, "chunked", False):
             return None
         count = (self.split(state)[0].pos >= 0).sum(axis=-1)  # [B, K] before the step
-        return ~self.overflows(count + t, state.pos.shape[-1]).any()
+        return ~self.overflows(count + t, state.pos.shape[-1] - self.spare_slots).any()
 
     @property
     def appends_only(self):
         """A shape class (`slots`): its engine refuses chunks past the free slots after the compression."""
         return bool(self.slots) and not self.interval
+
+    def spared(self):
+        """A shape class appends only: its decode steps can write in place (`SpareSlot`)."""
+        return dataclasses.replace(self, spare=True) if self.appends_only else None
+
+    @property
+    def spare_slots(self):
+        return int(self.spare)
+
+    def pad_spare(self, state):
+        slots, stats = self.split(state)
+        return self.join(pad_slot(slots), stats)
+
+    def cut_spare(self, state):
+        slots, stats = self.split(state)
+        return self.join(super().cut_spare(slots), stats)
 
     def prompt_policy(self):
         return PromptPhase(codec=self.codec, of=self, obs_window=0, **self.collects)
@@ -242,7 +275,7 @@ class PromptScored(Budgeted, KeptTable, PromptCompressor, QuietChunks, Scored):
         n = self.n_kept(count, s, state.slots, table)  # [B, K, 1]
         prio, tie = self.prompt_rank(state, slots, keys, stats)
         kept = jnp.where(count[..., None] > n, top_mask(prio, tie, n) & filled, filled)
-        return self.join(pack(slots, kept, s), stats)
+        return self.join(pad_slot(pack(slots, kept, s)) if self.spare else pack(slots, kept, s), stats)
 
 
 def rank_by(prio: Float[Array, "B K V"], pos: Int[Array, "B K V"]) -> tuple[Float[Array, "B K V"], Array]:

@@ -163,6 +163,69 @@ class Pending(NamedTuple):
     new: SlotState | None
 
 
+class Spare(NamedTuple):
+    """The carry of a step written into a spare slot (`SpareSlot`): the buffer attention read (the
+    stored slots, then the new token in the spare last slot) and the slot `at` [B, Kp] where the
+    token is kept (its keys and values are already there, read as empty by this step)."""
+
+    buf: SlotState
+    at: Int[Array, "B Kp"]
+
+
+def pad_slot(state: SlotState, lead: int = 0) -> SlotState:
+    """`state` with one empty slot after its last (position -1, every other field 0) in every
+    field (`lead` leading axes before B)."""
+    def pad(name, x):  # [*lead, B, H, S, ...] -> [*lead, B, H, S + 1, ...]
+        width = [(0, 0)] * x.ndim
+        width[lead + 2] = (0, 1)
+        return jnp.pad(x, width, constant_values=EMPTY if name == "pos" else 0)
+
+    return _map_fields(pad, state)
+
+
+def _heads(at: Int[Array, "B Kp"], x: Array) -> tuple[Array, Array, Array]:
+    """Scatter indices (batch, head, slot) [B, H] writing one slot per (row, head) of x [B, H, ...]."""
+    b, h = x.shape[:2]
+    return jnp.arange(b)[:, None], jnp.arange(h)[None, :], jnp.broadcast_to(at, (b, h))
+
+
+def write_spare(state: SlotState, new: SlotState, at: Int[Array, "B Kp"]) -> SlotState:
+    """A buffer of S + 1 slots (the last one spare and empty) with one new token written into the
+    spare slot, in every field: the slots `concat(stored S, new)` holds, in place under donation.
+    Its keys and values also go to slot `at` (where it is kept: an empty slot, read as empty by this
+    step's view), so that after attention has read the buffer nothing of it is written but
+    positions and per-slot statistics (`move_spare`)."""
+    s = state.pos.shape[2] - 1
+
+    def put(name, buf, x):  # buf [B, H, S + 1, ...], x [B, H', 1, ...]
+        x = jnp.broadcast_to(x, x.shape[:1] + buf.shape[1:2] + x.shape[2:]).astype(buf.dtype)
+        buf = jax.lax.dynamic_update_slice_in_dim(buf, x, s, axis=2)
+        if name in ("k", "v"):
+            buf = buf.at[_heads(at, buf)].set(x[:, :, 0])
+        return buf
+
+    return _map_fields(put, state, new)
+
+
+def move_spare(buf: SlotState, at: Int[Array, "B Kp"]) -> SlotState:
+    """The buffer of `write_spare` after the step: slot `at` takes the spare slot's position and
+    statistics (its keys and values are there already), and the spare slot is empty again."""
+    s = buf.pos.shape[2] - 1
+    j = jnp.arange(s + 1)
+
+    def move(name, x):  # [B, H, S + 1, ...]
+        if name in ("k", "v"):
+            return x
+        shape = x.shape[:3] + (1,) * (x.ndim - 3)
+        target = jnp.broadcast_to(at, x.shape[:2])[:, :, None] == j  # [B, H, S + 1]
+        last = jax.lax.slice_in_dim(x, s, s + 1, axis=2)  # [B, H, 1, ...]
+        out = jnp.where(target.reshape(shape), last, x)
+        return jnp.where((j == s).reshape((1, 1, s + 1) + (1,) * (x.ndim - 3)),
+                         jnp.asarray(EMPTY if name == "pos" else 0, x.dtype), out)
+
+    return _map_fields(move, buf)
+
+
 def flat(view: View) -> View:
     """`view` with its appended tokens moved into k, v (a copy of every slot): for a policy that
     composes other policies' views (duo) and needs one slot axis."""
@@ -210,6 +273,45 @@ class QuietChunks:
         refuses what would not: `Engine(slots=)`'s shape classes after their compression), so no
         token-by-token alternative is compiled (a chunk that would evict gets NaN outputs)."""
         return False
+
+
+class SpareSlot:
+    """Capability of a decode-time policy that packs its slots (filled first, then empty): a step
+    of one token can write it in place. The state's buffer has one spare slot after the policy's S
+    (`pad_spare`): the step writes the token there and into the first free slot
+    (`write_spare`), attention reads the whole buffer, and the compaction moves only the token's
+    position and statistics (`move_spare`). Attention then reads the same slots in the same order
+    as the view [stored S, new token] it concatenates otherwise (the same floats), without that
+    concatenation nor the packing copy after it. The engine decodes layer by layer through
+    `spared()` on states padded by `pad_spare` (models.engine.layers); what a state stores is
+    unchanged, its buffer holds one slot more during that decoding."""
+
+    def spared(self) -> Any:
+        """This policy on buffers with a spare slot, or None where it cannot take one."""
+        return None
+
+    @property
+    def spare_slots(self) -> int:
+        """1 for the policy `spared()` returns (its states carry the spare slot), else 0."""
+        return 0
+
+    def pad_spare(self, state: Any) -> Any:
+        """A state of this policy with the spare slot added (one empty slot after the last)."""
+        return pad_slot(state)
+
+    def cut_spare(self, state: Any) -> Any:
+        """The inverse of `pad_spare`: the state without its (empty) spare slot."""
+        return head_slots(state, state.pos.shape[2] - 1)
+
+
+def spare_slots(policy: Any) -> int:
+    """How many spare slots the states of `policy` carry (`SpareSlot`; 0 for any other policy)."""
+    return policy.spare_slots if isinstance(policy, SpareSlot) else 0
+
+
+def spared(policy: Any) -> Any:
+    """`policy` on buffers with a spare slot (`SpareSlot.spared`), or None."""
+    return policy.spared() if isinstance(policy, SpareSlot) else None
 
 
 def quiet_chunk(policy: Any, state: Any, t: int) -> tuple[Any, bool]:

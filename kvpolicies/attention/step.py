@@ -23,7 +23,7 @@ from kvpolicies.attention.record import report
 from kvpolicies.attention.tuning import DEFAULT, Tuning
 from kvpolicies.base import Deferred, Policy, SlotState, check_codec
 from kvpolicies.rope import Rope, RopeTable
-from kvpolicies.slots import quiet_chunk
+from kvpolicies.slots import quiet_chunk, spare_slots
 
 
 def attend(
@@ -76,6 +76,10 @@ def attend_step(policy, state, q, k, v, pos, rope, scale, defer=False, tuning: T
             return jnp.where(quiet, out, jnp.nan), new_state, visible
         return jax.lax.cond(quiet, lambda: whole(policy, state, q, k, v, pos, rope, scale, False, tuning),
                             lambda: token_by_token(policy, state, q, k, v, pos, rope, scale, tuning))
+    if spare_slots(policy):  # a token written in place only appends (`SpareSlot`): an overflow's outputs are NaN
+        quiet, _ = quiet_chunk(policy, state, q.shape[1])
+        out, new_state, visible = whole(policy, state, q, k, v, pos, rope, scale, False, tuning)
+        return jnp.where(quiet, out, jnp.nan), new_state, visible
     return whole(policy, state, q, k, v, pos, rope, scale, defer, tuning)
 
 

@@ -166,12 +166,16 @@ class Engine(ArgumentChecks, Steps, LayerSteps, Staged, Generation):
         # layer-by-layer generation (`_decode_layers`): each step is one call per layer, then one
         # call writing every layer's new slots (policy, RoPE kind and bucket static)
         self._layer_step = jax.jit(self._layer_impl, static_argnames=("policy", "local", "reach"))
+        # a layer whose token is written in place (kvpolicies.slots.SpareSlot): its state donated
+        self._layer_step_in_place = jax.jit(self._layer_impl, static_argnames=("policy", "local", "reach"),
+                                            donate_argnums=(1,))
         self._embed_step = jax.jit(self._embed_impl)
         self._next_step = jax.jit(self._next_impl)
         self._head_step = jax.jit(self._head_impl)
         self._write_layers = jax.jit(write_layers, donate_argnums=0)
 
-    _STEPS = ("_logits_step", "_after_prompt", "_nll_step", "_decode_n", "recon_step", "_layer_step", "_embed_step",
+    _STEPS = ("_logits_step", "_after_prompt", "_nll_step", "_decode_n", "recon_step", "_layer_step",
+              "_layer_step_in_place", "_embed_step",
               "_next_step", "_head_step", "_write_layers", "traces")
 
     def _share_steps(self, rope_tables: bool) -> None:

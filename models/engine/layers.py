@@ -8,6 +8,7 @@ Shapes: B batch, T tokens in a step, V vocab, n generated tokens, L layers."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 
 import jax
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvpolicies.attend import Deferred, write_deferred
+from kvpolicies.slots import spare_slots, spared
 from models.llama import Cache, Llama, policy_runs
 from models.engine.checks import check_pool
 
@@ -37,16 +39,30 @@ def _take_layer(leaves: list, i) -> list:
     return [jax.lax.dynamic_index_in_dim(a, i, keepdims=False) for a in leaves]
 
 
-def split_layers(cache: Cache) -> list:
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _take_spare(policy, treedef, leaves: list, i):
+    """Layer i of a run's stacked state with `policy`'s spare slot added (`SpareSlot.pad_spare`; one copy)."""
+    return policy.pad_spare(treedef.unflatten([jax.lax.dynamic_index_in_dim(a, i, keepdims=False) for a in leaves]))
+
+
+def split_layers(cache: Cache, spare: tuple | None = None) -> list:
     """A cache (one stacked state per run, every leaf [n, ...]) -> one state per layer, in
     layer order (copies). One call per layer of a program compiled once per run's leaf shapes:
     a single program of every layer's slices compiled one kernel per slice, much slower to
-    compile (docs/results/speed.md, "Numbers behind comments in the code")."""
+    compile (docs/results/speed.md, "Numbers behind comments in the code"). `spare`: per run, a
+    `SpareSlot` policy whose spare slot each of the run's states gets (`pad_spare`), or None."""
     out = []
-    for run in cache:
+    for r, run in enumerate(cache):
         leaves, treedef = jax.tree.flatten(run)
-        out += [treedef.unflatten(_take_layer(leaves, np.int32(i))) for i in range(leaves[0].shape[0])]
+        pol = None if spare is None else spare[r]
+        out += [treedef.unflatten(_take_layer(leaves, np.int32(i))) if pol is None else
+                _take_spare(pol, treedef, leaves, np.int32(i)) for i in range(leaves[0].shape[0])]
     return out
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _cut_spare(policy, state):
+    return policy.cut_spare(state)
 
 
 def write_layers(states: list, writes: list) -> list:
@@ -103,17 +119,28 @@ class LayerSteps:
         tables = self.params[1]
         return None if tables is None else {k: dataclasses.replace(t, cond_angles=True) for k, t in tables.items()}
 
-    def _through_layers(self, states: list, x, pos, tables, reach: int | None):
+    def _through_layers(self, states: list, x, pos, tables, reach: int | None, policies: tuple | None = None):
         """x [B, T, d] at positions pos ([B, T] or [B]) through every layer's jitted step, then the
-        layers' writes: (the last layer's output, the per-layer states after them)."""
+        layers' writes: (the last layer's output, the per-layer states after them). `policies`
+        (default: the engine's): a layer whose policy writes into a spare slot (`SpareSlot`) runs
+        the step that donates its state (written in place) and returns its new state."""
         local = self.cfg.local_layers
+        policies = self.policies if policies is None else policies
         writes = []
-        for i, (w, st, pol) in enumerate(zip(layer_weights(self._model), states, self.policies)):
-            x, wr = self._layer_step(w, st, x, pos, tables, policy=pol, local=bool(local[i]), reach=reach)
+        for i, (w, st, pol) in enumerate(zip(layer_weights(self._model), states, policies)):
+            step = self._layer_step_in_place if spare_slots(pol) else self._layer_step
+            x, wr = step(w, st, x, pos, tables, policy=pol, local=bool(local[i]), reach=reach)
             writes.append(wr)
-        return x, (write_each if self.shares_layer_steps else self._write_layers)(states, writes)
+        write = write_each if self.shares_layer_steps else self._write_layers
+        rest = [i for i, pol in enumerate(policies) if not spare_slots(pol)]  # the others' states were donated
+        if len(rest) == len(states):
+            return x, write(states, writes)
+        done = write([states[i] for i in rest], [writes[i] for i in rest]) if rest else []
+        for i, st in zip(rest, done):
+            writes[i] = st
+        return x, writes
 
-    def _decode_layers(self, cache: Cache, token, pos, n: int, reach: int | None):
+    def _decode_layers(self, cache: Cache, token, pos, n: int, reach: int | None, cut: bool = True):
         """n greedy steps from `token` [B] at positions `pos` [B], one jitted call per layer and
         step over per-layer weights and states (`decode_loop="layers"`): ([B, n] ids, the
         per-layer states after them). `cache` stays usable (its layers are copied out once).
@@ -121,14 +148,21 @@ class LayerSteps:
         Why: XLA's CPU backend materialises the slice of a stacked weight or cache that a layer
         scan hands to a matmul, so the scan copies every layer's weights and keys/values at every
         step; separate per-layer buffers are read in place. The writes are a call of their own:
-        a computation that reads a donated buffer and writes into it makes XLA copy it first."""
+        a computation that reads a donated buffer and writes into it makes XLA copy it first.
+        A policy that can (`SpareSlot.spared`: a shape class's prompt scorers) decodes on states
+        with a spare slot, each step written in place (`cut`: the states returned without it)."""
         tables = self._layer_tables()
-        states = split_layers(cache)
+        runs = policy_runs(self.policies, self.cfg.n_layers)
+        spare = tuple(spared(p) for _, _, p in runs)
+        states = split_layers(cache, spare)
+        pols = tuple(sp or p for (a, b, p), sp in zip(runs, spare) for _ in range(b - a))
         out = []
         for _ in range(n):
-            x, states = self._through_layers(states, self._embed_step(self.params, token), pos, tables, reach)
+            x, states = self._through_layers(states, self._embed_step(self.params, token), pos, tables, reach, pols)
             token, pos = self._next_step(self.params, x, pos)
             out.append(token)
+        if cut:
+            states = [_cut_spare(p, st) if spare_slots(p) else st for p, st in zip(pols, states)]
         return jnp.stack(out, axis=1), states
 
     def _feed_layers(self, cache: Cache, tokens: np.ndarray, start: int):
@@ -157,5 +191,6 @@ class LayerSteps:
         if other._model is not self._model:
             raise ValueError("share_layer_steps: the engines run different models")
         self._layer_step, self._embed_step = other._layer_step, other._embed_step
+        self._layer_step_in_place = other._layer_step_in_place
         self._next_step, self._head_step = other._next_step, other._head_step
         self.shares_layer_steps = True

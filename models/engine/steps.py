@@ -112,7 +112,7 @@ class Steps:
         engine on a mesh). fork: `cache` must stay usable (the scan donates it)."""
         reach = self._reach(end)
         if self.decode_loop == "layers" and self.placement is None:
-            out, states = self._decode_layers(cache, first, pos, n, reach)
+            out, states = self._decode_layers(cache, first, pos, n, reach, cut=False)
         else:
             out, states = self._decode_n(self.params, fork_cache(cache) if fork else cache, first, pos, n, reach)
         check_pool(states)
