@@ -223,10 +223,10 @@ def parse_args(argv: Sequence[str]) -> Args:
     if not isinstance(overwrite, bool):
         raise ConfigError(f"overwrite={own['overwrite']}: expected true or false")
     return Args(policies, budgets, fields, passthrough, own.get("out"), own.get("name"), float(share), overwrite,
-                "budgets" in own, thresholds, _ray_options(own))
+                "budgets" in own, thresholds, ray_options(own))
 
 
-def _ray_options(own: dict[str, str]) -> Any:
+def ray_options(own: dict[str, str]) -> Any:
     """executor=ray's options (evals.ray_grid.RayOptions), or None for executor=local."""
     executor = own.get("executor", "local")
     if executor not in EXECUTORS:

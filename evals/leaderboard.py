@@ -100,6 +100,12 @@ class Board:
         return [p for k, p in enumerate(self.plans) if k % n == i]
 
 
+def _bool(key: str, text: str) -> bool:
+    if text.lower() not in ("true", "false"):
+        raise ConfigError(f"{key}={text}: expected true or false")
+    return text.lower() == "true"
+
+
 def _shard(text: str) -> tuple[int, int]:
     try:
         i, n = (int(x) for x in text.split("/"))
@@ -168,7 +174,7 @@ def parse(argv: Sequence[str]) -> Board:
             argv_t += ["query_aware=true", f"name={t}_query_aware"] if mode == "aware" else [f"name={t}"]
             plans.append(peer.parse(argv_t))
     board = Board(name, plans[0].tokens if plans else int(tokens), tasks, presses, plans[0].ratios if plans else [],
-                  aware, out, _shard(own.get("shard", "0/1")), peer._bool("table_only", own.get("table_only", "false")),
+                  aware, out, _shard(own.get("shard", "0/1")), _bool("table_only", own.get("table_only", "false")),
                   plans, list(argv))
     return board
 

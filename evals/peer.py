@@ -93,6 +93,7 @@ from typing import Any
 import numpy as np
 
 from evals.config import ConfigError
+from evals.peer_grid import read_lines, repair  # noqa: F401  (the line files' reader and repair, re-exported)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 REF = ROOT / ".venv" / "kvpress-ref"
@@ -390,21 +391,6 @@ def question_end(tok, tokens: np.ndarray, split: int) -> int:
 # -- the saved lines ---------------------------------------------------------------------------------
 
 
-def read_lines(path: pathlib.Path) -> list[dict[str, Any]]:
-    """The JSON objects of a JSON-lines file; a partial or bad line (a writer killed) is skipped."""
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(obj, dict) and "sample" in obj:
-            out.append(obj)
-    return out
-
-
 def saved(p: Plan, side: str) -> dict[tuple[int, str, float], dict[str, Any]]:
     """{(sample index, press, ratio): line} of this configuration in a side file and its shards
     (executor=ray's, `evals.peer_grid.lines`)."""
@@ -449,15 +435,6 @@ def unpack(text: str, k: int, n: int) -> np.ndarray:
 
 
 # -- the two sides -------------------------------------------------------------------------------------
-
-
-def repair(path: pathlib.Path) -> None:
-    """Cut a partial last line (a writer killed mid-line) so that the next line starts on its own."""
-    if not path.is_file() or path.stat().st_size == 0:
-        return
-    data = path.read_bytes()
-    if not data.endswith(b"\n"):
-        path.write_bytes(data[:data.rfind(b"\n") + 1])
 
 
 def pending(p: Plan, side: str) -> list[tuple[int, str, float]]:
@@ -718,6 +695,11 @@ def _answer_group(p: Plan, i: int, group: list, q: np.ndarray, n: int, log, f, t
         tick()
 
 
+def ray_side() -> dict[str, Any]:
+    """What a Ray actor of `evals.peer_grid` runs of our side (handed to it: peer_grid imports no peer)."""
+    return {"saved": saved, "load": load_ours, "run": run_ours}
+
+
 def answer_rows(eng, states: list, q: np.ndarray, gen: int, ph) -> np.ndarray:
     """Greedy ids [len(states), gen] after the question `q` of one-row compressed states of
     engines that run `eng`'s steps (a press's ratios in one shape class), decoded as the rows of
@@ -972,7 +954,7 @@ def run(p: Plan, model=None) -> list[dict[str, Any]]:
         if todo["ours"] and p.ray is not None:  # on Ray actors, a shard each, merged at the end
             from evals.peer_grid import run_ours as on_ray
 
-            on_ray(p, todo["ours"], tick, say=tqdm.write)
+            on_ray(p, todo["ours"], tick, say=tqdm.write, side=ray_side())
         elif todo["ours"]:
             if model is None:
                 model, _ = load_ours(p)

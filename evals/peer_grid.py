@@ -49,10 +49,34 @@ def options(argv: Sequence[str]) -> Any:
     """`executor=ray`'s options from evals.peer's command line (evals.ray_grid.RayOptions, parsed as
     evals.compare parses them: `ray.*` keys need executor=ray), or None for executor=local (the
     default: our side in this process). ConfigError naming the key; Ray is not imported."""
-    from evals.compare import _ray_options
+    from evals.compare import ray_options
 
     own = dict(a.split("=", 1) for a in argv if "=" in a and a.split("=", 1)[0] in KEYS)
-    return _ray_options(own)
+    return ray_options(own)
+
+
+def read_lines(path: pathlib.Path) -> list[dict[str, Any]]:
+    """The JSON objects of a JSON-lines file; a partial or bad line (a writer killed) is skipped."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(obj, dict) and "sample" in obj:
+            out.append(obj)
+    return out
+
+
+def repair(path: pathlib.Path) -> None:
+    """Cut a partial last line (a writer killed mid-line) so that the next line starts on its own."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    data = path.read_bytes()
+    if not data.endswith(b"\n"):
+        path.write_bytes(data[:data.rfind(b"\n") + 1])
 
 
 def _item(line: dict[str, Any]) -> tuple[str, str, float]:
@@ -62,8 +86,6 @@ def _item(line: dict[str, Any]) -> tuple[str, str, float]:
 def lines(path: pathlib.Path) -> list[dict[str, Any]]:
     """The lines of a side file (`evals.peer.read_lines`), then those of its shards (by name) whose
     item no earlier line holds: an item's first line, the one `merge` keeps."""
-    from evals.peer import read_lines
-
     out = read_lines(path)
     have = {_item(x) for x in out}
     for s in shards.shard_files(path):
@@ -96,29 +118,27 @@ class PeerWorker:
     """One Ray actor: our side's groups of items in its process (the model loaded once, compiled steps
     kept), each line into its own shard of `<stem>.ours.jsonl`."""
 
-    def __init__(self, plan, cache_dir: str | None = None):
+    def __init__(self, plan, cache_dir: str | None = None, side: dict[str, Any] | None = None):
         from evals.compiles import use_persistent_cache
 
         if cache_dir:
             use_persistent_cache(cache_dir)
-        self.plan, self.model = plan, None
+        self.plan, self.model, self.side = plan, None, side  # side: evals.peer.ray_side()
 
     def run(self, press: str, items: Sequence[Item]) -> dict[str, Any]:
         """The items of `press` not yet in the file or a shard; a summary (items, ran, pid)."""
         import logging
 
-        from evals import peer
-
         logging.getLogger("jax").setLevel(logging.WARNING)
-        have = peer.saved(self.plan, "ours")
+        have = self.side["saved"](self.plan, "ours")
         todo = [(int(i), c, float(r)) for i, c, r in items if (int(i), c, float(r)) not in have]
         if todo:
             if self.model is None:
-                self.model, _ = peer.load_ours(self.plan)
+                self.model, _ = self.side["load"](self.plan)
             mine = ShardPlan(self.plan, shards.shard_path(self.plan.path(".ours.jsonl")))
             mine.shard.parent.mkdir(parents=True, exist_ok=True)
-            peer.repair(mine.shard)  # a line this pid's earlier process left half-written
-            peer.run_ours(mine, self.model, todo)
+            repair(mine.shard)  # a line this pid's earlier process left half-written
+            self.side["run"](mine, self.model, todo)
         return {"press": press, "items": len(items), "ran": len(todo), "pid": os.getpid()}
 
 
@@ -131,12 +151,13 @@ def groups(todo: Sequence[Item]) -> list[tuple[str, list[Item]]]:
 
 
 def run_ours(p, todo: Sequence[Item], tick: Callable[[], None] = lambda: None, worker: type = PeerWorker,
-             say=print) -> list[dict[str, Any]]:
+             say=print, side: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Our side of the items `todo` on Ray actors (`p.ray`: evals.ray_grid.RayOptions), a group per
     press handed to the next idle actor, then the shards merged into `<stem>.ours.jsonl`. An actor
     dead past its retries takes no more groups (the others run them); its group's lines written are
     kept, and when every group has ended a RuntimeError says so (a rerun does what is missing).
-    `tick` once per item done. Returns the groups' summaries."""
+    `tick` once per item done; `side`: what an actor runs (`evals.peer.ray_side()`: saved, load, run;
+    handed in, so that this module imports no evals.peer). Returns the groups' summaries."""
     import jax
     import ray
 
@@ -148,7 +169,7 @@ def run_ours(p, todo: Sequence[Item], tick: Callable[[], None] = lambda: None, w
         n = min(p.ray.workers or ray_grid.default_workers(), len(work))
         gpu = 1 if ray.cluster_resources().get("GPU", 0) >= n else 0
         actor = ray.remote(num_cpus=1, num_gpus=gpu, max_restarts=RETRIES, max_task_retries=RETRIES)(worker)
-        idle = [actor.remote(p, jax.config.jax_compilation_cache_dir) for _ in range(n)]
+        idle = [actor.remote(p, jax.config.jax_compilation_cache_dir, side) for _ in range(n)]
         say(f"[evals.peer] ours: {len(todo)} items in {len(work)} press groups on {n} Ray worker(s) at "
             f"{ray.get_runtime_context().gcs_address}; shards in {shards.shard_dir(p.path('.ours.jsonl'))}")
         busy: dict[Any, tuple[Any, str]] = {}  # task -> (actor, press)
@@ -185,8 +206,6 @@ def merge(p) -> int:
     """Append to `<stem>.ours.jsonl` every line of this configuration (`p.config`) in its shards whose
     (sample, press, ratio) item the file does not hold (the first such line, in shard order); the file
     replaced atomically (temp then rename), a half-written last line of it cut. Returns the lines added."""
-    from evals.peer import read_lines
-
     path = p.path(".ours.jsonl")
     have = {_item(x) for x in read_lines(path)}
     new = []

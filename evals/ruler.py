@@ -78,10 +78,12 @@ from tqdm.auto import tqdm
 
 from evals import prefills
 from evals import retrieval as R
+from evals.ruler_parts import (PROTOCOLS, Pieces as _Pieces, essay_words as _essay_words,  # noqa: F401
+                                 join_keys as _join, needle_values, pad_id as _pad_id, postprocess,
+                                 string_match_all, string_match_part, word_keys, zeta_of as _zeta)
 from evals.common import (Sample, Task, TaskContext, TaskResult, accuracy_record, answer,  # noqa: F401  (re-exported)
                           lengths_field, wilson)
 
-PROTOCOLS = ("query_aware", "query_agnostic")
 DEPTH_GRID = np.linspace(0.0, 1.0, 40)  # RULER's 40 depths (0..100 %)
 QUESTION_ROOM = 192  # multiquery: the most tokens a question (chat tail included) may take
 
@@ -127,41 +129,9 @@ RULER_SET = ("ruler_niah_single", "ruler_niah_multikey", "ruler_niah_multivalue"
 
 
 # -- scoring --------------------------------------------------------------------------------------
-def postprocess(pred: str) -> str:
-    """RULER's post-processing: control characters become newlines; stripped."""
-    return re.sub(r"[\x00-\x1f]", "\n", pred.strip()).strip()
-
-
-def string_match_all(pred: str, refs: Sequence[str]) -> float:
-    """RULER's score of one prediction: the fraction of `refs` that occur in it (case-insensitive)."""
-    low = postprocess(pred).lower()
-    return sum(r.lower() in low for r in refs) / len(refs)
-
-
-def string_match_part(pred: str, refs: Sequence[str]) -> float:
-    """RULER's QA score of one prediction: 1 if any of `refs` occurs in it (case-insensitive)."""
-    low = postprocess(pred).lower()
-    return float(max(r.lower() in low for r in refs))
-
-
 # -- samples ----------------------------------------------------------------------------------------
 def _prompt_sample(p: R.Prompt, refs: Sequence[str]) -> Sample:
     return Sample(p.tokens, tuple(refs), p.haystack[1], p.needle_starts, p.depths)
-
-
-def word_keys(rng: np.random.Generator, n: int) -> list[str]:
-    pick = rng.choice(len(R.ADJECTIVES) * len(R.NOUNS), n, replace=False)
-    return [f"{R.ADJECTIVES[i // len(R.NOUNS)]}-{R.NOUNS[i % len(R.NOUNS)]}" for i in pick]
-
-
-def needle_values(rng: np.random.Generator, n: int, kind: str) -> list[str]:
-    if kind == "uuid":
-        return [str(uuid.UUID(bytes=rng.bytes(16), version=4)) for _ in range(n)]
-    return [str(v) for v in rng.integers(1_000_000, 10_000_000, n)]
-
-
-def _join(keys: Sequence[str]) -> str:
-    return keys[0] if len(keys) == 1 else ", ".join(keys[:-1]) + ", and " + keys[-1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,32 +236,6 @@ def vt_samples(tok: Any, hay: Haystack, length: int, trials: int, seed: int, n_c
     return out
 
 
-@functools.lru_cache(maxsize=4)
-def _essay_words(text: str) -> tuple[str, ...]:
-    """The distinct lowercase alphabetic words of 4-10 letters of a text, sorted (cwe's vocabulary)."""
-    return tuple(sorted(set(re.findall(r"\b[a-z]{4,10}\b", text))))
-
-
-def _pad_id(tok: Any) -> int:
-    for s in ("\n", " ", "."):
-        ids = tok.encode(s)
-        if len(ids) == 1:
-            return int(ids[0])
-    raise ValueError("the tokenizer has no single-token newline, space or period to pad a list with")
-
-
-class _Pieces:
-    """Token ids of text pieces, each encoded once."""
-
-    def __init__(self, tok: Any):
-        self.tok, self.cache = tok, {}
-
-    def __call__(self, s: str) -> list[int]:
-        if s not in self.cache:
-            self.cache[s] = list(self.tok.encode(s))
-        return self.cache[s]
-
-
 def _numbered(pieces: _Pieces, words: Sequence[str]) -> list[int]:
     return [t for i, w in enumerate(words) for t in pieces(f" {i + 1}.") + pieces(" " + w)]
 
@@ -351,12 +295,6 @@ def cwe_samples(tok: Any, words: Sequence[str], length: int, trials: int, seed: 
         out.append(_list_sample(tok, head_text, CWE_QUESTION.format(n=num_cw), CWE_PREFIX.format(n=num_cw),
                                 _numbered(pieces, items), fill, common, n))
     return out
-
-
-def _zeta(alpha: float) -> float:
-    from scipy.special import zeta
-
-    return float(zeta(alpha))
 
 
 def fwe_samples(tok: Any, length: int, trials: int, seed: int, alpha: float = 2.0, word_len: int = 6,

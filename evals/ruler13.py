@@ -60,6 +60,8 @@ import numpy as np
 
 from evals import retrieval as R
 from evals.common import Sample
+from evals.ruler_parts import (PROTOCOLS, Pieces, essay_words, join_keys, needle_values, pad_id,
+                                 string_match_all, string_match_part, word_keys, zeta_of)
 
 LEADERBOARD_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2",
                      "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2")
@@ -156,8 +158,8 @@ def check(task: dict) -> dict[str, Any]:
     for k in ("trials", "batch", "gen"):
         cfg[k] = R.int_list(cfg, k, None)[0]
     cfg["batch"] = min(cfg["batch"], cfg["trials"])
-    if cfg["protocol"] not in ruler.PROTOCOLS:
-        raise ValueError(f"task.protocol={cfg['protocol']!r}: must be one of {list(ruler.PROTOCOLS)}")
+    if cfg["protocol"] not in PROTOCOLS:
+        raise ValueError(f"task.protocol={cfg['protocol']!r}: must be one of {list(PROTOCOLS)}")
     if not isinstance(cfg["extrapolate"], bool):
         raise ValueError(f"task.extrapolate={cfg['extrapolate']!r}: must be true or false")
     return cfg
@@ -176,7 +178,7 @@ def score(task: dict | str, pred: str, refs: Sequence[str]) -> float:
     string_match_all otherwise (ruler.py's RULER-style tasks: string_match_all)."""
     name = task if isinstance(task, str) else task["name"]
     metric = METRICS.get(name, "string_match_all")
-    return (ruler.string_match_part if metric == "string_match_part" else ruler.string_match_all)(pred, refs)
+    return (string_match_part if metric == "string_match_part" else string_match_all)(pred, refs)
 
 
 # -- prompt pieces --------------------------------------------------------------------------------
@@ -228,9 +230,9 @@ def _values(rng: np.random.Generator, kind: str, n: int, avoid: Sequence[str] = 
         if kind == "numbers":
             v = str(rng.integers(10**6, 10**7))
         elif kind == "uuids":
-            v = ruler.needle_values(rng, 1, "uuid")[0]
+            v = needle_values(rng, 1, "uuid")[0]
         else:
-            v = ruler.word_keys(rng, 1)[0]
+            v = word_keys(rng, 1)[0]
         if v not in avoid and (kind != "words" or v not in out):
             out.append(v)
     return out
@@ -308,7 +310,7 @@ def niah(tok: Any, name: str, n: int, rng: np.random.Generator) -> Sample:
     needles = [NEEDLE.format(type_needle_v=plural, key=key, value=v) for key, vs in zip(keys, values) for v in vs]
     needles = [needles[i] for i in rng.permutation(len(needles))]  # RULER shuffles the needles
     asked = rng.choice(k, sp["q"], replace=False).tolist()
-    query = ruler._join([keys[i] for i in asked])
+    query = join_keys([keys[i] for i in asked])
     refs = [v for i in asked for v in values[i]]
     text, prefix = template(name, sp["q"], sp["v"])
     kind = plural if sp["q"] * sp["v"] != 1 else plural[:-1]
@@ -407,11 +409,11 @@ def cwe(tok: Any, name: str, n: int, rng: np.random.Generator, length: int) -> S
     from evals.data import paul_graham
 
     sp = SPECS[name]
-    words = ruler._essay_words(paul_graham())
+    words = essay_words(paul_graham())
     num_cw, (freq_cw, freq_ucw), (ex_n, ex_cw, ex_ucw) = sp["num_cw"], (sp["freq_cw"], sp["freq_ucw"]), (40, 10, 3)
     if length < 4096:
         (freq_cw, freq_ucw), (ex_n, ex_cw, ex_ucw) = (6, 1), (20, 3, 1)
-    pieces = ruler._Pieces(tok)
+    pieces = Pieces(tok)
     text, prefix, _ = TEMPLATES["common_words_extraction"]
     ex = [words[i] for i in rng.choice(len(words), ex_n, replace=False)]
     ex_list = ex[:num_cw] * ex_cw + ex[num_cw:] * ex_ucw
@@ -440,7 +442,7 @@ def cwe(tok: Any, name: str, n: int, rng: np.random.Generator, length: int) -> S
     items = common * freq_cw + rest[:lo] * freq_ucw
     items = [items[i] for i in rng.permutation(len(items))]
     body = _numbered(pieces, items)
-    return _sample(head, body + [ruler._pad_id(tok)] * (fill - len(body)), sep, tail, common)
+    return _sample(head, body + [pad_id(tok)] * (fill - len(body)), sep, tail, common)
 
 
 def fwe(tok: Any, name: str, n: int, rng: np.random.Generator, length: int) -> Sample:
@@ -454,7 +456,7 @@ def fwe(tok: Any, name: str, n: int, rng: np.random.Generator, length: int) -> S
         if w not in vocab:
             vocab.append(w)
     vocab[0] = "..."  # RULER: the top rank is noise
-    pieces = ruler._Pieces(tok)
+    pieces = Pieces(tok)
     text, prefix, _ = TEMPLATES["freq_words_extraction"]
     before, between, question, pre = _split_template(text, prefix)
     head, sep, tail = frame(tok, before.rstrip(" "), between, question, pre)  # the space before each word
@@ -463,7 +465,7 @@ def fwe(tok: Any, name: str, n: int, rng: np.random.Generator, length: int) -> S
     sizes = np.array([len(pieces(" " + w)) for w in vocab])
 
     def counts(m: int) -> np.ndarray:
-        return (m * k ** -float(alpha) / ruler._zeta(alpha)).astype(int)
+        return (m * k ** -float(alpha) / zeta_of(alpha)).astype(int)
 
     lo, hi = 0, 64 * max(fill, 1)
     while lo < hi:
@@ -472,7 +474,7 @@ def fwe(tok: Any, name: str, n: int, rng: np.random.Generator, length: int) -> S
     items = [w for w, c in zip(vocab, counts(lo)) for _ in range(c)]
     items = [items[i] for i in rng.permutation(len(items))]
     body = [t for w in items for t in pieces(" " + w)]
-    return _sample(head, body + [ruler._pad_id(tok)] * (fill - len(body)), sep, tail, vocab[1:4])
+    return _sample(head, body + [pad_id(tok)] * (fill - len(body)), sep, tail, vocab[1:4])
 
 
 @functools.lru_cache(maxsize=2)
@@ -519,7 +521,7 @@ def qa(tok: Any, name: str, n: int, rng: np.random.Generator, index: int, path: 
     before, between, question, pre = _split_template(text, prefix, query=q["query"])
     head, sep, tail = frame(tok, before, between, question, pre)
     fill = n - len(head) - len(sep) - len(tail)
-    pieces = ruler._Pieces(tok)
+    pieces = Pieces(tok)
     bodies: list[list[int]] = []  # "\n" + document, in `order`, while they fit
     used = -len(pieces("\n\n"))
     while len(bodies) < len(order):
@@ -535,7 +537,7 @@ def qa(tok: Any, name: str, n: int, rng: np.random.Generator, index: int, path: 
     perm = rng.permutation(len(bodies)).tolist()  # qa.py shuffles the documents
     ids = [t for j, d in enumerate(perm)
            for t in (pieces("\n\n") if j else []) + pieces(f"Document {j + 1}:") + bodies[d]]
-    return _sample(head, ids + [ruler._pad_id(tok)] * (fill - len(ids)), sep, tail, q["outputs"])
+    return _sample(head, ids + [pad_id(tok)] * (fill - len(ids)), sep, tail, q["outputs"])
 
 
 def samples(cfg: dict[str, Any], tok: Any, length: int, seed: int) -> list[Sample]:
@@ -561,4 +563,3 @@ def samples(cfg: dict[str, Any], tok: Any, length: int, seed: int) -> list[Sampl
     return out
 
 
-from evals import ruler  # noqa: E402  (last: evals.ruler re-exports this module's names)

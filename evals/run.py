@@ -61,7 +61,8 @@ from kvpolicies.budgets import context_kept
 # Top-level keys whose values determine a run's numbers (the resume key hashes these).
 KEY_FIELDS = ("model", "data", "policy", "task", "chunk", "seed")
 # Policy fields added after results were keyed, with their defaults (`run_key` leaves them out there).
-LATER_FIELDS = {"ratio": 0.0, "pooling": "max", "safeguard_window": False, "interval": 0, "target": 0, "slots": 0}
+LATER_FIELDS = {"ratio": 0.0, "pooling": "max", "safeguard_window": False, "interval": 0, "target": 0, "slots": 0,
+                "spare": False}
 POLICY_LATER_FIELDS = {"kvzip": {"scope": "layer", "keep_last": True, "prompts": "authors"}, "duo": {"appended": 0},
                        "kvzap": {"prefill": "dense"}}
 # Top-level keys that say how to run, not what: left out of the row's "config".

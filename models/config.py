@@ -180,3 +180,24 @@ def shape_config(name: str) -> LlamaConfig:
     if key not in SHAPES:
         raise ValueError(f"shape_config name={name!r}: known shapes are {sorted(SHAPES)}")
     return LlamaConfig(**SHAPES[key])
+
+
+def expected_shapes(config: LlamaConfig) -> dict[str, Any]:
+    """The canonical tree of shapes a config implies (the contract of every loader)."""
+    c = config
+    L, d, F, V = c.n_layers, c.d_model, c.d_ff, c.vocab_size
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    layers = {
+        "attn_norm": (L, d), "wq": (L, d, q), "wk": (L, d, kv), "wv": (L, d, kv), "wo": (L, q, d),
+        "mlp_norm": (L, d), "w_gate": (L, d, F), "w_up": (L, d, F), "w_down": (L, F, d),
+    }
+    if c.qkv_bias:
+        layers.update(bq=(L, q), bk=(L, kv), bv=(L, kv))
+    if c.qk_norm:
+        layers.update(q_norm=(L, c.head_dim), k_norm=(L, c.head_dim))
+    if c.post_norms:
+        layers.update(post_attn_norm=(L, d), post_mlp_norm=(L, d))
+    shapes: dict[str, Any] = {"embed": (V, d), "layers": layers, "final_norm": (d,)}
+    if not c.tie_embeddings:
+        shapes["lm_head"] = (d, V)
+    return shapes

@@ -80,7 +80,7 @@ def device_params(cfg: LlamaConfig, seed: int = 0, std: float = 0.02, dtype=jnp.
     (`models.config.shape_config`) for timing, built in seconds on an accelerator and without host
     memory. `init_params` draws on the host in float32 (4 bytes a parameter, minutes for 8B
     parameters); the two draws differ (init_params' numbers stay what they were)."""
-    from models.loading import expected_shapes
+    from models.config import expected_shapes
 
     shapes = expected_shapes(cfg)
     named = tuple(((), k, s) for k, s in shapes.items() if k != "layers")

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from models.config import LlamaConfig, gemma3_layer_types
+from models.config import LlamaConfig, expected_shapes, gemma3_layer_types  # noqa: F401  (expected_shapes: re-exported)
 
 if TYPE_CHECKING:
     from models.llama import Llama
@@ -106,27 +106,6 @@ def _assemble(
     params["layers"] = layers
     _check_shapes(config, params)
     return params
-
-
-def expected_shapes(config: LlamaConfig) -> Params:
-    """The canonical tree of shapes a config implies (the contract of every loader)."""
-    c = config
-    L, d, F, V = c.n_layers, c.d_model, c.d_ff, c.vocab_size
-    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-    layers = {
-        "attn_norm": (L, d), "wq": (L, d, q), "wk": (L, d, kv), "wv": (L, d, kv), "wo": (L, q, d),
-        "mlp_norm": (L, d), "w_gate": (L, d, F), "w_up": (L, d, F), "w_down": (L, F, d),
-    }
-    if c.qkv_bias:
-        layers.update(bq=(L, q), bk=(L, kv), bv=(L, kv))
-    if c.qk_norm:
-        layers.update(q_norm=(L, c.head_dim), k_norm=(L, c.head_dim))
-    if c.post_norms:
-        layers.update(post_attn_norm=(L, d), post_mlp_norm=(L, d))
-    shapes: Params = {"embed": (V, d), "layers": layers, "final_norm": (d,)}
-    if not c.tie_embeddings:
-        shapes["lm_head"] = (d, V)
-    return shapes
 
 
 def _check_shapes(config: LlamaConfig, params: Params) -> None:

@@ -181,11 +181,12 @@ def check(command: str) -> str:
             return "run by tests/evals/test_peer.py::test_help"
         plan = peer.prepare(peer.parse(args))
         return f"evals.peer.parse + prepare: {len(plan.cells)} rows x {plan.samples} samples built"
-    if module == "evals.leaderboard":  # key=value: its parser and every task's prompts (main would run them)
-        from evals import leaderboard
+    if module == "evals.leaderboard":  # key=value: its parser and the first task's prompts (main would run them)
+        from evals import leaderboard, peer
 
-        b = leaderboard.prepare(leaderboard.parse(args))
-        return f"evals.leaderboard.parse + prepare: {len(b.plans)} evals.peer runs built"
+        b = leaderboard.parse(args)  # every key, task and press; the first run's prompts built (tokenizer only)
+        peer.prepare(b.plans[0])
+        return f"evals.leaderboard.parse: {len(b.plans)} evals.peer runs checked, the first one's prompts built"
     if module == "benchmarks.first_call":  # key=value (main would load the model in subprocesses)
         from kvpolicies.compat import PRESSES
 

@@ -114,7 +114,7 @@ def tiny_hf(tmp_path_factory):
 def test_gpu_script_dry_run_end_to_end(tiny_hf, tmp_path):
     """scripts/gpu_leaderboard.sh with DRY_RUN=1 (no GPU, float32) on a tiny HF folder: the whole
     command, one task (query-agnostic: the query-aware split is test_peer's); every item saved, each cell's score RULER's metric of its
-    saved answer; a rerun computes nothing."""
+    saved answer (resuming is evals.peer's, tested there)."""
     import os
     import subprocess
     import sys
@@ -141,8 +141,6 @@ def test_gpu_script_dry_run_end_to_end(tiny_hf, tmp_path):
             if not (p.query_aware and x["press"] == "full"):
                 want = 100 * ruler.score(p.task, ruler.ids_text(tok, x["answer"]), p.refs[0])
                 assert avg[(L.label(x["press"], p.query_aware), x["ratio"])] == want and len(x["answer"]) == 4
-    again = script()
-    assert again.returncode == 0 and "to do 0" in again.stdout
 
 
 def test_gpu_script_refuses_a_folder_without_config(tmp_path):

@@ -113,7 +113,7 @@ def test_a_ray_grid_with_a_worker_killed_equals_the_in_process_lines_after_a_rer
 
     out = tmp_path / "ray"
     out.mkdir()
-    for f in (f"{STEM}.kvpress.jsonl", f"{STEM}.tiny"):  # kvpress's side and the tiny checkpoint: done
+    for f in (f"{STEM}.kvpress.jsonl", peer.tiny_dir(peer.parse(ARGS)).name):  # kvpress's side, the tiny model: done
         (shutil.copytree if (local / f).is_dir() else shutil.copy)(local / f, out / f)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # DyingWorker, defined here
     ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
@@ -121,7 +121,7 @@ def test_a_ray_grid_with_a_worker_killed_equals_the_in_process_lines_after_a_rer
         p = peer.prepare(peer.parse(ARGS + [f"out={out}", "executor=ray", "ray.workers=2"]))
         monkeypatch.setattr(peer_grid, "RETRIES", 0)  # no restart: the rerun does what the dead worker left
         with pytest.raises(RuntimeError, match="lines written are kept"):
-            peer_grid.run_ours(p, peer.pending(p, "ours"), worker=DyingWorker)
+            peer_grid.run_ours(p, peer.pending(p, "ours"), worker=DyingWorker, side=peer.ray_side())
         assert len(peer.saved(p, "ours")) == 3  # one item lost with the dead worker, its half line skipped
         assert len(shards.shard_files(p.path(".ours.jsonl"))) == 2  # both workers wrote
         rows = peer.main(ARGS + [f"out={out}", "executor=ray", "ray.workers=2"])  # the rerun: the command

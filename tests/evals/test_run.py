@@ -159,7 +159,8 @@ def test_budget_conflicts_and_unsized_policies():
 
 @pytest.mark.parametrize("overrides, expected", [
     (["policy=sinc"], ["policy=sinc: no such policy (did you mean 'sink'?); choose one of:", *sorted(kvpolicies.POLICIES)]),
-    (["task=foo"], ["task=foo: no such task; choose one of: longgen, multikey, multiquery, multiturn, niah, passkey, perplexity, recall, ruler"]),
+    (["task=foo"], ["task=foo: no such task; choose one of: cwe, fwe, longgen, multikey, multiquery, multiturn, niah, "
+                    "niah_multikey_1,", "passkey, perplexity, qa_1, qa_2, recall, ruler,", "ruler_vt, vt"]),
     (["window=abc"], ["window=abc: window must be int"]),
     (["progress=maybe"], ["progress=maybe: progress must be bool"]),
     (["windw=5"], ["windw: unknown key (did you mean 'window'?); the config has keys: budget, chunk, codec, data, distributed, fit, "

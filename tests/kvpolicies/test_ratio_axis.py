@@ -61,7 +61,8 @@ def test_new_fields_at_their_defaults_keep_the_run_keys():
     key as it was."""
     conf = C.validate(C.compose(["policy=snapkv", "model=tiny_random", "tokens=400"]))
     pol, _ = C.resolve_policy(conf)
-    old = {k: v for k, v in R.policy_record(pol).items() if k not in ("ratio", "pooling", "interval", "target", "slots")}
+    old = {k: v for k, v in R.policy_record(pol).items() if k not in ("ratio", "pooling", "interval", "target", "slots",
+                                                                            "spare")}
     keyed = {k: conf[k] for k in ("model", "data", "policy", "task", "chunk", "seed")}
     keyed["task"] = {k: v for k, v in conf["task"].items() if k != "extrapolate"}
     assert run_key(conf, pol) == R.config_key({**keyed, "policy": old})
