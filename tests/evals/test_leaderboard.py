@@ -183,3 +183,17 @@ def test_evals_run_takes_ruler_s_names():
     assert preflight(["task=niah_multikey_3", "policy=snapkv", "budget=0.25"])[0] == 1
     with pytest.raises(ConfigError, match="task.qa_file=<path to its squad.json>"):
         preflight(["task=qa_1", "policy=full"])
+
+
+def test_executor_ray_reaches_every_task_s_run_without_importing_ray(tmp_path):
+    """executor=ray (and ray.workers=) go to each task's evals.peer run (its presses on Ray actors,
+    evals.peer_grid); parsing imports no Ray."""
+    import sys
+
+    had = "ray" in sys.modules
+    b = L.parse(ARGS + [f"out={tmp_path}", "executor=ray", "ray.workers=3"])
+    assert all((p.ray.address, p.ray.workers) == ("local", 3) for p in b.plans)
+    assert all(p.ray is None for p in L.parse(ARGS + [f"out={tmp_path}"]).plans)
+    assert had or "ray" not in sys.modules
+    with pytest.raises(ConfigError, match="give executor=ray"):
+        L.parse(ARGS + [f"out={tmp_path}", "ray.workers=3"])
