@@ -1,0 +1,220 @@
+"""`think`: ThinK (Xu et al. 2024, "ThinK: Thinner Key Cache by Query-Driven Pruning",
+arXiv:2407.21018; SalesforceAIResearch/ThinK; NVIDIA/kvpress `ThinKPress`) — after the prompt, prune
+the key channels of every kv head that the last queries use least, and store only the others.
+
+Shapes: B batch, K kv heads, G query heads per kv head, T new tokens, M prompt slots (= max_len),
+R whole slots (= min(max_new, max_len)), S = M + R slots, W query window, D head dim,
+C = D - int(D * ratio) kept channels.
+
+The score of channel j of a kv head is kvpress's: the mean over the last `window` prompt queries
+(after RoPE, averaged over the head's G query heads) of q_j^2, times the mean over the prompt's keys
+(after RoPE) of k_j^2 (the paper's ||Q[-W:, j] K[:, j]^T||_F up to the square root and the constant
+factors, which rank alike). The int(D * ratio) lowest are pruned, per (batch row, layer, kv head).
+
+What is stored: the prompt's keys are rotated (RoPE at their text positions, as kvpress caches
+them: ThinK prunes channels of rotated keys) and only their C kept channels are stored,
+[B, K, M, C], with the head's channel order `chan` [B, K, D] (the C kept channels ascending, then
+the pruned ones). Values are stored whole. Tokens appended after the compression (the question, the
+answer) are stored whole in R slots of their own, as kvpress and the authors do (the new keys are
+never pruned). kvpress zeroes the pruned channels of a cache of the same size (its docstring: "no
+memory gain"); ours holds C of the D key channels of the prompt.
+
+How attention reads it: `extend` decodes the stored keys to D channels with zeros at the pruned
+ones (a gather, exact), so q.k over D equals q.k over the kept channels, as kvpress's zeroed keys
+give; like a codec's view it is transient. (Attention over the kept channels alone, gathering q's
+channels instead, would need a per-part query transform in `kvpolicies.attention`.)
+
+Deviations: the authors' code (ThinK_flash, `think_utils`) leaves the newest `window` prompt keys
+unpruned; kvpress prunes every prompt key, and so do we (the parity target). A stream that was
+never compressed (`Engine.score`, no prompt phase) stores its tokens whole in the R slots, as
+`full` does, and holds at most R tokens beyond the compressed prompt (`Bounded`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from kvpolicies.base import EMPTY, Policy, RopePositions, SlotState, View
+from kvpolicies.checks import check_int
+from kvpolicies.codecs import Codec, Identity
+from kvpolicies.keydiff import rotated
+from kvpolicies.limits import Bounded, concrete
+from kvpolicies.prompt import PromptCompressor, PromptPhase, PromptState
+from kvpolicies.slots import write_rows
+
+
+class ThinKeys(NamedTuple):
+    kept: Float[Array, "B K M C"]  # the prompt's rotated keys, their kept channels (in `chan`'s order)
+    whole: Float[Array, "B K R D"]  # tokens appended after the compression, rotated, every channel
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ThinKState(SlotState):
+    """k: `ThinKeys`; v [B, K, S, D] (the M prompt slots, then the R whole ones); pos [B, 1, S]
+    (slot j < M holds prompt token j); chan [B, K, D] int32: each head's kept channels ascending,
+    then its pruned ones."""
+
+    chan: Int[Array, "B K D"]
+
+
+def n_kept(head_dim: int, ratio: float) -> int:
+    """Key channels kept of `head_dim` (kvpress: int(head_dim * ratio) pruned)."""
+    return head_dim - int(head_dim * ratio)
+
+
+def decode_keys(kept: Float[Array, "B K M C"], chan: Int[Array, "B K D"]) -> Float[Array, "B K M D"]:
+    """The stored keys at their D channels, zeros at the pruned ones (an exact gather)."""
+    b, k, m, c = kept.shape
+    d = chan.shape[-1]
+    padded = jnp.concatenate([kept, jnp.zeros((b, k, m, d - c), kept.dtype)], axis=-1)  # [B, K, M, D] chan order
+    inv = jnp.argsort(chan, axis=-1)  # [B, K, D]: where each channel lies in `chan`'s order
+    return jnp.take_along_axis(padded, inv[:, :, None, :], axis=-1)  # [B, K, M, D]
+
+
+def channel_order(q_sq: Float[Array, "B K D"], k_sq: Float[Array, "B K D"], pruned: int) -> Int[Array, "B K D"]:
+    """kvpress's rule: the `pruned` channels of lowest q_sq * k_sq are pruned (stable: ties prune
+    the lower channel). [B, K, D]: the kept channels ascending, then the pruned ones ascending."""
+    d = q_sq.shape[-1]
+    order = jnp.argsort(q_sq * k_sq, axis=-1, stable=True)  # [B, K, D] lowest first
+    drop = jnp.argsort(order, axis=-1) < pruned  # [B, K, D]: each channel's rank among the lowest
+    key = jnp.where(drop, d, 0) + jnp.arange(d)  # kept first, each group ascending
+    return jnp.argsort(key, axis=-1).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class ThinKPhase(PromptPhase):
+    """ThinK's prompt phase: the prompt densely (a `PromptPhase`; `obs_window` rows for a token
+    press composed with it), plus the squares of the newest `window` queries after RoPE, summed
+    over each kv head's G query heads, extra["q_win"] [B, K, W, D] (row p mod W holds query p),
+    "win_pos" [B, W], and RoPE's frequencies "inv_freq" [D/2]."""
+
+    window: int = 32
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_int("think", "window", self.window, 1)
+
+    @property
+    def observes(self):
+        return tuple(dict.fromkeys(super().observes + ("q", "rope")))
+
+    def init(self, batch, kv_heads, head_dim, dtype, max_len):
+        st = super().init(batch, kv_heads, head_dim, dtype, max_len)
+        extra = {**st.extra, "q_win": jnp.zeros((batch, kv_heads, self.window, head_dim), jnp.float32),
+                 "win_pos": jnp.full((batch, self.window), EMPTY, jnp.int32)}
+        return dataclasses.replace(st, extra=extra)
+
+    def compact(self, view, seen):
+        st = super().compact(view, seen)
+        pos = view.carry[2]  # [B, T]
+        w = self.window
+        m = min(pos.shape[1], w)  # only the chunk's last min(T, W) queries can be among the newest W
+        last = pos[:, -m:]  # [B, m]
+        q = seen.rope.apply(seen.q[:, :, :, -m:].astype(jnp.float32), last[:, None, None, :])  # [B, K, G, m, D]
+        sq = jnp.sum(q * q, axis=2)  # [B, K, m, D]
+        row = jnp.where(last > pos[:, -1:] - w, last % w, w)  # w: dropped
+        extra = dict(st.extra)
+        extra["q_win"] = jax.vmap(lambda r, i, x: r.at[:, i].set(x, mode="drop"))(extra["q_win"], row, sq)
+        extra["win_pos"] = jax.vmap(lambda r, i, x: r.at[i].set(x, mode="drop"))(extra["win_pos"], row, last)
+        extra["inv_freq"] = jnp.asarray(seen.rope.inv_freq())  # [D/2]
+        return dataclasses.replace(st, extra=extra)
+
+
+@dataclasses.dataclass(frozen=True)
+class ThinK(PromptCompressor, Bounded, Policy):
+    """After the prompt, each kv head keeps C = D - int(D * ratio) key channels (kvpress's
+    `ThinKPress(key_channel_compression_ratio=ratio, window_size=window)`); every token is kept.
+    Stored: the prompt's C kept channels of rotated keys and their order, whole values, and
+    `max_new` whole slots for the tokens that follow (module docstring)."""
+
+    rotated_keys = True  # RoPE at text positions; only attention reads stored keys
+
+    ratio: float = 0.5  # key_channel_compression_ratio: the fraction of key channels pruned
+    window: int = 32  # window_size: the newest prompt queries that score the channels
+    max_new: int = 256  # whole slots for the tokens appended after the compression
+    codec: Codec = Identity()
+
+    def __post_init__(self):
+        if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or not 0 <= self.ratio < 1:
+            raise ValueError(f"think.ratio={self.ratio!r}: must be a number in [0, 1) (the key channels pruned)")
+        check_int("think", "window", self.window, 1)
+        check_int("think", "max_new", self.max_new, 1)
+        if not isinstance(self.codec, Identity):
+            raise ValueError(f"think.codec={self.codec!r}: think stores its own key channels (use codec='none')")
+
+    def whole_slots(self, max_len: int) -> int:
+        return min(self.max_new, max_len)
+
+    def capacity(self, max_len):
+        return max_len + self.whole_slots(max_len)
+
+    def init(self, batch, kv_heads, head_dim, dtype, max_len):
+        m, r, c = max_len, self.whole_slots(max_len), n_kept(head_dim, self.ratio)
+        keys = ThinKeys(kept=jnp.zeros((batch, kv_heads, m, c), dtype), whole=jnp.zeros((batch, kv_heads, r, head_dim), dtype))
+        chan = jnp.broadcast_to(jnp.arange(head_dim, dtype=jnp.int32), (batch, kv_heads, head_dim))
+        return ThinKState(k=keys, v=jnp.zeros((batch, kv_heads, m + r, head_dim), dtype),
+                          pos=jnp.full((batch, 1, m + r), EMPTY, jnp.int32), chan=chan)
+
+    def limit(self, state):
+        """Tokens fit up to the compressed prompt's length plus the R whole slots."""
+        m = state.k.kept.shape[2]
+        last = (state.pos[:, 0, :m] >= 0).sum(axis=-1).min() + state.k.whole.shape[2]
+        return int(last) if concrete(state) else last
+
+    def extend(self, state, k, v, pos):
+        keys = jnp.concatenate([decode_keys(state.k.kept, state.chan).astype(k.dtype), state.k.whole.astype(k.dtype), k],
+                               axis=2)  # [B, K, S + T, D]
+        vals = jnp.concatenate([state.v.astype(v.dtype), v], axis=2)  # [B, K, S + T, D]
+        kpos = jnp.concatenate([state.pos, pos[:, None, :].astype(jnp.int32)], axis=2)  # [B, 1, S + T]
+        return View(k=keys, v=vals, pos=kpos, rope=RopePositions(q=pos[..., None], k=kpos), carry=(state, k, v, pos))
+
+    def compact(self, view, seen):
+        state, k, v, pos = view.carry
+        m = state.k.kept.shape[2]
+        at = (state.pos[:, 0, m:] >= 0).sum(axis=-1)  # [B] the first free whole slot (filled in order)
+        whole = write_rows(state.k.whole, k, at)  # [B, K, R, D]
+        vals = write_rows(state.v, v, m + at)  # [B, K, S, D]
+        kpos = write_rows(state.pos, pos[:, None, :], m + at)  # [B, 1, S]
+        return ThinKState(k=ThinKeys(state.k.kept, whole), v=vals, pos=kpos, chan=state.chan)
+
+    # -- the paper's protocol: the whole prompt densely, then one compression ----------------------
+    def prompt_policy(self):
+        return ThinKPhase(codec=self.codec, obs_window=0, window=self.window)
+
+    def after_prompt(self, state: PromptState) -> ThinKState:
+        keys = state.k.astype(jnp.float32)  # [B, K, M, D] before RoPE
+        b, kh, m, d = keys.shape
+        pos = jnp.broadcast_to(state.pos, (b, kh, m))  # [B, K, M]
+        filled = (pos >= 0)[..., None]  # [B, K, M, 1]
+        k_rot = jnp.where(filled, rotated(keys, pos, state.extra["inv_freq"]), 0.0)  # [B, K, M, D]
+        return compressed(self, state, k_rot, pos >= 0, state.k.dtype)
+
+
+def channel_scores(state: PromptState, k_rot: Float[Array, "B K M D"], keep: Any) -> tuple[Array, Array]:
+    """(mean squared window query [B, K, D], mean squared key over the kept tokens [B, K, D]): kvpress's
+    queries_norm (the last window's queries after RoPE, averaged over the G heads) and keys_norm."""
+    n = jnp.maximum(keep.sum(axis=-1), 1)[..., None].astype(jnp.float32)  # [B, K, 1]
+    k_sq = jnp.where(keep[..., None], k_rot * k_rot, 0.0).sum(axis=2) / n  # [B, K, D]
+    w = jnp.maximum((state.extra["win_pos"] >= 0).sum(axis=-1), 1).astype(jnp.float32)  # [B]
+    q_sq = state.extra["q_win"].sum(axis=2) / w[:, None, None]  # [B, K, D], summed over G
+    return q_sq, k_sq
+
+
+def compressed(policy: ThinK, state: PromptState, k_rot: Float[Array, "B K M D"], keep: Any, dtype: Any) -> ThinKState:
+    """The decode state of a prompt whose rotated keys are k_rot: every slot where `keep` [B, K, M]
+    (all filled slots: ThinK alone), each head's C best channels stored."""
+    b, kh, m, d = k_rot.shape
+    q_sq, k_sq = channel_scores(state, k_rot, keep)
+    chan = channel_order(q_sq, k_sq, d - n_kept(d, policy.ratio))  # [B, K, D]
+    kept = jnp.take_along_axis(k_rot, chan[:, :, None, :n_kept(d, policy.ratio)], axis=-1)  # [B, K, M, C]
+    r = policy.whole_slots(m)
+    keys = ThinKeys(kept=kept.astype(dtype), whole=jnp.zeros((b, kh, r, d), dtype))
+    vals = jnp.concatenate([state.v, jnp.zeros((b, kh, r, d), state.v.dtype)], axis=2)  # [B, K, S, D]
+    kpos = jnp.concatenate([state.pos, jnp.full((b, 1, r), EMPTY, jnp.int32)], axis=2)  # [B, 1, S]
+    return ThinKState(k=keys, v=vals, pos=kpos, chan=chan)
