@@ -28,6 +28,7 @@ _REGISTRY = {
     "pyramidkv": "pyramidkv:PyramidKV",
     "knorm": "knorm:Knorm",
     "keydiff": "keydiff:KeyDiff",
+    "qfilter": "qfilter:QFilter",  # Q-Filters (its filters: evals.qfilter)
     "lagkv": "lagkv:LagKV",
     "finch": "finch:Finch",
     "cur": "cur:CUR",

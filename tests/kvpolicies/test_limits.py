@@ -37,6 +37,7 @@ SMALL = {
     "knorm": kvpolicies.get("knorm", budget=6, max_new=3),
     "random": kvpolicies.get("random", budget=6, max_new=3, seed=1),
     "keydiff": kvpolicies.get("keydiff", budget=6, max_new=3),
+    "qfilter": kvpolicies.get("qfilter", budget=6, max_new=3, filters="random"),
     "lagkv": kvpolicies.get("lagkv", budget=6, max_new=3, n_sink=1, lag_size=3),
     "observed": kvpolicies.get("observed", budget=6, max_new=3),
     "expected": kvpolicies.get("expected", budget=6, max_new=3, n_sink=2, n_future_positions=8),

@@ -28,6 +28,7 @@ POLICIES = {
     "knorm": (kvpolicies.get("knorm", budget=6, max_new=3, dense_layers=0), (6,)),  # kvpress's every-layer form
     "random": (kvpolicies.get("random", budget=6, max_new=3, seed=1), (6,)),
     "keydiff": (kvpolicies.get("keydiff", budget=6, max_new=3), (6,)),
+    "qfilter": (kvpolicies.get("qfilter", budget=6, max_new=3, filters="random"), (6,)),
     "cur": (kvpolicies.get("cur", budget=6, max_new=3, n_sink=1, local_window=4), (6,)),
     "compactor": (kvpolicies.get("compactor", budget=6, max_new=3, sink_start=1, sink_end=1, sketch_dim=4), (6,)),
     "lagkv": (kvpolicies.get("lagkv", budget=6, max_new=3, n_sink=1, lag_size=3), (6,)),

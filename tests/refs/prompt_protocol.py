@@ -21,6 +21,7 @@ import numpy as np
 
 from tests.refs.headwise import adakv_allocate
 from tests.refs.kvzap import choose as kvzap_choose
+from tests.refs.hub import kept_qfilter
 from tests.refs.kvzip import choose as kvzip_choose
 from tests.refs.oracle import default_inv_freq, rope_complex
 from tests.refs.prompt_scored import (compactor_scores, cur_scores, expected_scores, keydiff_scores, lagkv_scores,
@@ -550,6 +551,7 @@ def entries():
         "observed": Entry(get("observed", ratio=0.5), _plain(kept_observed)),
         "expected": Entry(get("expected", ratio=0.5), _plain(kept_expected)),
         "keydiff": Entry(get("keydiff", ratio=0.5), _plain(kept_keydiff)),
+        "qfilter": Entry(get("qfilter", ratio=0.5, filters="random"), _plain(kept_qfilter)),  # tests/refs/hub.py
         "cur": Entry(get("cur", ratio=0.5), _plain(kept_cur)),
         "compactor": Entry(get("compactor", ratio=0.5), _plain(kept_compactor)),  # one chunk, padded
         # obs_window 8 (the question's tokens; default 32): ratio 0.5 keeps the window and 16 of the 40 older tokens

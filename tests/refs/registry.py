@@ -11,6 +11,7 @@ from kvpolicies import Rope
 from tests.refs.oracle import VISIBLE, default_inv_freq, dense_attention
 from tests.refs.prompt_scored import pyramid_ref, stream_ref
 from tests.refs.headwise import adakv_reference, duo_reference
+from tests.refs.hub import qfilter_stream
 from tests.refs.kvzap import stream_reference as kvzap_reference
 from tests.refs.kvzip import stream_reference as kvzip_reference
 from tests.refs.multires_quest import hier_oracle, quest_oracle
@@ -88,6 +89,7 @@ REFERENCES = {
     "knorm": ([kvpolicies.get("knorm", budget=6, max_new=3)], stream_ref),  # tests/refs/prompt_scored.py
     "random": ([kvpolicies.get("random", budget=6, max_new=3, seed=1)], stream_ref),
     "keydiff": ([kvpolicies.get("keydiff", budget=6, max_new=3)], stream_ref),
+    "qfilter": ([kvpolicies.get("qfilter", budget=6, max_new=3, filters="random")], qfilter_stream),  # tests/refs/hub.py
     "compactor": ([kvpolicies.get("compactor", budget=6, max_new=3, sink_start=1, sink_end=1, sketch_dim=4)],
                   _compactor_ref),
     # local_window 4: views of 10 tokens hold 3 blocks (the last one short)

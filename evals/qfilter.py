@@ -1,0 +1,137 @@
+"""Produce Q-Filters (`kvpolicies.qfilter`) for one of our models, offline, by the authors' recipe.
+
+    python -m evals.qfilter model=smollm2                  # $KVP_DATA/qfilters/smollm2.npz
+    python -m evals.qfilter model=qwen sequences=19 length=2048 samples=3000 seed=0
+
+Shapes: L layers, K kv heads, G query heads per kv head, N = K G query heads, T tokens, D head dim.
+
+The authors' `make_filters.py` (NathanGodey/qfilters): the queries after RoPE of every layer and query
+head on calibration sequences of `max_seq_len` = 2048 tokens (its loop keeps num_sequences - 1 = 19 of
+its 20), `num_svd_samples` = 3000 token positions drawn at random (the same for every head), an SVD per
+query head of those [3000, D] queries; with u_1, v_1 the first singular vectors, the filter is
+-sign v_1 where sign = +1 if more than half of u_1's entries are positive (else -1); the filters of a
+kv head's G query heads are averaged. Ours: the same on consecutive windows of the Paul Graham essays
+(`evals.data.paul_graham`; the authors used fineweb samples of at least 2048 tokens), queries from our
+model in float32 (theirs in bfloat16), the positions drawn with numpy (`default_rng(seed)`), the SVD
+in float64. Output: `$KVP_DATA/qfilters/<model>.npz`, "q_filters" [L, K, D] float32 plus the recipe's
+settings, what `kvpolicies.qfilter.QFilter(filters=<file>)` and
+`kvpolicies.compat.kvpress("QFilterPress", r, q_filters=<file>)` read.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float
+
+DEFAULTS = dict(model="smollm2", sequences=19, length=2048, samples=3000, seed=0, out="")
+
+
+def parse(argv: list[str], defaults: dict = DEFAULTS, prog: str = "qfilter") -> dict:
+    cfg = dict(defaults)
+    for a in argv:
+        if "=" not in a:
+            raise SystemExit(f"{prog}: arguments are key=value, got {a!r}; keys: {sorted(defaults)}")
+        k, v = a.split("=", 1)
+        if k not in cfg:
+            raise SystemExit(f"{prog}: unknown key {k!r}; keys: {sorted(defaults)}")
+        cfg[k] = type(defaults[k])(v)
+    for k in ("sequences", "length", "samples"):
+        if k in cfg and cfg[k] < 1:
+            raise SystemExit(f"{prog}: {k}={cfg[k]}: must be >= 1")
+    return cfg
+
+
+def prompt_extras(model, policy, ids: np.ndarray) -> list[dict]:
+    """Each layer's prompt-phase `extra` (a dense prefill of ids [1, T] through `policy`, a PromptPhase
+    in every layer), as numpy arrays: [{name: array}] per layer (batch axis first where it has one)."""
+    from models.engine import Engine
+    from models.llama import policy_runs
+
+    eng = Engine(model, (policy,) * model.cfg.n_layers, max_len=ids.shape[1])
+    _, cache = eng.prefill(np.asarray(ids, np.int32))
+    out = []
+    for (a, b, _), st in zip(policy_runs(eng.policies, model.cfg.n_layers), cache.runs):
+        for i in range(b - a):
+            out.append({k: np.asarray(v[i]) for k, v in st.extra.items()})
+    return out
+
+
+def rope_queries(q: Float[Array, "K T G D"], inv_freq: np.ndarray) -> np.ndarray:
+    """Pre-RoPE queries of positions 0..T-1 rotated by RoPE (rotate-half pairs i, i + D/2): [N, T, D]."""
+    from kvpolicies.expected import turn
+
+    k, t, g, d = q.shape
+    ang = np.arange(t, dtype=np.float32)[:, None] * np.asarray(inv_freq, np.float32)  # [T, D/2]
+    rot = turn(jnp.asarray(q), jnp.cos(ang)[:, None], jnp.sin(ang)[:, None])  # [K, T, G, D]
+    return np.asarray(rot).transpose(0, 2, 1, 3).reshape(k * g, t, d)  # query head n = k G + g
+
+
+def layer_queries(model, windows: list[np.ndarray]) -> list[np.ndarray]:
+    """Per layer, every query head's queries after RoPE over the windows (each prefilled alone from
+    position 0): [N, windows x T, D] float32."""
+    from kvpolicies.compactor import QueryPhase
+
+    per = [[] for _ in range(model.cfg.n_layers)]
+    for w in windows:
+        for layer, ex in enumerate(prompt_extras(model, QueryPhase(of=None, obs_window=0), np.asarray(w)[None])):
+            per[layer].append(rope_queries(ex["q"][0, :, : len(w)], ex["inv_freq"]))  # [N, T, D]
+    return [np.concatenate(x, axis=1) for x in per]
+
+
+def svd_filters(queries: list[np.ndarray], kv_heads: int, samples: int, seed: int) -> np.ndarray:
+    """The authors' recipe on per-layer queries [N, P, D]: `samples` positions drawn once (numpy), per
+    query head -sign v_1 (sign: +1 if most of u_1 is positive), averaged over each kv head's G heads:
+    [L, K, D] float32."""
+    n_pos = queries[0].shape[1]
+    idx = np.random.default_rng(seed).permutation(n_pos)[:samples]
+    out = []
+    for q in queries:
+        x = q[:, idx].astype(np.float64)  # [N, S, D]
+        u, _, vh = np.linalg.svd(x, full_matrices=False)  # u [N, S, D], vh [N, D, D]
+        sign = np.where((u[..., 0] > 0).mean(-1) > 0.5, 1.0, -1.0)  # [N]
+        f = -sign[:, None] * vh[:, 0, :]  # [N, D]
+        out.append(f.reshape(kv_heads, -1, f.shape[-1]).mean(1))  # [K, D]
+    return np.stack(out).astype(np.float32)
+
+
+def compute(model, windows: list[np.ndarray], samples: int = 3000, seed: int = 0) -> np.ndarray:
+    """Q-Filters [L, K, D] of `model` on calibration token windows (each [T])."""
+    return svd_filters(layer_queries(model, windows), model.cfg.n_kv_heads, samples, seed)
+
+
+def windows_of(tok, sequences: int, length: int) -> list[np.ndarray]:
+    """`sequences` consecutive windows of `length` tokens of the Paul Graham essays."""
+    from evals.data import paul_graham
+
+    ids = np.asarray(tok.encode(paul_graham()), np.int32)
+    if ids.size < sequences * length:
+        raise SystemExit(f"the essays hold {ids.size} tokens, {sequences * length} needed (sequences x length)")
+    return [ids[i * length:(i + 1) * length] for i in range(sequences)]
+
+
+def out_path(cfg: dict, folder: str) -> Path:
+    from evals.data import data_dir
+
+    return Path(cfg["out"]) if cfg["out"] else data_dir() / folder / f"{cfg['model']}.npz"
+
+
+def main(argv: list[str] | None = None) -> Path:
+    cfg = parse(sys.argv[1:] if argv is None else argv)
+    from evals import zoo
+
+    model, tok = zoo.load_model({"name": cfg["model"], "dtype": "float32"})
+    filters = compute(model, windows_of(tok, cfg["sequences"], cfg["length"]), cfg["samples"], cfg["seed"])
+    path = out_path(cfg, "qfilters")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(path, q_filters=filters, **{k: v for k, v in cfg.items() if k != "out"})
+    print(f"qfilter: {cfg['model']}: filters {filters.shape} from {cfg['sequences']} x {cfg['length']} tokens, "
+          f"{cfg['samples']} samples; wrote {path}")
+    return path
+
+
+if __name__ == "__main__":
+    main()
