@@ -35,6 +35,8 @@ sized by their `ratio` field (`PromptScored.kept_for`), with kvpress's defaults:
                             and answer appended (`appended=max_new`)
 
     KeyDiffPress            keydiff (-cos of the key after RoPE with the head's mean unit key)
+    QFilterPress            qfilter: -<f, k> of the keys after RoPE, f the layer's filters (q_filters=: kvpress
+                            downloads the authors'; ours by their recipe, `python -m evals.qfilter`)
     LagKVPress              lagkv (n_sink 4, lag_size 128, cross_scoring False)
     RandomPress             random with kvpress's counts and our draw (torch's cannot be reproduced)
     FinchPress              finch: window_size = the question's tokens, which end the prompt (kvpress: a
@@ -101,6 +103,7 @@ from kvpolicies.observed import Observed
 from kvpolicies.prompt import PromptPhase, PromptState
 from kvpolicies.prompt_scored import PromptScored, chunked, rank_by
 from kvpolicies.pyramidkv import PyramidKV, PyramidLayer  # noqa: F401  (PyramidLayer: re-exported, it lived here)
+from kvpolicies.qfilter import from_kvpress as qfilter_press
 from kvpolicies.random_keep import RandomKeep
 from kvpolicies.scored import pack, top_mask
 from kvpolicies.snapkv import SnapKV
@@ -504,7 +507,7 @@ class Composed(PromptScored):
 
 
 PRESSES = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPress", "ExpectedAttentionPress",
-           "ObservedAttentionPress", "TOVAPress", "AdaKVPress", "KVzipPress", "DuoAttentionPress",
+           "ObservedAttentionPress", "TOVAPress", "AdaKVPress", "KVzipPress", "DuoAttentionPress", "QFilterPress",
            "KeyDiffPress", "LagKVPress", "RandomPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress",
            "ComposedPress", "FinchPress", "CURPress", "MergingPress", "CompactorPress", "NonCausalAttnPress", "LeverageScorePress",
            "ChunkKVPress", "KeyRerotationPress", "EntropyGatedChunkKVPress")
@@ -788,6 +791,8 @@ def _scored(press: str, r: float, max_new: int, n_layers: int | None, fields: di
             "n_future_positions", "n_sink", "use_covariance", "use_vnorm", "epsilon")})
     if press == "ObservedAttentionPress":
         return Observed(ratio=r, max_new=max_new)
+    if press == "QFilterPress":  # kvpress downloads the authors' filters: given here (q_filters=, evals.qfilter)
+        return qfilter_press(r, max_new, n_layers, fields)
     if press == "KeyDiffPress":
         return KeyDiff(ratio=r, max_new=max_new)
     if press == "LagKVPress":

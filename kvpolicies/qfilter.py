@@ -139,3 +139,16 @@ def _nested(arr, ndim: int) -> tuple:
     if arr.ndim != ndim:
         raise ValueError(f"qfilter: expected {ndim} dimensions, got shape {arr.shape}")
     return tuple(_nested(a, ndim - 1) for a in arr) if ndim > 1 else tuple(float(x) for x in arr)
+
+
+def from_kvpress(r: float, max_new: int, n_layers: int | None, fields: dict) -> QFilter | tuple[QFilter, ...]:
+    """`kvpolicies.compat.kvpress("QFilterPress", r, q_filters=...)`: kvpress's press downloads the authors'
+    filters for its checkpoint (`q_filters`, a field it fills itself); here they are given: a file of
+    `evals.qfilter` (or an .npy) or an [L, K, D] array. Given `n_layers`, the per-layer tuple."""
+    filters = fields.pop("q_filters", None)
+    if filters is None or (isinstance(filters, str) and not filters):
+        raise ValueError("kvpress('QFilterPress'): give q_filters= (a file of `python -m evals.qfilter model=<name>`, "
+                         "$KVP_DATA/qfilters/<model>.npz, or an [L, K, D] array); kvpress downloads the authors' "
+                         "filters from the Hugging Face hub, which is not reachable offline")
+    out = QFilter(ratio=r, max_new=max_new, filters=filters if isinstance(filters, str) else _nested(filters, 3))
+    return out.stack(n_layers) if n_layers is not None else out
