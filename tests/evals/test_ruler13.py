@@ -46,14 +46,22 @@ NIAH = {"niah_single_1": ("noise", WORD, "numbers", 1, 1, 1), "niah_single_2": (
         "niah_multivalue": ("essay", WORD, "numbers", 1, 4, 1), "niah_multiquery": ("essay", WORD, "numbers", 4, 1, 4)}
 
 
-@pytest.fixture(scope="module", params=["smollm2", "qwen"])
+@pytest.fixture(scope="module", params=["smollm2", "qwen", "gemma3"])
 def made(request):
-    """(tokenizer, {task: two samples at 4096}) for the SmolLM2 / Qwen2.5 tokenizer."""
+    """(tokenizer, {task: two samples at 4096}) for the SmolLM2 / Qwen2.5 / Gemma 3 tokenizer."""
     from evals import zoo
 
     tok = zoo.load_tokenizer({"name": request.param, "dtype": "float32"})
     return tok, {name: ruler.samples(ruler.leaderboard_task(name, LENGTH, 2), tok, None, LENGTH, 0)
                  for name in ruler.AVAILABLE}
+
+
+def _turn(tok, content: str) -> str:
+    """The user turn `content` as the prompt is built: in the chat template with the generation
+    header, or, for a tokenizer without one (Gemma 3 270M's GGUF), the content and a newline."""
+    if tok.chat_template is None:
+        return content + "\n"
+    return tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
 
 
 def _parts(tok, sample, template: tuple[str, str], **fields) -> str:
@@ -62,8 +70,7 @@ def _parts(tok, sample, template: tuple[str, str], **fields) -> str:
     question starts at `split`."""
     user, prefix = template
     before, after = user.format(context="\x00", **fields).split("\x00")
-    head, tail = tok.apply_chat_template([{"role": "user", "content": before + "\x00" + after}],
-                                         add_generation_prompt=True).split("\x00")
+    head, tail = _turn(tok, before + "\x00" + after).split("\x00")
     text = tok.decode(list(map(int, sample.tokens)))
     tail += prefix.format(**fields)
     assert text.startswith(head) and text.endswith(tail), (text[:300], text[-300:])
@@ -126,7 +133,8 @@ def test_every_task_has_the_exact_length_and_rulers_template(made):
             kind = name.split("_")[0]
             assert list(re.finditer(QUESTION[kind], text))[-1].start() == len(text) - len(q), name  # kvpress's split
             answer = q[re.search(ANSWER[kind], q).start():]  # kvpress's answer prefix: after the assistant header
-            assert "\n" not in answer and q[:-len(answer)].endswith("assistant\n"), name
+            header = _turn(tok, "\x00").split("\x00")[1]  # after the user's content: the assistant header, or "\n"
+            assert "\n" not in answer and q[:-len(answer)].endswith(header), name
             if name in NIAH:
                 one = NIAH[name][4] * NIAH[name][5] == 1
                 t = NIAH[name][2][:-1] if one else NIAH[name][2]
