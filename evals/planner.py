@@ -48,6 +48,7 @@ import json
 import math
 import pathlib
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -63,12 +64,12 @@ from kvpolicies.memory import state_bytes, tree_nbytes
 from kvpolicies.paged import Paged
 from kvpolicies.sink import Sink
 from kvpolicies.window import Window
-from models.config import LlamaConfig, smollm2_135m
-from models.loading import expected_shapes
+from models.config import LlamaConfig, shape_config, smollm2_135m
+from models.loading import expected_shapes, hf_config
 
 MB, MIB, GB, GIB = 10**6, 2**20, 10**9, 2**30
 SCALE_LEAVES = ("scale", "zero")  # leaf names inside k/v that are quantization metadata, not codes
-HF_LLAMA_TYPES = ("llama", "mistral", "qwen2")  # config.json model types whose parameters we can count
+HF_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # config.json model types whose parameters we can count
 
 
 # ----------------------------------------------------------------------------------------------
@@ -114,6 +115,8 @@ PRESET_CONFIGS: dict[str, LlamaConfig] = {
     "mistral-7b": _llama("Mistral-7B-v0.1", 32000, 4096, 32, 32, 8, 14336),  # 7,241,732,096
     "qwen2-7b": _llama("Qwen2-7B", 152064, 3584, 28, 28, 4, 18944, qkv_bias=True),  # 7,615,616,512
     "smollm2-135m": smollm2_135m(),  # 134,515,008 (tied embeddings)
+    "llama-3.1-8b": shape_config("llama-3.1-8b"),  # 8,030,261,248 (Llama-3-8B's shapes, llama3 RoPE scaling)
+    "qwen3-8b": shape_config("qwen3-8b"),  # 8,190,735,360 (q/k-norm weights included)
 }
 PRESETS: dict[str, ModelShape] = {k: from_config(c) for k, c in PRESET_CONFIGS.items()}
 
@@ -123,8 +126,10 @@ def read_hf_config(path: str | pathlib.Path) -> ModelShape:
 
     Reads num_hidden_layers, num_key_value_heads (default: num_attention_heads) and head_dim
     (default: hidden_size / num_attention_heads); multimodal configs are read from `text_config`.
-    Parameters are counted for Llama-family model types (llama, mistral, qwen2) whose config has
-    vocab_size and intermediate_size; otherwise they are unknown and weights must be given.
+    Parameters are counted for the model types the loader reads (llama, mistral, qwen2, qwen3:
+    `models.loading.hf_config`, so Qwen2's q/k/v biases and Qwen3's q/k-norm weights count) whose
+    config has vocab_size and intermediate_size; otherwise, or where the loader refuses the config,
+    they are unknown and weights must be given.
     """
     path = pathlib.Path(path)
     if path.is_dir():
@@ -152,12 +157,12 @@ def read_hf_config(path: str | pathlib.Path) -> ModelShape:
     name = str(cfg.get("_name_or_path") or path.parent.name or path.stem)
     shape = ModelShape(name, int(cfg["num_hidden_layers"]), kv_heads, int(head_dim), n_heads=n_heads)
     if cfg.get("model_type") in HF_LLAMA_TYPES and all(k in cfg for k in ("vocab_size", "hidden_size", "intermediate_size")):
-        config = LlamaConfig(
-            vocab_size=int(cfg["vocab_size"]), d_model=int(cfg["hidden_size"]), n_layers=shape.n_layers,
-            n_heads=n_heads, n_kv_heads=kv_heads, head_dim=shape.head_dim, d_ff=int(cfg["intermediate_size"]),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=cfg["model_type"] == "qwen2",
-            name=name,
-        )
+        with warnings.catch_warnings():  # a sliding window the loader ignores changes no parameter
+            warnings.simplefilter("ignore")
+            try:  # no tie flag: counted with an lm_head (the library default, tie_word_embeddings=false)
+                config = hf_config(cfg, name, has_lm_head=not cfg.get("tie_word_embeddings", False))
+            except ValueError:  # a config the loader refuses (another activation, an o_proj bias)
+                return shape
         shape = dataclasses.replace(shape, params=count_params(config))
     return shape
 

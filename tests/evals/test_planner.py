@@ -29,11 +29,13 @@ L8, K8, D8 = 32, 8, 128  # Llama-3-8B: layers, kv heads, head dim
 def test_preset_parameter_counts():
     # The published parameter counts, recomputed from the architectures' tensor shapes.
     want = {"llama-3-8b": 8_030_261_248, "llama-3-70b": 70_553_706_496, "mistral-7b": 7_241_732_096,
-            "qwen2-7b": 7_615_616_512, "smollm2-135m": 134_515_008}
+            "qwen2-7b": 7_615_616_512, "smollm2-135m": 134_515_008,
+            "llama-3.1-8b": 8_030_261_248, "qwen3-8b": 8_190_735_360}  # the leaderboard's two models
     assert {k: m.params for k, m in PRESETS.items()} == want
     shapes = {k: (m.n_layers, m.kv_heads, m.head_dim) for k, m in PRESETS.items()}
     assert shapes == {"llama-3-8b": (32, 8, 128), "llama-3-70b": (80, 8, 128), "mistral-7b": (32, 8, 128),
-                      "qwen2-7b": (28, 4, 128), "smollm2-135m": (30, 3, 64)}
+                      "qwen2-7b": (28, 4, 128), "smollm2-135m": (30, 3, 64), "llama-3.1-8b": (32, 8, 128),
+                      "qwen3-8b": (36, 8, 128)}
     assert fmt_bytes(PRESETS["llama-3-8b"].weight_bytes) == "16.1 GB"  # "16 GB of weights"
 
 
@@ -113,6 +115,19 @@ def test_hf_config_json(tmp_path):
         m = read_hf_config(where)
         assert (m.n_layers, m.kv_heads, m.head_dim, m.params) == (32, 8, 128, 8_030_261_248)
     assert kv_bytes(str(tmp_path / "config.json"), 1024).kv == 134_217_728
+
+    # Qwen3-8B's config.json: q/k-norm weights ([L, D] each) counted, the published 8,190,735,360
+    qwen3 = {"model_type": "qwen3", "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+             "head_dim": 128, "hidden_size": 4096, "intermediate_size": 12288, "vocab_size": 151936,
+             "tie_word_embeddings": False, "rope_theta": 1000000, "rms_norm_eps": 1e-6, "sliding_window": None,
+             "use_sliding_window": False, "max_position_embeddings": 40960}
+    (tmp_path / "qwen3.json").write_text(json.dumps(qwen3))
+    m = read_hf_config(tmp_path / "qwen3.json")
+    assert (m.n_layers, m.kv_heads, m.head_dim, m.params) == (36, 8, 128, 8_190_735_360)
+    (tmp_path / "as_llama.json").write_text(json.dumps(qwen3 | {"model_type": "llama"}))  # no q/k-norm
+    assert m.params - read_hf_config(tmp_path / "as_llama.json").params == 2 * 36 * 128  # q_norm, k_norm [L, D]
+    (tmp_path / "act.json").write_text(json.dumps(qwen3 | {"hidden_act": "gelu"}))  # the loader refuses it
+    assert read_hf_config(tmp_path / "act.json").params is None
 
     # MHA (no num_key_value_heads), explicit head_dim, unknown architecture: weights must be given.
     other = tmp_path / "other.json"
