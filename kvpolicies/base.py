@@ -209,6 +209,23 @@ class Deferred(NamedTuple):
 
 
 
+class ReadsValues:
+    """Capability: a policy whose state records what each new token's value adds to the layer's output
+    through its output projection W_o (CriticalKV's prompt phase: ||v W_o||_1 per token and kv head).
+    The model asks `reads_values(policy)` and then calls `read_values(state, v, pos, wo)` before the
+    layer's attention step (`models.llama.block`); a policy without it compiles as before."""
+
+    def read_values(self, state: Any, v: Float[Array, "B T K D"], pos: Int[Array, "B T"],
+                    wo: Float[Array, "ND d"]) -> Any:
+        """The state with the step's T tokens' observation written (`wo`: the layer's [N D, d] projection)."""
+        raise NotImplementedError
+
+
+def reads_values(policy: Any) -> bool:
+    """Whether the model hands `policy` the step's values and the layer's output projection (`ReadsValues`)."""
+    return isinstance(policy, ReadsValues)
+
+
 def keys_rotated(codec: Codec) -> bool:
     """`rotated_keys` of a policy that keeps its keys at their text positions and reads them only
     in attention: always without a codec (same numbers), and with a codec that encodes them after

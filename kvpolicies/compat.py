@@ -61,6 +61,9 @@ sized by their `ratio` field (`PromptScored.kept_for`), with kvpress's defaults:
                             keydiff, lagkv, random, snapkv, expected; `Delegating`)
     EntropyGatedChunkKVPress  `EntropyChunkKV`: ChunkKV's chunks (10), spiky ones cut to their 4 best
     KeyRerotationPress      `Rerotated`: the inner press, RoPE at the kept keys' ranks (as ChunkKV's)
+    CriticalKVPress         `critical.Critical` (press="SnapKVPress" by default; expected, keydiff, pyramidkv's
+                            score): stage 1 by the score, stage 2 by (score + epsilon) ||v W_o||_1
+    CriticalAdaKVPress      `critical.CriticalAda`: Ada-KV's head budgets, then the two stages per head
 
     KnormPress with compression_interval=I, target_size=T: kvpress's PrefillDecodingPress
                             (KnormPress(compression_ratio) on the prefill, DecodingPress(KnormPress(),
@@ -510,10 +513,11 @@ PRESSES = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPress", "
            "ObservedAttentionPress", "TOVAPress", "AdaKVPress", "KVzipPress", "DuoAttentionPress", "QFilterPress",
            "KeyDiffPress", "LagKVPress", "RandomPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress",
            "ComposedPress", "FinchPress", "CURPress", "MergingPress", "CompactorPress", "NonCausalAttnPress", "LeverageScorePress",
-           "ChunkKVPress", "KeyRerotationPress", "EntropyGatedChunkKVPress")
+           "ChunkKVPress", "KeyRerotationPress", "EntropyGatedChunkKVPress",
+           "CriticalKVPress", "CriticalAdaKVPress")
 SUPPORTED = PRESSES
 WRAPPERS = ("MergingPress", "AdaKVPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress", "ChunkKVPress",
-            "KeyRerotationPress", "EntropyGatedChunkKVPress")  # `press`: an inner press
+            "KeyRerotationPress", "EntropyGatedChunkKVPress", "CriticalKVPress", "CriticalAdaKVPress")  # `press`: an inner press
 # the inner presses a wrapper takes today, with their own fields (kvpress names)
 INNER = {"MergingPress": ("KnormPress", "KeyDiffPress", "LagKVPress", "RandomPress", "CURPress"),
          "AdaKVPress": ("SnapKVPress", "KnormPress", "KeyDiffPress", "LagKVPress", "RandomPress", "StreamingLLMPress",
@@ -524,7 +528,9 @@ INNER = {"MergingPress": ("KnormPress", "KeyDiffPress", "LagKVPress", "RandomPre
          "BlockPress": ("KnormPress", "KeyDiffPress", "RandomPress"),
          "ChunkKVPress": ("KnormPress", "KeyDiffPress", "LagKVPress", "RandomPress", "SnapKVPress", "ExpectedAttentionPress"),
          "KeyRerotationPress": ("KnormPress", "KeyDiffPress", "LagKVPress", "RandomPress", "SnapKVPress", "ExpectedAttentionPress"),
-         "EntropyGatedChunkKVPress": ("KnormPress", "KeyDiffPress", "LagKVPress", "RandomPress", "SnapKVPress", "ExpectedAttentionPress")}
+         "EntropyGatedChunkKVPress": ("KnormPress", "KeyDiffPress", "LagKVPress", "RandomPress", "SnapKVPress", "ExpectedAttentionPress"),
+         "CriticalKVPress": ("SnapKVPress", "PyramidKVPress", "ExpectedAttentionPress", "KeyDiffPress"),
+         "CriticalAdaKVPress": ("SnapKVPress", "PyramidKVPress", "ExpectedAttentionPress", "KeyDiffPress")}
 
 
 def press_of(policy: Policy) -> tuple[str, dict]:
@@ -553,7 +559,7 @@ def _inner(wrapper: str, r: float, fields: dict) -> dict:
     """`fields` with `press` as the inner press's class name and its fields among them: `press` given
     by name (its fields already among `fields`) or as an inner `kvpress(...)` result (whose
     compression_ratio, if set, must be the wrapper's: kvpress's wrappers read their inner press's)."""
-    inner = fields.get("press", "SnapKVPress" if wrapper == "AdaKVPress" else None)
+    inner = fields.get("press", "SnapKVPress" if wrapper in ("AdaKVPress", "CriticalKVPress", "CriticalAdaKVPress") else None)
     if inner is None:
         raise ValueError(f"kvpress({wrapper!r}): give press= (an inner press: a class name or a kvpress(...) result)")
     own = {}
@@ -732,6 +738,27 @@ def _compactor(press: str, r: float, max_new: int, fields: dict) -> Compactor:
                      sketch_dim=fields.pop("sketch_dimension", 48), blending=fields.pop("blending", None))
 
 
+def _critical(press: str, r: float, max_new: int, fields: dict) -> Policy:
+    """kvpress's `CriticalKVPress(press, epsilon, first_stage_ratio)` and `CriticalAdaKVPress(press,
+    alpha_safeguard, epsilon, first_stage_ratio)` (`kvpolicies.critical`, which builds on `Delegating`:
+    imported here). PyramidKVPress: only its score is read, SnapKV's."""
+    from kvpolicies.critical import Critical, CriticalAda, SnapOnce
+
+    own = {k: fields.pop(k) for k in ("epsilon", "first_stage_ratio") if k in fields}
+    inner = fields.pop("press")
+    if inner == "PyramidKVPress":
+        inner = "SnapKVPress"
+        fields.pop("beta", None)
+    if press == "CriticalAdaKVPress":
+        own["alpha_safeguard"] = fields.pop("alpha_safeguard", 0.2)
+    pol = kvpress(inner, r, max_new=max_new, **{k: fields.pop(k) for k in list(fields)})
+    if press == "CriticalKVPress":
+        return Critical(ratio=r, max_new=max_new, press=pol, **own)
+    if type(pol) is SnapKV:  # a head pool keeps no accumulated mass (its stream rule: `SnapOnce`)
+        pol = SnapOnce(**{f.name: getattr(pol, f.name) for f in dataclasses.fields(pol)})
+    return CriticalAda(press=pol, ratio=r, max_new=max_new, **own)
+
+
 def _scored(press: str, r: float, max_new: int, n_layers: int | None, fields: dict) -> Policy | tuple[Policy, ...]:
     """The presses that score tokens once after the context (SnapKV's family, Knorm, ...)."""
     if press == "FinchPress":
@@ -751,6 +778,8 @@ def _scored(press: str, r: float, max_new: int, n_layers: int | None, fields: di
         local = fields.pop("local_window_size", 16) if fields.pop("use_local_approximation", True) else 0
         return CUR(ratio=r, max_new=max_new, n_sink=fields.pop("num_sinks", 4),
                    leverage=fields.pop("leverage_type", "kv_product"), local_window=local)
+    if press in ("CriticalKVPress", "CriticalAdaKVPress"):
+        return _critical(press, r, max_new, fields)
     if press == "AdaKVPress" and fields["press"] == "PyramidKVPress":  # AdaKVPress reads only its score: SnapKV's
         fields["press"] = "SnapKVPress"
         fields.pop("beta", None)

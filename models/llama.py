@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from kvpolicies.base import Policy
+from kvpolicies.base import Policy, reads_values
 from kvpolicies import Rope, attend
 from kvpolicies.attend import Deferred, write_deferred
 from kvpolicies.rope import RopeTable
@@ -143,6 +143,8 @@ def block(cfg: LlamaConfig, policy: Policy, rope: Rope | RopeTable, w: dict, x, 
     v = v.reshape(B, T, cfg.n_kv_heads, cfg.head_dim)  # [B, T, K, D]
     if cfg.qk_norm:
         q, k = rms_norm(q, w["q_norm"], cfg.norm_eps), rms_norm(k, w["k_norm"], cfg.norm_eps)
+    if reads_values(policy):  # a scorer of v W_o (critical's prompt phase): the values and this layer's wo
+        state = policy.read_values(state, v, pos, w["wo"])
     # defer: a step that only appends returns its new slots, which `hidden` writes after the
     # layer loop (the stored cache is then read in place, not copied through the scan)
     o, state = attend(policy, state, q, k, v, pos, rope, cfg.attn_scale, defer=True, tuning=cfg.attention)  # [B, T, N, D]
