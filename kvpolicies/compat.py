@@ -61,6 +61,9 @@ sized by their `ratio` field (`PromptScored.kept_for`), with kvpress's defaults:
                             keydiff, lagkv, random, snapkv, expected; `Delegating`)
     EntropyGatedChunkKVPress  `EntropyChunkKV`: ChunkKV's chunks (10), spiky ones cut to their 4 best
     KeyRerotationPress      `Rerotated`: the inner press, RoPE at the kept keys' ranks (as ChunkKV's)
+    ThinKPress              think: key_channel_compression_ratio (default 2 r: kvpress's compression_ratio is
+                            its half) of each kv head's key channels pruned by the window_size (32) newest
+                            queries; every token kept, only the kept channels of the prompt's keys stored
     CriticalKVPress         `critical.Critical` (press="SnapKVPress" by default; expected, keydiff, pyramidkv's
                             score): stage 1 by the score, stage 2 by (score + epsilon) ||v W_o||_1
     CriticalAdaKVPress      `critical.CriticalAda`: Ada-KV's head budgets, then the two stages per head
@@ -110,6 +113,7 @@ from kvpolicies.qfilter import from_kvpress as qfilter_press
 from kvpolicies.random_keep import RandomKeep
 from kvpolicies.scored import pack, top_mask
 from kvpolicies.snapkv import SnapKV
+from kvpolicies.think import ThinK
 
 SNAP_DEFAULTS = {"obs_window": 64, "kernel": 5, "pooling": "avg"}  # kvpress's SnapKVPress / PyramidKVPress
 
@@ -514,7 +518,7 @@ PRESSES = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPress", "
            "KeyDiffPress", "LagKVPress", "RandomPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress",
            "ComposedPress", "FinchPress", "CURPress", "MergingPress", "CompactorPress", "NonCausalAttnPress", "LeverageScorePress",
            "ChunkKVPress", "KeyRerotationPress", "EntropyGatedChunkKVPress",
-           "CriticalKVPress", "CriticalAdaKVPress")
+           "CriticalKVPress", "CriticalAdaKVPress", "ThinKPress")
 SUPPORTED = PRESSES
 WRAPPERS = ("MergingPress", "AdaKVPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress", "ChunkKVPress",
             "KeyRerotationPress", "EntropyGatedChunkKVPress", "CriticalKVPress", "CriticalAdaKVPress")  # `press`: an inner press
@@ -620,6 +624,8 @@ def kvpress(name: str, compression_ratio: float, /, *, max_new: int = 256, n_lay
         return _decoding(press, r, max_new, n_layers, decoding, fields)
     if press == "DuoAttentionPress":  # compression_ratio: kvpress's head_compression_ratio
         out = _duo(r, max_new, n_layers, fields)
+    elif press == "ThinKPress":  # compression_ratio: kvpress's read-only key_channel_compression_ratio / 2
+        out = _think(r, max_new, fields)
     elif r == 0:
         return Full()
     elif press == "KVzipPress":
@@ -708,6 +714,19 @@ def _duo(r: float, max_new: int, n_layers: int | None, fields: dict) -> Policy |
     out = Duo(sink=fields.pop("sink_size", 128), recent=fields.pop("recent_size", 256), pattern=duo_heads(scores, r),
               appended=max_new)
     return out.stack(n_layers) if n_layers is not None else out
+
+
+def _think(r: float, max_new: int, fields: dict) -> Policy:
+    """kvpress's `ThinKPress(key_channel_compression_ratio, window_size=32)` (`kvpolicies.think`): its
+    compression_ratio is a read-only property, key_channel_compression_ratio / 2, so the one given must be
+    that or 0; key_channel_compression_ratio defaults to 2 compression_ratio. 0 channels pruned: `full`."""
+    c = fields.pop("key_channel_compression_ratio", 2 * r)
+    if r not in (0, c / 2):
+        raise ValueError(f"kvpress('ThinKPress', {r}): compression_ratio is key_channel_compression_ratio / 2 "
+                         f"({c / 2!r}, kvpress's read-only property): give that, or 0")
+    if c == 0:
+        return Full()
+    return ThinK(ratio=c, window=fields.pop("window_size", 32), max_new=max_new)
 
 
 def _finch(r: float, max_new: int, fields: dict) -> Finch:

@@ -1,0 +1,137 @@
+"""kvpress 0.5.5's channel press beside `kvpolicies.compat.kvpress`: ThinKPress on the tiny random Llama
+(3 layers, 4 query / 2 kv heads, head_dim 16), the same token ids. kvpress prefills the context under the
+press in a subprocess with its own transformers (.venv/kvpress-ref, `WORKER` below, over
+evals/kvpress_worker.py) and zeroes the pruned key channels of a cache of the same size; ours stores only
+the kept channels. The pruned channels per (layer, kv head) and the greedy answers must be identical, and
+our stored bytes are measured against kvpress's cache tensors."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from kvpolicies.compat import kvpress
+from kvpolicies.memory import tree_nbytes
+from models.engine import Engine
+from models.llama import Llama
+from models.loading import load_hf
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+REF = ROOT / ".venv" / "kvpress-ref"
+pytestmark = [pytest.mark.ref, pytest.mark.kvpress, pytest.mark.skipif(not (REF / "kvpress").is_dir(),
+                                                      reason="kvpress not installed (bash scripts/setup.sh test)")]
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512)
+N_CTX, N_Q, N_NEW = 320, 8, 6
+CHANNEL_RATIOS = (0.5, 0.75)  # key_channel_compression_ratio: 8 and 12 of 16 channels pruned
+
+# kvpress's side: evals/kvpress_worker.py's model building, prefill and greedy decoding. ThinKPress keeps
+# every token and zeroes the pruned channels: a channel is pruned where a head's cached keys are all 0.
+WORKER = r"""
+import json, sys, torch
+sys.path.insert(0, sys.argv[3])
+import kvpress_worker as w
+import kvpress
+from transformers import DynamicCache
+
+job = json.load(open(sys.argv[1]))
+path = w.build_tiny(job["tiny"], job["save_to"])
+model = w.load(path, "sdpa")
+ctx, question = torch.tensor([job["context"]]), torch.tensor([job["question"]])
+out = {}
+for c in job["ratios"]:
+    press = kvpress.ThinKPress(key_channel_compression_ratio=c, window_size=job["window"])
+    cache = DynamicCache()
+    with torch.no_grad(), press(model):
+        model(input_ids=ctx, past_key_values=cache, logits_to_keep=1)
+    keys = [layer.keys[0] for layer in cache.layers]  # [K, n, D] each
+    pruned = [[sorted(torch.nonzero((k[h] == 0).all(dim=0)).flatten().tolist()) for h in range(k.shape[0])]
+              for k in keys]
+    held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    tokens = [int(k.shape[1]) for k in keys]
+    n, q = ctx.shape[1], question.shape[1]
+    with torch.no_grad():  # the question's last logits after the compressed context (on a copy of the cache)
+        logits = model(input_ids=question, past_key_values=w._copy(cache), position_ids=torch.arange(n, n + q)[None]).logits
+    answer = w.greedy(model, cache, question, n, job["n_new"])
+    out[str(c)] = {"pruned": pruned, "cache_bytes": held, "tokens": tokens, "answer": answer,
+                   "logits": logits[0, -1].tolist(), "compression_ratio": press.compression_ratio}
+json.dump(out, open(sys.argv[2], "w"))
+"""
+
+
+def run_kvpress(job: dict, tmp: pathlib.Path, timeout: int = 600) -> dict:
+    (tmp / "job.json").write_text(json.dumps(job))
+    env = {**os.environ, "PYTHONPATH": str(REF), "CUDA_VISIBLE_DEVICES": "", "TRANSFORMERS_VERBOSITY": "error",
+           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    subprocess.run([sys.executable, "-c", WORKER, str(tmp / "job.json"), str(tmp / "out.json"), str(ROOT / "evals")],
+                   check=True, env=env, cwd=ROOT, timeout=timeout)
+    return json.loads((tmp / "out.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """(our model, context ids, question ids, kvpress's results by channel ratio) on the tiny Llama."""
+    tmp = tmp_path_factory.mktemp("llama")
+    rng = np.random.default_rng(7)
+    ctx, question = rng.integers(0, 128, N_CTX), rng.integers(0, 128, N_Q)
+    job = {"save_to": str(tmp / "ckpt"), "tiny": {"kind": "llama", "seed": 0, "config": TINY},
+           "context": ctx.tolist(), "question": question.tolist(), "n_new": N_NEW, "ratios": [0.0, *CHANNEL_RATIOS],
+           "window": 32}
+    ref = run_kvpress(job, tmp)
+    cfg, params = load_hf(tmp / "ckpt")
+    return Llama(cfg, params), ctx, question, ref
+
+
+def ours(model: Llama, pol, ctx: np.ndarray, question: np.ndarray):
+    """(pruned channels [layer][kv head], kept positions, answer, the question's last logits, the compressed
+    cache) through the policy `pol`."""
+    eng = Engine(model, pol, max_len=N_CTX + N_Q + N_NEW)
+    state = eng.compress(eng.prompt(ctx[None]))
+    kept = [[p.tolist() for p in layer] for layer in eng.kept_positions(state)]
+    logits = np.asarray(eng.feed(state, question[None]).logits[0], np.float64)
+    answer = eng.continue_generate(state, question[None], N_NEW)[0].tolist()
+    chan = getattr(state.cache[0], "chan", None)  # [L, B, K, D]: kept channels, then the pruned ones
+    pruned = None
+    if chan is not None:
+        chan, c = np.asarray(chan), pol.kept_channels(chan.shape[-1])
+        pruned = [[sorted(chan[layer, 0, h, c:].tolist()) for h in range(chan.shape[2])] for layer in range(chan.shape[0])]
+    return pruned, kept, answer, logits, state.cache
+
+
+@pytest.mark.parametrize("channel_ratio", CHANNEL_RATIOS)
+def test_think_prunes_kvpress_channels_and_answers(tiny_run, channel_ratio):
+    """ThinKPress(key_channel_compression_ratio=c, window_size=32): the same int(16 c) channels pruned per
+    (layer, kv head) as kvpress, the same greedy answer after the question. Stored bytes: kvpress's cache
+    keeps every key channel (zeroed), ours the 16 - int(16 c) kept ones of the 320 context keys."""
+    model, ctx, question, ref = tiny_run
+    want = ref[str(channel_ratio)]
+    assert want["compression_ratio"] == channel_ratio / 2  # kvpress's read-only compression_ratio
+    assert all(len(h) == int(16 * channel_ratio) for layer in want["pruned"] for h in layer)
+    pol = kvpress("ThinKPress", channel_ratio / 2, key_channel_compression_ratio=channel_ratio, max_new=N_Q + N_NEW)
+    pruned, kept, answer, logits, cache = ours(model, pol, ctx, question)
+    assert pruned == want["pruned"]
+    assert kept == [[list(range(N_CTX))] * 2] * 3  # every token
+    assert answer == want["answer"]
+    err = np.abs(logits - want["logits"]).max()
+    assert err < 1e-4, err  # the question read the zeroed channels as kvpress's
+    # the answers are the uncompressed cache's on this random model; the logits are not (kvpress's no-op run)
+    assert np.abs(np.asarray(ref["0.0"]["logits"]) - want["logits"]).max() > 100 * err
+    # bytes: kvpress's key and value tensors hold every key channel (zeroed ones included) of every token;
+    # ours the kept channels of the context's keys (an engine of max_len = 334 slots for the prompt) and
+    # every value, the question's and answer's 14 tokens whole, int32 positions and channel orders
+    layers, kh, d, m, r = 3, 2, 16, N_CTX + N_Q + N_NEW, N_Q + N_NEW
+    c = d - int(d * channel_ratio)
+    assert want["tokens"] == [N_CTX] * layers and want["cache_bytes"] == layers * kh * N_CTX * 2 * d * 4
+    assert cache[0].k.kept.shape[-1] == c
+    mine = tree_nbytes(cache)
+    assert mine == layers * (kh * (m * c + r * d + (m + r) * d + d) + (m + r)) * 4
+    theirs = layers * kh * m * 2 * d * 4  # kvpress's cache once the question and answer are appended
+    assert mine < theirs and tree_nbytes(cache[0].k.kept) == layers * kh * m * c * 4
