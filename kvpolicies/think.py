@@ -148,6 +148,10 @@ class ThinK(PromptCompressor, Bounded, Policy):
         if not isinstance(self.codec, Identity):
             raise ValueError(f"think.codec={self.codec!r}: think stores its own key channels (use codec='none')")
 
+    def kept_channels(self, head_dim: int) -> int:
+        """C: the key channels each kv head keeps of `head_dim`."""
+        return n_kept(head_dim, self.ratio)
+
     def whole_slots(self, max_len: int) -> int:
         return min(self.max_new, max_len)
 
