@@ -28,6 +28,7 @@ _REGISTRY = {
     "pyramidkv": "pyramidkv:PyramidKV",
     "knorm": "knorm:Knorm",
     "keydiff": "keydiff:KeyDiff",
+    "think": "think:ThinK",  # key channels pruned (ThinK): stores fewer key channels, every token
     "qfilter": "qfilter:QFilter",  # Q-Filters (its filters: evals.qfilter)
     "lagkv": "lagkv:LagKV",
     "finch": "finch:Finch",

@@ -37,6 +37,7 @@ SMALL = {
     "knorm": kvpolicies.get("knorm", budget=6, max_new=3),
     "random": kvpolicies.get("random", budget=6, max_new=3, seed=1),
     "keydiff": kvpolicies.get("keydiff", budget=6, max_new=3),
+    "think": kvpolicies.get("think", max_new=12),  # a stream: 12 whole slots
     "qfilter": kvpolicies.get("qfilter", budget=6, max_new=3, filters="random"),
     "lagkv": kvpolicies.get("lagkv", budget=6, max_new=3, n_sink=1, lag_size=3),
     "observed": kvpolicies.get("observed", budget=6, max_new=3),
@@ -50,7 +51,7 @@ SMALL = {
     "kivi": kvpolicies.get("kivi", bits=2, group=4, residual=8),
     "paged": kvpolicies.get("paged", block=4),
 }
-BOUNDED = {"full", "duo", "quest", "kivi", "paged"}  # slot i holds token i: positions < slots only
+BOUNDED = {"full", "duo", "quest", "kivi", "paged", "think"}  # slot i holds token i: positions < slots only
 RINGS = {"window", "sink"}
 
 

@@ -104,7 +104,7 @@ def test_prompt_protocol_matches_the_authors_rule(run, name):
     for layer in range(m.n_layers):
         for h in range(m.k):
             assert got[layer][h] == want[layer][h], f"{name}: layer {layer} kv head {h}"
-    if name not in ("quest", "kivi"):  # the budget compresses (quest and kivi keep every token)
+    if name not in ("quest", "kivi", "think"):  # the budget compresses (quest, kivi and think keep every token)
         assert min(len(x) for layer in want for x in layer) < T
     # (c) the decode: the question's last logits and the greedy ids
     ref_logits, ref_ids = decode(m, t, want, entry.rule(pol), question, N_NEW)

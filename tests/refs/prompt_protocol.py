@@ -467,6 +467,29 @@ class KiviDecode(Decode):
         return np.concatenate([k, kr[p:p + 1]])[js], np.concatenate([vv, v[p:p + 1]])[js]
 
 
+class ThinKDecode(Decode):
+    """ThinK (kvpress ThinKPress): each kv head's int(D r) key channels of lowest (mean square of the last
+    `window` prompt queries after RoPE, over the head's G queries) x (mean square of its prompt keys after
+    RoPE) are zeroed in the prompt's keys; the tokens after the prompt keep every channel."""
+
+    def start(self, kept, t, m):
+        super().start(kept, t, m)
+        self.n = n = t["atts"][0].shape[-1]
+        w = min(self.pol.window, n)
+        self.pruned = []
+        for layer in range(m.n_layers):
+            _, qr, _, _ = m.qkv(layer, t["hidden"][layer][n - w:], np.arange(n - w, n))  # [w, H, D] after RoPE
+            q_sq = (qr ** 2).mean(0).reshape(m.k, m.g, m.d).mean(1)  # [K, D]
+            k_sq = (t["keys"][layer] ** 2).mean(1)  # [K, D]
+            self.pruned.append([np.argsort(q_sq[h] * k_sq[h], kind="stable")[:int(m.d * self.pol.ratio)]
+                                for h in range(m.k)])
+
+    def kv(self, layer, h, js, p, kr, v):
+        kr = kr.copy()
+        kr[:self.n, self.pruned[layer][h]] = 0.0
+        return kr[js], v[js]
+
+
 def decode(m, t, kept, rule, tokens, n):
     """Feed tokens [Q] after the T prompt tokens (transformers' cache restricted to `kept`
     [layer][kv head]), then n - 1 greedy tokens: (logits [Q + n - 1, V] after each fed token, the n
@@ -568,4 +591,6 @@ def entries():
         "quest": Entry(get("quest", top_k=2), _plain(kept_all), QuestDecode, engine="every_layer"),
         # group 4, residual 8 (default group 32 does not divide head_dim 16; residual 128 > the prompt)
         "kivi": Entry(get("kivi", group=4, residual=8), _plain(kept_all), KiviDecode),
+        # window 8 (default 32 holds 32 of the 48 prompt queries); every token kept, 8 of 16 key channels pruned
+        "think": Entry(get("think", window=8), _plain(kept_all), ThinKDecode),
     }

@@ -89,6 +89,9 @@ REFERENCES = {
     "knorm": ([kvpolicies.get("knorm", budget=6, max_new=3)], stream_ref),  # tests/refs/prompt_scored.py
     "random": ([kvpolicies.get("random", budget=6, max_new=3, seed=1)], stream_ref),
     "keydiff": ([kvpolicies.get("keydiff", budget=6, max_new=3)], stream_ref),
+    # a stream never compressed (no prompt phase) stores every token whole: full's oracle (its channel pruning
+    # after a prompt: tests/kvpolicies/test_prompt_matrix.py, test_kvpress_parity_channels.py)
+    "think": ([kvpolicies.get("think")], _dense_ref("full")),
     "qfilter": ([kvpolicies.get("qfilter", budget=6, max_new=3, filters="random")], qfilter_stream),  # tests/refs/hub.py
     "compactor": ([kvpolicies.get("compactor", budget=6, max_new=3, sink_start=1, sink_end=1, sketch_dim=4)],
                   _compactor_ref),
