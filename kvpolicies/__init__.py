@@ -38,6 +38,7 @@ _REGISTRY = {
     "observed": "observed:Observed",
     "expected": "expected:Expected",
     "adakv": "adakv:AdaKV",
+    "critical": "critical:Critical",  # CriticalKV over an inner scorer (the model hands it W_o: base.ReadsValues)
     "kvzip": "kvzip:KVzip",
     "kvzap": "kvzap:KVzap",  # a learned surrogate of kvzip's scores (weights: evals.train_kvzap)
     "duo": "duo:Duo",

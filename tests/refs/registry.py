@@ -47,6 +47,10 @@ def _scored_ref(pol, q, k, v, chunks):
     return simulate(pol, q, k, v, [1])[0]  # evicts after every token, whatever the chunk
 
 
+def _inner_ref(pol, q, k, v, chunks):  # a wrapper that streams by its inner press's rule (critical)
+    return _scored_ref(pol.press, q, k, v, chunks)
+
+
 def _compactor_ref(pol, q, k, v, chunks):  # our sketch (the draw), the rule in numpy
     from kvpolicies.compactor import sketch
     from tests.refs.prompt_scored import compactor_stream
@@ -103,6 +107,10 @@ REFERENCES = {
     "expected": ([kvpolicies.get("expected", budget=6, max_new=3, n_sink=2, n_future_positions=8)], stream_ref),
     "adakv": ([kvpolicies.get("adakv", budget=5, obs_window=3, kernel=3, max_new=4)],
               adakv_reference),  # tests/refs/headwise.py
+    # streams by its inner press's rule (the value norms are read by the prompt phase only: the kvpress parity
+    # of tests/kvpolicies/test_kvpress_parity_critical.py): snapkv's, at the same slots
+    "critical": ([kvpolicies.get("critical", budget=8, max_new=4, press=kvpolicies.get(
+        "snapkv", budget=5, obs_window=3, kernel=3, max_new=4))], _inner_ref),
     "kvzip": ([kvpolicies.get("kvzip", budget=5, max_new=3, n_sink=2)],
               kvzip_reference),  # tests/refs/kvzip.py
     "kvzap": ([kvpolicies.get("kvzap", budget=5, max_new=3, window=2, surrogate="random")],
