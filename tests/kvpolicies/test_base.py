@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 import kvpolicies
-from kvpolicies.base import Policy
+from kvpolicies.base import Policy, reads_values
 from kvpolicies.budgets import Budgeted, budget_field_of
 from kvpolicies.memory import decode_reads, meta_fields, tree_nbytes
 from kvpolicies.presets import Preset, stack_of
@@ -56,6 +56,7 @@ CAPABILITIES = {
     "observed": ("budget", True, False, False, False, False),
     "expected": ("budget", True, False, False, False, False),
     "adakv": ("budget", True, False, False, False, False),
+    "critical": ("budget", True, False, False, False, False),
     "kvzip": ("budget", True, True, False, False, False),
     "kvzap": ("budget", True, False, False, False, False),
     "duo": (None, True, False, False, True, True),
@@ -92,6 +93,9 @@ def test_a_capability_is_asked_through_its_function():
     assert stack_of(quest, 4) == quest.stack(4) and type(stack_of(quest, 4)[0]) is kvpolicies.Full
     assert reconstructs(kvpolicies.get("kvzip")) and has_prefix_slots(kvpolicies.get("full"))
     assert has_prefix_slots(prompt_policy_of(kvpolicies.get("snapkv")))  # the dense prompt phase
+    # the values and the layer's output projection, handed by the model (critical's prompt phase only)
+    assert reads_values(prompt_policy_of(kvpolicies.get("critical"))) and not reads_values(kvpolicies.get("critical"))
+    assert not reads_values(prompt_policy_of(kvpolicies.get("snapkv")))
     assert issubclass(kvpolicies.SnapKV, Budgeted) and kvpolicies.SnapKV.for_tokens(40).budget == 8
     shape = jax.eval_shape(lambda: quest.init(1, 2, 8, jnp.float32, 64))
     assert decode_reads(quest, shape, 63) == quest.decode_reads(shape, 63)
