@@ -37,6 +37,10 @@ sized by their `ratio` field (`PromptScored.kept_for`), with kvpress's defaults:
     KeyDiffPress            keydiff (-cos of the key after RoPE with the head's mean unit key)
     QFilterPress            qfilter: -<f, k> of the keys after RoPE, f the layer's filters (q_filters=: kvpress
                             downloads the authors'; ours by their recipe, `python -m evals.qfilter`)
+    ExpectedAttentionStatsPress  `expected_stats.ExpectedStats`: expected's score, the query mean and covariance
+                            of calibration text (stats_folder=: ours, `python -m evals.expected_stats`)
+    KVzapPress              `kvzap_scored.ZapScored`: kvzap's surrogate scores (model_type "mlp", kvzap_model_name=
+                            our weights, evals.train_kvzap), per kv head top-k, no window (DMS: `kvzap`)
     LagKVPress              lagkv (n_sink 4, lag_size 128, cross_scoring False)
     RandomPress             random with kvpress's counts and our draw (torch's cannot be reproduced)
     FinchPress              finch: window_size = the question's tokens, which end the prompt (kvpress: a
@@ -109,6 +113,8 @@ from kvpolicies.observed import Observed
 from kvpolicies.prompt import PromptPhase, PromptState
 from kvpolicies.prompt_scored import PromptScored, chunked, rank_by
 from kvpolicies.pyramidkv import PyramidKV, PyramidLayer  # noqa: F401  (PyramidLayer: re-exported, it lived here)
+from kvpolicies.expected_stats import from_kvpress as expected_stats_press
+from kvpolicies.kvzap_scored import from_kvpress as kvzap_press
 from kvpolicies.qfilter import from_kvpress as qfilter_press
 from kvpolicies.random_keep import RandomKeep
 from kvpolicies.scored import pack, top_mask
@@ -515,6 +521,7 @@ class Composed(PromptScored):
 
 PRESSES = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPress", "ExpectedAttentionPress",
            "ObservedAttentionPress", "TOVAPress", "AdaKVPress", "KVzipPress", "DuoAttentionPress", "QFilterPress",
+           "ExpectedAttentionStatsPress", "KVzapPress",
            "KeyDiffPress", "LagKVPress", "RandomPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress",
            "ComposedPress", "FinchPress", "CURPress", "MergingPress", "CompactorPress", "NonCausalAttnPress", "LeverageScorePress",
            "ChunkKVPress", "KeyRerotationPress", "EntropyGatedChunkKVPress",
@@ -841,6 +848,10 @@ def _scored(press: str, r: float, max_new: int, n_layers: int | None, fields: di
         return Observed(ratio=r, max_new=max_new)
     if press == "QFilterPress":  # kvpress downloads the authors' filters: given here (q_filters=, evals.qfilter)
         return qfilter_press(r, max_new, n_layers, fields)
+    if press == "ExpectedAttentionStatsPress":  # kvpress downloads the statistics: stats_folder= ours
+        return expected_stats_press(r, max_new, n_layers, fields)
+    if press == "KVzapPress":  # kvzap's surrogate (kvzap_model_name=: our weights), kvpress's per-head top-k
+        return kvzap_press(r, max_new, fields)
     if press == "KeyDiffPress":
         return KeyDiff(ratio=r, max_new=max_new)
     if press == "LagKVPress":

@@ -1,0 +1,256 @@
+"""kvpress 0.5.5's presses that download arrays from the Hugging Face hub, beside `kvpolicies.compat.kvpress`,
+with the SAME arrays on both sides: QFilterPress (the filters), ExpectedAttentionStatsPress (the query
+statistics), KVzapPress (the surrogate's weights). The tiny random Llama of the other parity tests;
+kvpress runs in a subprocess with its own transformers (.venv/kvpress-ref, `WORKER` below, over
+evals/kvpress_worker.py), where the arrays are also produced independently of this library from
+transformers' own queries (the authors' recipes in float64 numpy: the Q-Filters SVD, kvpress's
+`collect_queries` statistics); ours are produced by `evals.qfilter` / `evals.expected_stats` on our port
+of the model and must equal them. Kept positions per (layer, kv head) and greedy answers must be identical."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kvpolicies.compat import kvpress
+from models.engine import Engine
+from models.llama import Llama
+from models.loading import load_hf
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+REF = ROOT / ".venv" / "kvpress-ref"
+pytestmark = [pytest.mark.ref, pytest.mark.kvpress, pytest.mark.skipif(not (REF / "kvpress").is_dir(),
+                                                      reason="kvpress not installed (bash scripts/setup.sh test)")]
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512)
+N_CTX, N_Q, N_NEW = 320, 8, 6
+CALIB, CALIB_LEN, SAMPLES, SEED = 3, 96, 200, 0  # calibration windows of random ids, SVD samples, the draw's seed
+
+# kvpress's side. The calibration pass captures each layer's queries before RoPE through kvpress's own
+# `patch_rotary_embedding` (ExpectedAttentionStatsPress's collector) and after it through a wrapper of the
+# same function; the arrays are computed here in float64 numpy, the presses are given them in place of
+# their downloads (QFilterPress's and KVzapPress's post_init_from_model do nothing; ExpectedAttentionStatsPress
+# loads nothing once mu and cov are set).
+WORKER = r"""
+import importlib, json, sys, torch, numpy as np
+sys.path.insert(0, sys.argv[3])
+import kvpress_worker as w
+import kvpress
+from kvpress.presses.expected_attention_with_stats import ExpectedAttentionStatsPress, patch_rotary_embedding
+from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel, KVzapPress
+from kvpress.presses.qfilter_press import QFilterPress
+from transformers import DynamicCache
+
+job = json.load(open(sys.argv[1]))
+path = w.build_tiny(job["tiny"], job["save_to"])
+model = w.load(path, "sdpa")
+cfg = model.config
+L, K, N = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.num_attention_heads
+mod = importlib.import_module(model.__class__.__module__)
+pre, post = [], []
+for ids in job["calib"]:
+    with torch.no_grad(), patch_rotary_embedding(model) as got:
+        inner, seen = mod.apply_rotary_pos_emb, []
+        def after(q, k, *a, **kw):
+            qe, ke = inner(q, k, *a, **kw)
+            seen.append(qe.detach())
+            return qe, ke
+        mod.apply_rotary_pos_emb = after
+        try:
+            model(input_ids=torch.tensor([ids]))
+        finally:
+            mod.apply_rotary_pos_emb = inner
+    pre.append(torch.cat(got, 0).double().numpy())  # [L, N, T, D] before RoPE
+    post.append(torch.cat(seen, 0).double().numpy())  # after RoPE
+arrays = {}
+# Q-Filters (NathanGodey/qfilters make_filters.py): positions drawn once, an SVD per query head, -sign v_1
+q = np.concatenate(post, axis=2)  # [L, N, P, D]
+idx = np.random.default_rng(job["seed"]).permutation(q.shape[2])[:job["samples"]]
+filt = np.zeros((L, K, q.shape[-1]))
+for l in range(L):
+    for n in range(N):
+        u, s, vh = np.linalg.svd(q[l, n, idx], full_matrices=False)
+        sign = 1.0 if (u[:, 0] > 0).mean() > 0.5 else -1.0
+        filt[l, n // (N // K)] += -sign * vh[0] / (N // K)
+arrays["q_filters"] = filt
+# kvpress's collect_queries: the first n_sink queries of each sample dropped, mean and covariance (N - 1)
+cat = np.concatenate([p[:, :, job["n_sink"]:] for p in pre], axis=2)  # [L, N, P', D]
+mu = cat.mean(2)
+c = cat - mu[:, :, None]
+arrays["mu"], arrays["cov"] = mu, np.einsum("lnpi,lnpj->lnij", c, c) / (cat.shape[2] - 1)
+np.savez(job["arrays"], **arrays)
+f32 = lambda a: torch.tensor(np.asarray(a), dtype=torch.float32)
+QFilterPress.post_init_from_model = lambda self, model: None
+KVzapPress.post_init_from_model = lambda self, model: None
+
+def build(name, ratio, fields):
+    kind = fields.pop("kind", None)
+    if name == "QFilterPress":
+        press = QFilterPress(compression_ratio=ratio)
+        press.q_filters = f32(arrays["q_filters"])
+    elif name == "ExpectedAttentionStatsPress":
+        press = ExpectedAttentionStatsPress(compression_ratio=ratio, **fields)
+        press.mu, press.cov = f32(arrays["mu"]), f32(arrays["cov"])
+    else:  # KVzapPress: our surrogate's weights in kvpress's KVzapModel
+        z = np.load(job["kvzap"][kind])
+        mlp = "w1" in z.files
+        zc = KVzapConfig(input_dim=cfg.hidden_size, output_dim=K, n_modules=L, hidden_dim=z["w1"].shape[-1] if mlp else None)
+        zm = KVzapModel(zc).eval()
+        with torch.no_grad():
+            for l, layer in enumerate(zm.layers):
+                pairs = [(layer[0], "w1", "b1"), (layer[2], "w2", "b2")] if mlp else [(layer, "w", "b")]
+                for lin, wn, bn in pairs:
+                    lin.weight.copy_(f32(z[wn][l].T))
+                    lin.bias.copy_(f32(z[bn][l]))
+        press = KVzapPress(compression_ratio=ratio, model_type="mlp" if mlp else "linear")
+        press.kvzap_model = zm
+    return press
+
+with torch.no_grad():
+    full = DynamicCache()
+    model(input_ids=torch.tensor([job["context"]]), past_key_values=full, logits_to_keep=1)
+full_keys = [full.layers[i].keys[0] for i in range(len(full.layers))]
+ctx, question = torch.tensor([job["context"]]), torch.tensor([job["question"]])
+out = {}
+for name, ratio, fields in job["presses"]:
+    key = f"{name}@{ratio}"
+    try:
+        key += f"@{fields['kind']}" if "kind" in fields else ""
+        out[key] = w.run(model, build(name, ratio, dict(fields)), ctx, question, job["n_new"], full_keys)
+    except Exception as e:
+        out[key] = {"error": f"{type(e).__name__}: {e}"}
+json.dump(out, open(sys.argv[2], "w"))
+"""
+
+FULL = os.environ.get("KVP_KVPRESS_FULL") == "1"  # both ratios for every press (suite time: 0.5 only)
+RATIOS = (0.5, 0.75) if FULL else (0.5,)
+KVZAP_KINDS = ("mlp", "linear") if FULL else ("mlp",)  # kvpress's default model_type: mlp
+CASES = [(p, r, {}) for p in ("QFilterPress", "ExpectedAttentionStatsPress") for r in RATIOS] + [
+    ("KVzapPress", r, {"kind": k}) for k in KVZAP_KINDS for r in RATIOS]
+
+
+def run_kvpress(job: dict, tmp: pathlib.Path, timeout: int = 600) -> dict:
+    (tmp / "job.json").write_text(json.dumps(job))
+    env = {**os.environ, "PYTHONPATH": str(REF), "CUDA_VISIBLE_DEVICES": "", "TRANSFORMERS_VERBOSITY": "error",
+           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    subprocess.run([sys.executable, "-c", WORKER, str(tmp / "job.json"), str(tmp / "out.json"), str(ROOT / "evals")],
+                   check=True, env=env, cwd=ROOT, timeout=timeout)
+    return json.loads((tmp / "out.json").read_text())
+
+
+def zap_weights(tmp: pathlib.Path, kind: str, cfg: dict) -> pathlib.Path:
+    """Seeded random surrogate weights of `kind` for the tiny model, in kvzap's file format (the arrays
+    both sides load: kvzap's surrogate=<file> and kvpress's KVzapModel)."""
+    from kvpolicies.kvzap import random_surrogate
+
+    d, kh, n = cfg["hidden_size"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]
+    w = random_surrogate(kind, d, kh, n, seed=3)
+    w = {k: v + (0.1 * np.random.default_rng(4).standard_normal(v.shape)).astype(np.float32) if k.startswith("b") else v
+         for k, v in w.items()}  # nonzero biases
+    path = tmp / f"zap_{kind}.npz"
+    np.savez(path, kind=kind, d_model=d, kv_heads=kh, n_layers=n, **w)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """(our model, context ids, question ids, calibration windows, kvpress's results, the worker's arrays)."""
+    tmp = tmp_path_factory.mktemp("hub")
+    rng = np.random.default_rng(7)
+    ctx, question = rng.integers(0, 128, N_CTX), rng.integers(0, 128, N_Q)
+    calib = [rng.integers(0, 128, CALIB_LEN) for _ in range(CALIB)]
+    job = {"save_to": str(tmp / "ckpt"), "tiny": {"kind": "llama", "seed": 0, "config": TINY},
+           "context": ctx.tolist(), "question": question.tolist(), "n_new": N_NEW,
+           "calib": [c.tolist() for c in calib], "samples": SAMPLES, "seed": SEED, "n_sink": 4,
+           "arrays": str(tmp / "arrays.npz"), "presses": [list(c) for c in CASES],
+           "kvzap": {k: str(zap_weights(tmp, k, TINY)) for k in KVZAP_KINDS}}
+    ref = run_kvpress(job, tmp)
+    arrays = dict(np.load(tmp / "arrays.npz"))
+    cfg, params = load_hf(tmp / "ckpt")
+    return Llama(cfg, params), ctx, question, calib, ref, {**arrays, "tmp": tmp}
+
+
+def ours(model, press: str, ratio: float, ctx, question, **fields):
+    """(kept positions [layer][kv head], greedy answer) through `kvpress(press, ratio, **fields)`."""
+    eng = Engine(model, kvpress(press, ratio, max_new=16, **fields), max_len=N_CTX + N_Q + N_NEW)
+    state = eng.compress(eng.prompt(ctx[None]))
+    kept = [[p.tolist() for p in layer] for layer in eng.kept_positions(state)]
+    return kept, eng.continue_generate(state, question[None], N_NEW)[0].tolist()
+
+
+def check_same(press, ratio, kept, answer, want, tied_ids=None):
+    """The same kept positions per (layer, kv head) and the same answer. `tied_ids` (the context ids): the
+    scores of layer 0 are a function of the token alone (its input is the token's embedding), so repeated
+    ids tie exactly there and torch.topk breaks the tie its way (ours: the newer token): layer 0 keeps the
+    same token ids (a multiset), the other layers the same positions."""
+    assert "error" not in want, want
+    assert all(len(h) == int(N_CTX * (1 - ratio)) for layer in want["kept"] for h in layer)
+    for layer, (gl, wl) in enumerate(zip(kept, want["kept"], strict=True)):
+        for h, (g, w) in enumerate(zip(gl, wl, strict=True)):
+            if tied_ids is not None and layer == 0:
+                assert sorted(tied_ids[g]) == sorted(tied_ids[w]), (press, ratio, layer, h)
+            else:
+                assert g == w, (press, ratio, layer, h, sorted(set(g) ^ set(w))[:10])
+    assert answer == want["answer"]
+
+
+def test_our_qfilters_are_the_authors_recipe_on_transformers_queries(tiny_run):
+    """`evals.qfilter.compute` on our port of the model and the same calibration ids and draw: the filters
+    the worker computed from transformers' post-RoPE queries in float64 (the authors' make_filters.py)."""
+    from evals.qfilter import compute
+
+    model, _, _, calib, _, arrays = tiny_run
+    got = compute(model, calib, samples=SAMPLES, seed=SEED)
+    assert got.shape == arrays["q_filters"].shape == (3, 2, 16)
+    np.testing.assert_allclose(got, arrays["q_filters"], atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("ratio", RATIOS)
+def test_qfilter_keeps_kvpress_positions_and_answers(tiny_run, ratio):
+    """QFilterPress with the same [L, K, D] filters on both sides: kvpress's n_kept per head, the same
+    positions per (layer, kv head), the same answer."""
+    model, ctx, question, _, ref, arrays = tiny_run
+    kept, answer = ours(model, "QFilterPress", ratio, ctx, question, q_filters=arrays["q_filters"])
+    check_same("QFilterPress", ratio, kept, answer, ref[f"QFilterPress@{ratio}"])
+
+
+def test_our_statistics_are_kvpress_s_collect_queries(tiny_run):
+    """`evals.expected_stats.compute` on our port and the same calibration ids: the mean and covariance (N - 1)
+    the worker computed, as kvpress's `collect_queries`, from the queries kvpress's own patch captured."""
+    from evals.expected_stats import compute
+
+    model, _, _, calib, _, arrays = tiny_run
+    mu, cov = compute(model, calib, n_sink=4)
+    assert mu.shape == arrays["mu"].shape == (3, 4, 16) and cov.shape == arrays["cov"].shape == (3, 4, 16, 16)
+    np.testing.assert_allclose(mu, arrays["mu"], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(cov, arrays["cov"], atol=1e-4 * np.abs(arrays["cov"]).max(), rtol=0)
+
+
+@pytest.mark.parametrize("ratio", RATIOS)
+def test_expected_stats_keeps_kvpress_positions_and_answers(tiny_run, ratio):
+    """ExpectedAttentionStatsPress with the same statistics on both sides (the worker's, saved as our file
+    format): the same positions per (layer, kv head), the same answer."""
+    model, ctx, question, _, ref, arrays = tiny_run
+    path = arrays["tmp"] / "stats.npz"
+    np.savez(path, mu=arrays["mu"].astype(np.float32), cov=arrays["cov"].astype(np.float32))
+    kept, answer = ours(model, "ExpectedAttentionStatsPress", ratio, ctx, question, stats_folder=str(path))
+    check_same("ExpectedAttentionStatsPress", ratio, kept, answer, ref[f"ExpectedAttentionStatsPress@{ratio}"])
+
+
+@pytest.mark.parametrize("kind", KVZAP_KINDS)
+@pytest.mark.parametrize("ratio", RATIOS)
+def test_kvzap_press_keeps_kvpress_positions_and_answers(tiny_run, ratio, kind):
+    """KVzapPress with the same surrogate weights in kvpress's KVzapModel and in our kvzap file: per kv head
+    the n_kept best surrogate scores of the layer's normalised input hidden states, the same positions per
+    (layer, kv head), the same answer."""
+    model, ctx, question, _, ref, arrays = tiny_run
+    kept, answer = ours(model, "KVzapPress", ratio, ctx, question, model_type=kind,
+                        kvzap_model_name=str(arrays["tmp"] / f"zap_{kind}.npz"))
+    check_same("KVzapPress", ratio, kept, answer, ref[f"KVzapPress@{ratio}@{kind}"], tied_ids=ctx)
