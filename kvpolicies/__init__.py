@@ -34,6 +34,7 @@ _REGISTRY = {
     "finch": "finch:Finch",
     "cur": "cur:CUR",
     "compactor": "compactor:Compactor",
+    "simlayerkv": "simlayerkv:SimLayerKV",
     "random": "random_keep:RandomKeep",
     "observed": "observed:Observed",
     "expected": "expected:Expected",

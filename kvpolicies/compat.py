@@ -118,6 +118,7 @@ from kvpolicies.kvzap_scored import from_kvpress as kvzap_press
 from kvpolicies.qfilter import from_kvpress as qfilter_press
 from kvpolicies.random_keep import RandomKeep
 from kvpolicies.scored import pack, top_mask
+from kvpolicies.simlayerkv import SimLayerKV
 from kvpolicies.snapkv import SnapKV
 from kvpolicies.think import ThinK
 
@@ -524,7 +525,7 @@ PRESSES = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPress", "
            "ExpectedAttentionStatsPress", "KVzapPress",
            "KeyDiffPress", "LagKVPress", "RandomPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress",
            "ComposedPress", "FinchPress", "CURPress", "MergingPress", "CompactorPress", "NonCausalAttnPress", "LeverageScorePress",
-           "ChunkKVPress", "KeyRerotationPress", "EntropyGatedChunkKVPress",
+           "ChunkKVPress", "KeyRerotationPress", "EntropyGatedChunkKVPress", "SimLayerKVPress",
            "CriticalKVPress", "CriticalAdaKVPress", "ThinKPress")
 SUPPORTED = PRESSES
 WRAPPERS = ("MergingPress", "AdaKVPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress", "ChunkKVPress",
@@ -633,6 +634,8 @@ def kvpress(name: str, compression_ratio: float, /, *, max_new: int = 256, n_lay
         out = _duo(r, max_new, n_layers, fields)
     elif press == "ThinKPress":  # compression_ratio: kvpress's read-only key_channel_compression_ratio / 2
         out = _think(r, max_new, fields)
+    elif press == "SimLayerKVPress":  # no compression_ratio field: kvpress reports one after the prefill
+        out = _simlayerkv(r, max_new, fields)
     elif r == 0:
         return Full()
     elif press == "KVzipPress":
@@ -734,6 +737,17 @@ def _think(r: float, max_new: int, fields: dict) -> Policy:
     if c == 0:
         return Full()
     return ThinK(ratio=c, window=fields.pop("window_size", 32), max_new=max_new)
+
+
+def _simlayerkv(r: float, max_new: int, fields: dict) -> SimLayerKV:
+    """kvpress's `SimLayerKVPress(lazy_threshold=1.0, n_last=1, n_recent=1024, n_initial=4)`: its
+    compression_ratio is a read-only property (the mean over layers of what each trimmed, after a
+    prefill), so the one given must be 0."""
+    if r != 0:
+        raise ValueError(f"kvpress('SimLayerKVPress', {r}): SimLayerKVPress has no compression_ratio to set (kvpress "
+                         "reports it after the prefill, from the lazy layers): give 0 and lazy_threshold=")
+    return SimLayerKV(max_new=max_new, **{k: fields.pop(k) for k in list(fields) if k in (
+        "lazy_threshold", "n_last", "n_recent", "n_initial")})
 
 
 def _finch(r: float, max_new: int, fields: dict) -> Finch:

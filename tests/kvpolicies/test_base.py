@@ -50,6 +50,7 @@ CAPABILITIES = {
     "knorm": ("budget", True, False, False, True, False),
     "random": ("budget", True, False, False, False, False),
     "keydiff": ("budget", True, False, False, False, False),
+    "simlayerkv": ("budget", True, False, False, False, False),
     "think": (None, True, False, False, False, False),
     "qfilter": ("budget", True, False, False, True, False),
     "lagkv": ("budget", True, False, False, False, False),

@@ -37,6 +37,7 @@ SMALL = {
     "knorm": kvpolicies.get("knorm", budget=6, max_new=3),
     "random": kvpolicies.get("random", budget=6, max_new=3, seed=1),
     "keydiff": kvpolicies.get("keydiff", budget=6, max_new=3),
+    "simlayerkv": kvpolicies.get("simlayerkv", budget=6, max_new=3, n_initial=2),
     "think": kvpolicies.get("think", max_new=12),  # a stream: 12 whole slots
     "qfilter": kvpolicies.get("qfilter", budget=6, max_new=3, filters="random"),
     "lagkv": kvpolicies.get("lagkv", budget=6, max_new=3, n_sink=1, lag_size=3),

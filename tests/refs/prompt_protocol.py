@@ -26,6 +26,7 @@ from tests.refs.kvzip import choose as kvzip_choose
 from tests.refs.oracle import default_inv_freq, rope_complex
 from tests.refs.prompt_scored import (compactor_scores, cur_scores, expected_scores, keydiff_scores, lagkv_scores,
                                       np_hash)
+from tests.refs.scorers2 import kept_simlayerkv
 
 
 def _best(score: dict, n: int) -> set:
@@ -581,6 +582,8 @@ def entries():
         "finch": Entry(get("finch", ratio=0.5, obs_window=8), _plain(kept_finch), RerotatedDecode),
         # lag_size 8 (default 128 > the prompt): 4 scored partitions, 2 kept of each beside the 16 sinks and tail
         "lagkv": Entry(get("lagkv", ratio=0.5, lag_size=8), _plain(kept_lagkv)),
+        # n_recent 16, n_last 2 (defaults 1024, 1 > the prompt): the tiny Qwen2's layer 1 is lazy, layer 0 not
+        "simlayerkv": Entry(get("simlayerkv", lazy_threshold=0.4, n_recent=16, n_last=2), _plain(kept_simlayerkv)),
         "adakv": Entry(get("adakv", ratio=0.2), _plain(kept_adakv)),  # 6 of 16 older tokens per head on average
         "kvzip": Entry(get("kvzip", ratio=0.5), _kvzip),
         # window 8 (default 128 > the prompt: nothing to choose); surrogate="random" (no weights for this model)
