@@ -10,8 +10,8 @@ chapters) each cut to its first `sample_seq_len` = 1,000 characters and tokenize
 queries before RoPE captured, each text's first n_sink = 4 dropped; the mean and covariance (N - 1
 denominator) of all of them per layer and query head. Ours: the same on `samples` consecutive pieces of
 `chars` characters of the Paul Graham essays (`evals.data.paul_graham`; BookSum is not packaged), the
-queries from our model in float32 (kvpress's run: bfloat16), summed by `expected`'s prompt phase (the query
-sums of `kvpolicies.prompt`, positions >= n_sink). Output: `$KVP_DATA/expected_stats/<model>.npz`, "mu"
+queries from our model in float32 (kvpress's run: bfloat16; `evals.qfilter.window_queries`), summed in
+float64. Output: `$KVP_DATA/expected_stats/<model>.npz`, "mu"
 [L, N, D] and "cov" [L, N, D, D] float32, read by `kvpolicies.compat.kvpress("ExpectedAttentionStatsPress",
 r, stats_folder=<file>)`.
 """
@@ -23,25 +23,23 @@ from pathlib import Path
 
 import numpy as np
 
-from evals.qfilter import out_path, parse, prompt_extras
+from evals.qfilter import out_path, parse, window_queries
 
 DEFAULTS = dict(model="smollm2", samples=100, chars=1000, n_sink=4, out="")
 
 
 def compute(model, windows: list[np.ndarray], n_sink: int = 4) -> tuple[np.ndarray, np.ndarray]:
     """(mu [L, N, D], cov [L, N, D, D]) float64 of the pre-RoPE queries of every token window (each [T],
-    prefilled alone from position 0) at positions >= n_sink."""
-    from kvpolicies.prompt import PromptPhase
-
-    phase = PromptPhase(of=None, obs_window=0, query_sink=n_sink)
-    s1 = s2 = n = 0.0
-    for w in windows:
-        ex = prompt_extras(model, phase, np.asarray(w)[None])
-        s1 = s1 + np.stack([e["q_sum"][0] for e in ex]).astype(np.float64)  # [L, K, G, D]
-        s2 = s2 + np.stack([e["q_sq"][0] for e in ex]).astype(np.float64)  # [L, K, G, D, D]
-        n = n + float(ex[0]["q_n"][0])
+    prefilled alone from position 0) at positions >= n_sink (query head n = k G + g)."""
+    s1 = s2 = 0.0
+    n = 0
+    for q, _ in window_queries(model, windows):  # [L, K, T, G, D]
+        x = q[:, :, n_sink:].astype(np.float64)
+        s1 = s1 + x.sum(axis=2)  # [L, K, G, D]
+        s2 = s2 + np.einsum("lktgi,lktgj->lkgij", x, x)  # [L, K, G, D, D]
+        n += x.shape[2]
     if n < 2:
-        raise ValueError(f"expected_stats: {n:.0f} queries past n_sink={n_sink}: give longer or more windows")
+        raise ValueError(f"expected_stats: {n} queries past n_sink={n_sink}: give longer or more windows")
     mu = s1 / n
     cov = (s2 - n * np.einsum("...i,...j->...ij", mu, mu)) / (n - 1)  # kvpress: centered, N - 1
     lay, k, g, d = mu.shape

@@ -20,6 +20,7 @@ settings, what `kvpolicies.qfilter.QFilter(filters=<file>)` and
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -31,33 +32,52 @@ DEFAULTS = dict(model="smollm2", sequences=19, length=2048, samples=3000, seed=0
 
 
 def parse(argv: list[str], defaults: dict = DEFAULTS, prog: str = "qfilter") -> dict:
-    cfg = dict(defaults)
-    for a in argv:
-        if "=" not in a:
-            raise SystemExit(f"{prog}: arguments are key=value, got {a!r}; keys: {sorted(defaults)}")
-        k, v = a.split("=", 1)
-        if k not in cfg:
-            raise SystemExit(f"{prog}: unknown key {k!r}; keys: {sorted(defaults)}")
-        cfg[k] = type(defaults[k])(v)
-    for k in ("sequences", "length", "samples"):
+    """The settings (`key=value` arguments over `defaults`); an unknown key or a bad value exits 2 (argparse)."""
+
+    def setting(a: str) -> tuple[str, object]:
+        k, eq, v = a.partition("=")
+        if not eq or k not in defaults:
+            raise argparse.ArgumentTypeError(f"{a!r}: arguments are key=value with a key among {sorted(defaults)}")
+        try:
+            return k, type(defaults[k])(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{a!r}: {k} takes a {type(defaults[k]).__name__}") from None
+
+    p = argparse.ArgumentParser(prog=f"python -m evals.{prog}", description=(__doc__ or "").split("\n")[0])
+    p.add_argument("settings", nargs="*", type=setting, metavar="key=value",
+                   help=f"defaults: {' '.join(f'{k}={v}' for k, v in defaults.items())}")
+    cfg = {**defaults, **dict(p.parse_args(argv).settings)}
+    for k in ("sequences", "length", "samples", "chars"):
         if k in cfg and cfg[k] < 1:
-            raise SystemExit(f"{prog}: {k}={cfg[k]}: must be >= 1")
+            p.error(f"{k}={cfg[k]}: must be >= 1")
     return cfg
 
 
-def prompt_extras(model, policy, ids: np.ndarray) -> list[dict]:
-    """Each layer's prompt-phase `extra` (a dense prefill of ids [1, T] through `policy`, a PromptPhase
-    in every layer), as numpy arrays: [{name: array}] per layer (batch axis first where it has one)."""
+BUCKET = 128  # windows are padded to a multiple of this many tokens: one compiled prefill per bucket
+
+
+def window_queries(model, windows: list[np.ndarray]):
+    """For each window (each [T], prefilled alone from position 0), every layer's queries before RoPE,
+    [L, K, T, G, D] float32, and RoPE's frequencies [D/2]. A window is padded at its end to a multiple of
+    BUCKET tokens (a causal prefill: the padding changes no earlier query), so windows of similar length
+    share one compiled prefill."""
+    from kvpolicies.compactor import QueryPhase
     from models.engine import Engine
     from models.llama import policy_runs
 
-    eng = Engine(model, (policy,) * model.cfg.n_layers, max_len=ids.shape[1])
-    _, cache = eng.prefill(np.asarray(ids, np.int32))
-    out = []
-    for (a, b, _), st in zip(policy_runs(eng.policies, model.cfg.n_layers), cache.runs):
-        for i in range(b - a):
-            out.append({k: np.asarray(v[i]) for k, v in st.extra.items()})
-    return out
+    phase, engines = QueryPhase(of=None, obs_window=0), {}
+    for w in windows:
+        t = len(w)
+        m = -(-t // BUCKET) * BUCKET
+        if m not in engines:
+            engines[m] = Engine(model, (phase,) * model.cfg.n_layers, max_len=m)
+        eng = engines[m]
+        _, cache = eng.prefill(np.pad(np.asarray(w, np.int32), (0, m - t))[None])
+        qs, inv = [], None
+        for (a, b, _), st in zip(policy_runs(eng.policies, model.cfg.n_layers), cache.runs):
+            qs.append(np.asarray(st.extra["q"][:, 0, :, :t]))  # [b - a, K, T, G, D]
+            inv = np.asarray(st.extra["inv_freq"][0])
+        yield np.concatenate(qs), inv
 
 
 def rope_queries(q: Float[Array, "K T G D"], inv_freq: np.ndarray) -> np.ndarray:
@@ -73,12 +93,10 @@ def rope_queries(q: Float[Array, "K T G D"], inv_freq: np.ndarray) -> np.ndarray
 def layer_queries(model, windows: list[np.ndarray]) -> list[np.ndarray]:
     """Per layer, every query head's queries after RoPE over the windows (each prefilled alone from
     position 0): [N, windows x T, D] float32."""
-    from kvpolicies.compactor import QueryPhase
-
     per = [[] for _ in range(model.cfg.n_layers)]
-    for w in windows:
-        for layer, ex in enumerate(prompt_extras(model, QueryPhase(of=None, obs_window=0), np.asarray(w)[None])):
-            per[layer].append(rope_queries(ex["q"][0, :, : len(w)], ex["inv_freq"]))  # [N, T, D]
+    for q, inv in window_queries(model, windows):
+        for layer in range(len(per)):
+            per[layer].append(rope_queries(q[layer], inv))  # [N, T, D]
     return [np.concatenate(x, axis=1) for x in per]
 
 
