@@ -51,6 +51,10 @@ sized by their `ratio` field (`PromptScored.kept_for`), with kvpress's defaults:
     NonCausalAttnPress,     its attention alone and its leverage alone (no sinks); the sketch is our draw
     LeverageScorePress      (kvpolicies.compactor.sketch), torch's cannot be reproduced
 
+    SimLayerKVPress         simlayerkv (compression_ratio 0: kvpress's is read-only, reported after the
+                            prefill): a lazy layer (its last n_last queries' attention on the first n_initial and
+                            the n_recent tokens before them above lazy_threshold) keeps those, the others the prompt
+
     Wrappers (`press=` the inner press: a class name, its fields among `fields`, or a kvpress(...) result):
     PerLayerCompressionPress  one inner policy per layer at `compression_ratios[i]`
     MergingPress            `Merging`: evicted values folded into the most similar kept token (knorm,
