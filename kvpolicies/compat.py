@@ -61,7 +61,8 @@ sized by their `ratio` field (`PromptScored.kept_for`), with kvpress's defaults:
                             keydiff, lagkv, random, cur; kvpolicies.merging)
     ChunkPress              `Chunked`: chunks of chunk_length (1024) scored apart (knorm, keydiff, lagkv, random)
     BlockPress              `Blocked`: KeyDiff's block-wise eviction, blocks of block_size (128) (knorm, keydiff, random)
-    ComposedPress           `Composed`: `presses=` applied in turn (later ones: knorm, keydiff, random)
+    ComposedPress           `Composed`: `presses=` applied in turn (later ones: knorm, keydiff, random);
+                            [press, ThinKPress]: `ThinK(press=...)`, the channels of the keys the press kept
     AdaKVPress              over any other scorer without per-slot statistics (knorm, keydiff, lagkv,
                             random, StreamingLLM, TOVA, expected): `kvpolicies.adascored.AdaScored`
                             (PyramidKVPress: its score is SnapKV's, so `adakv`)
@@ -705,6 +706,8 @@ def _composed(r: float, max_new: int, fields: dict) -> Composed:
         raise ValueError("kvpress('ComposedPress'): give presses= (kvpress(...) results or [name, ratio, fields] lists)")
     built = tuple(p if isinstance(p, Policy) else kvpress(p[0], p[1], max_new=max_new, **(p[2] if len(p) > 2 else {}))
                   for p in presses)
+    if isinstance(built[-1], ThinK):  # a token press, then ThinK's channels
+        return _think_over(r, built)
     if any(not isinstance(p, PromptScored) for p in built):
         raise NotImplementedError(f"kvpolicies.compat.kvpress: ComposedPress of {built!r} (prompt scorers only; "
                                   "kvpress refuses AdaKVPress and KVzipPress there too)")
@@ -713,6 +716,21 @@ def _composed(r: float, max_new: int, fields: dict) -> Composed:
         raise ValueError(f"kvpress('ComposedPress', {r}): compression_ratio is 1 - prod(1 - r_i) of its presses "
                          f"({1 - kept!r}, what kvpress sets)")
     return Composed(ratio=r, max_new=max_new, presses=built)
+
+
+def _think_over(r: float, built: tuple) -> ThinK:
+    """kvpress's `ComposedPress([press, ThinKPress(c)])`: the token press compresses the context, then
+    ThinK prunes the channels of the keys it kept (`think.ThinK(press=...)`); kvpress's compression_ratio
+    is then 1 - (1 - r_press)(1 - c / 2)."""
+    if len(built) != 2 or not isinstance(built[0], PromptScored) or type(built[0].prompt_policy()) is not PromptPhase:
+        raise NotImplementedError(f"kvpolicies.compat.kvpress: ComposedPress of {built!r} (ThinKPress after one prompt "
+                                  "scorer whose prompt phase is a plain PromptPhase: SnapKV, Knorm, KeyDiff, ...)")
+    press, think = built
+    want = 1 - (1 - press.ratio) * (1 - think.ratio / 2)
+    if abs(want - r) > 1e-9:
+        raise ValueError(f"kvpress('ComposedPress', {r}): compression_ratio is 1 - (1 - r_press)(1 - c / 2) with "
+                         f"ThinKPress's key_channel_compression_ratio c ({want!r}, what kvpress sets)")
+    return dataclasses.replace(think, press=dataclasses.replace(press, max_new=0))
 
 
 def _duo(r: float, max_new: int, n_layers: int | None, fields: dict) -> Policy | tuple[Policy, ...]:

@@ -2,9 +2,9 @@
 arXiv:2407.21018; SalesforceAIResearch/ThinK; NVIDIA/kvpress `ThinKPress`) — after the prompt, prune
 the key channels of every kv head that the last queries use least, and store only the others.
 
-Shapes: B batch, K kv heads, G query heads per kv head, T new tokens, M prompt slots (= max_len),
-R whole slots (= min(max_new, max_len)), S = M + R slots, W query window, D head dim,
-C = D - int(D * ratio) kept channels.
+Shapes: B batch, K kv heads, Kp = 1 or K position rows (K with a token press), G query heads per kv
+head, T new tokens, M prompt slots (max_len, or the token press's slots), R whole slots
+(= min(max_new, max_len)), S = M + R slots, W query window, D head dim, C = D - int(D * ratio) kept channels.
 
 The score of channel j of a kv head is kvpress's: the mean over the last `window` prompt queries
 (after RoPE, averaged over the head's G query heads) of q_j^2, times the mean over the prompt's keys
@@ -23,6 +23,11 @@ How attention reads it: `extend` decodes the stored keys to D channels with zero
 ones (a gather, exact), so q.k over D equals q.k over the kept channels, as kvpress's zeroed keys
 give; like a codec's view it is transient. (Attention over the kept channels alone, gathering q's
 channels instead, would need a per-part query transform in `kvpolicies.attention`.)
+
+With a token press (`press`, kvpress's `ComposedPress([press, ThinKPress])`): the press compresses the
+prompt first (its own prompt phase's observations, collected by ThinK's), then the channels are scored on
+the keys it kept (kvpress's keys_norm over the cache it leaves) and the same window queries; each head's
+kept tokens are stored with C channels (positions per kv head).
 
 Deviations: the authors' code (ThinK_flash, `think_utils`) leaves the newest `window` prompt keys
 unpruned; kvpress prunes every prompt key, and so do we (the parity target). A stream that was
@@ -56,8 +61,8 @@ class ThinKeys(NamedTuple):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class ThinKState(SlotState):
-    """k: `ThinKeys`; v [B, K, S, D] (the M prompt slots, then the R whole ones); pos [B, 1, S]
-    (slot j < M holds prompt token j); chan [B, K, D] int32: each head's kept channels ascending,
+    """k: `ThinKeys`; v [B, K, S, D] (the M prompt slots, then the R whole ones); pos [B, Kp, S]
+    (alone: slot j < M holds prompt token j; with a token press, each head's kept tokens); chan [B, K, D] int32: each head's kept channels ascending,
     then its pruned ones."""
 
     chan: Int[Array, "B K D"]
@@ -139,6 +144,9 @@ class ThinK(PromptCompressor, Bounded, Policy):
     window: int = 32  # window_size: the newest prompt queries that score the channels
     max_new: int = 256  # whole slots for the tokens appended after the compression
     codec: Codec = Identity()
+    # a token press applied first (a prompt scorer with max_new=0 whose prompt phase is a plain
+    # PromptPhase: snapkv, knorm, keydiff, expected, ...); None: every token kept
+    press: Policy | None = None
 
     def __post_init__(self):
         if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) or not 0 <= self.ratio < 1:
@@ -147,6 +155,15 @@ class ThinK(PromptCompressor, Bounded, Policy):
         check_int("think", "max_new", self.max_new, 1)
         if not isinstance(self.codec, Identity):
             raise ValueError(f"think.codec={self.codec!r}: think stores its own key channels (use codec='none')")
+        if self.press is not None:
+            from kvpolicies.prompt_scored import PromptScored
+
+            if not isinstance(self.press, PromptScored) or type(self.press.prompt_policy()) is not PromptPhase:
+                raise ValueError(f"think.press={self.press!r}: must be a prompt scorer whose prompt phase is a plain "
+                                 "PromptPhase (snapkv, knorm, keydiff, expected, ...)")
+            if self.press.max_new != 0 or self.press.interval:
+                raise ValueError(f"think.press: max_new={self.press.max_new}, interval={self.press.interval} must be 0 "
+                                 "(think stores the tokens after the prompt in its own whole slots)")
 
     def kept_channels(self, head_dim: int) -> int:
         """C: the key channels each kv head keeps of `head_dim`."""
@@ -155,33 +172,39 @@ class ThinK(PromptCompressor, Bounded, Policy):
     def whole_slots(self, max_len: int) -> int:
         return min(self.max_new, max_len)
 
+    def prompt_slots(self, max_len: int) -> int:
+        """M: every prompt token, or what the token press keeps of a max_len-token prompt."""
+        return max_len if self.press is None else self.press.capacity(max_len)
+
     def capacity(self, max_len):
-        return max_len + self.whole_slots(max_len)
+        return self.prompt_slots(max_len) + self.whole_slots(max_len)
 
     def init(self, batch, kv_heads, head_dim, dtype, max_len):
-        m, r, c = max_len, self.whole_slots(max_len), n_kept(head_dim, self.ratio)
+        m, r, c = self.prompt_slots(max_len), self.whole_slots(max_len), n_kept(head_dim, self.ratio)
+        kp = 1 if self.press is None else kv_heads
         keys = ThinKeys(kept=jnp.zeros((batch, kv_heads, m, c), dtype), whole=jnp.zeros((batch, kv_heads, r, head_dim), dtype))
         chan = jnp.broadcast_to(jnp.arange(head_dim, dtype=jnp.int32), (batch, kv_heads, head_dim))
         return ThinKState(k=keys, v=jnp.zeros((batch, kv_heads, m + r, head_dim), dtype),
-                          pos=jnp.full((batch, 1, m + r), EMPTY, jnp.int32), chan=chan)
+                          pos=jnp.full((batch, kp, m + r), EMPTY, jnp.int32), chan=chan)
 
     def limit(self, state):
-        """Tokens fit up to the compressed prompt's length plus the R whole slots."""
+        """Tokens fit up to the compressed prompt's end plus the R whole slots."""
         m = state.k.kept.shape[2]
-        last = (state.pos[:, 0, :m] >= 0).sum(axis=-1).min() + state.k.whole.shape[2]
+        last = state.pos[:, :, :m].max(axis=(1, 2), initial=-1).min() + 1 + state.k.whole.shape[2]
         return int(last) if concrete(state) else last
 
     def extend(self, state, k, v, pos):
         keys = jnp.concatenate([decode_keys(state.k.kept, state.chan).astype(k.dtype), state.k.whole.astype(k.dtype), k],
                                axis=2)  # [B, K, S + T, D]
         vals = jnp.concatenate([state.v.astype(v.dtype), v], axis=2)  # [B, K, S + T, D]
-        kpos = jnp.concatenate([state.pos, pos[:, None, :].astype(jnp.int32)], axis=2)  # [B, 1, S + T]
+        new = jnp.broadcast_to(pos[:, None, :], (pos.shape[0], state.pos.shape[1], pos.shape[1]))  # [B, Kp, T]
+        kpos = jnp.concatenate([state.pos, new.astype(jnp.int32)], axis=2)  # [B, Kp, S + T]
         return View(k=keys, v=vals, pos=kpos, rope=RopePositions(q=pos[..., None], k=kpos), carry=(state, k, v, pos))
 
     def compact(self, view, seen):
         state, k, v, pos = view.carry
         m = state.k.kept.shape[2]
-        at = (state.pos[:, 0, m:] >= 0).sum(axis=-1)  # [B] the first free whole slot (filled in order)
+        at = (state.pos[:, 0, m:] >= 0).sum(axis=-1)  # [B] the first free whole slot (filled in order, every head)
         whole = write_rows(state.k.whole, k, at)  # [B, K, R, D]
         vals = write_rows(state.v, v, m + at)  # [B, K, S, D]
         kpos = write_rows(state.pos, pos[:, None, :], m + at)  # [B, 1, S]
@@ -189,15 +212,20 @@ class ThinK(PromptCompressor, Bounded, Policy):
 
     # -- the paper's protocol: the whole prompt densely, then one compression ----------------------
     def prompt_policy(self):
-        return ThinKPhase(codec=self.codec, obs_window=0, window=self.window)
+        if self.press is None:
+            return ThinKPhase(codec=self.codec, obs_window=0, window=self.window)
+        p = self.press.prompt_policy()  # what the token press observes, plus the window's queries
+        return ThinKPhase(codec=p.codec, obs_window=p.obs_window, columns=p.columns, query_sink=p.query_sink,
+                          window=self.window)
 
     def after_prompt(self, state: PromptState) -> ThinKState:
-        keys = state.k.astype(jnp.float32)  # [B, K, M, D] before RoPE
+        slots = state if self.press is None else self.press.after_prompt(state)  # the press's kept tokens
+        keys = slots.k.astype(jnp.float32)  # [B, K, M, D] before RoPE
         b, kh, m, d = keys.shape
-        pos = jnp.broadcast_to(state.pos, (b, kh, m))  # [B, K, M]
+        pos = jnp.broadcast_to(slots.pos, (b, kh, m))  # [B, K, M]
         filled = (pos >= 0)[..., None]  # [B, K, M, 1]
         k_rot = jnp.where(filled, rotated(keys, pos, state.extra["inv_freq"]), 0.0)  # [B, K, M, D]
-        return compressed(self, state, k_rot, pos >= 0, state.k.dtype)
+        return compressed(self, state, k_rot, slots.v, slots.pos, slots.k.dtype)
 
 
 def channel_scores(state: PromptState, k_rot: Float[Array, "B K M D"], keep: Any) -> tuple[Array, Array]:
@@ -210,15 +238,16 @@ def channel_scores(state: PromptState, k_rot: Float[Array, "B K M D"], keep: Any
     return q_sq, k_sq
 
 
-def compressed(policy: ThinK, state: PromptState, k_rot: Float[Array, "B K M D"], keep: Any, dtype: Any) -> ThinKState:
-    """The decode state of a prompt whose rotated keys are k_rot: every slot where `keep` [B, K, M]
-    (all filled slots: ThinK alone), each head's C best channels stored."""
+def compressed(policy: ThinK, state: PromptState, k_rot: Float[Array, "B K M D"], v: Float[Array, "B K M D"],
+               pos: Int[Array, "B Kp M"], dtype: Any) -> ThinKState:
+    """The decode state of the prompt tokens whose rotated keys are k_rot (their values v, positions pos;
+    `state`: the prompt phase's, for the window's queries), each head's C best channels stored."""
     b, kh, m, d = k_rot.shape
-    q_sq, k_sq = channel_scores(state, k_rot, keep)
+    q_sq, k_sq = channel_scores(state, k_rot, jnp.broadcast_to(pos, (b, kh, m)) >= 0)
     chan = channel_order(q_sq, k_sq, d - n_kept(d, policy.ratio))  # [B, K, D]
     kept = jnp.take_along_axis(k_rot, chan[:, :, None, :n_kept(d, policy.ratio)], axis=-1)  # [B, K, M, C]
-    r = policy.whole_slots(m)
+    r = policy.whole_slots(state.pos.shape[-1])  # the prompt phase holds max_len slots
     keys = ThinKeys(kept=kept.astype(dtype), whole=jnp.zeros((b, kh, r, d), dtype))
-    vals = jnp.concatenate([state.v, jnp.zeros((b, kh, r, d), state.v.dtype)], axis=2)  # [B, K, S, D]
-    kpos = jnp.concatenate([state.pos, jnp.full((b, 1, r), EMPTY, jnp.int32)], axis=2)  # [B, 1, S]
+    vals = jnp.concatenate([v, jnp.zeros((b, kh, r, d), v.dtype)], axis=2)  # [B, K, S, D]
+    kpos = jnp.concatenate([pos, jnp.full((b, pos.shape[1], r), EMPTY, jnp.int32)], axis=2)  # [B, Kp, S]
     return ThinKState(k=keys, v=vals, pos=kpos, chan=chan)

@@ -32,6 +32,7 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_lay
             num_key_value_heads=2, max_position_embeddings=512)
 N_CTX, N_Q, N_NEW = 320, 8, 6
 CHANNEL_RATIOS = (0.5, 0.75)  # key_channel_compression_ratio: 8 and 12 of 16 channels pruned
+SNAP_RATIOS = (0.5,)  # ComposedPress([SnapKVPress(r), ThinKPress(0.5)])
 
 # kvpress's side: evals/kvpress_worker.py's model building, prefill and greedy decoding. ThinKPress keeps
 # every token and zeroes the pruned channels: a channel is pruned where a head's cached keys are all 0.
@@ -46,22 +47,39 @@ job = json.load(open(sys.argv[1]))
 path = w.build_tiny(job["tiny"], job["save_to"])
 model = w.load(path, "sdpa")
 ctx, question = torch.tensor([job["context"]]), torch.tensor([job["question"]])
+with torch.no_grad():
+    full = DynamicCache()
+    model(input_ids=ctx, past_key_values=full, logits_to_keep=1)
 out = {}
-for c in job["ratios"]:
-    press = kvpress.ThinKPress(key_channel_compression_ratio=c, window_size=job["window"])
+for c in job["ratios"] + [f"snapkv{r}" for r in job["snapkv"]]:
+    if isinstance(c, str):  # ComposedPress([SnapKVPress(r), ThinKPress(0.5)])
+        press = kvpress.ComposedPress([kvpress.SnapKVPress(compression_ratio=float(c[6:])),
+                                       kvpress.ThinKPress(key_channel_compression_ratio=0.5, window_size=job["window"])])
+    else:
+        press = kvpress.ThinKPress(key_channel_compression_ratio=c, window_size=job["window"])
     cache = DynamicCache()
     with torch.no_grad(), press(model):
         model(input_ids=ctx, past_key_values=cache, logits_to_keep=1)
     keys = [layer.keys[0] for layer in cache.layers]  # [K, n, D] each
     pruned = [[sorted(torch.nonzero((k[h] == 0).all(dim=0)).flatten().tolist()) for h in range(k.shape[0])]
               for k in keys]
+    kept = []  # each cached key's context position: the nearest uncompressed key over the head's kept channels
+    for layer, k in enumerate(keys):
+        heads = []
+        for h in range(k.shape[0]):
+            on = torch.ones(k.shape[-1], dtype=torch.bool)
+            on[pruned[layer][h]] = False
+            d = torch.cdist(k[h][:, on], full.layers[layer].keys[0, h][:, on], compute_mode="donot_use_mm_for_euclid_dist")
+            assert float(d.min(-1).values.max()) < 1e-5
+            heads.append(sorted(d.argmin(-1).tolist()))
+        kept.append(heads)
     held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
     tokens = [int(k.shape[1]) for k in keys]
     n, q = ctx.shape[1], question.shape[1]
     with torch.no_grad():  # the question's last logits after the compressed context (on a copy of the cache)
         logits = model(input_ids=question, past_key_values=w._copy(cache), position_ids=torch.arange(n, n + q)[None]).logits
     answer = w.greedy(model, cache, question, n, job["n_new"])
-    out[str(c)] = {"pruned": pruned, "cache_bytes": held, "tokens": tokens, "answer": answer,
+    out[str(c)] = {"pruned": pruned, "kept": kept, "cache_bytes": held, "tokens": tokens, "answer": answer,
                    "logits": logits[0, -1].tolist(), "compression_ratio": press.compression_ratio}
 json.dump(out, open(sys.argv[2], "w"))
 """
@@ -84,6 +102,7 @@ def tiny_run(tmp_path_factory):
     ctx, question = rng.integers(0, 128, N_CTX), rng.integers(0, 128, N_Q)
     job = {"save_to": str(tmp / "ckpt"), "tiny": {"kind": "llama", "seed": 0, "config": TINY},
            "context": ctx.tolist(), "question": question.tolist(), "n_new": N_NEW, "ratios": [0.0, *CHANNEL_RATIOS],
+           "snapkv": list(SNAP_RATIOS),
            "window": 32}
     ref = run_kvpress(job, tmp)
     cfg, params = load_hf(tmp / "ckpt")
@@ -135,3 +154,27 @@ def test_think_prunes_kvpress_channels_and_answers(tiny_run, channel_ratio):
     assert mine == layers * (kh * (m * c + r * d + (m + r) * d + d) + (m + r)) * 4
     theirs = layers * kh * m * 2 * d * 4  # kvpress's cache once the question and answer are appended
     assert mine < theirs and tree_nbytes(cache[0].k.kept) == layers * kh * m * c * 4
+
+
+@pytest.mark.parametrize("snap_ratio", SNAP_RATIOS)
+def test_think_after_snapkv_keeps_kvpress_tokens_channels_and_answers(tiny_run, snap_ratio):
+    """ComposedPress([SnapKVPress(r), ThinKPress(0.5)]): SnapKV keeps its n_kept tokens per kv head, then
+    ThinK scores the channels on the keys it kept (and the context's last 32 queries): the same kept
+    positions and pruned channels per (layer, kv head) as kvpress, the same answer, the question's logits
+    within 1e-4. Our state stores the kept tokens with 8 of 16 key channels."""
+    model, ctx, question, ref = tiny_run
+    want = ref[f"snapkv{snap_ratio}"]
+    r = 1 - (1 - snap_ratio) * (1 - 0.25)  # kvpress's compression_ratio of the composition
+    pol = kvpress("ComposedPress", r, presses=[["SnapKVPress", snap_ratio], ["ThinKPress", 0.25]], max_new=N_Q + N_NEW)
+    pruned, kept, answer, logits, cache = ours(model, pol, ctx, question)
+    n_kept = int(N_CTX * (1 - snap_ratio))
+    assert all(len(h) == n_kept for layer in want["kept"] for h in layer)
+    assert kept == want["kept"]
+    assert pruned == want["pruned"]
+    assert answer == want["answer"]
+    assert np.abs(logits - want["logits"]).max() < 1e-4
+    assert pruned != ref["0.5"]["pruned"]  # ThinKPress(0.5) alone, over every key, prunes other channels
+    # bytes: kvpress's cache holds the n_kept tokens' 16 key channels; ours their 8 kept ones (+ whole values,
+    # positions per head, the channel orders and the whole slots of the question and answer)
+    assert want["cache_bytes"] == 3 * 2 * n_kept * 2 * 16 * 4
+    assert tree_nbytes(cache[0].k.kept) == 3 * 2 * int((N_CTX + N_Q + N_NEW) * (1 - snap_ratio)) * 8 * 4
