@@ -310,3 +310,27 @@ def test_smollm2_with_our_arrays_equals_kvpress(smollm2_hub, press, ratio):
     print(f"{press} {ratio}: mean Jaccard {np.mean(js):.4f}, min {np.min(js):.4f}, answers equal {answer == want['answer']}")
     assert np.mean(js) >= 0.98
     assert answer == want["answer"]
+
+
+def test_expected_stats_stream_extension_matches_its_reference(tmp_path):
+    """ExpectedStats's stream (ours: recompress on overflow with the same statistics) through `attend`, in
+    chunks of 5 then 1, against its float64 re-simulation (tests/refs/hub.expected_stats_stream); a file of
+    another head count or layer count is refused before any compute."""
+    from kvpolicies.expected_stats import ExpectedStats
+    from tests.refs.helpers import run_policy
+    from tests.refs.hub import expected_stats_stream
+    from tests.refs.registry import ROPE, qkv
+
+    rng = np.random.default_rng(2)
+    a = rng.standard_normal((1, 4, 16, 16)) / 4
+    mu, cov = rng.standard_normal((1, 4, 16)), a @ np.swapaxes(a, -1, -2)  # PSD covariances
+    np.savez(tmp_path / "s.npz", mu=mu.astype(np.float32), cov=cov.astype(np.float32))
+    pol = ExpectedStats(budget=6, max_new=3, n_sink=2, n_future_positions=8, stats=str(tmp_path / "s.npz"), layer=0)
+    q, k, v = qkv(24, seed=3)
+    out, _ = run_policy(pol, q, k, v, [5, 1], ROPE)
+    want = expected_stats_stream(pol, q, k, v, mu[0].astype(np.float32), cov[0].astype(np.float32))
+    np.testing.assert_allclose(out, want, atol=3e-5, rtol=0)
+    with pytest.raises(ValueError, match="hold 1 layers, the model has 3"):
+        pol.stack(3)
+    with pytest.raises(ValueError, match="query heads of dim 16, the layer has 3 kv heads"):
+        pol.moments(3, 16)
