@@ -247,7 +247,10 @@ def compressed(policy: ThinK, state: PromptState, k_rot: Float[Array, "B K M D"]
     chan = channel_order(q_sq, k_sq, d - n_kept(d, policy.ratio))  # [B, K, D]
     kept = jnp.take_along_axis(k_rot, chan[:, :, None, :n_kept(d, policy.ratio)], axis=-1)  # [B, K, M, C]
     r = policy.whole_slots(state.pos.shape[-1])  # the prompt phase holds max_len slots
-    keys = ThinKeys(kept=kept.astype(dtype), whole=jnp.zeros((b, kh, r, d), dtype))
+    # the whole slots as zeros computed from k_rot (finite: empty slots hold 0), so that a mesh's split of
+    # the kv heads carries over to them (fresh zeros, a constant, would be replicated)
+    whole = jnp.broadcast_to(k_rot[:, :, :1] * 0, (b, kh, r, d)).astype(dtype)  # [B, K, R, D]
+    keys = ThinKeys(kept=kept.astype(dtype), whole=whole)
     vals = jnp.concatenate([v, jnp.zeros((b, kh, r, d), v.dtype)], axis=2)  # [B, K, S, D]
     kpos = jnp.concatenate([pos, jnp.full((b, pos.shape[1], r), EMPTY, jnp.int32)], axis=2)  # [B, Kp, S]
     return ThinKState(k=keys, v=vals, pos=kpos, chan=chan)

@@ -94,13 +94,16 @@ def run_kvpress(job: dict, tmp: pathlib.Path, timeout: int = 600) -> dict:
     return json.loads((tmp / "out.json").read_text())
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    """(our model, context ids, question ids, kvpress's results by channel ratio) on the tiny Llama."""
-    tmp = tmp_path_factory.mktemp("llama")
+@pytest.fixture(scope="module", params=["llama"])
+def tiny_run(request, tmp_path_factory):
+    """(our model, context ids, question ids, kvpress's results by press) on a tiny architecture: the Llama in
+    the suite; the tiny Qwen2 (biases, tied embeddings: a second kvpress run) gave the same results when
+    this file was written (add "qwen2" to `params` to rerun it)."""
+    tmp = tmp_path_factory.mktemp(request.param)
     rng = np.random.default_rng(7)
     ctx, question = rng.integers(0, 128, N_CTX), rng.integers(0, 128, N_Q)
-    job = {"save_to": str(tmp / "ckpt"), "tiny": {"kind": "llama", "seed": 0, "config": TINY},
+    config = dict(TINY, tie_word_embeddings=request.param == "qwen2")
+    job = {"save_to": str(tmp / "ckpt"), "tiny": {"kind": request.param, "seed": 0, "config": config},
            "context": ctx.tolist(), "question": question.tolist(), "n_new": N_NEW, "ratios": [0.0, *CHANNEL_RATIOS],
            "snapkv": list(SNAP_RATIOS),
            "window": 32}
