@@ -35,6 +35,7 @@ _REGISTRY = {
     "cur": "cur:CUR",
     "compactor": "compactor:Compactor",
     "simlayerkv": "simlayerkv:SimLayerKV",
+    "cap": "cap:Cap",
     "random": "random_keep:RandomKeep",
     "observed": "observed:Observed",
     "expected": "expected:Expected",

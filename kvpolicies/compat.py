@@ -100,6 +100,7 @@ from jaxtyping import Array
 
 from kvpolicies.adakv import AdaKV
 from kvpolicies.adascored import AdaScored
+from kvpolicies.cap import Cap
 from kvpolicies.base import Policy, RopePositions
 from kvpolicies.checks import check_int
 from kvpolicies.codecs import Codec, Identity
@@ -530,7 +531,7 @@ PRESSES = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPress", "
            "ExpectedAttentionStatsPress", "KVzapPress",
            "KeyDiffPress", "LagKVPress", "RandomPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress",
            "ComposedPress", "FinchPress", "CURPress", "MergingPress", "CompactorPress", "NonCausalAttnPress", "LeverageScorePress",
-           "ChunkKVPress", "KeyRerotationPress", "EntropyGatedChunkKVPress", "SimLayerKVPress",
+           "ChunkKVPress", "KeyRerotationPress", "EntropyGatedChunkKVPress", "SimLayerKVPress", "CapPress",
            "CriticalKVPress", "CriticalAdaKVPress", "ThinKPress")
 SUPPORTED = PRESSES
 WRAPPERS = ("MergingPress", "AdaKVPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress", "ChunkKVPress",
@@ -890,6 +891,9 @@ def _scored(press: str, r: float, max_new: int, n_layers: int | None, fields: di
         return kvzap_press(r, max_new, fields)
     if press == "KeyDiffPress":
         return KeyDiff(ratio=r, max_new=max_new)
+    if press == "CapPress":
+        return Cap(ratio=r, max_new=max_new, **{k: fields.pop(k) for k in list(fields) if k in (
+            "tau", "n_future_positions", "n_sink", "epsilon")})
     if press == "LagKVPress":
         return LagKV(ratio=r, max_new=max_new, **{k: fields.pop(k) for k in list(fields) if k in (
             "n_sink", "lag_size", "cross_scoring")})

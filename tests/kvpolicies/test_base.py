@@ -51,6 +51,7 @@ CAPABILITIES = {
     "random": ("budget", True, False, False, False, False),
     "keydiff": ("budget", True, False, False, False, False),
     "simlayerkv": ("budget", True, False, False, False, False),
+    "cap": ("budget", True, False, False, False, False),
     "think": (None, True, False, False, False, False),
     "qfilter": ("budget", True, False, False, True, False),
     "lagkv": ("budget", True, False, False, False, False),

@@ -30,10 +30,11 @@ META_PER_SLOT = {"window": 4, "sink": 4, "tova": 4, "h2o": 4 * K + 4 * K, "snapk
 META_PER_SLOT |= {"adakv": 8 * K, "kvzip": 8 * K, "kvzap": 8 * K, "pyramidkv": 8 * K, "observed": 8 * K, "knorm": 4 * K, "random": 4 * K, "expected": 4 * K}
 META_PER_SLOT |= {"qfilter": 4 * K}
 META_PER_SLOT |= {"keydiff": 4 * K, "lagkv": 4 * K, "finch": 8 * K, "cur": 4 * K, "compactor": 8 * K}
-META_PER_SLOT |= {"simlayerkv": 4 * K}
+META_PER_SLOT |= {"simlayerkv": 4 * K, "cap": 4 * K}
 META_PER_SLOT |= {"critical": 8 * K}  # its default inner press, snapkv: a float32 mass per slot and head
 # bytes stored once per layer, not per slot: expected's running query sums (D + D^2 float32 per kv head, a count)
 FIXED = {"expected": 4 * (K * (D + D * D) + 1)}
+FIXED |= {"cap": 4 * (K * D + 1)}  # cap's running query sum (D float32 per kv head) and count
 
 
 def head_bytes(codec: str, itemsize: int) -> int:

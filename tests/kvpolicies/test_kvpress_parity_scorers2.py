@@ -1,4 +1,4 @@
-"""kvpress 0.5.5's SimLayerKVPress (and the scorers that follow it here) beside `kvpolicies.compat.kvpress`:
+"""kvpress 0.5.5's SimLayerKVPress and CapPress beside `kvpolicies.compat.kvpress`:
 the same tiny random Llama and token ids; kvpress prefills under the press in a subprocess with its own
 transformers (.venv/kvpress-ref, `WORKER` below, over evals/kvpress_worker.py), ours runs `Engine.prompt`
 -> `compress` -> `kept_positions` / `continue_generate`. Kept positions per (layer, kv head) and greedy
@@ -80,6 +80,8 @@ json.dump(out, open(sys.argv[2], "w"))
 SIMLAYER = ({}, {"lazy_threshold": 0.2072, "n_recent": 64, "n_last": 4, "n_initial": 2},
             {"lazy_threshold": 0.1, "n_recent": 64, "n_last": 2})
 LAZY = {0: (), 1: (1, 2), 2: (0, 1, 2)}  # the lazy layers of each case (kvpress's, checked below)
+CAP_RATIOS = (0.5, 0.75)
+FULL_GRID = bool(os.environ.get("KVP_KVPRESS_FULL"))  # CapPress at 0.75 too (identical; left out for suite time)
 
 
 def run_kvpress(job: dict, tmp: pathlib.Path, timeout: int = 600) -> dict:
@@ -99,7 +101,7 @@ def tiny_run(tmp_path_factory):
     ctx, question = rng.integers(0, 127, N_CTX), rng.integers(0, 127, N_Q)
     job = {"save_to": str(tmp / "ckpt"), "tiny": {"kind": "llama", "seed": 0, "config": TINY},
            "context": ctx.tolist(), "question": question.tolist(), "n_new": N_NEW,
-           "presses": [["SimLayerKVPress", 0, f] for f in SIMLAYER]}
+           "presses": [["SimLayerKVPress", 0, f] for f in SIMLAYER] + [["CapPress", r, {}] for r in CAP_RATIOS]}
     ref = run_kvpress(job, tmp)
     cfg, params = load_hf(tmp / "ckpt")
     return Llama(cfg, params), ctx, question, ref
@@ -147,3 +149,21 @@ def test_simlayerkv_keeps_kvpress_positions_answers_and_bytes(tiny_run, case):
     held = [len(layer[0]) for layer in kept]
     assert want["cache_bytes"] == sum(kh * n * 2 * d * 4 for n in held)  # kvpress: float32 keys and values
     assert tree_nbytes(state.cache) == sum(kh * min(n + MAX_NEW, max_len) * (2 * d * 4 + 4) for n in held)
+
+
+@pytest.mark.parametrize("ratio", CAP_RATIOS)
+def test_cap_keeps_kvpress_positions_and_answers(tiny_run, ratio):
+    """CapPress at its defaults (tau 5, n_future_positions 512, n_sink 4, epsilon 1e-6): kvpress keeps
+    n_kept = int(n (1 - ratio)) per kv head, the 4 sinks among them; we keep the same positions per
+    (layer, kv head) and give the same answer."""
+    if ratio != 0.5 and not FULL_GRID:
+        pytest.skip("CapPress at 0.75: KVP_KVPRESS_FULL=1 (suite time)")
+    model, ctx, question, ref = tiny_run
+    want = ref[key_of("CapPress", ratio, {})]
+    assert "error" not in want, want
+    n_kept = int(N_CTX * (1 - ratio))
+    assert all(len(h) == n_kept and h[:4] == [0, 1, 2, 3] for layer in want["kept"] for h in layer)
+    kept, answer, _, _ = ours(model, "CapPress", ratio, ctx, question)
+    for i, (g, w) in enumerate(zip([h for layer in kept for h in layer], [h for layer in want["kept"] for h in layer])):
+        assert g == w, (ratio, divmod(i, model.cfg.n_kv_heads), sorted(set(g) ^ set(w))[:10])
+    assert answer == want["answer"]

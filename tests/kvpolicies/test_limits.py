@@ -38,6 +38,7 @@ SMALL = {
     "random": kvpolicies.get("random", budget=6, max_new=3, seed=1),
     "keydiff": kvpolicies.get("keydiff", budget=6, max_new=3),
     "simlayerkv": kvpolicies.get("simlayerkv", budget=6, max_new=3, n_initial=2),
+    "cap": kvpolicies.get("cap", budget=6, max_new=3, n_sink=2, n_future_positions=8),
     "think": kvpolicies.get("think", max_new=12),  # a stream: 12 whole slots
     "qfilter": kvpolicies.get("qfilter", budget=6, max_new=3, filters="random"),
     "lagkv": kvpolicies.get("lagkv", budget=6, max_new=3, n_sink=1, lag_size=3),

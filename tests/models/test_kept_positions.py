@@ -31,6 +31,7 @@ POLICIES = {
     # every layer lazy (threshold 0): the 2 sinks and the newest n_recent - n_last = 5
     "simlayerkv": (kvpolicies.get("simlayerkv", lazy_threshold=0.0, n_recent=6, n_initial=2, max_new=3),
                    lambda h: [0, 1, *range(T - 5, T)]),
+    "cap": (kvpolicies.get("cap", budget=6, max_new=3, n_sink=2, n_future_positions=8), (6,)),
     "qfilter": (kvpolicies.get("qfilter", budget=6, max_new=3, filters="random"), (6,)),
     "cur": (kvpolicies.get("cur", budget=6, max_new=3, n_sink=1, local_window=4), (6,)),
     "compactor": (kvpolicies.get("compactor", budget=6, max_new=3, sink_start=1, sink_end=1, sketch_dim=4), (6,)),

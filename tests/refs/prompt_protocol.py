@@ -26,7 +26,7 @@ from tests.refs.kvzip import choose as kvzip_choose
 from tests.refs.oracle import default_inv_freq, rope_complex
 from tests.refs.prompt_scored import (compactor_scores, cur_scores, expected_scores, keydiff_scores, lagkv_scores,
                                       np_hash)
-from tests.refs.scorers2 import kept_simlayerkv
+from tests.refs.scorers2 import kept_cap, kept_simlayerkv
 
 
 def _best(score: dict, n: int) -> set:
@@ -584,6 +584,7 @@ def entries():
         "lagkv": Entry(get("lagkv", ratio=0.5, lag_size=8), _plain(kept_lagkv)),
         # n_recent 16, n_last 2 (defaults 1024, 1 > the prompt): the tiny Qwen2's layer 1 is lazy, layer 0 not
         "simlayerkv": Entry(get("simlayerkv", lazy_threshold=0.4, n_recent=16, n_last=2), _plain(kept_simlayerkv)),
+        "cap": Entry(get("cap", ratio=0.5), _plain(kept_cap)),
         "adakv": Entry(get("adakv", ratio=0.2), _plain(kept_adakv)),  # 6 of 16 older tokens per head on average
         "kvzip": Entry(get("kvzip", ratio=0.5), _kvzip),
         # window 8 (default 128 > the prompt: nothing to choose); surrogate="random" (no weights for this model)

@@ -17,7 +17,7 @@ from tests.refs.kvzip import stream_reference as kvzip_reference
 from tests.refs.multires_quest import hier_oracle, quest_oracle
 from tests.refs.quant import np_kivi_attention
 from tests.refs.scored import simulate
-from tests.refs.scorers2 import simlayerkv_stream
+from tests.refs.scorers2 import cap_stream, simlayerkv_stream
 
 
 B, N, K, D, THETA = 2, 4, 2, 16, 10000.0
@@ -106,6 +106,7 @@ REFERENCES = {
     "lagkv": ([kvpolicies.get("lagkv", budget=6, max_new=3, n_sink=1, lag_size=3)], stream_ref),
     "observed": ([kvpolicies.get("observed", budget=6, max_new=3)], stream_ref),
     "simlayerkv": ([kvpolicies.get("simlayerkv", budget=6, max_new=3, n_initial=2)], simlayerkv_stream),
+    "cap": ([kvpolicies.get("cap", budget=6, max_new=3, n_sink=2, n_future_positions=8)], cap_stream),
     "expected": ([kvpolicies.get("expected", budget=6, max_new=3, n_sink=2, n_future_positions=8)], stream_ref),
     "adakv": ([kvpolicies.get("adakv", budget=5, obs_window=3, kernel=3, max_new=4)],
               adakv_reference),  # tests/refs/headwise.py
