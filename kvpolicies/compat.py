@@ -106,6 +106,7 @@ from kvpolicies.checks import check_int
 from kvpolicies.codecs import Codec, Identity
 from kvpolicies.compactor import Compactor
 from kvpolicies.cur import CUR
+from kvpolicies.decoding import PRESSES as DECODING_PRESSES, from_kvpress as decoding_press
 from kvpolicies.expected import Expected
 from kvpolicies.finch import Finch
 from kvpolicies.full import Full
@@ -532,7 +533,7 @@ PRESSES = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPress", "
            "KeyDiffPress", "LagKVPress", "RandomPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress",
            "ComposedPress", "FinchPress", "CURPress", "MergingPress", "CompactorPress", "NonCausalAttnPress", "LeverageScorePress",
            "ChunkKVPress", "KeyRerotationPress", "EntropyGatedChunkKVPress", "SimLayerKVPress", "CapPress",
-           "CriticalKVPress", "CriticalAdaKVPress", "ThinKPress")
+           "CriticalKVPress", "CriticalAdaKVPress", "ThinKPress", *DECODING_PRESSES)
 SUPPORTED = PRESSES
 WRAPPERS = ("MergingPress", "AdaKVPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress", "ChunkKVPress",
             "KeyRerotationPress", "EntropyGatedChunkKVPress", "CriticalKVPress", "CriticalAdaKVPress")  # `press`: an inner press
@@ -629,6 +630,8 @@ def kvpress(name: str, compression_ratio: float, /, *, max_new: int = 256, n_lay
     r = compression_ratio
     if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < 1:
         raise ValueError(f"compression_ratio={r!r}: must be a number in [0, 1)")
+    if press in DECODING_PRESSES:  # compression while decoding, in kvpress's steps (kvpolicies.decoding)
+        return decoding_press(press, r, max_new, fields)
     if press == "PerLayerCompressionPress":
         return _per_layer(r, max_new, n_layers, fields)
     if press == "ComposedPress":

@@ -1,0 +1,213 @@
+"""kvpress 0.5.5's decoding presses beside `kvpolicies.compat.kvpress`: DecodingPress,
+CompressionRatioDecodingPress and PrefillDecodingPress on the tiny random Llama (3 layers, 4 query / 2 kv
+heads), the same token ids. kvpress runs its pipeline's loop in a subprocess with its own transformers
+(.venv/kvpress-ref, `WORKER` below, over evals/kvpress_worker.py): the context prefilled (under the press for
+PrefillDecodingPress, without it for a DecodingPress, as `KVPressTextGenerationPipeline._forward` does),
+then the question in one forward step and greedy ids one step each under the press, whose hook compresses
+every `compression_interval` steps; `kvpress_worker.Tracker` follows each slot's position through the
+compressions. Ours: `Engine.prompt` -> `compress` -> `continue_generate`, and `feed` of the same steps
+(the question whole, then one id a step) for the kept positions after the last id fed. The kept positions
+per (layer, kv head) after the prefill and at the end, the cache length after every step, and the greedy
+ids must be identical."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kvpolicies.compat import PRESSES, kvpress
+from kvpolicies.decoding import Decoding
+from kvpolicies.keydiff import KeyDiff
+from kvpolicies.knorm import Knorm
+from kvpolicies.snapkv import SnapKV
+from models.engine import Engine
+from models.llama import Llama
+from models.loading import load_hf
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+REF = ROOT / ".venv" / "kvpress-ref"
+pytestmark = [pytest.mark.ref, pytest.mark.kvpress, pytest.mark.skipif(not (REF / "kvpress").is_dir(),
+                                                      reason="kvpress not installed (bash scripts/setup.sh test)")]
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512)
+N_CTX, N_Q, N_NEW = 320, 8, 40
+
+# (kvpress's side, ours): the press as the worker builds it, and our front door's call
+CASES = {
+    # the whole context kept by the prefill; every 16 steps (the question is step 1) back to 160 per head
+    "decoding": ({"kind": "DecodingPress", "base": "KeyDiffPress", "interval": 16, "target": 160},
+                 ("DecodingPress", 0, {"base_press": "KeyDiffPress", "compression_interval": 16, "target_size": 160})),
+    # a target below the question's 8 tokens: the question's step compresses (kvpress's q_len >= target_size)
+    "question": ({"kind": "DecodingPress", "base": "KeyDiffPress", "interval": 12, "target": 6},
+                 ("DecodingPress", 0, {"base_press": "KeyDiffPress", "compression_interval": 12, "target_size": 6})),
+    # every 10 steps back to int(n_seen (1 - 0.4)) of the n_seen tokens seen
+    "ratio": ({"kind": "CompressionRatioDecodingPress", "base": "KeyDiffPress", "interval": 10, "ratio": 0.4},
+              ("CompressionRatioDecodingPress", 0.4, {"base_press": "KeyDiffPress", "compression_interval": 10})),
+    # SnapKV keeps 160 of the context, then every 8 steps back to 100: the first compression holds 175
+    "prefill": ({"kind": "PrefillDecodingPress", "prefill": "SnapKVPress", "prefill_ratio": 0.5,
+                 "decoding": {"kind": "DecodingPress", "base": "KeyDiffPress", "interval": 8, "target": 100}},
+                ("PrefillDecodingPress", 0.5, {"prefilling_press": "SnapKVPress", "decoding_press": kvpress(
+                    "DecodingPress", 0, base_press="KeyDiffPress", compression_interval=8, target_size=100)})),
+}
+
+# kvpress's side: its pipeline's prefill and greedy loop (kvpress_worker.greedy: the question in one step at
+# positions after the context, then one id a step), a Tracker of every slot's position, the length of layer
+# 0's cache after each decoding step
+WORKER = r"""
+import contextlib, json, sys, torch
+sys.path.insert(0, sys.argv[3])
+import kvpress_worker as w
+import kvpress
+from transformers import DynamicCache
+
+def build(spec):
+    kind = spec["kind"]
+    if kind == "PrefillDecodingPress":
+        pre = getattr(kvpress, spec["prefill"])(compression_ratio=spec["prefill_ratio"])
+        return kvpress.PrefillDecodingPress(prefilling_press=pre, decoding_press=build(spec["decoding"]))
+    base = getattr(kvpress, spec["base"])()
+    if kind == "DecodingPress":
+        return kvpress.DecodingPress(base_press=base, compression_interval=spec["interval"], target_size=spec["target"])
+    return kvpress.CompressionRatioDecodingPress(base_press=base, compression_interval=spec["interval"],
+                                                 target_compression_ratio=spec["ratio"])
+
+job = json.load(open(sys.argv[1]))
+path = w.build_tiny(job["tiny"], job["save_to"])
+model = w.load(path, "sdpa")
+ctx, question = torch.tensor([job["context"]]), torch.tensor([job["question"]])
+out = {}
+for key, spec in job["presses"].items():
+    press = build(spec)
+    prefill = isinstance(press, kvpress.PrefillDecodingPress)
+    dec = press.decoding_press if prefill else press
+    tracker = w.Tracker([p for p in (press.prefilling_press if prefill else None, dec.base_press) if p is not None])
+    lengths = []
+    cache = DynamicCache()
+    with torch.no_grad(), (press(model) if prefill else contextlib.nullcontext()):  # the pipeline's prefill
+        hooks = tracker.attach(model)
+        model(input_ids=ctx, past_key_values=cache, logits_to_keep=1)
+        [h.remove() for h in hooks]
+    kept = tracker.kept()
+    with torch.no_grad(), press(model):
+        hooks = tracker.attach(model)
+        hooks.append(model.model.layers[0].self_attn.register_forward_hook(
+            lambda m, a, k, o: lengths.append(k["past_key_values"].layers[0].keys.shape[2]), with_kwargs=True))
+        answer = w.greedy(model, cache, question, ctx.shape[1], job["n_new"])
+        [h.remove() for h in hooks]
+    out[key] = {"kept": kept, "kept_end": tracker.kept(), "answer": answer, "lengths": lengths}
+json.dump(out, open(sys.argv[2], "w"))
+"""
+
+
+def run_kvpress(job: dict, tmp: pathlib.Path, timeout: int = 600) -> dict:
+    (tmp / "job.json").write_text(json.dumps(job))
+    env = {**os.environ, "PYTHONPATH": str(REF), "CUDA_VISIBLE_DEVICES": "", "TRANSFORMERS_VERBOSITY": "error",
+           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    subprocess.run([sys.executable, "-c", WORKER, str(tmp / "job.json"), str(tmp / "out.json"), str(ROOT / "evals")],
+                   check=True, env=env, cwd=ROOT, timeout=timeout)
+    return json.loads((tmp / "out.json").read_text())
+
+
+@pytest.fixture(scope="module", params=["llama"])
+def tiny_run(request, tmp_path_factory):
+    """(our model, context ids, question ids, kvpress's results by case) on a tiny architecture: the Llama in
+    the suite (add "qwen2" to `params` for the tiny Qwen2: biases, tied embeddings, a second kvpress run)."""
+    tmp = tmp_path_factory.mktemp(request.param)
+    rng = np.random.default_rng(11)
+    ctx, question = rng.integers(0, 128, N_CTX), rng.integers(0, 128, N_Q)
+    config = dict(TINY, tie_word_embeddings=request.param == "qwen2")
+    job = {"save_to": str(tmp / "ckpt"), "tiny": {"kind": request.param, "seed": 0, "config": config},
+           "context": ctx.tolist(), "question": question.tolist(), "n_new": N_NEW,
+           "presses": {key: spec for key, (spec, _) in CASES.items()}}
+    ref = run_kvpress(job, tmp)
+    cfg, params = load_hf(tmp / "ckpt")
+    return Llama(cfg, params), ctx, question, ref
+
+
+def lengths_of(pol: Decoding, prompt_kept: int) -> list[int]:
+    """Layer 0's cache length after each decoding step (the question, then N_NEW - 1 ids), by kvpress's rule
+    re-simulated in Python: a step's tokens appended, at the interval-th step (or one of T >= target
+    tokens) back to the target if the cache holds more, the count restarting."""
+    held, steps, out = prompt_kept, 0, []
+    for i, t in enumerate([N_Q] + [1] * (N_NEW - 1)):
+        held, steps = held + t, steps + 1
+        n_seen = N_CTX + N_Q + i
+        target = max(1, int(n_seen * (1 - pol.target_ratio))) if pol.target_ratio else pol.target
+        if steps >= pol.interval or t >= target:
+            held, steps = min(held, target), 0
+        out.append(held)
+    return out
+
+
+# the suite runs three cases (its time); KVP_KVPRESS_FULL=1 all (kvpress's side always runs all)
+SUITE = tuple(CASES) if os.environ.get("KVP_KVPRESS_FULL") else ("decoding", "ratio", "prefill")
+
+
+@pytest.mark.parametrize("case", SUITE)
+def test_decoding_presses_equal_kvpress(tiny_run, case):
+    """The kept positions per (layer, kv head) after the prefill and after the last id fed (three to six
+    compressions while decoding), layer 0's length after every step, and the greedy ids equal kvpress's."""
+    model, ctx, question, ref = tiny_run
+    want = ref[case]
+    name, ratio, fields = CASES[case][1]
+    pol = kvpress(name, ratio, max_new=N_Q + 16, **fields)
+    eng = Engine(model, pol, max_len=N_CTX + N_Q + N_NEW)
+    state = eng.compress(eng.prompt(ctx[None]))
+    answer = eng.continue_generate(state, question[None], N_NEW)[0]
+    end = eng.feed(state, np.concatenate([question, answer[:-1]])[None], chunk=(N_Q,) + (1,) * (N_NEW - 1))
+    assert want["lengths"] == lengths_of(pol, len(want["kept"][0][0]))
+    assert min(want["lengths"]) < max(want["lengths"])  # compressed while decoding
+    for what, st in (("kept", state), ("kept_end", end)):
+        got = [[h.tolist() for h in layer] for layer in eng.kept_positions(st)]
+        for i, (g, w) in enumerate((g, w) for gl, wl in zip(got, want[what], strict=True)
+                                   for g, w in zip(gl, wl, strict=True)):
+            assert g == w, (case, what, divmod(i, model.cfg.n_kv_heads), sorted(set(g) ^ set(w))[:10])
+    assert len(want["kept_end"][0][0]) == want["lengths"][-1]
+    assert any(p >= N_CTX for layer in want["kept_end"] for h in layer for p in h)  # the answer compressed too
+    assert answer.tolist() == want["answer"]
+
+
+def test_decoding_press_front_door():
+    """kvpress's field names and defaults; what is refused, before anything runs."""
+    assert {"DecodingPress", "CompressionRatioDecodingPress", "PrefillDecodingPress"} <= set(PRESSES)
+    pol = kvpress("DecodingPress", 0, base_press="KnormPress")
+    assert (pol.interval, pol.target, pol.target_ratio, pol.prefill) == (512, 2048, 0.0, None)  # kvpress's defaults
+    assert type(pol.press) is Knorm and pol.press.dense_layers == 0
+    assert kvpress("CompressionRatioDecodingPress", 0, base_press="KnormPress").target_ratio == 0.5
+    inner = kvpress("KeyDiffPress", 0.3)
+    assert kvpress("DecodingPress", 0, base_press=inner).press == dataclasses.replace(inner, ratio=0.0)
+    pre = kvpress("PrefillDecodingPress", 0.5, prefilling_press="SnapKVPress", window_size=16,
+                  decoding_press=kvpress("CompressionRatioDecodingPress", 0.25, base_press="KeyDiffPress"))
+    assert type(pre.prefill) is SnapKV and (pre.prefill.ratio, pre.prefill.obs_window) == (0.5, 16)
+    assert type(pre.press) is KeyDiff and pre.target_ratio == 0.25
+    # a prefill press alone is that press; no press at all is the full cache
+    assert kvpress("PrefillDecodingPress", 0.5, prefilling_press="KnormPress") == kvpress("KnormPress", 0.5)
+    # the state: the prompt's kept tokens + max_new, or the target + interval - 1, at most max_len
+    assert pre.capacity(4000) == max(2000 + 256, int(4000 * 0.75) + 512 - 1)
+    small = kvpress("DecodingPress", 0, base_press="KnormPress", target_size=64, compression_interval=8)
+    assert small.capacity(1000) == 1000  # the whole prompt held until the first compression
+    assert dataclasses.replace(small, prefill=kvpress("KnormPress", 0.5)).capacity(1000) == 500 + 256
+    with pytest.raises(NotImplementedError, match="only KnormPress and KeyDiffPress"):
+        kvpress("DecodingPress", 0, base_press="SnapKVPress")
+    with pytest.raises(ValueError, match="give base_press"):
+        kvpress("DecodingPress", 0)
+    with pytest.raises(ValueError, match="has no compression_ratio"):
+        kvpress("DecodingPress", 0.5, base_press="KnormPress")
+    with pytest.raises(ValueError, match="target_compression_ratio"):
+        kvpress("CompressionRatioDecodingPress", 0.5, base_press="KnormPress", target_compression_ratio=0.25)
+    with pytest.raises(ValueError, match="target_size is not a field"):
+        kvpress("CompressionRatioDecodingPress", 0.5, base_press="KnormPress", target_size=10)
+    with pytest.raises(ValueError, match="compression_interval=0"):
+        kvpress("DecodingPress", 0, base_press="KnormPress", compression_interval=0)
+    with pytest.raises(ValueError, match="prefilling press has compression_ratio"):
+        kvpress("PrefillDecodingPress", 0.25, prefilling_press=kvpress("KnormPress", 0.5), decoding_press=pol)
+    with pytest.raises(ValueError, match="unknown field"):
+        kvpress("DecodingPress", 0, base_press="KnormPress", window=3)
