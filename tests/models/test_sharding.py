@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AbstractMesh
@@ -218,8 +219,16 @@ def eight():
 
 
 def test_every_policy_on_a_data_x_model_mesh_equals_one_device(eight):
-    """Every registered policy, one per layer of one model (~1.5 min of CPU)."""
-    assert sorted(eight["order"]) == sorted(kvpolicies.POLICIES)
+    """Every registered policy, one per layer of one model (~1.5 min of CPU), but the prompt scorers
+    `COVERED` by a representative's run: their states are the representative's, leaf by leaf."""
+    from tests.refs.sharding_check import COVERED, instances
+
+    assert sorted(eight["order"]) == sorted(set(kvpolicies.POLICIES) - set(COVERED))
+    pols = instances(4, covered=True)
+    for name, rep in COVERED.items():
+        a, b = (jax.eval_shape(lambda p=pols[n]: p.init(2, 4, 8, jnp.float32, 40)) for n in (name, rep))
+        assert type(a) is type(b) and jax.tree.structure(a) == jax.tree.structure(b), name
+        assert [x.shape for x in jax.tree.leaves(a)] == [x.shape for x in jax.tree.leaves(b)], name
     check_equal(eight["mesh"], eight["order"])
     check_split(eight["mesh"], eight["order"])
     assert eight["mesh"]["warnings"] == []
