@@ -41,6 +41,8 @@ sized by their `ratio` field (`PromptScored.kept_for`), with kvpress's defaults:
                             of calibration text (stats_folder=: ours, `python -m evals.expected_stats`)
     KVzapPress              `kvzap_scored.ZapScored`: kvzap's surrogate scores (model_type "mlp", kvzap_model_name=
                             our weights, evals.train_kvzap), per kv head top-k, no window (DMS: `kvzap`)
+    FastKVzipPress          `fastkvzip.FastKVzip` (layerwise=True only, gates= a file): the gates' scores, each
+                            layer's int(K n r) lowest (token, kv head) pairs dropped, a head pool
     LagKVPress              lagkv (n_sink 4, lag_size 128, cross_scoring False)
     RandomPress             random with kvpress's counts and our draw (torch's cannot be reproduced)
     FinchPress              finch: window_size = the question's tokens, which end the prompt (kvpress: a
@@ -121,6 +123,7 @@ from kvpolicies.prompt import PromptPhase, PromptState
 from kvpolicies.prompt_scored import PromptScored, chunked, rank_by
 from kvpolicies.pyramidkv import PyramidKV, PyramidLayer  # noqa: F401  (PyramidLayer: re-exported, it lived here)
 from kvpolicies.expected_stats import from_kvpress as expected_stats_press
+from kvpolicies.fastkvzip import from_kvpress as fastkvzip_press
 from kvpolicies.kvzap_scored import from_kvpress as kvzap_press
 from kvpolicies.qfilter import from_kvpress as qfilter_press
 from kvpolicies.random_keep import RandomKeep
@@ -529,7 +532,7 @@ class Composed(PromptScored):
 
 PRESSES = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPress", "ExpectedAttentionPress",
            "ObservedAttentionPress", "TOVAPress", "AdaKVPress", "KVzipPress", "DuoAttentionPress", "QFilterPress",
-           "ExpectedAttentionStatsPress", "KVzapPress",
+           "ExpectedAttentionStatsPress", "KVzapPress", "FastKVzipPress",
            "KeyDiffPress", "LagKVPress", "RandomPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress",
            "ComposedPress", "FinchPress", "CURPress", "MergingPress", "CompactorPress", "NonCausalAttnPress", "LeverageScorePress",
            "ChunkKVPress", "KeyRerotationPress", "EntropyGatedChunkKVPress", "SimLayerKVPress", "CapPress",
@@ -892,6 +895,8 @@ def _scored(press: str, r: float, max_new: int, n_layers: int | None, fields: di
         return expected_stats_press(r, max_new, n_layers, fields)
     if press == "KVzapPress":  # kvzap's surrogate (kvzap_model_name=: our weights), kvpress's per-head top-k
         return kvzap_press(r, max_new, fields)
+    if press == "FastKVzipPress":  # layerwise=True, gates= a file (kvpress downloads the authors')
+        return fastkvzip_press(r, max_new, fields)
     if press == "KeyDiffPress":
         return KeyDiff(ratio=r, max_new=max_new)
     if press == "CapPress":

@@ -44,6 +44,7 @@ sys.path.insert(0, sys.argv[3])
 import kvpress_worker as w
 import kvpress
 from kvpress.presses.expected_attention_with_stats import ExpectedAttentionStatsPress, patch_rotary_embedding
+from kvpress.presses.fastkvzip_press import FastKVzipGate, FastKVzipPress
 from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel, KVzapPress
 from kvpress.presses.qfilter_press import QFilterPress
 from transformers import DynamicCache
@@ -99,6 +100,17 @@ def build(name, ratio, fields):
     elif name == "ExpectedAttentionStatsPress":
         press = ExpectedAttentionStatsPress(compression_ratio=ratio, **fields)
         press.mu, press.cov = f32(arrays["mu"]), f32(arrays["cov"])
+    elif name == "FastKVzipPress":  # our gate file in kvpress's FastKVzipGate modules (its own download skipped)
+        z, gates = np.load(job["fastkvzip"]), []
+        for l in range(L):
+            gate = FastKVzipGate(l, cfg.hidden_size, K, N // K, torch.float32)
+            gate.load_state_dict({"q_proj.weight": f32(z["q_w"][l].T), "q_proj.bias": f32(z["q_b"][l]),
+                                  "k_proj.weight": f32(z["k_w"][l].T), "q_norm.weight": f32(z["q_norm"][l]),
+                                  "k_norm.weight": f32(z["k_norm"][l]), "k_base": f32(z["k_base"][l][:, None]),
+                                  "b": f32(z["b"][l][:, None])})
+            gates.append(gate.eval())
+        press = FastKVzipPress(compression_ratio=ratio, layerwise=True)
+        press.gates = gates
     else:  # KVzapPress: our surrogate's weights in kvpress's KVzapModel
         z = np.load(job["kvzap"][kind])
         mlp = "w1" in z.files
@@ -133,7 +145,7 @@ json.dump(out, open(sys.argv[2], "w"))
 FULL = os.environ.get("KVP_KVPRESS_FULL") == "1"  # both ratios for every press (suite time: 0.5 only)
 RATIOS = (0.5, 0.75) if FULL else (0.5,)
 KVZAP_KINDS = ("mlp", "linear") if FULL else ("mlp",)  # kvpress's default model_type: mlp
-CASES = [(p, r, {}) for p in ("QFilterPress", "ExpectedAttentionStatsPress") for r in RATIOS] + [
+CASES = [(p, r, {}) for p in ("QFilterPress", "ExpectedAttentionStatsPress", "FastKVzipPress") for r in RATIOS] + [
     ("KVzapPress", r, {"kind": k}) for k in KVZAP_KINDS for r in RATIOS]
 
 
@@ -160,6 +172,18 @@ def zap_weights(tmp: pathlib.Path, kind: str, cfg: dict) -> pathlib.Path:
     return path
 
 
+def gate_weights(tmp: pathlib.Path, cfg: dict) -> pathlib.Path:
+    """Seeded random FastKVzip gates for the tiny model in our file format (kvpolicies.fastkvzip.GATE_NAMES)."""
+    rng = np.random.default_rng(5)
+    d, kh, n, g, e = (cfg["hidden_size"], cfg["num_key_value_heads"], cfg["num_hidden_layers"],
+                      cfg["num_attention_heads"] // cfg["num_key_value_heads"], 16)
+    r = lambda *s, scale=1.0: (scale * rng.standard_normal((n,) + s)).astype(np.float32)  # noqa: E731
+    path = tmp / "gates.npz"
+    np.savez(path, q_w=r(d, kh * g * e, scale=d ** -0.5), q_b=r(kh * g * e, scale=0.1), k_w=r(d, kh * e, scale=d ** -0.5),
+             q_norm=1 + r(e, scale=0.1), k_norm=1 + r(e, scale=0.1), k_base=r(kh, 16, e), b=r(kh, g, scale=0.5))
+    return path
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """(our model, context ids, question ids, calibration windows, kvpress's results, the worker's arrays)."""
@@ -171,7 +195,7 @@ def tiny_run(tmp_path_factory):
            "context": ctx.tolist(), "question": question.tolist(), "n_new": N_NEW,
            "calib": [c.tolist() for c in calib], "samples": SAMPLES, "seed": SEED, "n_sink": 4,
            "arrays": str(tmp / "arrays.npz"), "presses": [list(c) for c in CASES],
-           "kvzap": {k: str(zap_weights(tmp, k, TINY)) for k in KVZAP_KINDS}}
+           "kvzap": {k: str(zap_weights(tmp, k, TINY)) for k in KVZAP_KINDS}, "fastkvzip": str(gate_weights(tmp, TINY))}
     ref = run_kvpress(job, tmp)
     arrays = dict(np.load(tmp / "arrays.npz"))
     cfg, params = load_hf(tmp / "ckpt")
@@ -255,6 +279,29 @@ def test_kvzap_press_keeps_kvpress_positions_and_answers(tiny_run, ratio, kind):
     kept, answer = ours(model, "KVzapPress", ratio, ctx, question, model_type=kind,
                         kvzap_model_name=str(arrays["tmp"] / f"zap_{kind}.npz"))
     check_same("KVzapPress", ratio, kept, answer, ref[f"KVzapPress@{ratio}@{kind}"], tied_ids=ctx)
+
+
+@pytest.mark.parametrize("ratio", RATIOS)
+def test_fastkvzip_layerwise_keeps_kvpress_positions_and_answers(tiny_run, ratio):
+    """FastKVzipPress(layerwise=True) with the same gates in kvpress's FastKVzipGate and in our file: the sinks
+    and the last 2 % scored 1, each layer's int(K n r) lowest pairs over its heads dropped (kvpress masks them,
+    we store each head's share): the same positions per (layer, kv head) (layer 0: the same token ids, its
+    gates read only the token's embedding), the same answer."""
+    model, ctx, question, _, ref, arrays = tiny_run
+    want = ref[f"FastKVzipPress@{ratio}"]
+    assert "error" not in want, want
+    assert sum(len(h) for layer in want["kept"] for h in layer) == 3 * (2 * N_CTX - int(2 * N_CTX * ratio))
+    eng = Engine(model, kvpress("FastKVzipPress", ratio, max_new=16, layerwise=True, gates=str(arrays["tmp"] / "gates.npz")),
+                 max_len=N_CTX + N_Q + N_NEW)
+    state = eng.compress(eng.prompt(ctx[None]))
+    kept = [[p.tolist() for p in layer] for layer in eng.kept_positions(state)]
+    for layer, (gl, wl) in enumerate(zip(kept, want["kept"], strict=True)):
+        for h, (g, w) in enumerate(zip(gl, wl, strict=True)):
+            if layer == 0:
+                assert sorted(ctx[g]) == sorted(ctx[w]), (ratio, layer, h)
+            else:
+                assert g == w, (ratio, layer, h, sorted(set(g) ^ set(w))[:10])
+    assert eng.continue_generate(state, question[None], N_NEW)[0].tolist() == want["answer"]
 
 
 # SmolLM2 (slow, with KVP_KVPRESS_FULL=1 only: kvpress's 1K-token prefills and our per-layer compilations take
