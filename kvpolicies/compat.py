@@ -107,6 +107,7 @@ from kvpolicies.base import Policy, RopePositions
 from kvpolicies.checks import check_int
 from kvpolicies.codecs import Codec, Identity
 from kvpolicies.compactor import Compactor
+from kvpolicies.critical import Critical, CriticalAda, SnapOnce
 from kvpolicies.cur import CUR
 from kvpolicies.decoding import PRESSES as DECODING_PRESSES, from_kvpress as decoding_press
 from kvpolicies.expected import Expected
@@ -120,7 +121,7 @@ from kvpolicies.lagkv import LagKV
 from kvpolicies.merging import Merging
 from kvpolicies.observed import Observed
 from kvpolicies.prompt import PromptPhase, PromptState
-from kvpolicies.prompt_scored import PromptScored, chunked, rank_by
+from kvpolicies.prompt_scored import PromptScored, rank_by
 from kvpolicies.pyramidkv import PyramidKV, PyramidLayer  # noqa: F401  (PyramidLayer: re-exported, it lived here)
 from kvpolicies.expected_stats import from_kvpress as expected_stats_press
 from kvpolicies.fastkvzip import from_kvpress as fastkvzip_press
@@ -130,6 +131,7 @@ from kvpolicies.random_keep import RandomKeep
 from kvpolicies.scored import pack, top_mask
 from kvpolicies.simlayerkv import SimLayerKV
 from kvpolicies.snapkv import SnapKV
+from kvpolicies.wrapped import Delegating, Wrapped
 from kvpolicies.think import ThinK
 
 SNAP_DEFAULTS = {"obs_window": 64, "kernel": 5, "pooling": "avg"}  # kvpress's SnapKVPress / PyramidKVPress
@@ -176,43 +178,6 @@ class LastQuery(PromptScored):
 
     def prompt_policy(self):
         return PromptPhase(codec=self.codec, of=self, obs_window=1)
-
-
-@dataclasses.dataclass(frozen=True)
-class Wrapped(PromptScored):
-    """A kvpress wrapper over a prompt scorer `press` whose ranking reads only the slots it is given
-    (knorm, keydiff, lagkv, random): `prompt_rank` ranks subsets of the prompt (`press` sees the
-    others as empty slots); streams (and generation past `max_new`) take `press`'s own rule on overflow."""
-
-    press: PromptScored = None
-    budget: int = 1024
-    max_new: int = 256
-    codec: Codec = Identity()
-
-    takes: ClassVar[tuple[type, ...]] = (Knorm, KeyDiff, LagKV, RandomKeep)  # what `press` may be
-
-    def __post_init__(self):
-        super().__post_init__()
-        if type(self.press) not in self.takes:
-            raise ValueError(f"{self.label}.press={self.press!r}: must be one of "
-                             f"{[c.__name__ for c in self.takes]} (a prompt scorer that ranks any subset of the prompt)")
-
-    @property
-    def observes(self):
-        return self.press.observes
-
-    @property
-    def collects(self):
-        return self.press.collects
-
-    def rank(self, slots, keys, stats, seen):
-        return self.press.rank(slots, keys, stats, seen)
-
-    def subset_rank(self, state: PromptState, slots, keys, stats, subset: Array) -> Array:
-        """`press`'s priority of the slots in `subset` [B, K, V] ranked among themselves (-inf elsewhere)."""
-        sub = dataclasses.replace(slots, pos=jnp.where(subset, slots.pos, -1))
-        prio, _ = self.press.prompt_rank(state, sub, keys, stats)
-        return jnp.where(subset, prio, -jnp.inf)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,53 +234,6 @@ class Blocked(Wrapped):
         n_blocks = -(-pos.shape[-1] // max(1, min(self.block_size, pos.shape[-1])))  # static bound
         kept = jax.lax.fori_loop(0, n_blocks, block, kept)
         return rank_by(jnp.where(kept, 1.0, 0.0), pos)
-
-
-@dataclasses.dataclass(frozen=True)
-class Delegating(Wrapped):
-    """A kvpress wrapper whose inner `press` ranks the whole prompt (not a subset): it may also keep
-    statistics for its stream rule (snapkv's observation mass, expected's query sums), which this
-    wrapper keeps and updates as `press` does; its prompt phase is `press`'s (snapkv's rows)."""
-
-    takes = (Knorm, KeyDiff, LagKV, RandomKeep, SnapKV, Expected)
-
-    @property
-    def accumulates(self):
-        return self.press.accumulates
-
-    def init(self, batch, kv_heads, head_dim, dtype, max_len):
-        slots = super().init(batch, kv_heads, head_dim, dtype, max_len)  # `accumulates`: with the mass
-        shapes = jax.eval_shape(lambda: self.press.split(self.press.init(batch, kv_heads, head_dim, dtype, 1))[1])
-        return self.join(slots, jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes))
-
-    @chunked  # the inner presses' observe all take a step's T queries (`chunked`)
-    def observe(self, slots, stats, view, seen, count, s):
-        return self.press.observe(slots, stats, view, seen, count, s)
-
-    def restart(self, slots, over):
-        return self.press.restart(slots, over)
-
-    def split(self, state):
-        return self.press.split(state)
-
-    def join(self, slots, stats):
-        return self.press.join(slots, stats)
-
-    def from_prompt(self, state, pos):
-        return self.press.from_prompt(state, pos)
-
-    def prompt_policy(self):
-        return dataclasses.replace(self.press.prompt_policy(), of=self)
-
-    def kvpress_scores(self, state: PromptState, prio: Array) -> Array:
-        """`press`'s prompt priorities [B, K, M] in the units of kvpress's `press.score` where they differ
-        by a factor: snapkv sums the window's rows over the G query heads and the kernel, kvpress averages
-        (G read from the rows: each filled row of a kv head sums to G)."""
-        if type(self.press) is not SnapKV:
-            return prio
-        g = state.rows[:, :1].sum(axis=-1).max(axis=-1)[:, :, None]  # [B, 1, 1]: G (a full row sums to G)
-        kernel = self.press.kernel if self.press.pooling == "avg" else 1
-        return prio / (g * self.press.obs_window * kernel)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -809,10 +727,7 @@ def _compactor(press: str, r: float, max_new: int, fields: dict) -> Compactor:
 
 def _critical(press: str, r: float, max_new: int, fields: dict) -> Policy:
     """kvpress's `CriticalKVPress(press, epsilon, first_stage_ratio)` and `CriticalAdaKVPress(press,
-    alpha_safeguard, epsilon, first_stage_ratio)` (`kvpolicies.critical`, which builds on `Delegating`:
-    imported here). PyramidKVPress: only its score is read, SnapKV's."""
-    from kvpolicies.critical import Critical, CriticalAda, SnapOnce
-
+    alpha_safeguard, epsilon, first_stage_ratio)` (`kvpolicies.critical`). PyramidKVPress: only its score is read, SnapKV's."""
     own = {k: fields.pop(k) for k in ("epsilon", "first_stage_ratio") if k in fields}
     inner = fields.pop("press")
     if inner == "PyramidKVPress":

@@ -45,7 +45,6 @@ from jaxtyping import Array, Bool, Float, Int
 from kvpolicies.adascored import AdaScored, CountedPool, allocate
 from kvpolicies.adakv import prompt_pool
 from kvpolicies.base import ReadsValues
-from kvpolicies.compat import Delegating
 from kvpolicies.expected import Expected
 from kvpolicies.keydiff import KeyDiff
 from kvpolicies.knorm import Knorm
@@ -53,6 +52,7 @@ from kvpolicies.prompt import PromptPhase, PromptState
 from kvpolicies.prompt_scored import PromptScored, rank_by
 from kvpolicies.scored import top_mask
 from kvpolicies.snapkv import SnapKV
+from kvpolicies.wrapped import Delegating
 
 
 def value_norms(v: Float[Array, "B T K D"], wo: Float[Array, "ND d"]) -> Float[Array, "B K T"]:
@@ -94,7 +94,7 @@ def critical_phase(phase: PromptPhase, of) -> CriticalPhase:
 def kvpress_units(press: PromptScored, state: PromptState, prio: Float[Array, "B K M"],
                   filled: Bool[Array, "B K M"]) -> Float[Array, "B K M"]:
     """`press`'s prompt priorities as kvpress's `press.score` returns them (its epsilon is added to them):
-    snapkv's sums over the window's rows, the kernel and G averaged (as `compat.Delegating.kvpress_scores`),
+    snapkv's sums over the window's rows, the kernel and G averaged (as `Delegating.kvpress_scores`),
     tokens the press always keeps (+inf here) at the layer's largest score + 1 (kvpress pads them so), -inf
     for empty slots."""
     if isinstance(press, SnapKV):
