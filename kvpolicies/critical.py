@@ -29,8 +29,8 @@ take the inner press's own stream rule on overflow (critical's value norms are r
 phase only); CriticalAdaKV over SnapKV ranks an overflow by the overflowing query's attention (a head pool
 keeps no accumulated mass: `SnapOnce`); (2) exact ties are broken by the newer token (kvpress:
 torch.topk's order): where stage 1 is shorter than SnapKV's window (a short prompt at a high ratio), the
-window's tokens tie at max + 1 and kvpress keeps torch's choice of them; (3) kvpress's CriticalAdaKV counts
-head budgets over the whole batch, ours per batch row (the same for one prompt).
+window's tokens tie at max + 1 and kvpress keeps torch's choice of them; (3) kvpress's max + 1 is the batch's and
+its CriticalAdaKV counts head budgets over the whole batch, ours are per batch row (the same for one prompt).
 """
 
 from __future__ import annotations
