@@ -57,7 +57,7 @@ def windows_of(tok, samples: int, chars: int) -> list[np.ndarray]:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    cfg = parse(sys.argv[1:] if argv is None else argv, DEFAULTS, "expected_stats")
+    cfg = parse(sys.argv[1:] if argv is None else argv, DEFAULTS, "expected_stats", __doc__)
     from evals import zoo
 
     model, tok = zoo.load_model({"name": cfg["model"], "dtype": "float32"})

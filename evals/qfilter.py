@@ -31,7 +31,7 @@ from jaxtyping import Array, Float
 DEFAULTS = dict(model="smollm2", sequences=19, length=2048, samples=3000, seed=0, out="")
 
 
-def parse(argv: list[str], defaults: dict = DEFAULTS, prog: str = "qfilter") -> dict:
+def parse(argv: list[str], defaults: dict = DEFAULTS, prog: str = "qfilter", doc: str | None = __doc__) -> dict:
     """The settings (`key=value` arguments over `defaults`); an unknown key or a bad value exits 2 (argparse)."""
 
     def setting(a: str) -> tuple[str, object]:
@@ -43,7 +43,7 @@ def parse(argv: list[str], defaults: dict = DEFAULTS, prog: str = "qfilter") -> 
         except ValueError:
             raise argparse.ArgumentTypeError(f"{a!r}: {k} takes a {type(defaults[k]).__name__}") from None
 
-    p = argparse.ArgumentParser(prog=f"python -m evals.{prog}", description=(__doc__ or "").split("\n")[0])
+    p = argparse.ArgumentParser(prog=f"python -m evals.{prog}", description=(doc or "").split("\n")[0])
     p.add_argument("settings", nargs="*", type=setting, metavar="key=value",
                    help=f"defaults: {' '.join(f'{k}={v}' for k, v in defaults.items())}")
     cfg = {**defaults, **dict(p.parse_args(argv).settings)}

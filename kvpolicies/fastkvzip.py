@@ -16,9 +16,9 @@ lowest-scored (token, kv head) pairs over all its heads; the kept pairs are stor
 
 Not reproduced: kvpress's default `layerwise=False`, one choice over every layer's scores (the layers then
 keep data-dependent counts; our kvzip does this through the engine's reconstruction hooks, which a
-pass-free scorer does not run), refused by `compat`; the gates themselves: the authors' are downloaded
-from `Jang-Hyun/Fast-KVzip` for a few checkpoints, and no command here trains ours yet (the file format is
-`gate_file`'s; the parity test uses seeded random gates).
+pass-free scorer does not run), refused by `compat`. The gates: the authors' are downloaded from
+`Jang-Hyun/Fast-KVzip` for a few checkpoints; ours are trained by their recipe on our kvzip's scores,
+`python -m evals.train_fastkvzip model=<name>` (`$KVP_DATA/fastkvzip/<model>.npz`, `GATE_NAMES`).
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ def load_gates(path: str) -> dict[str, np.ndarray]:
     q_norm, k_norm [L, E], k_base [L, K, S, E], b [L, K, G] (an .npz file)."""
     p = pathlib.Path(path)
     if not p.is_file():
-        raise ValueError(f"fastkvzip.gates={path!r}: no such file (kvpress downloads the authors' gates; give ours)")
+        raise ValueError(f"fastkvzip.gates={path!r}: no such file; train gates with `python -m evals.train_fastkvzip "
+                         "model=<name>` (kvpress downloads the authors')")
     with np.load(p) as z:
         missing = set(GATE_NAMES) - set(z.files)
         if missing:
@@ -159,7 +160,8 @@ def from_kvpress(r: float, max_new: int, fields: dict) -> FastKVzip:
                                   "layer's gate scores (give layerwise=True: each layer drops int(K n r) pairs)")
     gates = fields.pop("gates", "")
     if not gates:
-        raise ValueError("kvpress('FastKVzipPress'): give gates= (an .npz of per-layer gates, kvpolicies.fastkvzip."
-                         "GATE_NAMES); kvpress downloads the authors' from the Hugging Face hub")
+        raise ValueError("kvpress('FastKVzipPress'): give gates= (an .npz of per-layer gates: `python -m "
+                         "evals.train_fastkvzip model=<name>` writes $KVP_DATA/fastkvzip/<model>.npz); kvpress "
+                         "downloads the authors' from the Hugging Face hub")
     return FastKVzip(ratio=r, max_new=max_new, gates=str(gates), **{k: fields.pop(k) for k in list(fields) if k in (
         "n_sink", "window_size", "window_ratio")})
