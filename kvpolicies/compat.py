@@ -72,6 +72,9 @@ sized by their `ratio` field (`PromptScored.kept_for`), with kvpress's defaults:
                             keydiff, lagkv, random, snapkv, expected; `Delegating`)
     EntropyGatedChunkKVPress  `EntropyChunkKV`: ChunkKV's chunks (10), spiky ones cut to their 4 best
     KeyRerotationPress      `Rerotated`: the inner press, RoPE at the kept keys' ranks (as ChunkKV's)
+    CAMPress                `cam.CAM` (base_press="KnormPress"; compression_interval 512, target_size 2048,
+                            merge_budget 32): every interval decoded tokens back to target, the evicted
+                            values merged into the next kept ones by a Bernoulli draw (ours, not torch's)
     ThinKPress              think: key_channel_compression_ratio (default 2 r: kvpress's compression_ratio is
                             its half) of each kv head's key channels pruned by the window_size (32) newest
                             queries; every token kept, only the kept channels of the prompt's keys stored
@@ -102,6 +105,7 @@ from jaxtyping import Array
 
 from kvpolicies.adakv import AdaKV
 from kvpolicies.adascored import AdaScored
+from kvpolicies.cam import CAM
 from kvpolicies.cap import Cap
 from kvpolicies.base import Policy, RopePositions
 from kvpolicies.checks import check_int
@@ -454,7 +458,7 @@ PRESSES = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPress", "
            "KeyDiffPress", "LagKVPress", "RandomPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress",
            "ComposedPress", "FinchPress", "CURPress", "MergingPress", "CompactorPress", "NonCausalAttnPress", "LeverageScorePress",
            "ChunkKVPress", "KeyRerotationPress", "EntropyGatedChunkKVPress", "SimLayerKVPress", "CapPress",
-           "CriticalKVPress", "CriticalAdaKVPress", "ThinKPress", *DECODING_PRESSES)
+           "CriticalKVPress", "CriticalAdaKVPress", "ThinKPress", *DECODING_PRESSES, "CAMPress")
 SUPPORTED = PRESSES
 WRAPPERS = ("MergingPress", "AdaKVPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress", "ChunkKVPress",
             "KeyRerotationPress", "EntropyGatedChunkKVPress", "CriticalKVPress", "CriticalAdaKVPress")  # `press`: an inner press
@@ -557,6 +561,8 @@ def kvpress(name: str, compression_ratio: float, /, *, max_new: int = 256, n_lay
         return _per_layer(r, max_new, n_layers, fields)
     if press == "ComposedPress":
         return _composed(r, max_new, fields)
+    if press == "CAMPress":  # a DecodingPress: compression_interval and target_size are its own
+        return _cam(r, fields)
     decoding = {k: fields.pop(k) for k in ("compression_interval", "target_size") if k in fields}
     if decoding:
         return _decoding(press, r, max_new, n_layers, decoding, fields)
@@ -671,6 +677,25 @@ def _duo(r: float, max_new: int, n_layers: int | None, fields: dict) -> Policy |
     out = Duo(sink=fields.pop("sink_size", 128), recent=fields.pop("recent_size", 256), pattern=duo_heads(scores, r),
               appended=max_new)
     return out.stack(n_layers) if n_layers is not None else out
+
+
+def _cam(r: float, fields: dict) -> CAM:
+    """kvpress's `CAMPress(base_press, compression_interval=512, target_size=2048, hidden_states_buffer_size=256,
+    merge_budget=32)` (`kvpolicies.cam`): over KnormPress (the base score that reads the keys alone); nothing is
+    compressed at the prefill, so compression_ratio must be 0. Our draw, not torch's."""
+    if r != 0:
+        raise ValueError(f"kvpress('CAMPress', {r}): CAMPress compresses while decoding only: give 0 (target_size= "
+                         "and compression_interval= set it)")
+    base = fields.pop("base_press", None)
+    if base != "KnormPress":
+        raise NotImplementedError(f"kvpolicies.compat.kvpress: CAMPress(base_press={base!r}) (only 'KnormPress': "
+                                  "kvpress re-scores with the base press on buffered decode hidden states)")
+    fields.pop("hidden_states_buffer_size", None)  # Knorm reads no hidden states
+    out = CAM(interval=fields.pop("compression_interval", 512), target=fields.pop("target_size", 2048),
+              merge_budget=fields.pop("merge_budget", 32))
+    if fields:
+        raise ValueError(f"kvpress('CAMPress'): unknown field(s) {sorted(fields)}")
+    return out
 
 
 def _think(r: float, max_new: int, fields: dict) -> Policy:

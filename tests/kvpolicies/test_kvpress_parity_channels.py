@@ -33,6 +33,7 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_lay
 N_CTX, N_Q, N_NEW = 320, 8, 6
 CHANNEL_RATIOS = (0.5, 0.75)  # key_channel_compression_ratio: 8 and 12 of 16 channels pruned
 SNAP_RATIOS = (0.5,)  # ComposedPress([SnapKVPress(r), ThinKPress(0.5)])
+CAM_INTERVAL = 8  # CAMPress(KnormPress, compression_interval=8, target_size=N_CTX)
 
 # kvpress's side: evals/kvpress_worker.py's model building, prefill and greedy decoding. ThinKPress keeps
 # every token and zeroes the pruned channels: a channel is pruned where a head's cached keys are all 0.
@@ -81,6 +82,25 @@ for c in job["ratios"] + [f"snapkv{r}" for r in job["snapkv"]]:
     answer = w.greedy(model, cache, question, n, job["n_new"])
     out[str(c)] = {"pruned": pruned, "kept": kept, "cache_bytes": held, "tokens": tokens, "answer": answer,
                    "logits": logits[0, -1].tolist(), "compression_ratio": press.compression_ratio}
+if job.get("cam"):  # CAMPress over KnormPress: the context, a 1-token question, greedy ids up to the first compression
+    c = job["cam"]
+    press = kvpress.CAMPress(base_press=kvpress.KnormPress(), compression_interval=c["interval"],
+                             target_size=len(job["context"]), merge_budget=c["merge_budget"])
+    cache = DynamicCache()
+    with torch.no_grad(), press(model):
+        model(input_ids=ctx, past_key_values=cache)
+        ids = w.greedy(model, cache, question[:, :1], ctx.shape[1], c["interval"])
+    fed = torch.tensor([job["context"] + job["question"][:1] + ids[:-1]])
+    with torch.no_grad():  # every fed token's key, uncompressed
+        whole = DynamicCache()
+        model(input_ids=fed, past_key_values=whole)
+    kept = []
+    for layer in range(len(cache.layers)):
+        k, ref = cache.layers[layer].keys[0], whole.layers[layer].keys[0]  # [K, m, D], [K, n, D]
+        d = torch.cdist(k, ref, compute_mode="donot_use_mm_for_euclid_dist")
+        assert float(d.min(-1).values.max()) < 1e-5
+        kept.append([sorted(d[h].argmin(-1).tolist()) for h in range(k.shape[0])])
+    out["cam"] = {"ids": ids, "kept": kept, "tokens": [int(x.keys.shape[2]) for x in cache.layers]}
 json.dump(out, open(sys.argv[2], "w"))
 """
 
@@ -105,7 +125,7 @@ def tiny_run(request, tmp_path_factory):
     config = dict(TINY, tie_word_embeddings=request.param == "qwen2")
     job = {"save_to": str(tmp / "ckpt"), "tiny": {"kind": request.param, "seed": 0, "config": config},
            "context": ctx.tolist(), "question": question.tolist(), "n_new": N_NEW, "ratios": [0.0, *CHANNEL_RATIOS],
-           "snapkv": list(SNAP_RATIOS),
+           "snapkv": list(SNAP_RATIOS), "cam": {"interval": CAM_INTERVAL, "merge_budget": 32},
            "window": 32}
     ref = run_kvpress(job, tmp)
     cfg, params = load_hf(tmp / "ckpt")
@@ -181,3 +201,122 @@ def test_think_after_snapkv_keeps_kvpress_tokens_channels_and_answers(tiny_run, 
     # positions per head, the channel orders and the whole slots of the question and answer)
     assert want["cache_bytes"] == 3 * 2 * n_kept * 2 * 16 * 4
     assert tree_nbytes(cache[0].k.kept) == 3 * 2 * int((N_CTX + N_Q + N_NEW) * (1 - snap_ratio)) * 8 * 4
+
+
+# -- CAMPress: merging while decoding; its draw is ours (torch.bernoulli's cannot be reproduced) -----------------
+
+
+def np_cam(q, k, v, target, interval, merge_budget, seed, inv):
+    """kvpress's `CAMPress(base_press=KnormPress(), compression_interval, target_size, merge_budget)` re-simulated
+    in float64 numpy from its code on one attention layer (q [T, H, D], k, v [T, K, D] before RoPE; the first
+    `target` tokens a prompt, then one decode step per token), torch.bernoulli replaced by our draw (u < p, u the
+    documented hash of (seed, kv head, position)): (the decode steps' outputs [T - target, H, D], the final
+    positions, values [K, n, D], merges done, merge candidates)."""
+    from tests.refs.oracle import rope_complex
+    from tests.refs.prompt_scored import np_hash
+
+    t, h_n, d = q.shape
+    kh = k.shape[1]
+    g = h_n // kh
+    at = np.arange(t)[:, None]
+    qr = rope_complex(q, np.broadcast_to(at, q.shape[:2]), inv)  # [T, H, D]
+    kr = rope_complex(k, np.broadcast_to(at, k.shape[:2]), inv)  # [T, K, D]
+    pos, keys, vals = list(range(target)), kr[:target].transpose(1, 0, 2), v[:target].transpose(1, 0, 2).copy()
+    att = np.zeros((kh, target))  # attention received from the decode queries (summed over G: p is a ratio)
+    outs, steps, merges, candidates = [], 0, 0, 0
+    for p in range(target, t):
+        pos.append(p)
+        keys = np.concatenate([keys, kr[p][:, None]], axis=1)
+        vals = np.concatenate([vals, v[p][:, None]], axis=1)
+        att = np.concatenate([att, np.zeros((kh, 1))], axis=1)
+        out = np.zeros((h_n, d))
+        for h in range(h_n):
+            lg = keys[h // g] @ qr[p, h] / np.sqrt(d)
+            w = np.exp(lg - lg.max())
+            w /= w.sum()
+            out[h] = w @ vals[h // g]
+            att[h // g] += w
+        outs.append(out)
+        steps += 1
+        n = len(pos)
+        if steps < interval or n <= target:
+            continue
+        score = (-np.linalg.norm(keys, axis=-1)).mean(0)  # [n] the base press's score averaged over heads
+        evict = sorted(sorted(range(n), key=lambda j: score[j])[:n - target])
+        kept = sorted(set(range(n)) - set(evict))
+        merge = sorted(sorted(evict, key=lambda j: (-score[j], -pos[j]))[:steps])  # ties: the later position
+        new_vals = vals.copy()
+        for i in merge:
+            start = sum(1 for j in kept if j <= i)  # searchsorted(kept, i, right=True)
+            window = kept[start:start + merge_budget]
+            for h in range(kh):
+                candidates += 1
+                mean = att[h, window].sum() / max(len(window), 1)
+                prob = (0.0 if att[h, i] == 0 else 1.0) if mean == 0 else min(max(att[h, i] / mean, 0.0), 1.0)
+                if window and np_hash(seed, h, pos[i]) < prob:
+                    new_vals[h, window] += vals[h, i] / len(window)
+                    merges += 1
+        pos, keys, vals, att = [pos[j] for j in kept], keys[:, kept], new_vals[:, kept], att[:, kept]
+        steps = 0
+    return np.stack(outs), pos, vals, merges, candidates
+
+
+def test_cam_merges_as_kvpress_rule_with_our_draw():
+    """CAM (kvpress's CAMPress over KnormPress: target 12, interval 4, merge_budget 3) on one attention layer of
+    random q, k, v: a 12-token prompt, then 13 decode steps (three compressions). Outputs, kept positions and
+    merged values equal `np_cam` (kvpress's rule in numpy with our draw); the draw matters (some merges pass,
+    some do not), and the state is ordinary slots: S = target + interval - 1 per kv head."""
+    import jax.numpy as jnp
+
+    from kvpolicies import Rope
+    from kvpolicies.cam import CAM
+    from tests.refs.helpers import run_policy
+    from tests.refs.oracle import default_inv_freq
+
+    target, interval, mb, n_dec, d = 12, 4, 3, 13, 8
+    rope = Rope(d, 10000.0)
+    rng = np.random.default_rng(3)
+    t = target + n_dec
+    q, k, v = (rng.standard_normal((1, t, h, d)).astype(np.float32) for h in (4, 2, 2))
+    pol = kvpress("CAMPress", 0, base_press="KnormPress", compression_interval=interval, target_size=target,
+                  merge_budget=mb)
+    assert pol == CAM(interval=interval, target=target, merge_budget=mb)
+    _, st = run_policy(pol.prompt_policy(), q[:, :target], k[:, :target], v[:, :target], [target], rope, max_len=t)
+    st = jax.jit(pol.after_prompt)(st)
+    out, st = run_policy(pol, q[:, target:], k[:, target:], v[:, target:], [1], rope, state=st, start=target)
+    want_out, want_pos, want_vals, merges, candidates = np_cam(
+        *(x[0].astype(np.float64) for x in (q, k, v)), target, interval, mb, pol.seed, default_inv_freq(d, 10000.0))
+    np.testing.assert_allclose(out[0], want_out, atol=1e-5, rtol=0)
+    pos = np.asarray(st.pos[0])  # [K, S]
+    order = np.argsort(np.where(pos[0] >= 0, pos[0], 10**9))
+    assert all(sorted(p[p >= 0].tolist()) == want_pos for p in pos)
+    np.testing.assert_allclose(np.asarray(st.v[0])[:, order[:len(want_pos)]], want_vals, atol=1e-5, rtol=0)
+    assert 0 < merges < candidates  # the draw decides
+    s = target + interval - 1
+    assert tree_nbytes(st) == 2 * s * (2 * d * 4 + 4 + 4)  # keys, values, positions and attention per kv head
+    assert isinstance(st.v, jnp.ndarray)
+
+
+def test_cam_evicts_kvpress_tokens(tiny_run):
+    """CAMPress(base_press=KnormPress(), compression_interval=8, target_size=320, merge_budget=32) after the
+    320-token context: a 1-token question and 7 greedy ids make kvpress's 8th decode step, which compresses
+    the 328 tokens back to 320; we feed the same tokens (our last logits give kvpress's 8th id) (its merges draw torch.bernoulli: the merged values are not compared here, see
+    test_cam_merges_as_kvpress_rule_with_our_draw). The same kept positions in every
+    (layer, kv head) but exact ties of repeated tokens in layer 0: the evicted tokens do not depend on the draw."""
+    model, ctx, question, ref = tiny_run
+    want = ref["cam"]
+    assert want["tokens"] == [N_CTX] * 3
+    pol = kvpress("CAMPress", 0, base_press="KnormPress", compression_interval=CAM_INTERVAL, target_size=N_CTX)
+    eng = Engine(model, pol, max_len=N_CTX + CAM_INTERVAL + 1)
+    state = eng.compress(eng.prompt(ctx[None]))
+    after = eng.feed(state, np.asarray([question[:1].tolist() + want["ids"][:-1]]))  # kvpress's 8 decode steps
+    assert int(np.argmax(np.asarray(after.logits)[0])) == want["ids"][-1]  # its last id (before the compression)
+    kept = [[p.tolist() for p in layer] for layer in eng.kept_positions(after)]
+    assert kept[1:] == want["kept"][1:]
+    # layer 0: a key before RoPE is its token's, so repeated ids tie exactly in norm (ours keeps the newer;
+    # kvpress ranks the rotated keys, whose norms differ in the last bits): the sets may differ only there
+    fed = ctx.tolist() + question[:1].tolist() + want["ids"][:-1]
+    for ours_h, theirs_h in zip(kept[0], want["kept"][0]):
+        mine, theirs = set(ours_h) - set(theirs_h), set(theirs_h) - set(ours_h)
+        assert len(mine) <= 2 and sorted(fed[j] for j in mine) == sorted(fed[j] for j in theirs)
+    assert all(len(h) == N_CTX for layer in kept for h in layer) and kept[0][0] != list(range(N_CTX))
