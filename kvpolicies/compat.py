@@ -548,6 +548,8 @@ def kvpress(name: str, compression_ratio: float, /, *, max_new: int = 256, n_lay
         raise ValueError(f"kvpress({press!r}): the press must be one of {list(PRESSES)}")
     if n_layers is not None and (isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1):
         raise ValueError(f"kvpress({press!r}): n_layers={n_layers!r} must be an int >= 1 (the model's layers)")
+    if press in DECODING_PRESSES:  # kvpress's decoding presses and DMSPress (kvpolicies.decoding)
+        return decoding_press(press, compression_ratio, max_new, fields)
     if press in WRAPPERS:
         fields = _inner(press, None if press == "PerLayerCompressionPress" else compression_ratio, fields)
     elif "press" in fields:
@@ -555,8 +557,6 @@ def kvpress(name: str, compression_ratio: float, /, *, max_new: int = 256, n_lay
     r = compression_ratio
     if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < 1:
         raise ValueError(f"compression_ratio={r!r}: must be a number in [0, 1)")
-    if press in DECODING_PRESSES:  # compression while decoding, in kvpress's steps (kvpolicies.decoding)
-        return decoding_press(press, r, max_new, fields)
     if press == "PerLayerCompressionPress":
         return _per_layer(r, max_new, n_layers, fields)
     if press == "ComposedPress":

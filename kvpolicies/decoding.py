@@ -198,7 +198,7 @@ class Decoding(PromptScored):
         return jnp.where(n_seen < SEEN_TABLE, jnp.asarray(table)[jnp.minimum(n_seen, SEEN_TABLE - 1)], far)
 
 
-PRESSES = ("DecodingPress", "CompressionRatioDecodingPress", "PrefillDecodingPress")
+PRESSES = ("DecodingPress", "CompressionRatioDecodingPress", "PrefillDecodingPress", "DMSPress")
 
 
 def from_kvpress(name: str, r: float, max_new: int, fields: dict) -> Policy:
@@ -212,6 +212,12 @@ def from_kvpress(name: str, r: float, max_new: int, fields: dict) -> Policy:
     from kvpolicies.compat import kvpress
     from kvpolicies.full import Full
 
+    if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < 1:
+        raise ValueError(f"compression_ratio={r!r}: must be a number in [0, 1)")
+    if name == "DMSPress":
+        return dms_from_kvpress(r, max_new, fields)
+    if "press" in fields:
+        raise ValueError(f"kvpress({name!r}): its inner press is base_press= (kvpress's field), not press=")
     if name == "PrefillDecodingPress":
         pre, dec = fields.pop("prefilling_press", None), fields.pop("decoding_press", None)
         if isinstance(pre, str):
@@ -263,3 +269,41 @@ def from_kvpress(name: str, r: float, max_new: int, fields: dict) -> Policy:
     if fields:
         raise ValueError(f"kvpress({name!r}): unknown field(s) {sorted(fields)}")
     return Decoding(press=dataclasses.replace(base, ratio=0.0), max_new=max_new, **own)
+
+
+def dms_from_kvpress(r: float, max_new: int, fields: dict) -> Policy:
+    """`kvpolicies.compat.kvpress("DMSPress", 0, press="KVzapPress", threshold=t, sliding_window_size=128)`:
+    kvpress's DMSPress (dense prefill, after DMS, Lancucki et al. 2025, arXiv:2506.05345) over KVzapPress, the
+    KVzap paper's method, is the registered `kvzap` with rule="threshold": after the prompt each kv head keeps
+    its newest `sliding_window_size` tokens and every older one whose surrogate log-score is >= threshold
+    (kvpress masks the others, every head still storing n tokens; ours drops them from a head pool). The
+    pool is sized for every token (`budget` unbounded): `Engine(fit=n)` stores each layer at what it kept.
+    kvpress's compression_ratio is read-only (measured after the prefill): give 0. Refused: another scorer
+    (kvpress scores each step's new tokens alone with it) and decoding=True (the surrogate's scores of
+    decoded tokens: kvzap's decoding adds none)."""
+    from kvpolicies.kvzap import KVzap
+    from kvpolicies.kvzap_scored import ZapScored
+
+    if r != 0:
+        raise ValueError(f"kvpress('DMSPress', {r}): DMSPress's compression_ratio is read-only (what its threshold "
+                         "kept, after the prefill): give 0 and threshold=")
+    inner = fields.pop("press", None)
+    if isinstance(inner, ZapScored):
+        zap = {"model_type": inner.kind, "kvzap_model_name": inner.surrogate}
+    elif inner == "KVzapPress":
+        zap = {k: fields.pop(k) for k in ("model_type", "kvzap_model_name") if k in fields}
+    else:
+        raise NotImplementedError(f"kvpolicies.compat.kvpress: DMSPress over {inner!r} (only KVzapPress, given by "
+                                  "name or as a kvpress('KVzapPress', ...) result: the KVzap paper's method)")
+    if fields.pop("decoding", False):
+        raise NotImplementedError("kvpolicies.compat.kvpress: DMSPress(decoding=True) (the surrogate's scores of "
+                                  "decoded tokens: kvzap's decoding adds none)")
+    threshold = fields.pop("threshold", None)
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)):
+        raise ValueError(f"kvpress('DMSPress'): threshold={threshold!r}: give a number (a surrogate log-score; "
+                         "kvpress's default None compares nothing)")
+    window = fields.pop("sliding_window_size", 128)
+    if fields:
+        raise ValueError(f"kvpress('DMSPress'): unknown field(s) {sorted(fields)}")
+    return KVzap(rule="threshold", threshold=float(threshold), window=window, budget=1 << 30, max_new=max_new,
+                 kind=zap.get("model_type", "mlp"), surrogate=str(zap.get("kvzap_model_name", "auto")))

@@ -26,6 +26,8 @@ from kvpolicies.compat import PRESSES, kvpress
 from kvpolicies.decoding import Decoding
 from kvpolicies.keydiff import KeyDiff
 from kvpolicies.knorm import Knorm
+from kvpolicies.kvzap import KVzap, random_surrogate
+from kvpolicies.memory import tree_nbytes
 from kvpolicies.snapkv import SnapKV
 from models.engine import Engine
 from models.llama import Llama
@@ -39,6 +41,8 @@ pytestmark = [pytest.mark.ref, pytest.mark.kvpress, pytest.mark.skipif(not (REF 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512)
 N_CTX, N_Q, N_NEW = 320, 8, 40
+DMS_WINDOW = 64  # DMSPress's sliding_window_size (kvpress's default 128)
+MAX_NEW = N_Q + 16  # our decode slots beyond the prompt's kept tokens (the question and the tokens before a compression)
 
 # (kvpress's side, ours): the press as the worker builds it, and our front door's call
 CASES = {
@@ -58,11 +62,17 @@ CASES = {
                     "DecodingPress", 0, base_press="KeyDiffPress", compression_interval=8, target_size=100)})),
 }
 
+# the suite runs two cases (its time: "prefill" covers DecodingPress inside PrefillDecodingPress) and DMSPress's
+# kept sets and bytes; KVP_KVPRESS_FULL=1 all cases and DMSPress's answer
+FULL = bool(os.environ.get("KVP_KVPRESS_FULL"))
+SUITE = tuple(CASES) if FULL else ("ratio", "prefill")
+
 # kvpress's side: its pipeline's prefill and greedy loop (kvpress_worker.greedy: the question in one step at
 # positions after the context, then one id a step), a Tracker of every slot's position, the length of layer
 # 0's cache after each decoding step
 WORKER = r"""
 import contextlib, json, sys, torch
+import numpy as np
 sys.path.insert(0, sys.argv[3])
 import kvpress_worker as w
 import kvpress
@@ -103,6 +113,32 @@ for key, spec in job["presses"].items():
         answer = w.greedy(model, cache, question, ctx.shape[1], job["n_new"])
         [h.remove() for h in hooks]
     out[key] = {"kept": kept, "kept_end": tracker.kept(), "answer": answer, "lengths": lengths}
+
+# DMSPress over KVzapPress with our surrogate file's weights in kvpress's KVzapModel (its download skipped), the
+# threshold midway between the two middle log-scores of the context over every layer (no score at it)
+from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel
+z, cfg = np.load(job["dms"]["surrogate"]), model.config
+zm = KVzapModel(KVzapConfig(input_dim=cfg.hidden_size, output_dim=cfg.num_key_value_heads,
+                            n_modules=cfg.num_hidden_layers, hidden_dim=None)).eval()
+with torch.no_grad():
+    for l, lin in enumerate(zm.layers):
+        lin.weight.copy_(torch.tensor(z["w"][l].T))
+        lin.bias.copy_(torch.tensor(z["b"][l]))
+zap = kvpress.KVzapPress(model_type="linear")
+zap.kvzap_model = zm
+zap.post_init_from_model = lambda model: None
+scores = []
+hooks = [layer.self_attn.register_forward_hook(lambda m, a, k, o: scores.append(zap.score(m, k["hidden_states"], None,
+         None, None, k)), with_kwargs=True) for layer in model.model.layers]
+with torch.no_grad():
+    full = DynamicCache()
+    model(input_ids=ctx, past_key_values=full, logits_to_keep=1)
+[h.remove() for h in hooks]
+every = torch.cat([s.flatten() for s in scores]).sort().values
+threshold = float(every[len(every) // 2 - 1: len(every) // 2 + 1].mean())  # between the two middle scores
+press = kvpress.DMSPress(press=zap, threshold=threshold, sliding_window_size=job["dms"]["window"])
+res = w.run(model, press, ctx, question, job["n_new"], [full.layers[i].keys[0] for i in range(len(full.layers))])
+out["dms"] = {**res, "threshold": threshold, "compression_ratio": press.compression_ratio}
 json.dump(out, open(sys.argv[2], "w"))
 """
 
@@ -126,10 +162,22 @@ def tiny_run(request, tmp_path_factory):
     config = dict(TINY, tie_word_embeddings=request.param == "qwen2")
     job = {"save_to": str(tmp / "ckpt"), "tiny": {"kind": request.param, "seed": 0, "config": config},
            "context": ctx.tolist(), "question": question.tolist(), "n_new": N_NEW,
-           "presses": {key: spec for key, (spec, _) in CASES.items()}}
-    ref = run_kvpress(job, tmp)
+           "presses": {key: CASES[key][0] for key in SUITE},
+           "dms": {"surrogate": str(zap_weights(tmp, config)), "window": DMS_WINDOW}}
+    ref = {**run_kvpress(job, tmp), "dms_surrogate": job["dms"]["surrogate"]}
     cfg, params = load_hf(tmp / "ckpt")
     return Llama(cfg, params), ctx, question, ref
+
+
+def zap_weights(tmp: pathlib.Path, cfg: dict) -> pathlib.Path:
+    """Seeded random linear surrogate weights (nonzero biases) for the tiny model, in kvzap's file format: the
+    arrays both sides load (kvzap's surrogate=<file>, kvpress's KVzapModel)."""
+    d, kh, n = cfg["hidden_size"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]
+    w = random_surrogate("linear", d, kh, n, seed=5)
+    w["b"] = (0.1 * np.random.default_rng(6).standard_normal(w["b"].shape)).astype(np.float32)
+    path = tmp / "zap_linear.npz"
+    np.savez(path, kind="linear", d_model=d, kv_heads=kh, n_layers=n, **w)
+    return path
 
 
 def lengths_of(pol: Decoding, prompt_kept: int) -> list[int]:
@@ -147,10 +195,6 @@ def lengths_of(pol: Decoding, prompt_kept: int) -> list[int]:
     return out
 
 
-# the suite runs three cases (its time); KVP_KVPRESS_FULL=1 all (kvpress's side always runs all)
-SUITE = tuple(CASES) if os.environ.get("KVP_KVPRESS_FULL") else ("decoding", "ratio", "prefill")
-
-
 @pytest.mark.parametrize("case", SUITE)
 def test_decoding_presses_equal_kvpress(tiny_run, case):
     """The kept positions per (layer, kv head) after the prefill and after the last id fed (three to six
@@ -158,7 +202,7 @@ def test_decoding_presses_equal_kvpress(tiny_run, case):
     model, ctx, question, ref = tiny_run
     want = ref[case]
     name, ratio, fields = CASES[case][1]
-    pol = kvpress(name, ratio, max_new=N_Q + 16, **fields)
+    pol = kvpress(name, ratio, max_new=MAX_NEW, **fields)
     eng = Engine(model, pol, max_len=N_CTX + N_Q + N_NEW)
     state = eng.compress(eng.prompt(ctx[None]))
     answer = eng.continue_generate(state, question[None], N_NEW)[0]
@@ -211,3 +255,32 @@ def test_decoding_press_front_door():
         kvpress("PrefillDecodingPress", 0.25, prefilling_press=kvpress("KnormPress", 0.5), decoding_press=pol)
     with pytest.raises(ValueError, match="unknown field"):
         kvpress("DecodingPress", 0, base_press="KnormPress", window=3)
+
+
+def test_dms_press_over_kvzap_equals_kvpress_and_frees_what_it_masks(tiny_run):
+    """DMSPress(KVzapPress) with the same surrogate on both sides, the threshold at the median log-score: per
+    kv head the newest 64 tokens and every older one scoring >= threshold, the same positions per (layer, kv
+    head) (data-dependent counts), the same greedy ids. kvpress masks the others (every head still stores 320
+    keys and values); stored at what each layer kept (`Engine(fit=1)`), ours holds only the kept ones."""
+    model, ctx, question, ref = tiny_run
+    want = ref["dms"]
+    assert "error" not in want, want
+    pol = kvpress("DMSPress", 0, press="KVzapPress", model_type="linear", kvzap_model_name=ref["dms_surrogate"],
+                  threshold=want["threshold"], sliding_window_size=DMS_WINDOW, max_new=N_Q + N_NEW)
+    assert isinstance(pol, KVzap) and (pol.rule, pol.window, pol.kind) == ("threshold", DMS_WINDOW, "linear")
+    max_len = N_CTX + N_Q + N_NEW
+    eng = Engine(model, pol, max_len=max_len, fit=1)
+    state = eng.compress(eng.prompt(ctx[None]))
+    kept = [[h.tolist() for h in layer] for layer in eng.kept_positions(state)]
+    for i, (g, w) in enumerate((g, w) for gl, wl in zip(kept, want["kept"], strict=True) for g, w in zip(gl, wl, strict=True)):
+        assert g == w, ("dms", divmod(i, model.cfg.n_kv_heads), sorted(set(g) ^ set(w))[:10])
+    sizes = [len(h) for layer in want["kept"] for h in layer]
+    assert min(sizes) >= DMS_WINDOW and len(set(sizes)) > 1 and max(sizes) < N_CTX  # data-dependent counts
+    # kvpress: 3 layers x 2 heads x 320 tokens x 16 dims x (keys + values) x 4 bytes, the masked included; ours:
+    # per layer K x (its mean kept per head + max_new) slots of keys, values, an int32 position and a float32 mass
+    kh, d = model.cfg.n_kv_heads, model.cfg.d_model // model.cfg.n_heads
+    assert want["cache_bytes"] == model.cfg.n_layers * kh * N_CTX * d * 2 * 4
+    slots = sum(kh * (-(-sum(map(len, layer)) // kh) + N_Q + N_NEW) for layer in want["kept"])
+    assert tree_nbytes(state.cache) == slots * (2 * d * 4 + 4 + 4) < want["cache_bytes"]
+    if FULL:  # the question and 40 greedy ids (a decode step compiled for the fitted pool: suite time)
+        assert eng.continue_generate(state, question[None], N_NEW)[0].tolist() == want["answer"]
