@@ -3,7 +3,8 @@ https://openreview.net/forum?id=LCTmppB165; NVIDIA/kvpress `CAMPress`) — compr
 every `interval` decoded tokens the cache goes back to `target` tokens, and before the evicted tokens
 leave, their values are merged, each with a Bernoulli draw, into the kept tokens that follow them.
 
-Shapes: B batch, K kv heads, S = target + interval - 1 slots, V view slots, D head dim, N = V + 1 rank bins.
+Shapes: B batch, K kv heads, S slots (`Decoding`'s), T new tokens of a step, V = S + T view slots, D head dim,
+N = V + 1 rank bins.
 
 kvpress 0.5.5's rule (`CAMPress(base_press=KnormPress(), compression_interval, target_size,
 merge_budget=32)`, a `DecodingPress`), per layer, at a compression of a cache of V tokens:
@@ -20,18 +21,15 @@ merge_budget=32)`, a `DecodingPress`), per layer, at a compression of a cache of
    the window (so merged values are merged again later);
 6. the evicted tokens leave.
 
-Ours is that rule over the base score of `Knorm` (the keys' norms, all kvpress's CAMPress can use without
-hidden states beyond the current one). The draw is ours: u < p with u a hash of (seed, kv head, position)
+Ours is that rule on kvpress's decoding schedule (`kvpolicies.decoding.Decoding`: forward steps counted as
+kvpress counts them, a q-token question one step; the prompt kept whole, or a prefilling press's choice)
+over the base presses whose score reads the cache alone (`Decoding.takes`: KnormPress, KeyDiffPress). A
+step's attention is its last query's (kvpress: `attentions[:, :, -1:]`, or the current token's softmax over
+the cache). The draw is ours: u < p with u a hash of (seed, kv head, position)
 (`kvpolicies.random_keep.uniform_hash`); torch's `torch.bernoulli` cannot be reproduced, so the merged
 values differ from kvpress's run by run (the evicted tokens do not). Stored: ordinary slots (the merged
-values are the kept tokens' values), S = target + interval - 1 slots per kv head, plus the attention
-received (float32 per slot and kv head).
-
-The schedule is `PromptScored`'s `interval` / `target`: the cache is compressed when a decoded token makes it
-hold target + interval tokens, kvpress's step after a prompt of `target` tokens (kvpress counts forward
-steps from the end of the prefill: a q-token question is one step there, q tokens here). After the prompt
-the cache keeps up to `target` tokens: a longer prompt is first cut to `target` by the base score without
-merging (kvpress keeps it whole until `interval` steps later). The paper's original per-step form is
+values are the kept tokens' values; `Decoding`'s slots: the whole prompt and max_new, or target + interval
+- 1), plus the attention received (float32 per slot and kv head). The paper's original per-step form is
 interval 1.
 """
 
@@ -43,81 +41,84 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from kvpolicies.base import SlotState
 from kvpolicies.checks import check_int
-from kvpolicies.codecs import Codec, Identity
-from kvpolicies.prompt_scored import PromptScored, chunked, rank_by
+from kvpolicies.decoding import Decoding, DecodingState
 from kvpolicies.random_keep import uniform_hash
-from kvpolicies.scored import LAST_KEY, append_packed, pack, top_mask
-from kvpolicies.slots import Spare, concat, inverse_order, take_slots
+from kvpolicies.scored import LAST_KEY, Accumulated, pack, top_mask
+from kvpolicies.slots import concat, inverse_order, take_slots
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class CAMState(DecodingState):
+    """`DecodingState` plus the attention each slot has received from the decode steps' last queries,
+    summed over a kv head's query heads (the merge probability is a ratio: the mean's 1/G cancels).
+
+    mass: [B, K, S] float32.
+    """
+
+    mass: Float[Array, "B K S"]
 
 
 @dataclasses.dataclass(frozen=True)
-class CAM(PromptScored):
-    """Every `interval` decoded tokens, back to `target` tokens per kv head by the keys' norms (the same
-    tokens in every head), the evicted values merged into the next `merge_budget` kept ones (module
-    docstring). `budget` is unused: `target` sizes the cache."""
+class CAM(Decoding):
+    """kvpress's `CAMPress(base_press=press, compression_interval=interval, target_size=target,
+    merge_budget)`: `Decoding`'s compressions, the evicted tokens the same in every head (the base score
+    averaged over the kv heads), their values merged into the next `merge_budget` kept tokens by our draw
+    (module docstring)."""
 
     label = "cam"
-    observes = ("scores",)
-    accumulates = True
+    accumulates = True  # new slots carry `mass` (zeros)
 
-    budget: int = 0
-    max_new: int = 0
-    interval: int = 512  # kvpress's compression_interval
-    target: int = 2048  # kvpress's target_size
     merge_budget: int = 32
     seed: int = 0
-    codec: Codec = Identity()
 
     def __post_init__(self):
         super().__post_init__()
-        check_int("cam", "interval", self.interval, 1)
-        check_int("cam", "target", self.target, 1)
         check_int("cam", "merge_budget", self.merge_budget, 1)
         check_int("cam", "seed", self.seed, 0, 2**32 - 1)
-        if self.ratio:
-            raise ValueError(f"cam.ratio={self.ratio!r}: CaM compresses while decoding only (0)")
-        if not isinstance(self.codec, Identity):
-            raise ValueError(f"cam.codec={self.codec!r}: merged values are stored as they are (use codec='none')")
+        if self.target_ratio:
+            raise ValueError(f"cam.target_ratio={self.target_ratio!r}: CAMPress has a target_size (0)")
 
-    def kept(self):
-        return self.target
+    @property
+    def observes(self):
+        return tuple(dict.fromkeys(("scores",) + self.press.observes))
+
+    def split(self, state):
+        return Accumulated(state.k, state.v, state.pos, mass=state.mass), state.steps
+
+    def join(self, slots, stats):
+        mass = slots.mass if isinstance(slots, Accumulated) else jnp.zeros(slots.pos.shape, jnp.float32)
+        return CAMState(slots.k, slots.v, slots.pos, steps=stats, mass=mass)
 
     def rank(self, slots, keys, stats, seen):
-        """Minus the key norm averaged over the kv heads (kvpress's mean_scores), the same in every head."""
-        norm = jnp.sqrt(jnp.sum(jnp.square(keys.astype(jnp.float32)), axis=-1))  # [B, K, V]
-        score = jnp.where(slots.pos >= 0, -norm, 0.0).mean(axis=1, keepdims=True)  # [B, 1, V]
-        return rank_by(jnp.broadcast_to(score, norm.shape), slots.pos)
-
-    @chunked
-    def observe(self, slots, stats, view, seen, count, s):
-        """The attention every slot receives from the step's queries (summed over a kv head's G query
-        heads: the merge probability is a ratio, G cancels)."""
-        return dataclasses.replace(slots, mass=slots.mass + seen.scores.sum(axis=2)), stats
+        """The base press's score averaged over the kv heads (kvpress's mean_scores), the same in every head."""
+        prio, _ = self.press.rank(SlotState(slots.k, slots.v, slots.pos), keys, None, seen)  # [B, K, V]
+        filled = slots.pos >= 0
+        mean = jnp.where(filled, prio, 0.0).sum(axis=1, keepdims=True) / prio.shape[1]  # [B, 1, V]
+        return jnp.where(filled, mean, -jnp.inf), slots.pos
 
     def compact(self, view, seen):
-        if isinstance(view.carry[0], Spare):  # a shape class's decode step appends only
-            return super().compact(view, seen)
-        (old, new), stats = view.carry
-        slots = concat(old, new)  # [B, K, V, ...]
+        (old, new), steps = view.carry
+        slots = concat(old, new)  # [B, K, V, ...]: the stored slots, then the step's T tokens
+        slots = dataclasses.replace(slots, mass=slots.mass + seen.scores[:, :, -1])  # the step's last query
         s = old.slots
         filled = slots.pos >= 0  # [B, K, V]
-        count = filled.sum(axis=-1)  # [B, K]
-        slots, stats = self.observe(slots, stats, view, seen, count, s)
-        over = self.overflows(count, s)  # [B, K, 1]
-
-        def evict():
-            prio, tie = self.rank(slots, view.k, stats, seen)
-            kept = jnp.where(over, top_mask(prio, tie, self.stream_kept(s)) & filled, filled)
-            v = merged(slots.v, slots.mass, slots.pos, prio, kept, over, self.interval, self.merge_budget, self.seed)
-            return pack(dataclasses.replace(slots, v=v), kept, s)
-
-        appends = ~over.any() & (new.pos >= 0).all()
-        return self.join(jax.lax.cond(appends, lambda: append_packed(slots, s), evict), stats)
+        count = filled.sum(axis=-1)  # [B, K] tokens in the view
+        k = steps + 1  # [B]: this step counted; the merge candidates (kvpress: layer_step_counts)
+        target = self._target(new.pos.max(axis=(1, 2)) + 1)  # [B]
+        due = (k >= self.interval) | (new.pos.shape[-1] >= target)  # [B]: kvpress's compression step
+        n = jnp.minimum(jnp.where(due[:, None], target[:, None], s), s)  # [B, 1]
+        over = (due[:, None] & (count > target[:, None])) | (count > s)  # [B, K]
+        prio, tie = self.rank(slots, view.k, None, seen)  # [B, K, V]
+        kept = jnp.where(over[..., None], top_mask(prio, tie, n[..., None]) & filled, filled)
+        v = merged(slots.v, slots.mass, slots.pos, prio, kept, over[..., None], k, self.merge_budget, self.seed)
+        return self.join(pack(dataclasses.replace(slots, v=v), kept, s), jnp.where(due, 0, k))
 
 
 def merged(v: Float[Array, "B K V D"], mass: Float[Array, "B K V"], pos: Int[Array, "B K V"],
-           prio: Float[Array, "B K V"], kept: Bool[Array, "B K V"], over: Bool[Array, "B K 1"], k: int,
+           prio: Float[Array, "B K V"], kept: Bool[Array, "B K V"], over: Bool[Array, "B K 1"], k: Int[Array, "B"],
            merge_budget: int, seed: int) -> Float[Array, "B K V D"]:
     """The values after CaM's merges where `over` (module docstring, steps 2-5): the k best-priority evicted
     tokens merged, each where its draw succeeds, into the `merge_budget` kept tokens after it in text order.
@@ -128,7 +129,7 @@ def merged(v: Float[Array, "B K V D"], mass: Float[Array, "B K V"], pos: Int[Arr
     sort = lambda x: take_slots(x, jnp.broadcast_to(order[:, None], (b, x.shape[1], n)))  # noqa: E731  [B, H, V, ...]
     sp, keep, pr = sort(pos), sort(kept & over), sort(prio)  # [B, K, V]
     ev = sort((pos >= 0) & ~kept & over)  # [B, K, V] evicted now
-    cand = top_mask(jnp.where(ev, pr, -jnp.inf), sp, k) & ev  # [B, K, V]: the k best evicted, ties the later
+    cand = top_mask(jnp.where(ev, pr, -jnp.inf), sp, k[:, None, None]) & ev  # [B, K, V]: the k best evicted
     kf = keep.astype(jnp.int32)
     start = jnp.cumsum(kf, axis=-1) - kf  # [B, K, V]: kept tokens before each slot (the window's first rank)
     n_kept = kf.sum(axis=-1, keepdims=True)  # [B, K, 1]

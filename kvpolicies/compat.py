@@ -72,9 +72,9 @@ sized by their `ratio` field (`PromptScored.kept_for`), with kvpress's defaults:
                             keydiff, lagkv, random, snapkv, expected; `Delegating`)
     EntropyGatedChunkKVPress  `EntropyChunkKV`: ChunkKV's chunks (10), spiky ones cut to their 4 best
     KeyRerotationPress      `Rerotated`: the inner press, RoPE at the kept keys' ranks (as ChunkKV's)
-    CAMPress                `cam.CAM` (base_press="KnormPress"; compression_interval 512, target_size 2048,
-                            merge_budget 32): every interval decoded tokens back to target, the evicted
-                            values merged into the next kept ones by a Bernoulli draw (ours, not torch's)
+    CAMPress                `cam.CAM`: DecodingPress's schedule (base_press KnormPress or KeyDiffPress,
+                            compression_interval 512, target_size 2048), the evicted values merged into the
+                            next merge_budget (32) kept ones by a Bernoulli draw (ours, not torch's)
     ThinKPress              think: key_channel_compression_ratio (default 2 r: kvpress's compression_ratio is
                             its half) of each kv head's key channels pruned by the window_size (32) newest
                             queries; every token kept, only the kept channels of the prompt's keys stored
@@ -562,7 +562,7 @@ def kvpress(name: str, compression_ratio: float, /, *, max_new: int = 256, n_lay
     if press == "ComposedPress":
         return _composed(r, max_new, fields)
     if press == "CAMPress":  # a DecodingPress: compression_interval and target_size are its own
-        return _cam(r, fields)
+        return _cam(r, max_new, fields)
     decoding = {k: fields.pop(k) for k in ("compression_interval", "target_size") if k in fields}
     if decoding:
         return _decoding(press, r, max_new, n_layers, decoding, fields)
@@ -679,23 +679,13 @@ def _duo(r: float, max_new: int, n_layers: int | None, fields: dict) -> Policy |
     return out.stack(n_layers) if n_layers is not None else out
 
 
-def _cam(r: float, fields: dict) -> CAM:
+def _cam(r: float, max_new: int, fields: dict) -> CAM:
     """kvpress's `CAMPress(base_press, compression_interval=512, target_size=2048, hidden_states_buffer_size=256,
-    merge_budget=32)` (`kvpolicies.cam`): over KnormPress (the base score that reads the keys alone); nothing is
-    compressed at the prefill, so compression_ratio must be 0. Our draw, not torch's."""
-    if r != 0:
-        raise ValueError(f"kvpress('CAMPress', {r}): CAMPress compresses while decoding only: give 0 (target_size= "
-                         "and compression_interval= set it)")
-    base = fields.pop("base_press", None)
-    if base != "KnormPress":
-        raise NotImplementedError(f"kvpolicies.compat.kvpress: CAMPress(base_press={base!r}) (only 'KnormPress': "
-                                  "kvpress re-scores with the base press on buffered decode hidden states)")
-    fields.pop("hidden_states_buffer_size", None)  # Knorm reads no hidden states
-    out = CAM(interval=fields.pop("compression_interval", 512), target=fields.pop("target_size", 2048),
-              merge_budget=fields.pop("merge_budget", 32))
-    if fields:
-        raise ValueError(f"kvpress('CAMPress'): unknown field(s) {sorted(fields)}")
-    return out
+    merge_budget=32)` (`kvpolicies.cam`): a `DecodingPress` (`kvpolicies.decoding`, whose fields it takes: the
+    base press KnormPress or KeyDiffPress) that merges what it evicts, by our draw, not torch's."""
+    merge_budget = fields.pop("merge_budget", 32)
+    dec = decoding_press("DecodingPress", r, max_new, fields)  # refuses a ratio, checks the base press
+    return CAM(**{f.name: getattr(dec, f.name) for f in dataclasses.fields(dec)}, merge_budget=merge_budget)
 
 
 def _think(r: float, max_new: int, fields: dict) -> Policy:

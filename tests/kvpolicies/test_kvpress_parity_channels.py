@@ -263,9 +263,9 @@ def np_cam(q, k, v, target, interval, merge_budget, seed, inv):
 
 def test_cam_merges_as_kvpress_rule_with_our_draw():
     """CAM (kvpress's CAMPress over KnormPress: target 12, interval 4, merge_budget 3) on one attention layer of
-    random q, k, v: a 12-token prompt, then 13 decode steps (three compressions). Outputs, kept positions and
+    random q, k, v: a 12-token prompt, then 13 one-token decode steps (three compressions). Outputs, kept positions and
     merged values equal `np_cam` (kvpress's rule in numpy with our draw); the draw matters (some merges pass,
-    some do not), and the state is ordinary slots: S = target + interval - 1 per kv head."""
+    some do not), and the state is ordinary slots (`Decoding`'s: max_len without a prefilling press)."""
     import jax.numpy as jnp
 
     from kvpolicies import Rope
@@ -280,7 +280,7 @@ def test_cam_merges_as_kvpress_rule_with_our_draw():
     q, k, v = (rng.standard_normal((1, t, h, d)).astype(np.float32) for h in (4, 2, 2))
     pol = kvpress("CAMPress", 0, base_press="KnormPress", compression_interval=interval, target_size=target,
                   merge_budget=mb)
-    assert pol == CAM(interval=interval, target=target, merge_budget=mb)
+    assert type(pol) is CAM and (pol.interval, pol.target, pol.merge_budget) == (interval, target, mb)
     _, st = run_policy(pol.prompt_policy(), q[:, :target], k[:, :target], v[:, :target], [target], rope, max_len=t)
     st = jax.jit(pol.after_prompt)(st)
     out, st = run_policy(pol, q[:, target:], k[:, target:], v[:, target:], [1], rope, state=st, start=target)
@@ -292,24 +292,25 @@ def test_cam_merges_as_kvpress_rule_with_our_draw():
     assert all(sorted(p[p >= 0].tolist()) == want_pos for p in pos)
     np.testing.assert_allclose(np.asarray(st.v[0])[:, order[:len(want_pos)]], want_vals, atol=1e-5, rtol=0)
     assert 0 < merges < candidates  # the draw decides
-    s = target + interval - 1
-    assert tree_nbytes(st) == 2 * s * (2 * d * 4 + 4 + 4)  # keys, values, positions and attention per kv head
+    s = t  # the whole prompt kept (no prefilling press) and the steps after it: every slot of max_len
+    assert tree_nbytes(st) == 2 * s * (2 * d * 4 + 4 + 4) + 4  # keys, values, positions, attention; the step count
     assert isinstance(st.v, jnp.ndarray)
 
 
 def test_cam_evicts_kvpress_tokens(tiny_run):
     """CAMPress(base_press=KnormPress(), compression_interval=8, target_size=320, merge_budget=32) after the
     320-token context: a 1-token question and 7 greedy ids make kvpress's 8th decode step, which compresses
-    the 328 tokens back to 320; we feed the same tokens (our last logits give kvpress's 8th id) (its merges draw torch.bernoulli: the merged values are not compared here, see
-    test_cam_merges_as_kvpress_rule_with_our_draw). The same kept positions in every
-    (layer, kv head) but exact ties of repeated tokens in layer 0: the evicted tokens do not depend on the draw."""
+    the 328 tokens back to 320; we feed the same tokens one step each (our last logits give kvpress's 8th id).
+    Its merges draw torch.bernoulli: the merged values are not compared here (see
+    test_cam_merges_as_kvpress_rule_with_our_draw). The same kept positions in every (layer, kv head) but exact
+    ties of repeated tokens in layer 0: the evicted tokens do not depend on the draw."""
     model, ctx, question, ref = tiny_run
     want = ref["cam"]
     assert want["tokens"] == [N_CTX] * 3
     pol = kvpress("CAMPress", 0, base_press="KnormPress", compression_interval=CAM_INTERVAL, target_size=N_CTX)
     eng = Engine(model, pol, max_len=N_CTX + CAM_INTERVAL + 1)
     state = eng.compress(eng.prompt(ctx[None]))
-    after = eng.feed(state, np.asarray([question[:1].tolist() + want["ids"][:-1]]))  # kvpress's 8 decode steps
+    after = eng.feed(state, np.asarray([question[:1].tolist() + want["ids"][:-1]]), chunk=1)  # kvpress's 8 steps
     assert int(np.argmax(np.asarray(after.logits)[0])) == want["ids"][-1]  # its last id (before the compression)
     kept = [[p.tolist() for p in layer] for layer in eng.kept_positions(after)]
     assert kept[1:] == want["kept"][1:]
