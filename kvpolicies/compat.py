@@ -57,6 +57,8 @@ sized by their `ratio` field (`PromptScored.kept_for`), with kvpress's defaults:
                             prefill): a lazy layer (its last n_last queries' attention on the first n_initial and
                             the n_recent tokens before them above lazy_threshold) keeps those, the others the prompt
 
+    CapPress                cap (CAPKV's capacity score: relevance-weighted value leverage, 4 sinks)
+
     Wrappers (`press=` the inner press: a class name, its fields among `fields`, or a kvpress(...) result):
     PerLayerCompressionPress  one inner policy per layer at `compression_ratios[i]`
     MergingPress            `Merging`: evicted values folded into the most similar kept token (knorm,
