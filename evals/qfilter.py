@@ -90,26 +90,28 @@ def rope_queries(q: Float[Array, "K T G D"], inv_freq: np.ndarray) -> np.ndarray
     return np.asarray(rot).transpose(0, 2, 1, 3).reshape(k * g, t, d)  # query head n = k G + g
 
 
-def layer_queries(model, windows: list[np.ndarray]) -> list[np.ndarray]:
-    """Per layer, every query head's queries after RoPE over the windows (each prefilled alone from
-    position 0): [N, windows x T, D] float32."""
-    per = [[] for _ in range(model.cfg.n_layers)]
-    for q, inv in window_queries(model, windows):
+def layer_queries(model, windows: list[np.ndarray], samples: int, seed: int) -> list[np.ndarray]:
+    """Per layer, every query head's queries after RoPE at `samples` positions drawn once among all the
+    windows' tokens (numpy's default_rng(seed).permutation; each window prefilled alone from position 0):
+    [N, samples, D] float32, in the windows' order (only the drawn positions are kept in memory)."""
+    total = sum(len(w) for w in windows)
+    drawn = np.zeros(total, bool)
+    drawn[np.random.default_rng(seed).permutation(total)[:samples]] = True
+    per, start = [[] for _ in range(model.cfg.n_layers)], 0
+    for (q, inv), w in zip(window_queries(model, windows), windows):
+        take = drawn[start:start + len(w)]
+        start += len(w)
         for layer in range(len(per)):
-            per[layer].append(rope_queries(q[layer], inv))  # [N, T, D]
+            per[layer].append(rope_queries(q[layer], inv)[:, take])  # [N, drawn in this window, D]
     return [np.concatenate(x, axis=1) for x in per]
 
 
-def svd_filters(queries: list[np.ndarray], kv_heads: int, samples: int, seed: int) -> np.ndarray:
-    """The authors' recipe on per-layer queries [N, P, D]: `samples` positions drawn once (numpy), per
-    query head -sign v_1 (sign: +1 if most of u_1 is positive), averaged over each kv head's G heads:
-    [L, K, D] float32."""
-    n_pos = queries[0].shape[1]
-    idx = np.random.default_rng(seed).permutation(n_pos)[:samples]
+def svd_filters(queries: list[np.ndarray], kv_heads: int) -> np.ndarray:
+    """The authors' recipe on per-layer sampled queries [N, samples, D]: per query head -sign v_1 (sign: +1 if
+    most of u_1 is positive), averaged over each kv head's G heads: [L, K, D] float32."""
     out = []
     for q in queries:
-        x = q[:, idx].astype(np.float64)  # [N, S, D]
-        u, _, vh = np.linalg.svd(x, full_matrices=False)  # u [N, S, D], vh [N, D, D]
+        u, _, vh = np.linalg.svd(q.astype(np.float64), full_matrices=False)  # u [N, S, D], vh [N, D, D]
         sign = np.where((u[..., 0] > 0).mean(-1) > 0.5, 1.0, -1.0)  # [N]
         f = -sign[:, None] * vh[:, 0, :]  # [N, D]
         out.append(f.reshape(kv_heads, -1, f.shape[-1]).mean(1))  # [K, D]
@@ -118,7 +120,7 @@ def svd_filters(queries: list[np.ndarray], kv_heads: int, samples: int, seed: in
 
 def compute(model, windows: list[np.ndarray], samples: int = 3000, seed: int = 0) -> np.ndarray:
     """Q-Filters [L, K, D] of `model` on calibration token windows (each [T])."""
-    return svd_filters(layer_queries(model, windows), model.cfg.n_kv_heads, samples, seed)
+    return svd_filters(layer_queries(model, windows, samples, seed), model.cfg.n_kv_heads)
 
 
 def windows_of(tok, sequences: int, length: int) -> list[np.ndarray]:
