@@ -89,6 +89,10 @@ sized by their `ratio` field (`PromptScored.kept_for`), with kvpress's defaults:
                             I, T) while decoding): knorm with `interval=I, target=T`, every I decoded
                             tokens the cache back to T per kv head. The same as kvpress when the
                             prompt keeps T tokens and each step is one token (kvpress counts steps)
+    DecodingPress,          `decoding.Decoding` (base_press= KnormPress or KeyDiffPress): kvpress's steps exactly,
+    CompressionRatioDecodingPress,  every compression_interval forward steps (the question one) the whole cache back
+    PrefillDecodingPress    to target_size (or int(n_seen (1 - target_compression_ratio))), after the prefilling press
+    DMSPress                `kvzap` with rule="threshold" (press= KVzapPress; decoding=False): window + score >= threshold
 
 Differences that remain by construction: scores are computed in JAX (float32 sums in another
 order than torch's), so a near tie can fall the other way; kvpress breaks exact ties by
