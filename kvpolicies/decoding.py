@@ -29,6 +29,9 @@ target at max_len for a ratio; each compression packs the kept tokens. A step th
 before its turn (max_new too small for the question and the tokens before the first compression)
 keeps the S best early, where kvpress's cache would grow: not kvpress's rule, never reached when
 max_new covers the question and interval - 1 tokens.
+
+`dms_from_kvpress`: kvpress's `DMSPress` over KVzapPress (dense prefill, decoding=False), which is the registered
+`kvzap` with rule="threshold" (a head pool of each head's window and the tokens scoring above the threshold).
 """
 
 from __future__ import annotations
@@ -93,7 +96,7 @@ class Decoding(PromptScored):
         check_int(self.label, "target", self.target, 1)
         check_int(self.label, "slots", self.slots, 0)
         if self.slots or self.spare or self.ratio:
-            raise ValueError(f"{self.label}: slots, spare and ratio are not decoding's (the prefill press has its ratio)")
+            raise ValueError(f"{self.label}: slots, spare and ratio are not decoding's (the prefill press has a ratio)")
         r = self.target_ratio
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < 1:
             raise ValueError(f"{self.label}.target_ratio={r!r}: must be a number in [0, 1) (0: the fixed target)")
@@ -102,8 +105,8 @@ class Decoding(PromptScored):
                              "(a ranking of the cache alone: kvpress re-scores on buffered hidden states otherwise)")
         if self.prefill is not None and (not isinstance(self.prefill, PromptScored)
                                          or type(self.prefill).after_prompt is not PromptScored.after_prompt):
-            raise ValueError(f"{self.label}.prefill={self.prefill!r}: must be a prompt scorer that keeps its kept_for(n) "
-                             "best of the prompt (a kvpress(...) result: snapkv, knorm, keydiff, expected, ...)")
+            raise ValueError(f"{self.label}.prefill={self.prefill!r}: must be a prompt scorer that keeps its "
+                             "kept_for(n) best of the prompt (a kvpress(...) result: snapkv, knorm, keydiff, ...)")
         if isinstance(self.prefill, Preset) and self.prefill.stack(2) != (self.prefill,) * 2:
             raise ValueError(f"{self.label}.prefill={self.prefill!r}: a per-layer preset (give each layer's policy)")
         if self.prefill is not None and self.prefill.codec != self.codec:
@@ -232,8 +235,8 @@ def from_kvpress(name: str, r: float, max_new: int, fields: dict) -> Policy:
         if dec is None:
             return Full() if pre is None else pre
         if not isinstance(dec, Decoding) or dec.prefill is not None:
-            raise ValueError(f"kvpress('PrefillDecodingPress'): decoding_press={dec!r} must be a kvpress('DecodingPress' "
-                             "or 'CompressionRatioDecodingPress', ...) result")
+            raise ValueError(f"kvpress('PrefillDecodingPress'): decoding_press={dec!r} must be a "
+                             "kvpress('DecodingPress' or 'CompressionRatioDecodingPress', ...) result")
         return dataclasses.replace(dec, prefill=pre, max_new=max_new)
     own = {"interval": fields.pop("compression_interval", 512)}
     if name == "DecodingPress":

@@ -42,7 +42,7 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_lay
             num_key_value_heads=2, max_position_embeddings=512)
 N_CTX, N_Q, N_NEW = 320, 8, 40
 DMS_WINDOW = 64  # DMSPress's sliding_window_size (kvpress's default 128)
-MAX_NEW = N_Q + 16  # our decode slots beyond the prompt's kept tokens (the question and the tokens before a compression)
+MAX_NEW = N_Q + 16  # our decode slots beyond the prompt's kept tokens (the question, the tokens before a compression)
 
 # (kvpress's side, ours): the press as the worker builds it, and our front door's call
 CASES = {
@@ -272,7 +272,8 @@ def test_dms_press_over_kvzap_equals_kvpress_and_frees_what_it_masks(tiny_run):
     eng = Engine(model, pol, max_len=max_len, fit=1)
     state = eng.compress(eng.prompt(ctx[None]))
     kept = [[h.tolist() for h in layer] for layer in eng.kept_positions(state)]
-    for i, (g, w) in enumerate((g, w) for gl, wl in zip(kept, want["kept"], strict=True) for g, w in zip(gl, wl, strict=True)):
+    pairs = [(g, w) for gl, wl in zip(kept, want["kept"], strict=True) for g, w in zip(gl, wl, strict=True)]
+    for i, (g, w) in enumerate(pairs):
         assert g == w, ("dms", divmod(i, model.cfg.n_kv_heads), sorted(set(g) ^ set(w))[:10])
     sizes = [len(h) for layer in want["kept"] for h in layer]
     assert min(sizes) >= DMS_WINDOW and len(set(sizes)) > 1 and max(sizes) < N_CTX  # data-dependent counts
