@@ -120,6 +120,7 @@ from kvpolicies.compactor import Compactor
 from kvpolicies.critical import Critical, CriticalAda, SnapOnce
 from kvpolicies.cur import CUR
 from kvpolicies.decoding import PRESSES as DECODING_PRESSES, from_kvpress as decoding_press
+from kvpolicies.lukv import from_kvpress as lukv_press
 from kvpolicies.expected import Expected
 from kvpolicies.finch import Finch
 from kvpolicies.full import Full
@@ -464,7 +465,7 @@ PRESSES = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPress", "
            "KeyDiffPress", "LagKVPress", "RandomPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress",
            "ComposedPress", "FinchPress", "CURPress", "MergingPress", "CompactorPress", "NonCausalAttnPress", "LeverageScorePress",
            "ChunkKVPress", "KeyRerotationPress", "EntropyGatedChunkKVPress", "SimLayerKVPress", "CapPress",
-           "CriticalKVPress", "CriticalAdaKVPress", "ThinKPress", *DECODING_PRESSES, "CAMPress")
+           "CriticalKVPress", "CriticalAdaKVPress", "ThinKPress", *DECODING_PRESSES, "LUKVPress", "CAMPress")
 SUPPORTED = PRESSES
 WRAPPERS = ("MergingPress", "AdaKVPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress", "ChunkKVPress",
             "KeyRerotationPress", "EntropyGatedChunkKVPress", "CriticalKVPress", "CriticalAdaKVPress")  # `press`: an inner press
@@ -556,6 +557,8 @@ def kvpress(name: str, compression_ratio: float, /, *, max_new: int = 256, n_lay
         raise ValueError(f"kvpress({press!r}): n_layers={n_layers!r} must be an int >= 1 (the model's layers)")
     if press in DECODING_PRESSES:  # kvpress's decoding presses and DMSPress (kvpolicies.decoding)
         return decoding_press(press, compression_ratio, max_new, fields)
+    if press == "LUKVPress":  # head budgets from a given curve (kvpress downloads one): kvpolicies.lukv
+        return lukv_press(compression_ratio, max_new, n_layers, fields)
     if press in WRAPPERS:
         fields = _inner(press, None if press == "PerLayerCompressionPress" else compression_ratio, fields)
     elif "press" in fields:

@@ -1,14 +1,14 @@
 """kvpress 0.5.5's decoding presses beside `kvpolicies.compat.kvpress`: DecodingPress,
-CompressionRatioDecodingPress and PrefillDecodingPress on the tiny random Llama (3 layers, 4 query / 2 kv
-heads), the same token ids. kvpress runs its pipeline's loop in a subprocess with its own transformers
-(.venv/kvpress-ref, `WORKER` below, over evals/kvpress_worker.py): the context prefilled (under the press for
-PrefillDecodingPress, without it for a DecodingPress, as `KVPressTextGenerationPipeline._forward` does),
-then the question in one forward step and greedy ids one step each under the press, whose hook compresses
-every `compression_interval` steps; `kvpress_worker.Tracker` follows each slot's position through the
-compressions. Ours: `Engine.prompt` -> `compress` -> `continue_generate`, and `feed` of the same steps
-(the question whole, then one id a step) for the kept positions after the last id fed. The kept positions
-per (layer, kv head) after the prefill and at the end, the cache length after every step, and the greedy
-ids must be identical."""
+CompressionRatioDecodingPress and PrefillDecodingPress (and DMSPress, LUKVPress: the tests at the end) on the
+tiny random Llama (3 layers, 4 query / 2 kv heads), the same token ids. kvpress runs its pipeline's loop in a
+subprocess with its own transformers (.venv/kvpress-ref, `WORKER` below, over evals/kvpress_worker.py): the
+context prefilled (under the press for PrefillDecodingPress, without it for a DecodingPress, as
+`KVPressTextGenerationPipeline._forward` does), then the question in one forward step and greedy ids one step
+each under the press, whose hook compresses every `compression_interval` steps; `kvpress_worker.Tracker`
+follows each slot's position through the compressions. Ours: `Engine.prompt` -> `compress` ->
+`continue_generate`, and `feed` of the same steps (the question whole, then one id a step) for the kept
+positions after the last id fed. The kept positions per (layer, kv head) after the prefill and at the end, the
+cache length after every step, and the greedy ids must be identical."""
 
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ pytestmark = [pytest.mark.ref, pytest.mark.kvpress, pytest.mark.skipif(not (REF 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512)
 N_CTX, N_Q, N_NEW = 320, 8, 40
+LUKV_RATIO = 0.5  # LUKVPress's compression_ratio (the curve's row 49)
 DMS_WINDOW = 64  # DMSPress's sliding_window_size (kvpress's default 128)
 MAX_NEW = N_Q + 16  # our decode slots beyond the prompt's kept tokens (the question, the tokens before a compression)
 
@@ -114,6 +115,18 @@ for key, spec in job["presses"].items():
         [h.remove() for h in hooks]
     out[key] = {"kept": kept, "kept_end": tracker.kept(), "answer": answer, "lengths": lengths}
 
+# LUKVPress (its default inner press, ExpectedAttentionPress(epsilon=0.02)), the job's curve in place of the download
+curve = np.load(job["lukv"]["curve"])
+press = kvpress.LUKVPress(compression_ratio=job["lukv"]["ratio"])
+press._budget_curves = curve
+with torch.no_grad():
+    full = DynamicCache()
+    model(input_ids=ctx, past_key_values=full, logits_to_keep=1)
+full_keys = [full.layers[i].keys[0] for i in range(len(full.layers))]
+out["lukv"] = w.run(model, press, ctx, question, job["n_new"], full_keys)
+for layer in model.model.layers:  # kvpress leaves its mask on the modules
+    layer.self_attn.masked_key_indices = None
+
 # DMSPress over KVzapPress with our surrogate file's weights in kvpress's KVzapModel (its download skipped), the
 # threshold midway between the two middle log-scores of the context over every layer (no score at it)
 from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel
@@ -163,8 +176,9 @@ def tiny_run(request, tmp_path_factory):
     job = {"save_to": str(tmp / "ckpt"), "tiny": {"kind": request.param, "seed": 0, "config": config},
            "context": ctx.tolist(), "question": question.tolist(), "n_new": N_NEW,
            "presses": {key: CASES[key][0] for key in SUITE},
-           "dms": {"surrogate": str(zap_weights(tmp, config)), "window": DMS_WINDOW}}
-    ref = {**run_kvpress(job, tmp), "dms_surrogate": job["dms"]["surrogate"]}
+           "dms": {"surrogate": str(zap_weights(tmp, config)), "window": DMS_WINDOW},
+           "lukv": {"curve": str(lukv_curve(tmp, config)), "ratio": LUKV_RATIO}}
+    ref = {**run_kvpress(job, tmp), "dms_surrogate": job["dms"]["surrogate"], "lukv_curve": job["lukv"]["curve"]}
     cfg, params = load_hf(tmp / "ckpt")
     return Llama(cfg, params), ctx, question, ref
 
@@ -178,6 +192,16 @@ def zap_weights(tmp: pathlib.Path, cfg: dict) -> pathlib.Path:
     path = tmp / "zap_linear.npz"
     np.savez(path, kind="linear", d_model=d, kv_heads=kh, n_layers=n, **w)
     return path
+
+
+def lukv_curve(tmp: pathlib.Path, cfg: dict) -> pathlib.Path:
+    """A seeded random LU-KV budget curve [99, L, K] (row i: prune ratios spread around (i + 1) / 100), the
+    array both sides get (kvpress's LUKVPress downloads the authors' one curve, for Llama-3.1-8B)."""
+    shape = (99, cfg["num_hidden_layers"], cfg["num_key_value_heads"])
+    u = np.random.default_rng(8).random(shape)
+    curve = np.clip(np.arange(1, 100)[:, None, None] / 100 + 0.4 * (u - 0.5), 0, 0.99).astype(np.float32)
+    np.save(tmp / "lukv_curve.npy", curve)
+    return tmp / "lukv_curve.npy"
 
 
 def lengths_of(pol: Decoding, prompt_kept: int) -> list[int]:
@@ -284,4 +308,33 @@ def test_dms_press_over_kvzap_equals_kvpress_and_frees_what_it_masks(tiny_run):
     slots = sum(kh * (-(-sum(map(len, layer)) // kh) + N_Q + N_NEW) for layer in want["kept"])
     assert tree_nbytes(state.cache) == slots * (2 * d * 4 + 4 + 4) < want["cache_bytes"]
     if FULL:  # the question and 40 greedy ids (a decode step compiled for the fitted pool: suite time)
+        assert eng.continue_generate(state, question[None], N_NEW)[0].tolist() == want["answer"]
+
+
+def test_lukv_press_with_a_given_curve_equals_kvpress_and_frees_what_it_masks(tiny_run):
+    """LUKVPress with the same (random) budget curve on both sides, its default ExpectedAttentionPress(epsilon=0.02):
+    per (layer, kv head) kvpress's keep counts from the curve's row and the same kept positions, the same 40 greedy
+    ids (KVP_KVPRESS_FULL=1); kvpress masks the others (320 tokens stored per head), ours stores a head pool."""
+    from kvpolicies.lukv import LUKV
+
+    model, ctx, question, ref = tiny_run
+    want = ref["lukv"]
+    assert "error" not in want, want
+    pols = kvpress("LUKVPress", LUKV_RATIO, budget_curves=ref["lukv_curve"], n_layers=model.cfg.n_layers,
+                   max_new=N_Q + N_NEW)
+    assert all(isinstance(p, LUKV) and p.press.epsilon == 2e-2 for p in pols)
+    eng = Engine(model, pols, max_len=N_CTX + N_Q + N_NEW)
+    state = eng.compress(eng.prompt(ctx[None]))
+    kept = [[h.tolist() for h in layer] for layer in eng.kept_positions(state)]
+    curve = np.load(ref["lukv_curve"])[49]  # [L, K]
+    for layer, row in zip(want["kept"], curve, strict=True):  # kvpress's counts: floors, then the largest fractions
+        ideal = np.clip(1 - row, 0, 1).astype(np.float32) * np.float32(N_CTX)
+        counts = np.floor(ideal).astype(int)
+        counts[np.argsort(-(ideal - counts), kind="stable")[:int(np.round(ideal.sum())) - counts.sum()]] += 1
+        assert [len(h) for h in layer] == counts.tolist()
+    pairs = [(g, w) for gl, wl in zip(kept, want["kept"], strict=True) for g, w in zip(gl, wl, strict=True)]
+    for i, (g, w) in enumerate(pairs):
+        assert g == w, ("lukv", divmod(i, model.cfg.n_kv_heads), sorted(set(g) ^ set(w))[:10])
+    assert tree_nbytes(state.cache) == 172_884 < want["cache_bytes"] == 245_760  # pools + counts + query sums
+    if FULL:  # the question and 40 greedy ids (three layers' decode steps compiled: suite time)
         assert eng.continue_generate(state, question[None], N_NEW)[0].tolist() == want["answer"]
