@@ -50,6 +50,7 @@ from kvpolicies.codecs import Codec, Identity
 from kvpolicies.keydiff import rotated
 from kvpolicies.limits import Bounded, concrete
 from kvpolicies.prompt import PromptCompressor, PromptPhase, PromptState
+from kvpolicies.prompt_scored import PromptScored
 from kvpolicies.slots import write_rows
 
 
@@ -62,8 +63,8 @@ class ThinKeys(NamedTuple):
 @dataclasses.dataclass
 class ThinKState(SlotState):
     """k: `ThinKeys`; v [B, K, S, D] (the M prompt slots, then the R whole ones); pos [B, Kp, S]
-    (alone: slot j < M holds prompt token j; with a token press, each head's kept tokens); chan [B, K, D] int32: each head's kept channels ascending,
-    then its pruned ones."""
+    (alone: slot j < M holds prompt token j; with a token press, each head's kept tokens); chan [B, K, D]
+    int32: each head's kept channels ascending, then its pruned ones."""
 
     chan: Int[Array, "B K D"]
 
@@ -156,8 +157,6 @@ class ThinK(PromptCompressor, Bounded, Policy):
         if not isinstance(self.codec, Identity):
             raise ValueError(f"think.codec={self.codec!r}: think stores its own key channels (use codec='none')")
         if self.press is not None:
-            from kvpolicies.prompt_scored import PromptScored
-
             if not isinstance(self.press, PromptScored) or type(self.press.prompt_policy()) is not PromptPhase:
                 raise ValueError(f"think.press={self.press!r}: must be a prompt scorer whose prompt phase is a plain "
                                  "PromptPhase (snapkv, knorm, keydiff, expected, ...)")
@@ -182,7 +181,8 @@ class ThinK(PromptCompressor, Bounded, Policy):
     def init(self, batch, kv_heads, head_dim, dtype, max_len):
         m, r, c = self.prompt_slots(max_len), self.whole_slots(max_len), n_kept(head_dim, self.ratio)
         kp = 1 if self.press is None else kv_heads
-        keys = ThinKeys(kept=jnp.zeros((batch, kv_heads, m, c), dtype), whole=jnp.zeros((batch, kv_heads, r, head_dim), dtype))
+        keys = ThinKeys(kept=jnp.zeros((batch, kv_heads, m, c), dtype),
+                        whole=jnp.zeros((batch, kv_heads, r, head_dim), dtype))
         chan = jnp.broadcast_to(jnp.arange(head_dim, dtype=jnp.int32), (batch, kv_heads, head_dim))
         return ThinKState(k=keys, v=jnp.zeros((batch, kv_heads, m + r, head_dim), dtype),
                           pos=jnp.full((batch, kp, m + r), EMPTY, jnp.int32), chan=chan)
@@ -194,8 +194,8 @@ class ThinK(PromptCompressor, Bounded, Policy):
         return int(last) if concrete(state) else last
 
     def extend(self, state, k, v, pos):
-        keys = jnp.concatenate([decode_keys(state.k.kept, state.chan).astype(k.dtype), state.k.whole.astype(k.dtype), k],
-                               axis=2)  # [B, K, S + T, D]
+        stored = decode_keys(state.k.kept, state.chan).astype(k.dtype)  # [B, K, M, D] zeros at the pruned channels
+        keys = jnp.concatenate([stored, state.k.whole.astype(k.dtype), k], axis=2)  # [B, K, S + T, D]
         vals = jnp.concatenate([state.v.astype(v.dtype), v], axis=2)  # [B, K, S + T, D]
         new = jnp.broadcast_to(pos[:, None, :], (pos.shape[0], state.pos.shape[1], pos.shape[1]))  # [B, Kp, T]
         kpos = jnp.concatenate([state.pos, new.astype(jnp.int32)], axis=2)  # [B, Kp, S + T]

@@ -55,7 +55,8 @@ out = {}
 for c in job["ratios"] + [f"snapkv{r}" for r in job.get("snapkv", [])]:
     if isinstance(c, str):  # ComposedPress([SnapKVPress(r), ThinKPress(0.5)])
         press = kvpress.ComposedPress([kvpress.SnapKVPress(compression_ratio=float(c[6:])),
-                                       kvpress.ThinKPress(key_channel_compression_ratio=0.5, window_size=job["window"])])
+                                       kvpress.ThinKPress(key_channel_compression_ratio=0.5,
+                                                          window_size=job["window"])])
     else:
         press = kvpress.ThinKPress(key_channel_compression_ratio=c, window_size=job["window"])
     cache = DynamicCache()
@@ -70,7 +71,8 @@ for c in job["ratios"] + [f"snapkv{r}" for r in job.get("snapkv", [])]:
         for h in range(k.shape[0]):
             on = torch.ones(k.shape[-1], dtype=torch.bool)
             on[pruned[layer][h]] = False
-            d = torch.cdist(k[h][:, on], full.layers[layer].keys[0, h][:, on], compute_mode="donot_use_mm_for_euclid_dist")
+            d = torch.cdist(k[h][:, on], full.layers[layer].keys[0, h][:, on],
+                            compute_mode="donot_use_mm_for_euclid_dist")
             assert float(d.min(-1).values.max()) < 1e-5
             heads.append(sorted(d.argmin(-1).tolist()))
         kept.append(heads)
@@ -78,7 +80,8 @@ for c in job["ratios"] + [f"snapkv{r}" for r in job.get("snapkv", [])]:
     tokens = [int(k.shape[1]) for k in keys]
     n, q = ctx.shape[1], question.shape[1]
     with torch.no_grad():  # the question's last logits after the compressed context (on a copy of the cache)
-        logits = model(input_ids=question, past_key_values=w._copy(cache), position_ids=torch.arange(n, n + q)[None]).logits
+        logits = model(input_ids=question, past_key_values=w._copy(cache),
+                       position_ids=torch.arange(n, n + q)[None]).logits
     answer = w.greedy(model, cache, question, n, job["n_new"])
     out[str(c)] = {"pruned": pruned, "kept": kept, "cache_bytes": held, "tokens": tokens, "answer": answer,
                    "logits": logits[0, -1].tolist(), "compression_ratio": press.compression_ratio}
@@ -144,7 +147,8 @@ def ours(model: Llama, pol, ctx: np.ndarray, question: np.ndarray):
     pruned = None
     if chan is not None:
         chan, c = np.asarray(chan), pol.kept_channels(chan.shape[-1])
-        pruned = [[sorted(chan[layer, 0, h, c:].tolist()) for h in range(chan.shape[2])] for layer in range(chan.shape[0])]
+        pruned = [[sorted(chan[layer, 0, h, c:].tolist()) for h in range(chan.shape[2])]
+                  for layer in range(chan.shape[0])]
     return pruned, kept, answer, logits, state.cache
 
 
