@@ -61,12 +61,18 @@ CASES = {
                  "decoding": {"kind": "DecodingPress", "base": "KeyDiffPress", "interval": 8, "target": 100}},
                 ("PrefillDecodingPress", 0.5, {"prefilling_press": "SnapKVPress", "decoding_press": kvpress(
                     "DecodingPress", 0, base_press="KeyDiffPress", compression_interval=8, target_size=100)})),
+    # both in one (the suite's case): SnapKV keeps 160, then every 8 steps back to int(n_seen (1 - 0.6)) (175 -> 134)
+    "prefill_ratio": ({"kind": "PrefillDecodingPress", "prefill": "SnapKVPress", "prefill_ratio": 0.5,
+                       "decoding": {"kind": "CompressionRatioDecodingPress", "base": "KeyDiffPress", "interval": 8,
+                                    "ratio": 0.6}},
+                      ("PrefillDecodingPress", 0.5, {"prefilling_press": "SnapKVPress", "decoding_press": kvpress(
+                          "CompressionRatioDecodingPress", 0.6, base_press="KeyDiffPress", compression_interval=8)})),
 }
 
-# the suite runs two cases (its time: "prefill" covers DecodingPress inside PrefillDecodingPress) and DMSPress's
-# kept sets and bytes; KVP_KVPRESS_FULL=1 all cases and DMSPress's answer
+# the suite runs one case (its time: PrefillDecodingPress over CompressionRatioDecodingPress, whose machinery is
+# DecodingPress's) and DMSPress's and LUKVPress's kept sets and bytes; KVP_KVPRESS_FULL=1 all cases and the answers
 FULL = bool(os.environ.get("KVP_KVPRESS_FULL"))
-SUITE = tuple(CASES) if FULL else ("ratio", "prefill")
+SUITE = tuple(CASES) if FULL else ("prefill_ratio",)
 
 # kvpress's side: its pipeline's prefill and greedy loop (kvpress_worker.greedy: the question in one step at
 # positions after the context, then one id a step), a Tracker of every slot's position, the length of layer
