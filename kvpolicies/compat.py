@@ -93,6 +93,7 @@ sized by their `ratio` field (`PromptScored.kept_for`), with kvpress's defaults:
     CompressionRatioDecodingPress,  every compression_interval forward steps (the question one) the whole cache back
     PrefillDecodingPress    to target_size (or int(n_seen (1 - target_compression_ratio))), after the prefilling press
     DMSPress                `kvzap` with rule="threshold" (press= KVzapPress; decoding=False): window + score >= threshold
+    LUKVPress               `lukv.LUKV`: per-head budgets from budget_curves= (a given [99, L, K] curve) around press=
 
 Differences that remain by construction: scores are computed in JAX (float32 sums in another
 order than torch's), so a near tie can fall the other way; kvpress breaks exact ties by
