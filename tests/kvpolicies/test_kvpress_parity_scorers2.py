@@ -81,7 +81,7 @@ SIMLAYER = ({}, {"lazy_threshold": 0.2072, "n_recent": 64, "n_last": 4, "n_initi
             {"lazy_threshold": 0.1, "n_recent": 64, "n_last": 2})
 LAZY = {0: (), 1: (1, 2), 2: (0, 1, 2)}  # the lazy layers of each case (kvpress's, checked below)
 CAP_RATIOS = (0.5, 0.75)
-FULL_GRID = bool(os.environ.get("KVP_KVPRESS_FULL"))  # CapPress at 0.75 too (identical; left out for suite time)
+FULL_GRID = bool(os.environ.get("KVP_KVPRESS_FULL"))  # CapPress at 0.75 and on the tiny Qwen2 too (suite time)
 
 
 def run_kvpress(job: dict, tmp: pathlib.Path, timeout: int = 600) -> dict:
@@ -93,18 +93,29 @@ def run_kvpress(job: dict, tmp: pathlib.Path, timeout: int = 600) -> dict:
     return json.loads((tmp / "out.json").read_text())
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    """(our model, context ids, question ids, kvpress's results) on the tiny Llama."""
-    tmp = tmp_path_factory.mktemp("llama")
+def tiny(kind: str, tmp: pathlib.Path, presses: list):
+    """(our model, context ids, question ids, kvpress's results) on a tiny random model."""
     rng = np.random.default_rng(5)
     ctx, question = rng.integers(0, 127, N_CTX), rng.integers(0, 127, N_Q)
-    job = {"save_to": str(tmp / "ckpt"), "tiny": {"kind": "llama", "seed": 0, "config": TINY},
-           "context": ctx.tolist(), "question": question.tolist(), "n_new": N_NEW,
-           "presses": [["SimLayerKVPress", 0, f] for f in SIMLAYER] + [["CapPress", r, {}] for r in CAP_RATIOS]}
+    job = {"save_to": str(tmp / "ckpt"), "tiny": {"kind": kind, "seed": 0,
+                                                   "config": dict(TINY, tie_word_embeddings=kind == "qwen2")},
+           "context": ctx.tolist(), "question": question.tolist(), "n_new": N_NEW, "presses": presses}
     ref = run_kvpress(job, tmp)
     cfg, params = load_hf(tmp / "ckpt")
     return Llama(cfg, params), ctx, question, ref
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """The tiny Llama: every press of this file."""
+    return tiny("llama", tmp_path_factory.mktemp("llama"),
+                [["SimLayerKVPress", 0, f] for f in SIMLAYER] + [["CapPress", r, {}] for r in CAP_RATIOS])
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2_run(tmp_path_factory):
+    """The tiny Qwen2 (biases, tied embeddings): CapPress (KVP_KVPRESS_FULL=1)."""
+    return tiny("qwen2", tmp_path_factory.mktemp("qwen2"), [["CapPress", r, {}] for r in CAP_RATIOS])
 
 
 def ours(model: Llama, press: str, ratio: float, ctx, question, fit: int = 0, **fields):
@@ -151,14 +162,16 @@ def test_simlayerkv_keeps_kvpress_positions_answers_and_bytes(tiny_run, case):
     assert tree_nbytes(state.cache) == sum(kh * min(n + MAX_NEW, max_len) * (2 * d * 4 + 4) for n in held)
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize("ratio", CAP_RATIOS)
-def test_cap_keeps_kvpress_positions_and_answers(tiny_run, ratio):
-    """CapPress at its defaults (tau 5, n_future_positions 512, n_sink 4, epsilon 1e-6): kvpress keeps
+def test_cap_keeps_kvpress_positions_and_answers(kind, ratio, request):
+    """CapPress at its defaults (tau 5, n_future_positions 512, n_sink 4, epsilon 1e-6; the tiny Llama at 0.5,
+    the rest with KVP_KVPRESS_FULL=1): kvpress keeps
     n_kept = int(n (1 - ratio)) per kv head, the 4 sinks among them; we keep the same positions per
     (layer, kv head) and give the same answer."""
-    if ratio != 0.5 and not FULL_GRID:
-        pytest.skip("CapPress at 0.75: KVP_KVPRESS_FULL=1 (suite time)")
-    model, ctx, question, ref = tiny_run
+    if (ratio != 0.5 or kind != "llama") and not FULL_GRID:
+        pytest.skip(f"CapPress at {ratio} on the tiny {kind}: KVP_KVPRESS_FULL=1 (suite time)")
+    model, ctx, question, ref = request.getfixturevalue("tiny_run" if kind == "llama" else "tiny_qwen2_run")
     want = ref[key_of("CapPress", ratio, {})]
     assert "error" not in want, want
     n_kept = int(N_CTX * (1 - ratio))
