@@ -19,7 +19,8 @@ Here a step is an engine step: `Decoding` is not `per_token`, so a chunk (the qu
 tokens and is compressed after it, as kvpress's hook does. The decode-time ranking is the base
 press's `rank` over the whole view; it must read only the cache (kvpress's DecodingPress re-scores on
 the hidden states buffered since the last compression, which a scorer of the keys alone ignores):
-knorm (the keys' norms) and keydiff (their cosine with the head's mean unit key, after RoPE).
+knorm (the keys' norms), keydiff (their cosine with the head's mean unit key, after RoPE) and qfilter (-<f, k>
+after RoPE, f the layer's filter; a preset: `stack` gives each layer its own).
 kvpress ranks the cache in the order its last top-k left it, by score; ranks of an order-free score
 are the same up to float rounding of the sums. Ties keep the newer token (kvpress: torch.topk's).
 
@@ -47,9 +48,11 @@ from jaxtyping import Array, Int
 from kvpolicies.base import Policy, SlotState
 from kvpolicies.checks import check_int
 from kvpolicies.codecs import Codec, Identity
+from kvpolicies.full import Full
 from kvpolicies.keydiff import KeyDiff
 from kvpolicies.knorm import Knorm
-from kvpolicies.presets import Preset
+from kvpolicies.presets import Preset, stack_of
+from kvpolicies.qfilter import QFilter
 from kvpolicies.prompt import PromptPhase
 from kvpolicies.prompt_scored import PromptScored
 from kvpolicies.scored import pack, top_mask
@@ -70,7 +73,7 @@ class DecodingState(SlotState):
 
 
 @dataclasses.dataclass(frozen=True)
-class Decoding(PromptScored):
+class Decoding(Preset, PromptScored):
     """kvpress's `DecodingPress(base_press=press, compression_interval=interval, target_size=target)`
     (`target_ratio` > 0: `CompressionRatioDecodingPress(target_compression_ratio=target_ratio)`;
     `prefill` set: `PrefillDecodingPress(prefilling_press=prefill, decoding_press=...)`): every
@@ -78,7 +81,7 @@ class Decoding(PromptScored):
 
     label = "decoding"
     per_token: ClassVar[bool] = False  # a chunk is one step: attended whole, then compressed (kvpress's hook)
-    takes: ClassVar[tuple[type, ...]] = (Knorm, KeyDiff)  # rankings of the cache alone (module docstring)
+    takes: ClassVar[tuple[type, ...]] = (Knorm, KeyDiff, QFilter)  # rankings of the cache alone (module docstring)
 
     press: PromptScored = None  # the base press: its `rank` at each decoding compression
     prefill: PromptScored | None = None  # the prefilling press (None: the prompt kept whole)
@@ -107,14 +110,20 @@ class Decoding(PromptScored):
                                          or type(self.prefill).after_prompt is not PromptScored.after_prompt):
             raise ValueError(f"{self.label}.prefill={self.prefill!r}: must be a prompt scorer that keeps its "
                              "kept_for(n) best of the prompt (a kvpress(...) result: snapkv, knorm, keydiff, ...)")
-        if isinstance(self.prefill, Preset) and self.prefill.stack(2) != (self.prefill,) * 2:
-            raise ValueError(f"{self.label}.prefill={self.prefill!r}: a per-layer preset (give each layer's policy)")
         if self.prefill is not None and self.prefill.codec != self.codec:
             raise ValueError(f"{self.label}: the prefill press's codec {self.prefill.codec!r} is not {self.codec!r}")
 
     @property
     def observes(self):
         return self.press.observes
+
+    def stack(self, n_layers):
+        """One policy per layer: each with its layer's base press and prefilling press (presets: qfilter's
+        filters, pyramidkv's budgets; knorm's dense_layers become `full` layers)."""
+        presses = stack_of(self.press, n_layers)
+        prefills = stack_of(self.prefill, n_layers) if self.prefill is not None else (None,) * n_layers
+        return tuple(p if type(p) is Full else dataclasses.replace(self, press=p, prefill=f)
+                     for p, f in zip(presses, prefills))
 
     # -- sizes -----------------------------------------------------------------------------------
     def target_for(self, n_seen: int) -> int:
@@ -209,7 +218,7 @@ def from_kvpress(name: str, r: float, max_new: int, fields: dict) -> Policy:
     DecodingPress(base_press, compression_interval=512, target_size=2048, hidden_states_buffer_size=256),
     CompressionRatioDecodingPress(base_press, target_compression_ratio=0.5, compression_interval=512, ...),
     PrefillDecodingPress(prefilling_press=None, decoding_press=None). A press is a class name (its fields
-    among `fields`) or a `kvpress(...)` result; base_press: KnormPress or KeyDiffPress. `r`: DecodingPress
+    among `fields`) or a `kvpress(...)` result; base_press: KnormPress, KeyDiffPress or QFilterPress. `r`: DecodingPress
     has none (0); CompressionRatioDecodingPress's is target_compression_ratio; PrefillDecodingPress's is
     its prefilling press's (0: the one given)."""
     from kvpolicies.compat import kvpress
@@ -260,14 +269,14 @@ def from_kvpress(name: str, r: float, max_new: int, fields: dict) -> Policy:
     check_int("DecodingPress", "hidden_states_buffer_size", buffer, 0)  # read by scorers of hidden states only
     base = fields.pop("base_press", None)
     if base is None:
-        raise ValueError(f"kvpress({name!r}): give base_press= (KnormPress or KeyDiffPress: a class name or a "
-                         "kvpress(...) result)")
+        raise ValueError(f"kvpress({name!r}): give base_press= (KnormPress, KeyDiffPress or QFilterPress: a class "
+                         "name or a kvpress(...) result)")
     if isinstance(base, str):
-        if base not in ("KnormPress", "KeyDiffPress"):
+        if base not in ("KnormPress", "KeyDiffPress", "QFilterPress"):
             raise NotImplementedError(
-                f"kvpolicies.compat.kvpress: {name} over {base!r} (only KnormPress and KeyDiffPress, whose score reads "
-                "the cache alone: kvpress re-scores the others on the hidden states buffered since the last "
-                "compression, which SnapKVPress refuses below its window)")
+                f"kvpolicies.compat.kvpress: {name} over {base!r} (only KnormPress, KeyDiffPress and QFilterPress, "
+                "whose score reads the cache alone: kvpress re-scores the others on the hidden states buffered since "
+                "the last compression, which SnapKVPress refuses below its window)")
         base = kvpress(base, 0.5, max_new=max_new, **{k: fields.pop(k) for k in list(fields)})  # its ratio unused
     if fields:
         raise ValueError(f"kvpress({name!r}): unknown field(s) {sorted(fields)}")

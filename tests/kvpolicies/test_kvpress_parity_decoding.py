@@ -45,6 +45,8 @@ LUKV_RATIO = 0.5  # LUKVPress's compression_ratio (the curve's row 49)
 DMS_WINDOW = 64  # DMSPress's sliding_window_size (kvpress's default 128)
 MAX_NEW = N_Q + 16  # our decode slots beyond the prompt's kept tokens (the question, the tokens before a compression)
 
+Q_FILTERS = np.random.default_rng(9).standard_normal((3, 2, 16)).astype(np.float32)  # [L, K, D] QFilterPress's filters
+
 # (kvpress's side, ours): the press as the worker builds it, and our front door's call
 CASES = {
     # the whole context kept by the prefill; every 16 steps (the question is step 1) back to 160 per head
@@ -61,6 +63,10 @@ CASES = {
                  "decoding": {"kind": "DecodingPress", "base": "KeyDiffPress", "interval": 8, "target": 100}},
                 ("PrefillDecodingPress", 0.5, {"prefilling_press": "SnapKVPress", "decoding_press": kvpress(
                     "DecodingPress", 0, base_press="KeyDiffPress", compression_interval=8, target_size=100)})),
+    # QFilterPress's per-layer filters (seeded random, the same array on both sides): every 12 steps back to 120
+    "qfilter": ({"kind": "DecodingPress", "base": "QFilterPress", "interval": 12, "target": 120},
+                ("DecodingPress", 0, {"base_press": "QFilterPress", "q_filters": Q_FILTERS, "compression_interval": 12,
+                                      "target_size": 120})),
     # both in one (the suite's case): SnapKV keeps 160, then every 8 steps back to int(n_seen (1 - 0.6)) (175 -> 134)
     "prefill_ratio": ({"kind": "PrefillDecodingPress", "prefill": "SnapKVPress", "prefill_ratio": 0.5,
                        "decoding": {"kind": "CompressionRatioDecodingPress", "base": "KeyDiffPress", "interval": 8,
@@ -91,6 +97,9 @@ def build(spec):
         pre = getattr(kvpress, spec["prefill"])(compression_ratio=spec["prefill_ratio"])
         return kvpress.PrefillDecodingPress(prefilling_press=pre, decoding_press=build(spec["decoding"]))
     base = getattr(kvpress, spec["base"])()
+    if spec["base"] == "QFilterPress":  # the job's filters in place of the download
+        base.q_filters = torch.tensor(job["q_filters"], dtype=torch.float32)
+        base.post_init_from_model = lambda model: None
     if kind == "DecodingPress":
         return kvpress.DecodingPress(base_press=base, compression_interval=spec["interval"], target_size=spec["target"])
     return kvpress.CompressionRatioDecodingPress(base_press=base, compression_interval=spec["interval"],
@@ -181,7 +190,7 @@ def tiny_run(request, tmp_path_factory):
     config = dict(TINY, tie_word_embeddings=request.param == "qwen2")
     job = {"save_to": str(tmp / "ckpt"), "tiny": {"kind": request.param, "seed": 0, "config": config},
            "context": ctx.tolist(), "question": question.tolist(), "n_new": N_NEW,
-           "presses": {key: CASES[key][0] for key in SUITE},
+           "presses": {key: CASES[key][0] for key in SUITE}, "q_filters": Q_FILTERS.tolist(),
            "dms": {"surrogate": str(zap_weights(tmp, config)), "window": DMS_WINDOW},
            "lukv": {"curve": str(lukv_curve(tmp, config)), "ratio": LUKV_RATIO}}
     ref = {**run_kvpress(job, tmp), "dms_surrogate": job["dms"]["surrogate"], "lukv_curve": job["lukv"]["curve"]}
@@ -269,7 +278,7 @@ def test_decoding_press_front_door():
     small = kvpress("DecodingPress", 0, base_press="KnormPress", target_size=64, compression_interval=8)
     assert small.capacity(1000) == 1000  # the whole prompt held until the first compression
     assert dataclasses.replace(small, prefill=kvpress("KnormPress", 0.5)).capacity(1000) == 500 + 256
-    with pytest.raises(NotImplementedError, match="only KnormPress and KeyDiffPress"):
+    with pytest.raises(NotImplementedError, match="only KnormPress, KeyDiffPress and QFilterPress"):
         kvpress("DecodingPress", 0, base_press="SnapKVPress")
     with pytest.raises(ValueError, match="give base_press"):
         kvpress("DecodingPress", 0)
