@@ -30,9 +30,16 @@ the keys it kept (kvpress's keys_norm over the cache it leaves) and the same win
 kept tokens are stored with C channels (positions per kv head).
 
 Deviations: the authors' code (ThinK_flash, `think_utils`) leaves the newest `window` prompt keys
-unpruned; kvpress prunes every prompt key, and so do we (the parity target). A stream that was
-never compressed (`Engine.score`, no prompt phase) stores its tokens whole in the R slots, as
-`full` does, and holds at most R tokens beyond the compressed prompt (`Bounded`).
+unpruned; kvpress prunes every prompt key, and so do we (the parity target).
+
+Our stream extension (ThinK alone): tokens are appended whole to the R slots; a token that finds them full
+attends to them, then they fold into the next prompt slots with their kept channels (`ThinK.fold`) and the
+token joins the emptied whole slots, so max_len tokens always
+fit (`Bounded` at max_len, as `full`). A stream never compressed (`Engine.score`, no prompt phase) chooses its
+channels at its first fold, by ThinK's score over the R whole keys and that step's query. Decoding is token by
+token (`per_token`) where a fold may come, so the chunk never changes a result; a chunk that fits the free
+whole slots attends in one piece (`QuietChunks`). With a token press the whole slots do not fold: R tokens
+fit after the prompt (`Bounded` there).
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from kvpolicies.base import EMPTY, Policy, RopePositions, SlotState, View
 from kvpolicies.checks import check_int
@@ -51,7 +58,7 @@ from kvpolicies.keydiff import rotated
 from kvpolicies.limits import Bounded, concrete
 from kvpolicies.prompt import PromptCompressor, PromptPhase, PromptState
 from kvpolicies.prompt_scored import PromptScored
-from kvpolicies.slots import write_rows
+from kvpolicies.slots import QuietChunks, write_rows
 
 
 class ThinKeys(NamedTuple):
@@ -64,9 +71,11 @@ class ThinKeys(NamedTuple):
 class ThinKState(SlotState):
     """k: `ThinKeys`; v [B, K, S, D] (the M prompt slots, then the R whole ones); pos [B, Kp, S]
     (alone: slot j < M holds prompt token j; with a token press, each head's kept tokens); chan [B, K, D]
-    int32: each head's kept channels ascending, then its pruned ones."""
+    int32: each head's kept channels ascending, then its pruned ones; chosen [B] bool: the channels were
+    chosen (after a prompt, or at a stream's first fold)."""
 
     chan: Int[Array, "B K D"]
+    chosen: Bool[Array, "B"]
 
 
 def n_kept(head_dim: int, ratio: float) -> int:
@@ -133,13 +142,15 @@ class ThinKPhase(PromptPhase):
 
 
 @dataclasses.dataclass(frozen=True)
-class ThinK(PromptCompressor, Bounded, Policy):
+class ThinK(PromptCompressor, QuietChunks, Bounded, Policy):
     """After the prompt, each kv head keeps C = D - int(D * ratio) key channels (kvpress's
     `ThinKPress(key_channel_compression_ratio=ratio, window_size=window)`); every token is kept.
     Stored: the prompt's C kept channels of rotated keys and their order, whole values, and
     `max_new` whole slots for the tokens that follow (module docstring)."""
 
     rotated_keys = True  # RoPE at text positions; only attention reads stored keys
+    per_token = True  # a token that finds the whole slots full folds them first (`fold`): chunks as single tokens
+    observes = ("q", "rope")  # the query that chooses a stream's channels at its first fold
 
     ratio: float = 0.5  # key_channel_compression_ratio: the fraction of key channels pruned
     window: int = 32  # window_size: the newest prompt queries that score the channels
@@ -185,11 +196,15 @@ class ThinK(PromptCompressor, Bounded, Policy):
                         whole=jnp.zeros((batch, kv_heads, r, head_dim), dtype))
         chan = jnp.broadcast_to(jnp.arange(head_dim, dtype=jnp.int32), (batch, kv_heads, head_dim))
         return ThinKState(k=keys, v=jnp.zeros((batch, kv_heads, m + r, head_dim), dtype),
-                          pos=jnp.full((batch, kp, m + r), EMPTY, jnp.int32), chan=chan)
+                          pos=jnp.full((batch, kp, m + r), EMPTY, jnp.int32), chan=chan,
+                          chosen=jnp.zeros((batch,), bool))
 
     def limit(self, state):
-        """Tokens fit up to the compressed prompt's end plus the R whole slots."""
+        """Alone: max_len tokens (full whole slots fold into the M = max_len prompt slots); with a token
+        press: up to the compressed prompt's end plus the R whole slots."""
         m = state.k.kept.shape[2]
+        if self.press is None:
+            return int(m)
         last = state.pos[:, :, :m].max(axis=(1, 2), initial=-1).min() + 1 + state.k.whole.shape[2]
         return int(last) if concrete(state) else last
 
@@ -201,14 +216,48 @@ class ThinK(PromptCompressor, Bounded, Policy):
         kpos = jnp.concatenate([state.pos, new.astype(jnp.int32)], axis=2)  # [B, Kp, S + T]
         return View(k=keys, v=vals, pos=kpos, rope=RopePositions(q=pos[..., None], k=kpos), carry=(state, k, v, pos))
 
+    def appends_quietly(self, state, t):
+        """The t tokens fit in the free whole slots (no fold): the chunk attends in one piece."""
+        m, r = state.k.kept.shape[2], state.k.whole.shape[2]
+        if t > r:  # never: token by token
+            return None
+        return ((state.pos[:, 0, m:] >= 0).sum(axis=-1) + t <= r).all()
+
     def compact(self, view, seen):
         state, k, v, pos = view.carry
-        m = state.k.kept.shape[2]
+        m, r = state.k.kept.shape[2], state.k.whole.shape[2]
         at = (state.pos[:, 0, m:] >= 0).sum(axis=-1)  # [B] the first free whole slot (filled in order, every head)
+        if self.press is None:  # a single token (per_token) that finds the whole slots full folds them first
+            full = at + k.shape[2] > r  # [B]
+            state = jax.lax.cond(full.any(), lambda: self.fold(state, seen, pos[:, -1], full), lambda: state)
+            at = jnp.where(full, 0, at)
         whole = write_rows(state.k.whole, k, at)  # [B, K, R, D]
         vals = write_rows(state.v, v, m + at)  # [B, K, S, D]
         kpos = write_rows(state.pos, pos[:, None, :], m + at)  # [B, 1, S]
-        return ThinKState(k=ThinKeys(state.k.kept, whole), v=vals, pos=kpos, chan=state.chan)
+        return dataclasses.replace(state, k=ThinKeys(state.k.kept, whole), v=vals, pos=kpos)
+
+    def fold(self, state: ThinKState, seen: Any, qpos: Int[Array, "B"], rows: Bool[Array, "B"]) -> ThinKState:
+        """Our stream extension (ThinK alone): the R whole tokens of `rows` move to the next prompt slots
+        with their kept channels. Channels not chosen yet (a stream, no prompt compression) are chosen
+        first by ThinK's score over the whole tokens' keys and the step's query (the window that exists)."""
+        m = state.k.kept.shape[2]
+        d = state.chan.shape[-1]
+        c = n_kept(d, self.ratio)
+        whole = state.k.whole.astype(jnp.float32)  # [B, K, R, D] rotated
+        live = state.pos[:, :, m:] >= 0  # [B, 1, R]
+        k_sq = jnp.where(live[..., None], whole * whole, 0.0).sum(axis=2)  # [B, K, D] (a sum: the ranking's scale)
+        q = seen.rope.apply(seen.q[:, :, :, -1:].astype(jnp.float32), qpos[:, None, None, None])  # [B, K, G, 1, D]
+        # (the step's query at its position qpos [B])
+        q_sq = jnp.sum(q * q, axis=(2, 3))  # [B, K, D]
+        chan = jnp.where(state.chosen[:, None, None], state.chan, channel_order(q_sq, k_sq, d - c))  # [B, K, D]
+        n_p = (state.pos[:, 0, :m] >= 0).sum(axis=-1)  # [B] filled prompt slots
+        kept = write_rows(state.k.kept, jnp.take_along_axis(state.k.whole, chan[:, :, None, :c], axis=-1), n_p)
+        vals = write_rows(state.v, state.v[:, :, m:], n_p)  # [B, K, S, D]
+        kpos = write_rows(state.pos, state.pos[:, :, m:], n_p)  # [B, Kp, S]
+        kpos = kpos.at[:, :, m:].set(EMPTY)
+        pick = lambda new, old: jnp.where(rows.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)  # noqa: E731
+        return ThinKState(k=ThinKeys(pick(kept, state.k.kept), state.k.whole), v=pick(vals, state.v),
+                          pos=pick(kpos, state.pos), chan=pick(chan, state.chan), chosen=state.chosen | rows)
 
     # -- the paper's protocol: the whole prompt densely, then one compression ----------------------
     def prompt_policy(self):
@@ -253,4 +302,4 @@ def compressed(policy: ThinK, state: PromptState, k_rot: Float[Array, "B K M D"]
     keys = ThinKeys(kept=kept.astype(dtype), whole=whole)
     vals = jnp.concatenate([v, jnp.zeros((b, kh, r, d), v.dtype)], axis=2)  # [B, K, S, D]
     kpos = jnp.concatenate([pos, jnp.full((b, pos.shape[1], r), EMPTY, jnp.int32)], axis=2)  # [B, Kp, S]
-    return ThinKState(k=keys, v=vals, pos=kpos, chan=chan)
+    return ThinKState(k=keys, v=vals, pos=kpos, chan=chan, chosen=jnp.ones((b,), bool))

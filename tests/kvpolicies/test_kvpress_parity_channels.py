@@ -172,13 +172,13 @@ def test_think_prunes_kvpress_channels_and_answers(tiny_run, channel_ratio):
     assert np.abs(np.asarray(ref["0.0"]["logits"]) - want["logits"]).max() > 100 * err
     # bytes: kvpress's key and value tensors hold every key channel (zeroed ones included) of every token;
     # ours the kept channels of the context's keys (an engine of max_len = 334 slots for the prompt) and
-    # every value, the question's and answer's 14 tokens whole, int32 positions and channel orders
+    # every value, the question's and answer's 14 tokens whole, int32 positions and channel orders, `chosen`
     layers, kh, d, m, r = 3, 2, 16, N_CTX + N_Q + N_NEW, N_Q + N_NEW
     c = d - int(d * channel_ratio)
     assert want["tokens"] == [N_CTX] * layers and want["cache_bytes"] == layers * kh * N_CTX * 2 * d * 4
     assert cache[0].k.kept.shape[-1] == c
     mine = tree_nbytes(cache)
-    assert mine == layers * (kh * (m * c + r * d + (m + r) * d + d) + (m + r)) * 4
+    assert mine == layers * (kh * (m * c + r * d + (m + r) * d + d) + (m + r)) * 4 + layers  # + a bool per layer
     theirs = layers * kh * m * 2 * d * 4  # kvpress's cache once the question and answer are appended
     assert mine < theirs and tree_nbytes(cache[0].k.kept) == layers * kh * m * c * 4
 
@@ -359,3 +359,45 @@ def test_smollm2_think_equals_kvpress(tmp_path):
           f"{sum(j == 1 for j in jac)} of {len(jac)} sets identical")
     assert len(pruned) == len(want) == 90 and np.mean(jac) >= 0.98
     assert eng.continue_generate(state, question[None], 12)[0].tolist() == ref["answer"]
+
+
+def test_think_stream_folds_full_whole_slots_as_the_numpy_rule():
+    """Our stream extension (kvpolicies.think, ThinK alone): 30 tokens through `think` (max_new 6) from an empty
+    state, in chunks of 5 and 1. A token that finds the 6 whole slots full attends to them, then they fold into
+    the prompt slots with their kept channels (chosen at the first fold by ThinK's score over the whole keys and
+    that token's query) and the token joins the emptied whole slots; outputs equal the rule re-simulated in
+    float64 numpy (keys after RoPE, zeroed channels)."""
+    from kvpolicies import Rope
+    from tests.refs.helpers import run_policy
+    from tests.refs.oracle import default_inv_freq, rope_complex
+
+    t, g, kh, d, r = 30, 2, 2, 8, 6
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal((1, t, h, d)).astype(np.float32) for h in (g * kh, kh, kh))
+    pol = kvpress("ThinKPress", 0.25, max_new=r)  # 4 of 8 channels pruned
+    out, st = run_policy(pol, q, k, v, [5, 1], Rope(d, 10000.0), max_len=32)
+    at = np.arange(t)[:, None]
+    inv = default_inv_freq(d, 10000.0)
+    qr = rope_complex(q[0].astype(np.float64), np.broadcast_to(at, (t, g * kh)), inv)  # [T, H, D]
+    kr = rope_complex(k[0].astype(np.float64), np.broadcast_to(at, (t, kh)), inv)  # [T, K, D]
+    keys, whole, pruned, want = kr.copy(), [], [], []
+    for p in range(t):
+        seen = pruned + whole + [p]  # the token attends to the cache as it finds it, itself included
+        row = []
+        for h in range(g * kh):
+            lg = keys[seen, h // g] @ qr[p, h] / np.sqrt(d)
+            w = np.exp(lg - lg.max())
+            row.append((w / w.sum()) @ v[0, seen, h // g])
+        want.append(row)
+        if len(whole) == r:  # then full whole slots fold, before the token joins them
+            if not pruned:
+                k_sq = (kr[whole] ** 2).sum(0)  # [K, D]
+                q_sq = (qr[p] ** 2).reshape(kh, g, d).sum(1)  # [K, D]
+                drop = [np.argsort(q_sq[h] * k_sq[h], kind="stable")[:d // 2] for h in range(kh)]
+            for j in whole:
+                for h in range(kh):
+                    keys[j, h, drop[h]] = 0.0
+            pruned, whole = pruned + whole, []
+        whole.append(p)
+    np.testing.assert_allclose(out[0], np.asarray(want), atol=1e-5, rtol=0)
+    assert np.asarray(st.chosen).all() and sorted(np.asarray(st.chan[0, 0, d // 2:]).tolist()) == sorted(drop[0])
