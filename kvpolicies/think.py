@@ -302,4 +302,5 @@ def compressed(policy: ThinK, state: PromptState, k_rot: Float[Array, "B K M D"]
     keys = ThinKeys(kept=kept.astype(dtype), whole=whole)
     vals = jnp.concatenate([v, jnp.zeros((b, kh, r, d), v.dtype)], axis=2)  # [B, K, S, D]
     kpos = jnp.concatenate([pos, jnp.full((b, pos.shape[1], r), EMPTY, jnp.int32)], axis=2)  # [B, Kp, S]
-    return ThinKState(k=keys, v=vals, pos=kpos, chan=chan, chosen=jnp.ones((b,), bool))
+    chosen = kpos[:, 0, 0] >= EMPTY  # [B] True, computed from the positions: a mesh's batch split carries over
+    return ThinKState(k=keys, v=vals, pos=kpos, chan=chan, chosen=chosen)
