@@ -557,9 +557,9 @@ def kvpress(name: str, compression_ratio: float, /, *, max_new: int = 256, n_lay
     if n_layers is not None and (isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1):
         raise ValueError(f"kvpress({press!r}): n_layers={n_layers!r} must be an int >= 1 (the model's layers)")
     if press in DECODING_PRESSES:  # kvpress's decoding presses and DMSPress (kvpolicies.decoding)
-        return decoding_press(press, compression_ratio, max_new, fields)
+        return decoding_press(press, compression_ratio, max_new, fields, kvpress)
     if press == "LUKVPress":  # head budgets from a given curve (kvpress downloads one): kvpolicies.lukv
-        return lukv_press(compression_ratio, max_new, n_layers, fields)
+        return lukv_press(compression_ratio, max_new, n_layers, fields, kvpress)
     if press in WRAPPERS:
         fields = _inner(press, None if press == "PerLayerCompressionPress" else compression_ratio, fields)
     elif "press" in fields:

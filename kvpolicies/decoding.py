@@ -38,7 +38,8 @@ max_new covers the question and interval - 1 tokens.
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -213,16 +214,15 @@ class Decoding(Preset, PromptScored):
 PRESSES = ("DecodingPress", "CompressionRatioDecodingPress", "PrefillDecodingPress", "DMSPress")
 
 
-def from_kvpress(name: str, r: float, max_new: int, fields: dict) -> Policy:
+def from_kvpress(name: str, r: float, max_new: int, fields: dict, kvpress: Callable[..., Any]) -> Policy:
     """`kvpolicies.compat.kvpress(name, r, **fields)` for kvpress's decoding presses (kvpress's field names):
     DecodingPress(base_press, compression_interval=512, target_size=2048, hidden_states_buffer_size=256),
     CompressionRatioDecodingPress(base_press, target_compression_ratio=0.5, compression_interval=512, ...),
     PrefillDecodingPress(prefilling_press=None, decoding_press=None). A press is a class name (its fields
     among `fields`) or a `kvpress(...)` result; base_press: KnormPress, KeyDiffPress or QFilterPress. `r`: DecodingPress
     has none (0); CompressionRatioDecodingPress's is target_compression_ratio; PrefillDecodingPress's is
-    its prefilling press's (0: the one given)."""
-    from kvpolicies.compat import kvpress
-    from kvpolicies.full import Full
+    its prefilling press's (0: the one given). `kvpress`: compat's front door, which builds a press given
+    by name (handed over by compat: this module does not import it)."""
 
     if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < 1:
         raise ValueError(f"compression_ratio={r!r}: must be a number in [0, 1)")

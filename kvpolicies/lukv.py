@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
@@ -114,12 +115,12 @@ class LUKV(Preset, AdaScored):
         return CountedPool(pool.k, pool.v, pool.pos, counts=kept.sum(axis=-1, dtype=jnp.int32), stats=stats)
 
 
-def from_kvpress(r: float, max_new: int, n_layers: int | None, fields: dict) -> Any:
+def from_kvpress(r: float, max_new: int, n_layers: int | None, fields: dict, kvpress: Callable[..., Any]) -> Any:
     """`kvpolicies.compat.kvpress("LUKVPress", r, budget_curves=..., press=..., sink=4, window=1)`: kvpress's
     fields, `press` by class name (its fields among `fields`) or a `kvpress(...)` result at r (default:
     ExpectedAttentionPress(epsilon=0.02), kvpress's); `budget_curves` the curve kvpress downloads ([99, L, K]:
-    a .npy path or an array). compression_ratio 0 is kvpress's no-op: `full`. Given `n_layers`, the stack."""
-    from kvpolicies.compat import kvpress
+    a .npy path or an array). compression_ratio 0 is kvpress's no-op: `full`. Given `n_layers`, the stack.
+    `kvpress`: compat's front door (handed over by compat: this module does not import it)."""
     from kvpolicies.full import Full
 
     curve = fields.pop("budget_curves", None)
