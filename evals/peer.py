@@ -197,13 +197,15 @@ def _bool(key: str, text: str) -> bool:
 # on the question when they differ)
 PEER_PRESSES = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPress", "ExpectedAttentionPress",
                 "ObservedAttentionPress", "TOVAPress", "AdaKVPress", "KVzipPress", "DuoAttentionPress",
-                "KeyDiffPress", "LagKVPress", "CURPress", "NonCausalAttnPress")
+                "KeyDiffPress", "LagKVPress", "CURPress", "NonCausalAttnPress", "CapPress")
 # compat's presses beyond PEER_PRESSES that `presses=` also accepts: RandomPress (a floor on kvpress's
 # leaderboard), CompactorPress and LeverageScorePress (their sketches are our draw: kept sets and answers
 # differ from kvpress's by construction), and wrappers over an
-# inner press, named "Wrapper:Inner" (kvpress's leaderboard rows chunkkv, adakv_expected_attention)
+# inner press, named "Wrapper:Inner" (kvpress's leaderboard rows chunkkv, adakv_expected_attention,
+# critical_snapkv, critical_adakv_snapkv; kvpress's CriticalAdaKVPress raises on the tiny model's questions)
 EXTRA_PRESSES = ("RandomPress", "CompactorPress", "LeverageScorePress", "ChunkKVPress:SnapKVPress", "AdaKVPress:ExpectedAttentionPress",
-                 "KeyRerotationPress:ExpectedAttentionPress", "EntropyGatedChunkKVPress:SnapKVPress")
+                 "KeyRerotationPress:ExpectedAttentionPress", "EntropyGatedChunkKVPress:SnapKVPress",
+                 "CriticalKVPress:SnapKVPress", "CriticalAdaKVPress:SnapKVPress")
 DUO_SEED = 0  # the head pattern both sides get for DuoAttentionPress (`duo_pattern`)
 
 
