@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> Path:
               "heldout_bce_init": np.asarray(bce(init, xte, yte)).tolist(),
               "heldout_bce": np.asarray(bce(params, xte, yte)).tolist(),
               "heldout_agreement": np.asarray(agreement(params, xte, yte)).tolist(),
-              "command": "python -m evals.train_fastkvzip " + " ".join(f"{k}={v}" for k, v in cfg.items() if k != "out")}
+              "command": "python -m evals.train_fastkvzip " + " ".join(f"{k}={v}" for k, v in cfg.items()
+                                                                    if k != "out")}
     path = out_path(cfg, "fastkvzip")
     path.parent.mkdir(parents=True, exist_ok=True)
     np.savez(path, **gates)

@@ -148,7 +148,8 @@ class ExpectedStats(Preset, PromptScored):
 NAMING = ("dataset_name", "num_samples", "sample_seq_len")
 
 
-def from_kvpress(r: float, max_new: int, n_layers: int | None, fields: dict) -> ExpectedStats | tuple[ExpectedStats, ...]:
+def from_kvpress(r: float, max_new: int, n_layers: int | None,
+                 fields: dict) -> ExpectedStats | tuple[ExpectedStats, ...]:
     """`kvpolicies.compat.kvpress("ExpectedAttentionStatsPress", r, stats_folder=<file>)`: kvpress's
     `stats_folder` (a saved `ExpectedAttentionStats`) or its download is here a file of
     `evals.expected_stats`; the expected-attention fields are kvpress's. Given `n_layers`, the tuple."""

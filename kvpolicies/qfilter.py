@@ -46,7 +46,8 @@ def load_filters(filters: str | tuple) -> np.ndarray:
         else:
             arr = np.load(path).astype(np.float32)
     if arr.ndim != 3 or arr.size == 0 or not np.isfinite(arr).all():
-        raise ValueError(f"qfilter.filters: expected finite [layers, kv_heads, head_dim] filters, got shape {arr.shape}")
+        raise ValueError(f"qfilter.filters: expected finite [layers, kv_heads, head_dim] filters, got shape "
+                         f"{arr.shape}")
     return arr
 
 

@@ -115,7 +115,8 @@ def build(name, ratio, fields):
     else:  # KVzapPress: our surrogate's weights in kvpress's KVzapModel
         z = np.load(job["kvzap"][kind])
         mlp = "w1" in z.files
-        zc = KVzapConfig(input_dim=cfg.hidden_size, output_dim=K, n_modules=L, hidden_dim=z["w1"].shape[-1] if mlp else None)
+        zc = KVzapConfig(input_dim=cfg.hidden_size, output_dim=K, n_modules=L,
+                         hidden_dim=z["w1"].shape[-1] if mlp else None)
         zm = KVzapModel(zc).eval()
         with torch.no_grad():
             for l, layer in enumerate(zm.layers):
@@ -180,7 +181,8 @@ def gate_weights(tmp: pathlib.Path, cfg: dict) -> pathlib.Path:
                       cfg["num_attention_heads"] // cfg["num_key_value_heads"], 16)
     r = lambda *s, scale=1.0: (scale * rng.standard_normal((n,) + s)).astype(np.float32)  # noqa: E731
     path = tmp / "gates.npz"
-    np.savez(path, q_w=r(d, kh * g * e, scale=d ** -0.5), q_b=r(kh * g * e, scale=0.1), k_w=r(d, kh * e, scale=d ** -0.5),
+    np.savez(path, q_w=r(d, kh * g * e, scale=d ** -0.5), q_b=r(kh * g * e, scale=0.1),
+             k_w=r(d, kh * e, scale=d ** -0.5),
              q_norm=1 + r(e, scale=0.1), k_norm=1 + r(e, scale=0.1), k_base=r(kh, 16, e), b=r(kh, g, scale=0.5))
     return path
 
@@ -292,8 +294,8 @@ def test_fastkvzip_layerwise_keeps_kvpress_positions_and_answers(tiny_run, ratio
     want = ref[f"FastKVzipPress@{ratio}"]
     assert "error" not in want, want
     assert sum(len(h) for layer in want["kept"] for h in layer) == 3 * (2 * N_CTX - int(2 * N_CTX * ratio))
-    eng = Engine(model, kvpress("FastKVzipPress", ratio, max_new=16, layerwise=True, gates=str(arrays["tmp"] / "gates.npz")),
-                 max_len=N_CTX + N_Q + N_NEW)
+    pol = kvpress("FastKVzipPress", ratio, max_new=16, layerwise=True, gates=str(arrays["tmp"] / "gates.npz"))
+    eng = Engine(model, pol, max_len=N_CTX + N_Q + N_NEW)
     state = eng.compress(eng.prompt(ctx[None]))
     kept = [[p.tolist() for p in layer] for layer in eng.kept_positions(state)]
     for layer, (gl, wl) in enumerate(zip(kept, want["kept"], strict=True)):
@@ -355,7 +357,8 @@ def test_smollm2_with_our_arrays_equals_kvpress(smollm2_hub, press, ratio):
     js = [len(set(g.tolist()) & set(w)) / len(set(g.tolist()) | set(w))
           for gl, wl in zip(kept, want["kept"], strict=True) for g, w in zip(gl, wl, strict=True)]
     answer = eng.continue_generate(state, question[None], 12)[0].tolist()
-    print(f"{press} {ratio}: mean Jaccard {np.mean(js):.4f}, min {np.min(js):.4f}, answers equal {answer == want['answer']}")
+    print(f"{press} {ratio}: mean Jaccard {np.mean(js):.4f}, min {np.min(js):.4f}, "
+          f"answers equal {answer == want['answer']}")
     assert np.mean(js) >= 0.98
     assert answer == want["answer"]
 
@@ -402,9 +405,11 @@ def test_train_fastkvzip_fits_a_teacher_s_scores(tmp_path):
     xtr, ytr, xte, yte = x[:, :1000], y[:, :1000], x[:, 1000:], y[:, 1000:]
     gates = train(xtr, ytr, kh, g, steps=100, batch=200, lr=0.2, seed=0)
     init = {k: jnp.asarray(v) for k, v in init_gates(d, kh, g, n_layers, seed=0).items()}
-    before, after = np.asarray(bce(init, xte, yte)), np.asarray(bce({k: jnp.asarray(v) for k, v in gates.items()}, xte, yte))
+    trained = {k: jnp.asarray(v) for k, v in gates.items()}
+    before, after = np.asarray(bce(init, xte, yte)), np.asarray(bce(trained, xte, yte))
     floor = np.asarray(bce(teacher, xte, yte))  # the entropy of the targets: no gate goes below it
     assert np.all(after - floor < 0.5 * (before - floor)), (before, after, floor)
-    assert np.mean(agreement({k: jnp.asarray(v) for k, v in gates.items()}, xte, yte)) > np.mean(agreement(init, xte, yte))
+    assert np.mean(agreement(trained, xte, yte)) > np.mean(agreement(init, xte, yte))
     np.savez(tmp_path / "g.npz", **gates)
-    assert {k: v.shape for k, v in load_gates(str(tmp_path / "g.npz")).items()} == {k: v.shape for k, v in gates.items()}
+    loaded = load_gates(str(tmp_path / "g.npz"))
+    assert {k: v.shape for k, v in loaded.items()} == {k: v.shape for k, v in gates.items()}

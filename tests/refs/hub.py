@@ -103,7 +103,9 @@ def expected_stats_stream(pol, q, k, v, mu, cov, max_len: int = 64):
                 probs = []
                 for gi in range(g):
                     m, c = r @ mu[h * g + gi], r @ cov[h * g + gi] @ r.T
-                    lg = keys @ m / np.sqrt(d) + (np.einsum("ji,ij->j", keys @ c, keys.T) / d / 2 if pol.use_covariance else 0)
+                    lg = keys @ m / np.sqrt(d)
+                    if pol.use_covariance:
+                        lg = lg + np.einsum("ji,ij->j", keys @ c, keys.T) / d / 2
                     e = np.exp(lg - lg.max())
                     probs.append(e / e.sum())
                 sc = np.full(len(js), np.inf)
