@@ -208,8 +208,8 @@ def check_split(r: dict, order: list[str]) -> None:
                 assert spec[2] == "model" and leaf["shard"][2] == 1, (name, leaf)
             elif heads is not None:  # Kp = 1 positions, duo's head subsets, paged's block slots
                 assert spec[2] is None and leaf["shard"][2] == leaf["shape"][2], (name, leaf)
-        if name != "duo":  # duo stores its retrieval and streaming heads apart (2 + 2): not the K axis
-            assert any(leaf["path"].endswith(("k", "codes")) and leaf["shard"][2] == 1 for leaf in layers), name
+        if name != "duo":  # duo stores its retrieval and streaming heads apart (2 + 2): not the K axis; think: .k.kept
+            assert any(leaf["path"].endswith(("k", "codes", ".k.kept")) and leaf["shard"][2] == 1 for leaf in layers), name
     assert "'data'" in r["logits_sharding"]  # the steps ran on the mesh
 
 
