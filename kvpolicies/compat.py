@@ -694,7 +694,7 @@ def _cam(r: float, max_new: int, fields: dict) -> CAM:
     merge_budget=32)` (`kvpolicies.cam`): a `DecodingPress` (`kvpolicies.decoding`, whose fields it takes: the
     base press KnormPress or KeyDiffPress) that merges what it evicts, by our draw, not torch's."""
     merge_budget = fields.pop("merge_budget", 32)
-    dec = decoding_press("DecodingPress", r, max_new, fields)  # refuses a ratio, checks the base press
+    dec = decoding_press("DecodingPress", r, max_new, fields, kvpress)  # refuses a ratio, checks the base press
     return CAM(**{f.name: getattr(dec, f.name) for f in dataclasses.fields(dec)}, merge_budget=merge_budget)
 
 
