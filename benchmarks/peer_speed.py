@@ -7,10 +7,19 @@ XLA's pool on our side, torch's on kvpress's), nothing resumed and no persistent
     python -m benchmarks.peer_speed model=qwen
     python -m benchmarks.peer_speed "presses=[SnapKVPress,PyramidKVPress]" "ratios=[0.25,0.5,0.75,0.875]" samples=2
     python -m benchmarks.peer_speed side=ours            # one side only (the other's columns: -)
+    python -m benchmarks.peer_speed answer=shared        # our side's answers in one batch for every press
+    python -m benchmarks.peer_speed alternate=2 samples=2  # ours only: answer=press and shared, in turn
 
 Keys: those of `evals.peer` (model, task, tokens, samples, ratios, presses, gen, seed, chunk, prefill),
 plus side=both|ours|kvpress and out=results/peer_speed name=<stem>; `redraw=LABEL:RUN.json,...`
-draws the phases of saved runs (<out>/<name>.png) and runs nothing. Defaults: presses SnapKV,
+draws the phases of saved runs (<out>/<name>.png) and runs nothing. `answer=press|shared` is
+evals.peer's (how our side batches its answers). `against=RUN.json`: the answer ids of this run
+compared, item by item, with each side's lines of a saved run (`same_ids_as`). `alternate=N`: our
+side only, in one process, N rounds of answer=press and answer=shared on the same prompts, in turn
+(press first in even rounds, shared first in odd ones; fresh engines each run, so each compiles
+as a first run would): per mode and round the first sample, the steady state and the phases of the
+steady samples, and the ratios shared / press of their medians (the machine's load changes
+between runs: a ratio, never an absolute time); the two modes' ids compared item by item. Defaults: presses SnapKV,
 TOVA, Knorm, StreamingLLM, ExpectedAttention, AdaKV; ratios 0.25/0.5/0.75; gen 12; 3 samples.
 
 Per side: the wall time of each sample (every (press, ratio) item of it and the full cache; our
@@ -38,7 +47,7 @@ import numpy as np
 ISSUE_GRID = ["presses=[SnapKVPress,TOVAPress,KnormPress,StreamingLLMPress,ExpectedAttentionPress,AdaKVPress]",
               "ratios=[0.25,0.5,0.75]", "gen=12", "samples=3"]
 PHASES = ("prefill", "compress", "kept", "question", "decode")
-OWN = ("side", "out", "name", "redraw")
+OWN = ("side", "out", "name", "redraw", "against", "alternate")
 
 
 def parse(argv: list[str]):
@@ -96,6 +105,61 @@ def run_kvpress(p) -> list[dict]:
     if worker.returncode != 0:
         raise RuntimeError(p.path(".kvpress.log").read_text(encoding="utf-8", errors="replace")[-3000:])
     return peer.read_lines(p.path(".kvpress.jsonl"))
+
+
+def steady_phases(p, lines: list[dict]) -> dict[str, float]:
+    """Each phase's seconds summed over the samples after the first, divided by their number."""
+    first = p.sample_id(0)
+    later = [x for x in lines if x["sample"] != first]
+    n = max(p.samples - 1, 1)
+    return {k: round(sum(x.get("phases", {}).get(k, 0.0) for x in later) / n, 3) for k in PHASES + ("compile",)}
+
+
+def alternate(p, rounds: int) -> dict[str, Any]:
+    """Our side in one process, `rounds` rounds of answer=press and answer=shared in turn (each run
+    nothing resumed, its own engines): per mode the runs' samples and steady phases, the medians'
+    ratios shared / press, and how many items' ids the two modes share."""
+    import dataclasses
+
+    from evals import peer
+
+    model, _ = peer.load_ours(p)
+    runs: dict[str, list] = {"press": [], "shared": []}
+    ids: dict[str, dict] = {}
+    for k in range(rounds):
+        for mode in (("press", "shared") if k % 2 == 0 else ("shared", "press")):
+            q = dataclasses.replace(p, answer=mode, out=p.out / f"{mode}{k}")
+            shutil.rmtree(q.out, ignore_errors=True)
+            q.out.mkdir(parents=True)
+            peer.run_ours(q, model, peer.pending(q, "ours"))
+            lines = peer.read_lines(q.path(".ours.jsonl"))
+            runs[mode].append(per_sample(q, lines) | {"steady_phases": steady_phases(q, lines), "round": k})
+            for x in lines:
+                key = (x["sample"], x["press"], x["ratio"])
+                ids.setdefault(mode, {}).setdefault(key, set()).add(tuple(x["answer"]))
+            print(f"[peer_speed] round {k} answer={mode}: {runs[mode][-1]}", flush=True)
+    med = lambda mode, f: float(np.median([f(r) for r in runs[mode]]))  # noqa: E731
+    out: dict[str, Any] = {"runs": runs, "ratio_shared_over_press": {}}
+    for label, f in (("first", lambda r: r["first"]), ("steady", lambda r: r["steady"] or 0.0)) + tuple(
+            (ph, lambda r, ph=ph: r["steady_phases"][ph]) for ph in PHASES + ("compile",)):
+        out["ratio_shared_over_press"][label] = ratio(med("shared", f), med("press", f))
+    keys = ids["press"].keys() & ids["shared"].keys()
+    one = [k for k in keys if len(ids["press"][k] | ids["shared"][k]) == 1]  # every run of both modes: one answer
+    out["same_ids"] = f"{len(one)}/{len(keys)}"
+    return out
+
+
+def against(p, res: dict, path: pathlib.Path) -> dict[str, str]:
+    """Per side of the saved run at `path`: how many of this run's items (same sample, press, ratio)
+    have the same answer ids as its lines."""
+    saved = json.loads(path.read_text())
+    out = {}
+    for side in saved.get("lines", {}):
+        theirs = {(x["sample"], x["press"], float(x["ratio"])): x.get("answer") for x in saved["lines"][side]}
+        mine = {(x["sample"], x["press"], float(x["ratio"])): x.get("answer") for x in res["lines"].get("ours", [])}
+        both = [k for k in mine.keys() & theirs.keys() if theirs[k] is not None]
+        out[side] = f"{sum(mine[k] == theirs[k] for k in both)}/{len(both)}"
+    return out
 
 
 def ratio(a, b):
@@ -173,6 +237,21 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(2) from None
     shutil.rmtree(p.out, ignore_errors=True)  # nothing resumed
     p.out.mkdir(parents=True, exist_ok=True)
+    own = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv if "=" in a}
+    if "alternate" in own:
+        rounds = int(own["alternate"]) if own["alternate"].isdigit() else 0
+        if rounds < 1:
+            print(f"benchmarks.peer_speed: error: alternate={own['alternate']}: expected an integer >= 1",
+                  file=sys.stderr)
+            raise SystemExit(2)  # ours alone, answer=press and answer=shared in turn, in this process
+        res = {"command": "python -m benchmarks.peer_speed " + " ".join(argv), "argv": rest, "model": p.model,
+               "samples": p.samples, "date": time.strftime("%Y-%m-%d %H:%M"),
+               "alternate": alternate(p, rounds)}
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{stem}.json").write_text(json.dumps(res, indent=1), encoding="utf-8")
+        print(json.dumps({k: v for k, v in res["alternate"].items() if k != "runs"}, indent=1))
+        print(f"wrote {out / stem}.json")
+        return res
     res: dict[str, Any] = {"command": "python -m benchmarks.peer_speed " + " ".join(argv), "argv": rest,
                            "model": p.model, "task": p.task["name"], "tokens": p.tokens, "samples": p.samples,
                            "presses": len(p.presses), "ratios": "/".join(f"{r:g}" for r in p.ratios), "gen": p.gen,
@@ -189,6 +268,9 @@ def main(argv: list[str] | None = None) -> dict:
         ours, kv = (peer.saved(p, x) for x in ("ours", "kvpress"))
         same = [ours[k]["answer"] == kv[k]["answer"] for k in ours.keys() & kv.keys() if "answer" in kv[k]]
         res["same_ids"] = f"{sum(same)}/{len(same)}"
+    res["answer"] = p.answer
+    if "against" in own:
+        res["same_ids_as"] = {"run": own["against"]} | against(p, res, pathlib.Path(own["against"]))
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps(res, indent=1), encoding="utf-8")
     (out / f"{stem}.md").write_text(markdown(res), encoding="utf-8")

@@ -510,3 +510,34 @@ def test_a_wrapper_over_an_inner_press_by_name(tmp_path):
     job = peer.worker_job(p, peer.pending(p, "kvpress"))
     assert ["ChunkKVPress:SnapKVPress", 0.5, {"press": "SnapKVPress"}] in job["samples"][0]["presses"]
     assert kvpress(peer.press_name("ChunkKVPress:SnapKVPress"), 0.5, press="SnapKVPress") is not None
+
+
+def test_answer_shared_answers_every_prompt_scorer_in_one_batch_as_press_mode(tmp_path):
+    """answer=shared (models.engine.shared): the prompt scorers' states of a sample, every press and
+    ratio, answer as one batch through one canonical form; the full cache keeps its own batch. The
+    lines keep the same kept positions and answer ids as answer=press (the default)."""
+    from models.config import LlamaConfig
+    from models.llama import Llama
+
+    args = ["model=tiny", "tokens=320", "samples=1", "presses=[SnapKVPress,TOVAPress]", "ratios=[0.25,0.5]", "gen=3",
+            "kvpress=false", "progress=false"]
+    with pytest.raises(peer.ConfigError, match="answer=both"):
+        peer.parse(args + ["answer=both"])
+    got = {}
+    model = None
+    for mode in ("press", "shared"):
+        p = peer.prepare(peer.parse(args + [f"answer={mode}", f"out={tmp_path / mode}"]))
+        assert p.answer == mode and (mode == "shared" or peer.parse(args).answer == "press")
+        if model is None:  # a random Llama of the tokenizer's vocabulary (no checkpoint needed)
+            model = Llama(LlamaConfig(vocab_size=49152, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                                      d_ff=48))
+        (tmp_path / mode).mkdir()
+        peer.run_ours(p, model, peer.pending(p, "ours"))
+        got[mode] = {(x["press"], x["ratio"]): x for x in _lines(tmp_path / mode / f"{STEM}.ours.jsonl")}
+    assert got["press"].keys() == got["shared"].keys() and len(got["press"]) == 5
+    for k, x in got["press"].items():
+        y = got["shared"][k]
+        assert y["answer"] == x["answer"] and y["kept"] == x["kept"], k
+        shared = k[0] in ("SnapKVPress", "TOVAPress")
+        assert (y.get("answer_mode") == "shared") == shared and "answer_mode" not in x, k
+        assert (y["phases"]["batch"], x["phases"]["batch"]) == ((4, 2) if shared else (x["phases"]["batch"],) * 2), k
