@@ -8,18 +8,18 @@ XLA's pool on our side, torch's on kvpress's), nothing resumed and no persistent
     python -m benchmarks.peer_speed "presses=[SnapKVPress,PyramidKVPress]" "ratios=[0.25,0.5,0.75,0.875]" samples=2
     python -m benchmarks.peer_speed side=ours            # one side only (the other's columns: -)
     python -m benchmarks.peer_speed answer=shared        # our side's answers in one batch for every press
-    python -m benchmarks.peer_speed alternate=2 samples=2  # ours only: answer=press and shared, in turn
+    python -m benchmarks.peer_speed alternate=4          # ours only: the answers, press and shared in turn
 
 Keys: those of `evals.peer` (model, task, tokens, samples, ratios, presses, gen, seed, chunk, prefill),
 plus side=both|ours|kvpress and out=results/peer_speed name=<stem>; `redraw=LABEL:RUN.json,...`
 draws the phases of saved runs (<out>/<name>.png) and runs nothing. `answer=press|shared` is
 evals.peer's (how our side batches its answers). `against=RUN.json`: the answer ids of this run
 compared, item by item, with each side's lines of a saved run (`same_ids_as`). `alternate=N`: our
-side only, in one process, N rounds of answer=press and answer=shared on the same prompts, in turn
-(press first in even rounds, shared first in odd ones; fresh engines each run, so each compiles
-as a first run would): per mode and round the first sample, the steady state and the phases of the
-steady samples, and the ratios shared / press of their medians (the machine's load changes
-between runs: a ratio, never an absolute time); the two modes' ids compared item by item. Defaults: presses SnapKV,
+side only, in one process, the first sample's answers (every press with a canonical form, every
+ratio, compressed once) answered with answer=press and with answer=shared in turn: a compiling
+round, then N timed rounds (press first in even rounds, shared first in odd ones); per mode the
+programs compiled, the question and decode seconds of each round, and the ratios shared / press
+of the timed rounds' medians (the machine's load changes: a ratio, never an absolute time). Defaults: presses SnapKV,
 TOVA, Knorm, StreamingLLM, ExpectedAttention, AdaKV; ratios 0.25/0.5/0.75; gen 12; 3 samples.
 
 Per side: the wall time of each sample (every (press, ratio) item of it and the full cache; our
@@ -107,46 +107,67 @@ def run_kvpress(p) -> list[dict]:
     return peer.read_lines(p.path(".kvpress.jsonl"))
 
 
-def steady_phases(p, lines: list[dict]) -> dict[str, float]:
-    """Each phase's seconds summed over the samples after the first, divided by their number."""
-    first = p.sample_id(0)
-    later = [x for x in lines if x["sample"] != first]
-    n = max(p.samples - 1, 1)
-    return {k: round(sum(x.get("phases", {}).get(k, 0.0) for x in later) / n, 3) for k in PHASES + ("compile",)}
-
-
 def alternate(p, rounds: int) -> dict[str, Any]:
-    """Our side in one process, `rounds` rounds of answer=press and answer=shared in turn (each run
-    nothing resumed, its own engines): per mode the runs' samples and steady phases, the medians'
-    ratios shared / press, and how many items' ids the two modes share."""
-    import dataclasses
+    """Our side's answers of the first sample in one process, answer=press and answer=shared in turn
+    on the same compressed states: every press with a canonical form (`models.engine.shared`) at
+    every ratio, compressed once (shape classes, one covering prefill, as `evals.peer.run_ours`);
+    then a round 0 that compiles (each mode's programs and compilation seconds) and `rounds` timed
+    rounds, press first in even rounds and shared first in odd ones. Per mode and round the question
+    and decode seconds; the ratios shared / press of their medians over the timed rounds; whether
+    both modes give the same ids in every round."""
+    import jax
 
     from evals import peer
+    from evals.compiles import CompileLog
+    from kvpolicies.compat import kvpress
+    from models.engine import Engine
+    from models.engine.shared import canonical_of
 
     model, _ = peer.load_ours(p)
-    runs: dict[str, list] = {"press": [], "shared": []}
-    ids: dict[str, dict] = {}
-    for k in range(rounds):
-        for mode in (("press", "shared") if k % 2 == 0 else ("shared", "press")):
-            q = dataclasses.replace(p, answer=mode, out=p.out / f"{mode}{k}")
-            shutil.rmtree(q.out, ignore_errors=True)
-            q.out.mkdir(parents=True)
-            peer.run_ours(q, model, peer.pending(q, "ours"))
-            lines = peer.read_lines(q.path(".ours.jsonl"))
-            runs[mode].append(per_sample(q, lines) | {"steady_phases": steady_phases(q, lines), "round": k})
-            for x in lines:
-                key = (x["sample"], x["press"], x["ratio"])
-                ids.setdefault(mode, {}).setdefault(key, set()).add(tuple(x["answer"]))
-            print(f"[peer_speed] round {k} answer={mode}: {runs[mode][-1]}", flush=True)
-    med = lambda mode, f: float(np.median([f(r) for r in runs[mode]]))  # noqa: E731
-    out: dict[str, Any] = {"runs": runs, "ratio_shared_over_press": {}}
-    for label, f in (("first", lambda r: r["first"]), ("steady", lambda r: r["steady"] or 0.0)) + tuple(
-            (ph, lambda r, ph=ph: r["steady_phases"][ph]) for ph in PHASES + ("compile",)):
-        out["ratio_shared_over_press"][label] = ratio(med("shared", f), med("press", f))
-    keys = ids["press"].keys() & ids["shared"].keys()
-    one = [k for k in keys if len(ids["press"][k] | ids["shared"][k]) == 1]  # every run of both modes: one answer
-    out["same_ids"] = f"{len(one)}/{len(keys)}"
-    return out
+    ctx, q = p.contexts[0], p.questions[0]
+    max_len = max(len(c) + len(x) for c, x in zip(p.contexts, p.questions)) + p.gen  # as run_ours
+    max_new = max(len(x) for x in p.questions) + p.gen
+    slots = peer.engine_slots(p, model, max_len, max_new)
+    groups: dict[str, list] = {}
+    prompts: dict[int, Any] = {}
+    memo: dict = {}
+    with jax.default_matmul_precision("highest"):
+        for c in p.presses:
+            if not slots.get(c):
+                continue
+            engs = [Engine(model, kvpress(peer.press_name(c), r, n_layers=model.cfg.n_layers, max_new=max_new,
+                                          **peer.press_fields(p.model, c)), max_len=max_len, slots=slots[c],
+                           share_steps=True) for r in p.ratios]
+            if canonical_of(engs[0]) is None:
+                continue
+            wide = peer.shared_phase(model, engs, max_len, peer.pieces(len(ctx), p.chunk), memo)
+            src = wide if wide is not None and engs[0].shares_prompt(wide) else engs[0]
+            if id(src) not in prompts:
+                prompts[id(src)] = (src, peer.prompt_in_pieces(src, ctx, p.chunk))
+            groups[c] = [(e, e.compress(prompts[id(src)][1])) for e in engs]
+        runs: dict[str, list] = {"press": [], "shared": []}
+        same = []
+        for k in range(rounds + 1):
+            got = {}
+            for mode in (("press", "shared") if k % 2 == 0 else ("shared", "press")):
+                with CompileLog() as log:
+                    ph = peer.Phases(log)
+                    if mode == "press":
+                        ids = [peer.answer_rows(g[0][0], [s for _, s in g], q, p.gen, ph) for g in groups.values()]
+                    else:
+                        pairs = [x for g in groups.values() for x in g]
+                        ids = [peer.answer_rows(None, [s for _, s in pairs], q, p.gen, ph,
+                                                engines=[e for e, _ in pairs])]
+                    got[mode] = np.concatenate(ids)
+                    runs[mode].append(ph.done() | {"round": k})
+                print(f"[peer_speed] round {k} answer={mode}: {runs[mode][-1]}", flush=True)
+            same.append(bool(np.array_equal(got["press"], got["shared"])))
+    med = lambda mode, ph: float(np.median([r.get(ph, 0.0) for r in runs[mode][1:]]))  # noqa: E731
+    return {"presses": list(groups), "rows": sum(len(g) for g in groups.values()), "runs": runs,
+            "compiled": {m: {k: runs[m][0].get(k) for k in ("compile", "programs")} for m in runs},
+            "ratio_shared_over_press": {ph: ratio(med("shared", ph), med("press", ph))
+                                        for ph in ("question", "decode")},
+            "same_ids_every_round": all(same), "rounds": rounds}
 
 
 def against(p, res: dict, path: pathlib.Path) -> dict[str, str]:
