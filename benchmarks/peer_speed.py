@@ -16,10 +16,11 @@ draws the phases of saved runs (<out>/<name>.png) and runs nothing. `answer=pres
 evals.peer's (how our side batches its answers). `against=RUN.json`: the answer ids of this run
 compared, item by item, with each side's lines of a saved run (`same_ids_as`). `alternate=N`: our
 side only, in one process, the first sample's answers (every press with a canonical form, every
-ratio, compressed once) answered with answer=press and with answer=shared in turn: a compiling
-round, then N timed rounds (press first in even rounds, shared first in odd ones); per mode the
-programs compiled, the question and decode seconds of each round, and the ratios shared / press
-of the timed rounds' medians (the machine's load changes: a ratio, never an absolute time). Defaults: presses SnapKV,
+ratio, compressed once) answered with answer=press, answer=shared and pooled (every press's rows
+as one batch) in turn: a compiling round, then N timed rounds (the order reversed every other
+round); per mode the programs compiled, the question and decode seconds of each round, and the
+ratios mode / press of the timed rounds' medians (the machine's load changes: a ratio, never an
+absolute time). Defaults: presses SnapKV,
 TOVA, Knorm, StreamingLLM, ExpectedAttention, AdaKV; ratios 0.25/0.5/0.75; gen 12; 3 samples.
 
 Per side: the wall time of each sample (every (press, ratio) item of it and the full cache; our
@@ -107,14 +108,18 @@ def run_kvpress(p) -> list[dict]:
     return peer.read_lines(p.path(".kvpress.jsonl"))
 
 
+MODES = ("press", "shared", "pooled")  # alternate=: evals.peer's two answer modes, and every press in one batch
+
+
 def alternate(p, rounds: int) -> dict[str, Any]:
-    """Our side's answers of the first sample in one process, answer=press and answer=shared in turn
-    on the same compressed states: every press with a canonical form (`models.engine.shared`) at
-    every ratio, compressed once (shape classes, one covering prefill, as `evals.peer.run_ours`);
-    then a round 0 that compiles (each mode's programs and compilation seconds) and `rounds` timed
-    rounds, press first in even rounds and shared first in odd ones. Per mode and round the question
-    and decode seconds; the ratios shared / press of their medians over the timed rounds; whether
-    both modes give the same ids in every round."""
+    """Our side's answers of the first sample in one process, in MODES in turn on the same compressed
+    states: every press with a canonical form (`models.engine.shared`) at every ratio, compressed
+    once (shape classes, one covering prefill, as `evals.peer.run_ours`); answer=press, answer=shared
+    (the same batches through the canonical form's engine) and pooled (every press's rows as one
+    batch through it). A round 0 that compiles (each mode's programs and compilation seconds), then
+    `rounds` timed rounds, in MODES' order in even rounds and reversed in odd ones. Per mode and round
+    the question and decode seconds; the ratios mode / press of their medians over the timed rounds;
+    whether each mode gives press's ids in every round."""
     import jax
 
     from evals import peer
@@ -145,29 +150,30 @@ def alternate(p, rounds: int) -> dict[str, Any]:
             if id(src) not in prompts:
                 prompts[id(src)] = (src, peer.prompt_in_pieces(src, ctx, p.chunk))
             groups[c] = [(e, e.compress(prompts[id(src)][1])) for e in engs]
-        runs: dict[str, list] = {"press": [], "shared": []}
+        runs: dict[str, list] = {m: [] for m in MODES}
         same = []
         for k in range(rounds + 1):
             got = {}
-            for mode in (("press", "shared") if k % 2 == 0 else ("shared", "press")):
+            for mode in (MODES if k % 2 == 0 else MODES[::-1]):
                 with CompileLog() as log:
                     ph = peer.Phases(log)
-                    if mode == "press":
-                        ids = [peer.answer_rows(g[0][0], [s for _, s in g], q, p.gen, ph) for g in groups.values()]
-                    else:
+                    if mode == "pooled":  # every press's rows as one batch (answer_rows takes any such rows)
                         pairs = [x for g in groups.values() for x in g]
-                        ids = [peer.answer_rows(None, [s for _, s in pairs], q, p.gen, ph,
-                                                engines=[e for e, _ in pairs])]
+                        batches = [pairs]
+                    else:  # a press's ratios as one batch, as evals.peer answers them
+                        batches = list(groups.values())
+                    ids = [peer.answer_rows(g[0][0], [s for _, s in g], q, p.gen, ph,
+                                            engines=None if mode == "press" else [e for e, _ in g]) for g in batches]
                     got[mode] = np.concatenate(ids)
                     runs[mode].append(ph.done() | {"round": k})
                 print(f"[peer_speed] round {k} answer={mode}: {runs[mode][-1]}", flush=True)
-            same.append(bool(np.array_equal(got["press"], got["shared"])))
+            same.append({m: bool(np.array_equal(got["press"], got[m])) for m in MODES[1:]})
     med = lambda mode, ph: float(np.median([r.get(ph, 0.0) for r in runs[mode][1:]]))  # noqa: E731
     return {"presses": list(groups), "rows": sum(len(g) for g in groups.values()), "runs": runs,
             "compiled": {m: {k: runs[m][0].get(k) for k in ("compile", "programs")} for m in runs},
-            "ratio_shared_over_press": {ph: ratio(med("shared", ph), med("press", ph))
-                                        for ph in ("question", "decode")},
-            "same_ids_every_round": all(same), "rounds": rounds}
+            "ratio_over_press": {m: {ph: ratio(med(m, ph), med("press", ph)) for ph in ("question", "decode")}
+                                 for m in MODES[1:]},
+            "same_ids_as_press_every_round": {m: all(x[m] for x in same) for m in MODES[1:]}, "rounds": rounds}
 
 
 def against(p, res: dict, path: pathlib.Path) -> dict[str, str]:

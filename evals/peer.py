@@ -46,15 +46,12 @@ Keys (key=value):
     kvpress=true                  false: our side alone (kvpress's columns left empty; no kvpress needed,
                                   but for model=tiny, whose checkpoint its worker builds)
     progress=true
-    answer=press                  how our side answers the compressed states of a sample: press (a press's
-                                  ratios as one batch through its own compiled steps) or shared (every
-                                  shape-class prompt scorer's states of the sample, all presses and ratios,
-                                  as one batch through one canonical append-only policy,
-                                  `models.engine.shared`: one set of question and decode steps for the
-                                  grid; adakv, kvzip, duo and the full cache keep their own batches).
-                                  Kept sets are the same; the answers' floats may round otherwise
-                                  (another batch shape), so the ids are checked, not assumed
-                                  (docs/results/speed.md)
+    answer=press                  how our side answers a press's ratios (one batch): press (through the
+                                  press's own compiled steps) or shared (a shape-class prompt scorer's
+                                  batch through one canonical append-only policy, `models.engine.shared`:
+                                  one set of question and decode steps for every press of one slot count
+                                  and batch, not one per press; the same floats, bit for bit; adakv,
+                                  kvzip, duo and the full cache keep their own steps)
     executor=ray                  our side's items on Ray actors, a press's items per task, each actor's
                                   lines in its own shard of .ours.jsonl (evals.peer_grid); default
                                   executor=local: in this process, Ray not imported
@@ -629,10 +626,10 @@ def run_ours(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=lambda
     dense prompt state), and kvzip's ratios one reconstruction pass (`Engine.reconstruct`). A press's
     ratios answer as one batch as soon as they are compressed, and their states are freed then: a
     sample never holds the whole grid's states (the leaderboard's 17 presses x 4 ratios at 4K took
-    15.5 GB and were killed before this). With `answer=shared`, the states of every press that has a
-    canonical append-only form (`models.engine.shared.canonical`: the shape classes' prompt scorers)
-    wait for the sample's last press (at most SHARED_ROWS of them) and answer as one batch through
-    that form's engine; the others answer as above."""
+    15.5 GB and were killed before this). With `answer=shared`, a press that has a canonical
+    append-only form (`models.engine.shared.canonical`: the shape classes' prompt scorers) answers
+    its batch through that form's engine: one set of compiled question and decode steps for every
+    press of one slot count and batch, not one per press (the same batches: the same floats)."""
     import jax
 
     from evals.compiles import CompileLog
@@ -689,23 +686,18 @@ def run_ours(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=lambda
                 ph("kept")
                 # a press's ratios (one shape class, the same steps) answer as the rows of one batch
                 held = {"stored": filled_bytes(st.cache), "allocated": tree_nbytes(st.cache)}  # after the compression
-                form = canonical_of(eng) if p.answer == "shared" and eng.slots else None
-                key = ("shared", form, eng.max_len) if form is not None else \
-                    (eng.policies, eng.max_len) if eng.slots else (c, r)
-                ready.setdefault(key, []).append((c, r, eng, st, (kept, held), ph.done(), time.time() - t0))
-                last = k + 1 == len(order)
-                if last or order[k + 1][0] != c:  # a press's ratios are compressed: answer them (shared rows:
-                    for key in list(ready):  # at the sample's end), then free their states
-                        if last or key[0] != "shared" or len(ready[key]) >= SHARED_ROWS:
-                            _answer_group(p, i, ready.pop(key), q, len(ctx), log, f, tick, shared=key[0] == "shared")
-
-
-SHARED_ROWS = 32  # answer=shared: at most this many rows in a batch (a 4K grid's 19 rows hold ~3 GB of states)
+                ready.setdefault((eng.policies, eng.max_len) if eng.slots else (c, r), []).append(
+                    (c, r, eng, st, (kept, held), ph.done(), time.time() - t0))
+                if k + 1 == len(order) or order[k + 1][0] != c:  # a press's ratios are compressed: answer them,
+                    for group in ready.values():  # then free their states (a sample's grid never held at once)
+                        shared = p.answer == "shared" and canonical_of(group[0][2]) is not None
+                        _answer_group(p, i, group, q, len(ctx), log, f, tick, shared=shared)
+                    ready.clear()
 
 
 def _answer_group(p: Plan, i: int, group: list, q: np.ndarray, n: int, log, f, tick, shared: bool = False) -> None:
-    """The greedy answers of one batch of compressed states (a press's ratios; `shared`: every press's
-    states that have one canonical form, `models.engine.shared`), a line each."""
+    """The greedy answers of one batch of compressed states (a press's ratios; `shared`: through their
+    canonical form's engine, `models.engine.shared`), a line each."""
     t1 = time.time()
     eng, ph = group[0][2], Phases(log)
     ids = answer_rows(eng, [x[3] for x in group], q, p.gen, ph, engines=[x[2] for x in group] if shared else None)

@@ -512,10 +512,10 @@ def test_a_wrapper_over_an_inner_press_by_name(tmp_path):
     assert kvpress(peer.press_name("ChunkKVPress:SnapKVPress"), 0.5, press="SnapKVPress") is not None
 
 
-def test_answer_shared_answers_every_prompt_scorer_in_one_batch_as_press_mode(tmp_path):
-    """answer=shared (models.engine.shared): the prompt scorers' states of a sample, every press and
-    ratio, answer as one batch through one canonical form; the full cache keeps its own batch. The
-    lines keep the same kept positions and answer ids as answer=press (the default)."""
+def test_answer_shared_answers_through_one_canonical_engine_as_press_mode(tmp_path):
+    """answer=shared (models.engine.shared): each prompt scorer's ratios answer as one batch through
+    one canonical form's engine (the full cache through its own). The lines keep the same kept
+    positions and answer ids as answer=press (the default), and the same batches."""
     from models.config import LlamaConfig
     from models.llama import Llama
 
@@ -540,4 +540,4 @@ def test_answer_shared_answers_every_prompt_scorer_in_one_batch_as_press_mode(tm
         assert y["answer"] == x["answer"] and y["kept"] == x["kept"], k
         shared = k[0] in ("SnapKVPress", "TOVAPress")
         assert (y.get("answer_mode") == "shared") == shared and "answer_mode" not in x, k
-        assert (y["phases"]["batch"], x["phases"]["batch"]) == ((4, 2) if shared else (x["phases"]["batch"],) * 2), k
+        assert y["phases"]["batch"] == x["phases"]["batch"] == (2 if shared else 1), k
