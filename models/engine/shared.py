@@ -8,14 +8,14 @@ Its decode steps then read and write the stored keys, values and positions the s
 ranked them (snapkv, knorm, tova, streamingllm, expected attention, pyramidkv's shape class ...):
 the same `extend`, `compact`, `select` and `defer`. So each state converts to one canonical
 append-only state (its `SlotState` of keys, values and positions, statistics dropped; the same
-un-rotated keys and RoPE at text positions) that `canonical`'s policy decodes alike, and the states
-of every press of a prompt, at one slot count S, join as the rows of one batch: a step reads the
-weights once for all rows, and the question and decode steps compile once per (S, batch), not
-once per press. A policy that decodes otherwise (adakv's head pool, kvzip, duo, full ...) has no
-canonical form (`canonical` gives None) and keeps its own engine.
-
-Rows of different batches may differ in float rounding (XLA's matmuls group their sums by the
-batch's shape); what rounding does to greedy ids is measured, not assumed (docs/results/speed.md).
+un-rotated keys and RoPE at text positions) that `canonical`'s policy decodes alike: the question
+and decode steps compile once per (S, batch shape) for every press, not once per press, and at the
+same batch give each press's own floats bit for bit (tests/models/test_shared_answers.py). States
+of several presses of one prompt may also join as the rows of one batch (`shared_rows`); a batch of
+another shape may round otherwise (XLA groups a matmul's sums by the batch's shape), and on XLA:CPU
+a larger batch was not faster (docs/results/speed.md), so `evals.peer` keeps a press's ratios as its
+batch. A policy that decodes otherwise (adakv's head pool, kvzip, duo, full ...) has no canonical
+form (`canonical` gives None) and keeps its own engine.
 
 Shapes: L layers of a run, B batch rows, K kv heads, Kp = 1 or K position rows, S slots, D head dim.
 """
