@@ -23,7 +23,6 @@ Shapes: L layers of a run, B batch rows, K kv heads, Kp = 1 or K position rows, 
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,14 +32,10 @@ import jax.numpy as jnp
 from kvpolicies.base import SlotState
 from kvpolicies.knorm import Knorm
 from kvpolicies.prompt_scored import PromptScored
-from models.llama import Llama
 
 # what a decode step of a prompt scorer does with its slots (the view attention reads, the writes, the
 # sparse reads); a class that overrides any of them decodes otherwise than the canonical policy
 _DECODE = ("extend", "compact", "select", "defer", "appends_quietly", "pad_spare", "cut_spare", "spared")
-
-_ENGINES: "weakref.WeakKeyDictionary[Llama, dict]" = weakref.WeakKeyDictionary()
-
 
 def canonical(policy: Any) -> Knorm | None:
     """The append-only policy that decodes a compressed state of `policy` alike (a knorm shape class
@@ -61,24 +56,29 @@ def canonical_of(engine: Any) -> Knorm | None:
     return next(iter(pols)) if len(pols) == 1 and None not in pols else None
 
 
+def _key(engine: Any) -> tuple:
+    """What the answering engine of `engine` depends on."""
+    return (id(engine._model), canonical_of(engine), engine.max_len, str(engine.cache_dtype),
+            engine.params[1] is not None)
+
+
 def answering_engine(engine: Any) -> Any:
-    """The engine of `canonical_of(engine)` for `engine`'s model, max_len and cache dtype: made once per
-    model and key, its steps shared (`share_steps`) by every press whose states it answers. It may
-    append as many tokens after a compression as the policy's max_new (`slot_limit`)."""
+    """The engine of `canonical_of(engine)` for `engine`'s model, max_len and cache dtype, kept by
+    `engine`; its jitted steps are shared (`share_steps`) by the answering engines of every press of
+    the same key, so they compile once. It may append as many tokens after a compression as the
+    policy's max_new (`slot_limit`)."""
     from models.engine.core import Engine
 
     pol = canonical_of(engine)
     if pol is None:
         raise ValueError(f"answering_engine: {sorted({type(p).__name__ for p in engine.policies})} have no common "
                          "canonical append-only form (a shape class's prompt scorer; see canonical)")
-    memo = _ENGINES.setdefault(engine._model, {})
-    key = (pol, engine.max_len, str(engine.cache_dtype), engine.params[1] is not None)
-    if key not in memo:
+    if "_answering" not in engine.__dict__:
         out = Engine(engine._model, (pol,) * engine.cfg.n_layers, max_len=engine.max_len,
                      cache_dtype=engine.cache_dtype, rope_tables=engine.params[1] is not None, share_steps=True)
         out.slot_limit = pol.max_new  # what the shape classes it stands for may append (`_check_room`)
-        memo[key] = out
-    return memo[key]
+        engine._answering = out
+    return engine._answering
 
 
 def append_state(run: SlotState, kv_heads: int) -> SlotState:
@@ -105,7 +105,7 @@ def shared_rows(pairs: Sequence[tuple[Any, Any]], written: int) -> tuple[Any, An
         if not st.compressed or st.fitted is not None:
             raise ValueError("shared_rows: every state must be compressed by its engine (Engine.compress, not fitted)")
         e._check_made(st, "shared_rows")
-        if canonical_of(e) is None or answering_engine(e) is not eng:
+        if canonical_of(e) is None or _key(e) != _key(pairs[0][0]):
             raise ValueError(f"shared_rows: {type(e.policies[0]).__name__} (slots {getattr(e.policies[0], 'slots', 0)})"
                              " does not decode through the same canonical policy as the first state's")
         if len(st.cache) != 1 or st.logits.shape[0] != 1:
