@@ -690,8 +690,8 @@ def run_ours(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=lambda
                     (c, r, eng, st, (kept, held), ph.done(), time.time() - t0))
                 if k + 1 == len(order) or order[k + 1][0] != c:  # a press's ratios are compressed: answer them,
                     for group in ready.values():  # then free their states (a sample's grid never held at once)
-                        shared = p.answer == "shared" and canonical_of(group[0][2]) is not None
-                        _answer_group(p, i, group, q, len(ctx), log, f, tick, shared=shared)
+                        alike = p.answer == "shared" and canonical_of(group[0][2]) is not None
+                        _answer_group(p, i, group, q, len(ctx), log, f, tick, shared=alike)
                     ready.clear()
 
 

@@ -519,7 +519,7 @@ def test_answer_shared_answers_through_one_canonical_engine_as_press_mode(tmp_pa
     from models.config import LlamaConfig
     from models.llama import Llama
 
-    args = ["model=tiny", "tokens=320", "samples=1", "presses=[SnapKVPress,TOVAPress]", "ratios=[0.25,0.5]", "gen=3",
+    args = ["model=tiny", "tokens=320", "samples=2", "presses=[SnapKVPress,TOVAPress]", "ratios=[0.5]", "gen=3",
             "kvpress=false", "progress=false"]
     with pytest.raises(peer.ConfigError, match="answer=both"):
         peer.parse(args + ["answer=both"])
@@ -533,11 +533,11 @@ def test_answer_shared_answers_through_one_canonical_engine_as_press_mode(tmp_pa
                                       d_ff=48))
         (tmp_path / mode).mkdir()
         peer.run_ours(p, model, peer.pending(p, "ours"))
-        got[mode] = {(x["press"], x["ratio"]): x for x in _lines(tmp_path / mode / f"{STEM}.ours.jsonl")}
-    assert got["press"].keys() == got["shared"].keys() and len(got["press"]) == 5
+        got[mode] = {(x["sample"], x["press"], x["ratio"]): x for x in _lines(tmp_path / mode / f"{STEM}.ours.jsonl")}
+    assert got["press"].keys() == got["shared"].keys() and len(got["press"]) == 6  # 2 samples x 3 rows
     for k, x in got["press"].items():
         y = got["shared"][k]
         assert y["answer"] == x["answer"] and y["kept"] == x["kept"], k
-        shared = k[0] in ("SnapKVPress", "TOVAPress")
+        shared = k[1] in ("SnapKVPress", "TOVAPress")
         assert (y.get("answer_mode") == "shared") == shared and "answer_mode" not in x, k
-        assert y["phases"]["batch"] == x["phases"]["batch"] == (2 if shared else 1), k
+        assert y["phases"]["batch"] == x["phases"]["batch"] == 1, k
