@@ -7,10 +7,20 @@ XLA's pool on our side, torch's on kvpress's), nothing resumed and no persistent
     python -m benchmarks.peer_speed model=qwen
     python -m benchmarks.peer_speed "presses=[SnapKVPress,PyramidKVPress]" "ratios=[0.25,0.5,0.75,0.875]" samples=2
     python -m benchmarks.peer_speed side=ours            # one side only (the other's columns: -)
+    python -m benchmarks.peer_speed answer=shared        # our side's answers in one batch for every press
+    python -m benchmarks.peer_speed alternate=4          # ours only: the answers, press and shared in turn
 
 Keys: those of `evals.peer` (model, task, tokens, samples, ratios, presses, gen, seed, chunk, prefill),
 plus side=both|ours|kvpress and out=results/peer_speed name=<stem>; `redraw=LABEL:RUN.json,...`
-draws the phases of saved runs (<out>/<name>.png) and runs nothing. Defaults: presses SnapKV,
+draws the phases of saved runs (<out>/<name>.png) and runs nothing. `answer=press|shared` is
+evals.peer's (how our side batches its answers). `against=RUN.json`: the answer ids of this run
+compared, item by item, with each side's lines of a saved run (`same_ids_as`). `alternate=N`: our
+side only, in one process, the first sample's answers (every press with a canonical form, every
+ratio, compressed once) answered with answer=press, answer=shared and pooled (every press's rows
+as one batch) in turn: a compiling round, then N timed rounds (the order reversed every other
+round); per mode the programs compiled, the question and decode seconds of each round, and the
+ratios mode / press of the timed rounds' medians (the machine's load changes: a ratio, never an
+absolute time). Defaults: presses SnapKV,
 TOVA, Knorm, StreamingLLM, ExpectedAttention, AdaKV; ratios 0.25/0.5/0.75; gen 12; 3 samples.
 
 Per side: the wall time of each sample (every (press, ratio) item of it and the full cache; our
@@ -38,7 +48,7 @@ import numpy as np
 ISSUE_GRID = ["presses=[SnapKVPress,TOVAPress,KnormPress,StreamingLLMPress,ExpectedAttentionPress,AdaKVPress]",
               "ratios=[0.25,0.5,0.75]", "gen=12", "samples=3"]
 PHASES = ("prefill", "compress", "kept", "question", "decode")
-OWN = ("side", "out", "name", "redraw")
+OWN = ("side", "out", "name", "redraw", "against", "alternate")
 
 
 def parse(argv: list[str]):
@@ -96,6 +106,87 @@ def run_kvpress(p) -> list[dict]:
     if worker.returncode != 0:
         raise RuntimeError(p.path(".kvpress.log").read_text(encoding="utf-8", errors="replace")[-3000:])
     return peer.read_lines(p.path(".kvpress.jsonl"))
+
+
+MODES = ("press", "shared", "pooled")  # alternate=: evals.peer's two answer modes, and every press in one batch
+
+
+def alternate(p, rounds: int) -> dict[str, Any]:
+    """Our side's answers of the first sample in one process, in MODES in turn on the same compressed
+    states: every press with a canonical form (`models.engine.shared`) at every ratio, compressed
+    once (shape classes, one covering prefill, as `evals.peer.run_ours`); answer=press, answer=shared
+    (the same batches through the canonical form's engine) and pooled (every press's rows as one
+    batch through it). A round 0 that compiles (each mode's programs and compilation seconds), then
+    `rounds` timed rounds, in MODES' order in even rounds and reversed in odd ones. Per mode and round
+    the question and decode seconds; the ratios mode / press of their medians over the timed rounds;
+    whether each mode gives press's ids in every round."""
+    import jax
+
+    from evals import peer
+    from evals.compiles import CompileLog
+    from kvpolicies.compat import kvpress
+    from models.engine import Engine
+    from models.engine.shared import canonical_of
+
+    model, _ = peer.load_ours(p)
+    ctx, q = p.contexts[0], p.questions[0]
+    max_len = max(len(c) + len(x) for c, x in zip(p.contexts, p.questions)) + p.gen  # as run_ours
+    max_new = max(len(x) for x in p.questions) + p.gen
+    slots = peer.engine_slots(p, model, max_len, max_new)
+    groups: dict[str, list] = {}
+    prompts: dict[int, Any] = {}
+    memo: dict = {}
+    with jax.default_matmul_precision("highest"):
+        for c in p.presses:
+            if not slots.get(c):
+                continue
+            engs = [Engine(model, kvpress(peer.press_name(c), r, n_layers=model.cfg.n_layers, max_new=max_new,
+                                          **peer.press_fields(p.model, c)), max_len=max_len, slots=slots[c],
+                           share_steps=True) for r in p.ratios]
+            if canonical_of(engs[0]) is None:
+                continue
+            wide = peer.shared_phase(model, engs, max_len, peer.pieces(len(ctx), p.chunk), memo)
+            src = wide if wide is not None and engs[0].shares_prompt(wide) else engs[0]
+            if id(src) not in prompts:
+                prompts[id(src)] = (src, peer.prompt_in_pieces(src, ctx, p.chunk))
+            groups[c] = [(e, e.compress(prompts[id(src)][1])) for e in engs]
+        runs: dict[str, list] = {m: [] for m in MODES}
+        same = []
+        for k in range(rounds + 1):
+            got = {}
+            for mode in (MODES if k % 2 == 0 else MODES[::-1]):
+                with CompileLog() as log:
+                    ph = peer.Phases(log)
+                    if mode == "pooled":  # every press's rows as one batch (answer_rows takes any such rows)
+                        pairs = [x for g in groups.values() for x in g]
+                        batches = [pairs]
+                    else:  # a press's ratios as one batch, as evals.peer answers them
+                        batches = list(groups.values())
+                    ids = [peer.answer_rows(g[0][0], [s for _, s in g], q, p.gen, ph,
+                                            engines=None if mode == "press" else [e for e, _ in g]) for g in batches]
+                    got[mode] = np.concatenate(ids)
+                    runs[mode].append(ph.done() | {"round": k})
+                print(f"[peer_speed] round {k} answer={mode}: {runs[mode][-1]}", flush=True)
+            same.append({m: bool(np.array_equal(got["press"], got[m])) for m in MODES[1:]})
+    med = lambda mode, ph: float(np.median([r.get(ph, 0.0) for r in runs[mode][1:]]))  # noqa: E731
+    return {"presses": list(groups), "rows": sum(len(g) for g in groups.values()), "runs": runs,
+            "compiled": {m: {k: runs[m][0].get(k) for k in ("compile", "programs")} for m in runs},
+            "ratio_over_press": {m: {ph: ratio(med(m, ph), med("press", ph)) for ph in ("question", "decode")}
+                                 for m in MODES[1:]},
+            "same_ids_as_press_every_round": {m: all(x[m] for x in same) for m in MODES[1:]}, "rounds": rounds}
+
+
+def against(p, res: dict, path: pathlib.Path) -> dict[str, str]:
+    """Per side of the saved run at `path`: how many of this run's items (same sample, press, ratio)
+    have the same answer ids as its lines."""
+    saved = json.loads(path.read_text())
+    out = {}
+    for side in saved.get("lines", {}):
+        theirs = {(x["sample"], x["press"], float(x["ratio"])): x.get("answer") for x in saved["lines"][side]}
+        mine = {(x["sample"], x["press"], float(x["ratio"])): x.get("answer") for x in res["lines"].get("ours", [])}
+        both = [k for k in mine.keys() & theirs.keys() if theirs[k] is not None]
+        out[side] = f"{sum(mine[k] == theirs[k] for k in both)}/{len(both)}"
+    return out
 
 
 def ratio(a, b):
@@ -173,6 +264,21 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(2) from None
     shutil.rmtree(p.out, ignore_errors=True)  # nothing resumed
     p.out.mkdir(parents=True, exist_ok=True)
+    own = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv if "=" in a}
+    if "alternate" in own:
+        rounds = int(own["alternate"]) if own["alternate"].isdigit() else 0
+        if rounds < 1:
+            print(f"benchmarks.peer_speed: error: alternate={own['alternate']}: expected an integer >= 1",
+                  file=sys.stderr)
+            raise SystemExit(2)  # ours alone, answer=press and answer=shared in turn, in this process
+        res = {"command": "python -m benchmarks.peer_speed " + " ".join(argv), "argv": rest, "model": p.model,
+               "samples": p.samples, "date": time.strftime("%Y-%m-%d %H:%M"),
+               "alternate": alternate(p, rounds)}
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{stem}.json").write_text(json.dumps(res, indent=1), encoding="utf-8")
+        print(json.dumps({k: v for k, v in res["alternate"].items() if k != "runs"}, indent=1))
+        print(f"wrote {out / stem}.json")
+        return res
     res: dict[str, Any] = {"command": "python -m benchmarks.peer_speed " + " ".join(argv), "argv": rest,
                            "model": p.model, "task": p.task["name"], "tokens": p.tokens, "samples": p.samples,
                            "presses": len(p.presses), "ratios": "/".join(f"{r:g}" for r in p.ratios), "gen": p.gen,
@@ -189,6 +295,9 @@ def main(argv: list[str] | None = None) -> dict:
         ours, kv = (peer.saved(p, x) for x in ("ours", "kvpress"))
         same = [ours[k]["answer"] == kv[k]["answer"] for k in ours.keys() & kv.keys() if "answer" in kv[k]]
         res["same_ids"] = f"{sum(same)}/{len(same)}"
+    res["answer"] = p.answer
+    if "against" in own:
+        res["same_ids_as"] = {"run": own["against"]} | against(p, res, pathlib.Path(own["against"]))
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps(res, indent=1), encoding="utf-8")
     (out / f"{stem}.md").write_text(markdown(res), encoding="utf-8")

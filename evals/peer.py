@@ -46,6 +46,12 @@ Keys (key=value):
     kvpress=true                  false: our side alone (kvpress's columns left empty; no kvpress needed,
                                   but for model=tiny, whose checkpoint its worker builds)
     progress=true
+    answer=press                  how our side answers a press's ratios (one batch): press (through the
+                                  press's own compiled steps) or shared (a shape-class prompt scorer's
+                                  batch through one canonical append-only policy, `models.engine.shared`:
+                                  one set of question and decode steps for every press of one slot count
+                                  and batch, not one per press; the same floats, bit for bit; adakv,
+                                  kvzip, duo and the full cache keep their own steps)
     executor=ray                  our side's items on Ray actors, a press's items per task, each actor's
                                   lines in its own shard of .ours.jsonl (evals.peer_grid); default
                                   executor=local: in this process, Ray not imported
@@ -109,6 +115,8 @@ DEFAULT_RATIOS = (0.25, 0.5, 0.75, 0.875)  # kvpress's leaderboard's ratios
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
 SIDES = ("kvpress", "ours")
 OWN_KEYS += ("executor", "ray.address", "ray.workers")  # evals.peer_grid: our side on Ray actors
+OWN_KEYS += ("answer",)  # our side's answers: a batch per press (press) or one for every press (shared)
+ANSWERS = ("press", "shared")
 
 
 # -- the command line -------------------------------------------------------------------------------
@@ -137,6 +145,7 @@ class Plan:
     kvpress: bool = True  # run kvpress's side too (false: ours alone, no kvpress needed)
     model_path: str | None = None  # model=hf: the HF folder (config.json, safetensors, tokenizer)
     dtype: str = "float32"  # our side's weights and activations (kvpress's side: float32)
+    answer: str = "press"  # our side's answering batches: a press's ratios (press) or every press alike (shared)
     compile_cache: pathlib.Path | None = None  # JAX's persistent compilation cache for our side
     config: str = ""  # the hash of everything that determines the numbers
     contexts: list[np.ndarray] = dataclasses.field(default_factory=list)
@@ -292,6 +301,9 @@ def parse(argv: Sequence[str]) -> Plan:
             raise ConfigError(f"ratios: {r}: a compression ratio is in (0, 1) (the fraction of the context removed)")
         if v > 0 and v not in ratios:
             ratios.append(v)  # 0, the full cache, always runs
+    answer = own.get("answer", "press")
+    if answer not in ANSWERS:
+        raise ConfigError(f"answer={answer}: must be one of {list(ANSWERS)}")
     prefill = own.get("prefill", "shared")
     if prefill not in PREFILLS:
         raise ConfigError(f"prefill={prefill}: must be one of {list(PREFILLS)}")
@@ -316,7 +328,7 @@ def parse(argv: Sequence[str]) -> Plan:
                 stem, _bool("overwrite", own.get("overwrite", "false")), _bool("progress", own.get("progress", "true")),
                 _bool("table_only", own.get("table_only", "false")), query_aware=query_aware,
                 kvpress=_bool("kvpress", own.get("kvpress", "true")), model_path=own.get("model_path"), dtype=dtype,
-                compile_cache=cache, argv=list(argv))
+                compile_cache=cache, answer=answer, argv=list(argv))
 
 
 def leaderboard_names() -> tuple[str, ...]:
@@ -616,13 +628,17 @@ def run_ours(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=lambda
     dense prompt state), and kvzip's ratios one reconstruction pass (`Engine.reconstruct`). A press's
     ratios answer as one batch as soon as they are compressed, and their states are freed then: a
     sample never holds the whole grid's states (the leaderboard's 17 presses x 4 ratios at 4K took
-    15.5 GB and were killed before this)."""
+    15.5 GB and were killed before this). With `answer=shared`, a press that has a canonical
+    append-only form (`models.engine.shared.canonical`: the shape classes' prompt scorers) answers
+    its batch through that form's engine: one set of compiled question and decode steps for every
+    press of one slot count and batch, not one per press (the same batches: the same floats)."""
     import jax
 
     from evals.compiles import CompileLog
     from kvpolicies.compat import kvpress
     from kvpolicies.memory import filled_bytes, tree_nbytes
     from models.engine import Engine
+    from models.engine.shared import canonical_of
     from models.llama import policy_runs
 
     max_len = max(len(c) + len(q) for c, q in zip(p.contexts, p.questions)) + p.gen
@@ -676,15 +692,17 @@ def run_ours(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=lambda
                     (c, r, eng, st, (kept, held), ph.done(), time.time() - t0))
                 if k + 1 == len(order) or order[k + 1][0] != c:  # a press's ratios are compressed: answer them,
                     for group in ready.values():  # then free their states (a sample's grid never held at once)
-                        _answer_group(p, i, group, q, len(ctx), log, f, tick)
+                        alike = p.answer == "shared" and canonical_of(group[0][2]) is not None
+                        _answer_group(p, i, group, q, len(ctx), log, f, tick, shared=alike)
                     ready.clear()
 
 
-def _answer_group(p: Plan, i: int, group: list, q: np.ndarray, n: int, log, f, tick) -> None:
-    """The greedy answers of one batch of compressed states (a press's ratios), a line each."""
+def _answer_group(p: Plan, i: int, group: list, q: np.ndarray, n: int, log, f, tick, shared: bool = False) -> None:
+    """The greedy answers of one batch of compressed states (a press's ratios; `shared`: through their
+    canonical form's engine, `models.engine.shared`), a line each."""
     t1 = time.time()
     eng, ph = group[0][2], Phases(log)
-    ids = answer_rows(eng, [x[3] for x in group], q, p.gen, ph)
+    ids = answer_rows(eng, [x[3] for x in group], q, p.gen, ph, engines=[x[2] for x in group] if shared else None)
     share = {k: v / len(group) for k, v in ph.done().items()}  # the batch's time, shared out
     secs = (time.time() - t1) / len(group)
     for (c, r, _, _, (kept, held), own, spent), row in zip(group, ids):
@@ -692,6 +710,8 @@ def _answer_group(p: Plan, i: int, group: list, q: np.ndarray, n: int, log, f, t
         line = {"sample": p.sample_id(i), "press": c, "ratio": r, "n": n,
                 "answer": [int(x) for x in row], "kept": kept, "bytes": held,
                 "seconds": round(spent + secs, 2), "phases": phases | {"batch": len(group)}}
+        if shared:
+            line["answer_mode"] = "shared"
         f.write(json.dumps(line) + "\n")
         f.flush()
         tick()
@@ -702,14 +722,20 @@ def ray_side() -> dict[str, Any]:
     return {"saved": saved, "load": load_ours, "run": run_ours}
 
 
-def answer_rows(eng, states: list, q: np.ndarray, gen: int, ph) -> np.ndarray:
+def answer_rows(eng, states: list, q: np.ndarray, gen: int, ph, engines: list | None = None) -> np.ndarray:
     """Greedy ids [len(states), gen] after the question `q` of one-row compressed states of
     engines that run `eng`'s steps (a press's ratios in one shape class), decoded as the rows of
     one batch: a step reads the weights once for every row (rows of a batch answer as each row
-    alone: tests/models/test_shape_classes.py)."""
+    alone: tests/models/test_shape_classes.py). `engines` (one per state, of any presses with one
+    canonical append-only form): the rows go through that form's engine instead
+    (`models.engine.shared.shared_rows`)."""
     import jax.numpy as jnp
 
-    if len(states) == 1:
+    if engines is not None:
+        from models.engine.shared import shared_rows
+
+        eng, st = shared_rows(list(zip(engines, states, strict=True)), len(q) + gen - 1)
+    elif len(states) == 1:
         st = states[0]
     else:
         cache = tuple(type(run[0]).join_rows(list(run)) for run in zip(*[s.cache for s in states]))

@@ -510,3 +510,34 @@ def test_a_wrapper_over_an_inner_press_by_name(tmp_path):
     job = peer.worker_job(p, peer.pending(p, "kvpress"))
     assert ["ChunkKVPress:SnapKVPress", 0.5, {"press": "SnapKVPress"}] in job["samples"][0]["presses"]
     assert kvpress(peer.press_name("ChunkKVPress:SnapKVPress"), 0.5, press="SnapKVPress") is not None
+
+
+def test_answer_shared_answers_through_one_canonical_engine_as_press_mode(tmp_path):
+    """answer=shared (models.engine.shared): each prompt scorer's ratios answer as one batch through
+    one canonical form's engine (the full cache through its own). The lines keep the same kept
+    positions and answer ids as answer=press (the default), and the same batches."""
+    from models.config import LlamaConfig
+    from models.llama import Llama
+
+    args = ["model=tiny", "tokens=320", "samples=2", "presses=[SnapKVPress,TOVAPress]", "ratios=[0.5]", "gen=3",
+            "kvpress=false", "progress=false"]
+    with pytest.raises(peer.ConfigError, match="answer=both"):
+        peer.parse(args + ["answer=both"])
+    got = {}
+    model = None
+    for mode in ("press", "shared"):
+        p = peer.prepare(peer.parse(args + [f"answer={mode}", f"out={tmp_path / mode}"]))
+        assert p.answer == mode and (mode == "shared" or peer.parse(args).answer == "press")
+        if model is None:  # a random Llama of the tokenizer's vocabulary (no checkpoint needed)
+            model = Llama(LlamaConfig(vocab_size=49152, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                                      d_ff=48))
+        (tmp_path / mode).mkdir()
+        peer.run_ours(p, model, peer.pending(p, "ours"))
+        got[mode] = {(x["sample"], x["press"], x["ratio"]): x for x in _lines(tmp_path / mode / f"{STEM}.ours.jsonl")}
+    assert got["press"].keys() == got["shared"].keys() and len(got["press"]) == 6  # 2 samples x 3 rows
+    for k, x in got["press"].items():
+        y = got["shared"][k]
+        assert y["answer"] == x["answer"] and y["kept"] == x["kept"], k
+        shared = k[1] in ("SnapKVPress", "TOVAPress")
+        assert (y.get("answer_mode") == "shared") == shared and "answer_mode" not in x, k
+        assert y["phases"]["batch"] == x["phases"]["batch"] == 1, k

@@ -1,0 +1,126 @@
+"""`models.engine.shared`: the compressed states of different presses' shape classes answer as the rows
+of one batch through one canonical append-only policy. Checked against each press's own engine: at the
+same batch the canonical form gives its question logits bit for bit, and in one batch of every press
+the same greedy ids; the answers' programs compile once for all presses, not once per press (JAX's
+compilation events, never a clock); what has no canonical form is refused before anything runs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvpolicies
+from evals.compiles import CompileLog
+from evals.peer import answer_rows
+from kvpolicies.compat import kvpress
+from kvpolicies.prompt import shape_class_of
+from models.config import LlamaConfig
+from models.engine import Engine, grid_slots
+from models.engine.shared import answering_engine, canonical, canonical_of, shared_rows
+from models.llama import Llama
+
+CFG = LlamaConfig(vocab_size=97, d_model=48, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64)
+N, Q, GEN = 150, 9, 8
+MAX_LEN = N + Q + GEN
+MAX_NEW = Q + GEN
+# the shape-class prompt scorers of issue 57's grid (evals.peer's names), at fields that fit the tiny prompt
+# (streamingllm's state is knorm's: a SlotState; snapkv and expected keep statistics, tova one position row)
+PRESSES = {"SnapKVPress": {"window_size": 8}, "KnormPress": {}, "ExpectedAttentionPress": {"n_future_positions": 16},
+           "TOVAPress": {}}
+RATIOS = (0.25, 0.5, 0.75)
+
+
+class Record:
+    """`answer_rows`'s phase callback: keeps each phase's value (the question's `Prompted`)."""
+
+    def __init__(self):
+        self.value = {}
+
+    def __call__(self, name, value):
+        self.value[name] = value
+        return value
+
+
+def _compressed(model, ctx, presses, ratios=RATIOS):
+    """{press: [(engine, compressed state) per ratio]}: each press's ratios in one shape class."""
+    out = {}
+    for press in presses:
+        pols = [kvpress(press, r, max_new=MAX_NEW, **PRESSES[press]) for r in ratios]
+        slots = grid_slots(pols, CFG.n_layers, MAX_LEN)
+        engines = [Engine(model, pol, max_len=MAX_LEN, slots=slots, share_steps=True) for pol in pols]
+        prompt = engines[0].prompt(ctx)
+        out[press] = [(e, e.compress(prompt)) for e in engines]
+    return out
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = Llama(CFG)
+    rng = np.random.default_rng(0)
+    ctx, q = rng.integers(0, 97, (1, N)).astype(np.int32), rng.integers(0, 97, (1, Q)).astype(np.int32)
+    return model, ctx, q, _compressed(model, ctx, PRESSES)
+
+
+def test_the_canonical_form_answers_a_press_bit_for_bit_and_all_presses_alike(setup):
+    model, ctx, q, states = setup
+    forms = {canonical_of(e) for rows in states.values() for e, _ in rows}
+    assert len(forms) == 1 and None not in forms  # one slot count: one canonical policy for the four presses
+    own, alike = {}, {}
+    for press, rows in states.items():  # the reference: each press's own engine, its ratios as one batch
+        rec = Record()
+        ids = answer_rows(rows[0][0], [s for _, s in rows], q[0], GEN, rec)
+        rec2 = Record()
+        ids2 = answer_rows(None, [s for _, s in rows], q[0], GEN, rec2, engines=[e for e, _ in rows])
+        # the same batch through the canonical form: the question's logits and the ids bit for bit
+        alike_logits, own_logits = (np.asarray(r.value["question"].logits) for r in (rec2, rec))
+        np.testing.assert_array_equal(alike_logits, own_logits)
+        np.testing.assert_array_equal(ids2, ids)
+        own[press] = ids
+        alike[press] = rows
+    pairs = [x for rows in alike.values() for x in rows]
+    together = answer_rows(None, [s for _, s in pairs], q[0], GEN, Record(), engines=[e for e, _ in pairs])
+    np.testing.assert_array_equal(together, np.concatenate([own[p] for p in alike]))
+    # and the states stay usable (forks): a press's own answer afterwards is unchanged
+    e, s = states["SnapKVPress"][0]
+    np.testing.assert_array_equal(e.continue_generate(s, q, GEN)[0], own["SnapKVPress"][0])
+
+
+def test_presses_after_the_first_compile_no_answer_programs(setup):
+    """evals.peer's answer=shared: each press's batch through the canonical form's engine; the first
+    press's batch compiles the question and decode programs, every later press's compiles none (each
+    press's own engine compiles its own set: press mode)."""
+    model, ctx, q, states = setup
+
+    def programs(press):  # its first two ratios (a batch of 2: a shape no other test here compiles)
+        rows = states[press][:2]
+        with CompileLog() as log:
+            answer_rows(None, [s for _, s in rows], q[0], GEN, Record(), engines=[e for e, _ in rows])
+        return log.programs
+
+    counts = [programs(p) for p in PRESSES]
+    assert counts[0] > 0 and counts[1:] == [0] * (len(PRESSES) - 1), counts
+
+
+def test_what_has_no_canonical_form_is_refused(setup):
+    model, ctx, q, states = setup
+    assert canonical(kvpress("AdaKVPress", 0.5, max_new=MAX_NEW, window_size=8)) is None  # a head pool
+    assert canonical(kvpolicies.get("full")) is None
+    exact = kvpress("KnormPress", 0.5, max_new=MAX_NEW)
+    assert canonical(exact) is None  # not a shape class: it sizes itself by ratio
+    rer = kvpress("KeyRerotationPress", 0.5, max_new=MAX_NEW, press="KnormPress")
+    assert canonical(shape_class_of(rer, MAX_LEN, MAX_LEN)[0]) is None  # a shape class, but its own extend (RoPE)
+    assert canonical(shape_class_of(exact, MAX_LEN, MAX_LEN)[0]).slots == MAX_LEN
+    plain = Engine(model, exact, max_len=MAX_LEN)
+    st = plain.compress(plain.prompt(ctx))
+    with pytest.raises(ValueError, match="no common canonical"):
+        answering_engine(plain)
+    (ka, sa), (kb, sb) = states["KnormPress"][:2]
+    with pytest.raises(ValueError, match="same canonical policy"):
+        shared_rows([(ka, sa), (plain, st)], Q + GEN - 1)
+    with pytest.raises(ValueError, match="past max_new"):
+        shared_rows([(ka, sa), (kb, sb)], MAX_NEW + 1)
+    longer = kb.compress(kb.prompt(np.concatenate([ctx, ctx[:, :3]], axis=1)))
+    with pytest.raises(ValueError, match="different lengths"):
+        shared_rows([(ka, sa), (kb, longer)], Q + GEN - 1)
+    with pytest.raises(ValueError, match="compressed"):
+        shared_rows([(ka, ka.prompt(ctx))], Q + GEN - 1)
