@@ -113,7 +113,7 @@ MODES = ("press", "shared", "pooled")  # alternate=: evals.peer's two answer mod
 
 def alternate(p, rounds: int) -> dict[str, Any]:
     """Our side's answers of the first sample in one process, in MODES in turn on the same compressed
-    states: every press with a canonical form (`models.engine.shared`) at every ratio, compressed
+    states: every press with a canonical form (`evals.shared_answers`) at every ratio, compressed
     once (shape classes, one covering prefill, as `evals.peer.run_ours`); answer=press, answer=shared
     (the same batches through the canonical form's engine) and pooled (every press's rows as one
     batch through it). A round 0 that compiles (each mode's programs and compilation seconds), then
@@ -126,7 +126,7 @@ def alternate(p, rounds: int) -> dict[str, Any]:
     from evals.compiles import CompileLog
     from kvpolicies.compat import kvpress
     from models.engine import Engine
-    from models.engine.shared import canonical_of
+    from evals.shared_answers import canonical_of
 
     model, _ = peer.load_ours(p)
     ctx, q = p.contexts[0], p.questions[0]

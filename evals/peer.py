@@ -48,7 +48,7 @@ Keys (key=value):
     progress=true
     answer=press                  how our side answers a press's ratios (one batch): press (through the
                                   press's own compiled steps) or shared (a shape-class prompt scorer's
-                                  batch through one canonical append-only policy, `models.engine.shared`:
+                                  batch through one canonical append-only policy, `evals.shared_answers`:
                                   one set of question and decode steps for every press of one slot count
                                   and batch, not one per press; the same floats, bit for bit; adakv,
                                   kvzip, duo and the full cache keep their own steps)
@@ -629,7 +629,7 @@ def run_ours(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=lambda
     ratios answer as one batch as soon as they are compressed, and their states are freed then: a
     sample never holds the whole grid's states (the leaderboard's 17 presses x 4 ratios at 4K took
     15.5 GB and were killed before this). With `answer=shared`, a press that has a canonical
-    append-only form (`models.engine.shared.canonical`: the shape classes' prompt scorers) answers
+    append-only form (`evals.shared_answers.canonical`: the shape classes' prompt scorers) answers
     its batch through that form's engine: one set of compiled question and decode steps for every
     press of one slot count and batch, not one per press (the same batches: the same floats)."""
     import jax
@@ -638,7 +638,7 @@ def run_ours(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=lambda
     from kvpolicies.compat import kvpress
     from kvpolicies.memory import filled_bytes, tree_nbytes
     from models.engine import Engine
-    from models.engine.shared import canonical_of
+    from evals.shared_answers import canonical_of
     from models.llama import policy_runs
 
     max_len = max(len(c) + len(q) for c, q in zip(p.contexts, p.questions)) + p.gen
@@ -699,7 +699,7 @@ def run_ours(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=lambda
 
 def _answer_group(p: Plan, i: int, group: list, q: np.ndarray, n: int, log, f, tick, shared: bool = False) -> None:
     """The greedy answers of one batch of compressed states (a press's ratios; `shared`: through their
-    canonical form's engine, `models.engine.shared`), a line each."""
+    canonical form's engine, `evals.shared_answers`), a line each."""
     t1 = time.time()
     eng, ph = group[0][2], Phases(log)
     ids = answer_rows(eng, [x[3] for x in group], q, p.gen, ph, engines=[x[2] for x in group] if shared else None)
@@ -728,11 +728,11 @@ def answer_rows(eng, states: list, q: np.ndarray, gen: int, ph, engines: list | 
     one batch: a step reads the weights once for every row (rows of a batch answer as each row
     alone: tests/models/test_shape_classes.py). `engines` (one per state, of any presses with one
     canonical append-only form): the rows go through that form's engine instead
-    (`models.engine.shared.shared_rows`)."""
+    (`evals.shared_answers.shared_rows`)."""
     import jax.numpy as jnp
 
     if engines is not None:
-        from models.engine.shared import shared_rows
+        from evals.shared_answers import shared_rows
 
         eng, st = shared_rows(list(zip(engines, states, strict=True)), len(q) + gen - 1)
     elif len(states) == 1:

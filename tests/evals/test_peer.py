@@ -513,7 +513,7 @@ def test_a_wrapper_over_an_inner_press_by_name(tmp_path):
 
 
 def test_answer_shared_answers_through_one_canonical_engine_as_press_mode(tmp_path):
-    """answer=shared (models.engine.shared): each prompt scorer's ratios answer as one batch through
+    """answer=shared (evals.shared_answers): each prompt scorer's ratios answer as one batch through
     one canonical form's engine (the full cache through its own). The lines keep the same kept
     positions and answer ids as answer=press (the default), and the same batches."""
     from models.config import LlamaConfig

@@ -67,7 +67,7 @@ def answering_engine(engine: Any) -> Any:
     `engine`; its jitted steps are shared (`share_steps`) by the answering engines of every press of
     the same key, so they compile once. It may append as many tokens after a compression as the
     policy's max_new (`slot_limit`)."""
-    from models.engine.core import Engine
+    from models.engine import Engine
 
     pol = canonical_of(engine)
     if pol is None:

@@ -1,4 +1,4 @@
-"""`models.engine.shared`: the compressed states of different presses' shape classes answer as the rows
+"""`evals.shared_answers`: the compressed states of different presses' shape classes answer as the rows
 of one batch through one canonical append-only policy. Checked against each press's own engine: at the
 same batch the canonical form gives its question logits bit for bit, and in one batch of every press
 the same greedy ids; the answers' programs compile once for all presses, not once per press (JAX's
@@ -16,7 +16,7 @@ from kvpolicies.compat import kvpress
 from kvpolicies.prompt import shape_class_of
 from models.config import LlamaConfig
 from models.engine import Engine, grid_slots
-from models.engine.shared import answering_engine, canonical, canonical_of, shared_rows
+from evals.shared_answers import answering_engine, canonical, canonical_of, shared_rows
 from models.llama import Llama
 
 CFG = LlamaConfig(vocab_size=97, d_model=48, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64)
