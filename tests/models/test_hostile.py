@@ -433,6 +433,8 @@ def continued(name):
         return dataclasses.replace(pol, prompt="stream")
     if prompt_policy_of(pol) != pol and "budget" in fields:
         return dataclasses.replace(pol, budget=400)  # pyramidkv's smallest layer then holds 20 too
+    if prompt_policy_of(pol) != pol and "ratio" in fields:
+        return dataclasses.replace(pol, ratio=0.0)  # think: no key channel pruned after the prompt
     return pol
 
 

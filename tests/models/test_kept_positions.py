@@ -44,6 +44,10 @@ POLICIES = {
     "duo": (kvpolicies.get("duo", sink=2, recent=5, heads=(1, 0)), lambda h: range(T) if h == 0 else [0, 1, *range(T - 5, T)]),
     "kivi": (kvpolicies.get("kivi", bits=2, group=4, residual=8), lambda h: range(T)),
     "paged": (kvpolicies.get("paged", block=3), lambda h: range(T)),
+    "think": (kvpolicies.get("think", max_new=4), lambda h: range(T)),  # every token (fewer key channels)
+    # the budget counts snapkv's window, as the inner press's
+    "critical": (kvpolicies.get("critical", budget=8, max_new=4, press=kvpolicies.get("snapkv", obs_window=3, kernel=3)),
+                 (8,)),
 }
 
 
