@@ -38,8 +38,8 @@ aggregators take the maximum over the batch too, and its unstructured form needs
 norms of the context's n values (kvpress 0.5.5 multiplies n scores by the 2n values of its
 cache after the pass and raises). Stream extension (ours; `Engine.score` and generation past
 `max_new`): a slot's `mass` is its score from the pass, raised by the most attention a later
-query gives it (the same statistic, agg_task max and agg_group mean), and a full layer keeps its
-S - max_new best by mass.
+query gives it averaged over the G query heads (per query, so a chunk of queries gives what they
+give one by one), and a full kv head keeps its S - max_new best by mass.
 """
 
 from __future__ import annotations
@@ -188,8 +188,12 @@ class KVCompose(Fits, Reconstructor, PromptScored):
     # -- decoding and streams (PromptScored: append; recompress on overflow) -------------------------
     @chunked
     def observe(self, slots, stats, view, seen, count, s):
-        probs = jax.nn.softmax(seen.logits, axis=-1).max(axis=3).mean(axis=2)  # [B, K, V]: max over T, mean over G
+        probs = jax.nn.softmax(seen.logits, axis=-1).mean(axis=2).max(axis=2)  # [B, K, V]: mean over G, max over T
         return dataclasses.replace(slots, mass=jnp.maximum(slots.mass, probs)), stats
+
+    def stream_kept(self, s: int) -> int:
+        """A full layer keeps its S - max_new best by mass (each kv head)."""
+        return max(s - self.max_new, 1)
 
     def rank(self, slots, keys, stats, seen):
         return rank_by(slots.mass, slots.pos)
