@@ -28,7 +28,10 @@ Protocol (kvpress's, a prompt compressor with a second model pass, run by `model
 Memory: each layer keeps a data-dependent c_l tokens per kv head, so a static state must allow
 for c_l = n (S = max_len); with `Engine(..., fit=1)` (`Fits`: `Engine.fitted`) each layer is
 stored at c_l + max_new slots per kv head, what it kept: kvpress's structured cache holds c_l
-per head too (it truncates each layer's tensors; it does not mask).
+per head too (it truncates each layer's tensors; it does not mask). Under a token budget
+(`budget`, ratio 0: `kvpolicies.budgets`, the same stored bytes for every policy) the layers are
+uniform: each kv head keeps its `budget` best by the pass's scores (+ their layer mean), no
+composite allocation.
 
 Deviations, named: (1) `structured=False` (each head its own count, kvpress's attention patch
 that masks) is not reproduced; (2) batch rows are scored and chosen each on its own (kvpress's
@@ -79,7 +82,7 @@ class KVCompose(Fits, Reconstructor, PromptScored):
     repeat_tail: ClassVar[int] = 0
     prompts: ClassVar[str] = "none"
 
-    budget: int = 1024  # ratio 0: L x budget composite tokens over all layers (budget per kv head on average)
+    budget: int = 1024  # ratio 0: every kv head of every layer keeps its `budget` best (uniform layers, see Memory)
     max_new: int = 256
     agg_task: str = "max"  # over the pass's queries
     agg_group: str = "mean"  # over the G query heads of a kv head
@@ -102,17 +105,21 @@ class KVCompose(Fits, Reconstructor, PromptScored):
                              "data-dependent counts)")
 
     def capacity(self, max_len):
-        """Slots per kv head: max_len (a layer may keep every token), or once fitted what it kept + max_new."""
-        return min(self.fitted + self.max_new, max_len) if self.fitted else max_len
+        """Slots per kv head: with `ratio`, max_len (a layer may keep every token) or, once fitted, what
+        it kept + max_new; without, budget + max_new."""
+        if self.fitted:
+            return min(self.fitted + self.max_new, max_len)
+        return max_len if self.ratio else min(self.budget + self.max_new, max_len)
 
     def kept_table(self, max_len):
         return None  # the counts depend on the content: no shape class
 
     def composite_kept(self, n: int, n_layers: int) -> int:
-        """Composite tokens kept over all layers of an n-token context (kvpress's compute_n_kept of L n)."""
+        """With `ratio`, composite tokens kept over all layers of an n-token context (kvpress's
+        compute_n_kept of L n); without, the tokens every layer keeps (its budget)."""
         if self.ratio:
             return max(1, int(n_layers * n * (1 - self.ratio)))
-        return n_layers * min(self.budget, n)
+        return min(self.budget, n)
 
     # -- Fits: stored at what each layer kept --------------------------------------------------------
     def fit(self, tokens_per_head: int) -> "KVCompose":
@@ -166,7 +173,7 @@ class KVCompose(Fits, Reconstructor, PromptScored):
         m, n_layers = score.shape[-1], score.shape[0]
         table = np.asarray([pol.composite_kept(n, n_layers) for n in range(m + 1)], np.int32)
         kept = compose_keep(score, pos, vnorm, jnp.asarray(table), pol.agg_head, pol.add_mean_across_heads,
-                            pol.keep_token_lower_bound)  # [L, B, K, M]
+                            pol.keep_token_lower_bound, not pol.ratio)  # [L, B, K, M]
         out, i = [], 0
         for st in states:
             n = st.pos.shape[0]
@@ -240,12 +247,13 @@ def _in_order_mean(x: Float[Array, "L B K M"]) -> Float[Array, "L B 1 M"]:
     return acc / x.shape[2]
 
 
-@functools.partial(jax.jit, static_argnums=(4, 5, 6))
+@functools.partial(jax.jit, static_argnums=(4, 5, 6, 7))
 def compose_keep(score: Float[Array, "L B K M"], pos: Int[Array, "L B 1 M"], vnorm: Float[Array, "L B K M"] | None,
-                 table: Int[Array, "M1"], agg_head: str = "mean", add_mean: bool = True, lower_bound: int = 0
-                 ) -> Bool[Array, "L B K M"]:
+                 table: Int[Array, "M1"], agg_head: str = "mean", add_mean: bool = True, lower_bound: int = 0,
+                 uniform: bool = False) -> Bool[Array, "L B K M"]:
     """kvpress's structured KVCompose choice over all layers (see the module docstring, step 3):
-    the slots each (layer, kv head) keeps. `table[n]`: composite tokens kept of n context tokens."""
+    the slots each (layer, kv head) keeps. `table[n]`: composite tokens kept of n context tokens
+    (`uniform`: the tokens each layer keeps, no composite)."""
     n_layers, b, kh, m = score.shape
     filled = jnp.broadcast_to(pos >= 0, score.shape)  # [L, B, K, M]
     if vnorm is not None:
@@ -264,5 +272,7 @@ def compose_keep(score: Float[Array, "L B K M"], pos: Int[Array, "L B 1 M"], vno
     chosen = top_mask(jnp.where(live, flat, -jnp.inf), tie, table[n][:, None]) & live
     count = jnp.maximum(chosen.reshape(b, n_layers, m).sum(-1), max(1, lower_bound))  # [B, L]
     count = jnp.minimum(jnp.moveaxis(count, 0, 1), n[None])[:, :, None, None]  # [L, B, 1, 1]
+    if uniform:
+        count = jnp.broadcast_to(table[n][None, :, None, None], count.shape)
     prio = jnp.where(filled, score, -jnp.inf)  # [L, B, K, M]
     return top_mask(prio, jnp.broadcast_to(pos, score.shape), count) & filled

@@ -119,7 +119,7 @@ REFERENCES = {
               kvzip_reference),  # tests/refs/kvzip.py
     "kvzap": ([kvpolicies.get("kvzap", budget=5, max_new=3, window=2, surrogate="random")],
               kvzap_reference),  # tests/refs/kvzap.py
-    "kvcompose": ([kvpolicies.get("kvcompose", fitted=5, max_new=3)],
+    "kvcompose": ([kvpolicies.get("kvcompose", budget=5, max_new=3)],
                   kvcompose_reference),  # tests/refs/kvcompose.py (8 slots: 5 kept on overflow)
     "duo": ([kvpolicies.get("duo", sink=2, recent=5, heads=(1, 0))],
             duo_reference),
