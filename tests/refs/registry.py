@@ -119,8 +119,8 @@ REFERENCES = {
               kvzip_reference),  # tests/refs/kvzip.py
     "kvzap": ([kvpolicies.get("kvzap", budget=5, max_new=3, window=2, surrogate="random")],
               kvzap_reference),  # tests/refs/kvzap.py
-    "kvcompose": ([kvpolicies.get("kvcompose", budget=5, max_new=3)],
-                  kvcompose_reference),  # tests/refs/kvcompose.py (8 slots: 5 kept on overflow)
+    "kvcompose": ([kvpolicies.get("kvcompose", budget=6, max_new=3)],
+                  kvcompose_reference),  # tests/refs/kvcompose.py (9 slots: 6 kept on overflow; observed's shapes)
     "duo": ([kvpolicies.get("duo", sink=2, recent=5, heads=(1, 0))],
             duo_reference),
     "multires": ([kvpolicies.get("multires", window=3, branch=2, slots_per_level=2, levels=3)], _hier_ref),
