@@ -107,6 +107,8 @@ def tiny(kind: str, tmp: pathlib.Path, presses: list):
     return Llama(cfg, params), ctx, question, ref
 
 
+# kvpress's other aggregations (KVP_KVPRESS_FULL=1)
+OTHER = {"agg_task": "mean", "agg_group": "max", "agg_head": "max", "add_mean_across_heads": False}
 # add_v_norm=True: kvpress 0.5.5 multiplies the n context scores by the norms of its cache's 2n values and raises
 V_NORM = {"add_v_norm": True}
 
@@ -114,7 +116,8 @@ V_NORM = {"add_v_norm": True}
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     return tiny("llama", tmp_path_factory.mktemp("llama"),
-                [["KVComposePress", r, {}] for r in (RATIOS if FULL_GRID else (0.5,))] + [["KVComposePress", 0.5, V_NORM]])
+                [["KVComposePress", r, {}] for r in (RATIOS if FULL_GRID else (0.5,))] + [["KVComposePress", 0.5, V_NORM]]
+                + ([["KVComposePress", 0.5, OTHER]] if FULL_GRID else []))
 
 
 @pytest.fixture(scope="module")
@@ -135,29 +138,31 @@ def kept_of(masks: list[str], kv_heads: int) -> list[list[list[int]]]:
     return out
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-@pytest.mark.parametrize("ratio", RATIOS)
-def test_kvcompose_keeps_kvpress_positions_answers_and_bytes(kind, ratio, request):
+@pytest.mark.parametrize("kind,ratio,fields", [("llama", 0.5, {}), ("llama", 0.75, {}), ("qwen2", 0.5, {}),
+                                               ("qwen2", 0.75, {}), ("llama", 0.5, OTHER)],
+                         ids=["llama-0.5", "llama-0.75", "qwen2-0.5", "qwen2-0.75", "llama-0.5-other"])
+def test_kvcompose_keeps_kvpress_positions_answers_and_bytes(kind, ratio, fields, request):
     """KVComposePress at its defaults (structured, agg_task max, agg_group mean, agg_head mean, the layer mean
-    added; the tiny Llama at 0.5, the rest with KVP_KVPRESS_FULL=1): kvpress gives each layer a count from one
+    added; the tiny Llama at 0.5, the rest and the other aggregations with KVP_KVPRESS_FULL=1): kvpress gives each layer a count from one
     top-k over all layers' composite scores (layer 0 the largest) and truncates every layer's cache to it; we
     keep the same positions per (layer, kv head). kvpress 0.5.5's pipeline then fails on the question (sdpa's
     mask follows layer 0's length, the other layers hold fewer keys: as for PyramidKVPress and SimLayerKVPress);
     fed one token at a time, its compressed cache answers, and we give that answer. Stored at what each layer
     kept (`Engine(fit=1)`), each layer holds kvpress's tokens plus max_new free slots, with a position and a
     float32 mass per slot (the stream rule's); unfitted, max_len slots per kv head (a layer may keep all)."""
-    if (ratio != 0.5 or kind != "llama") and not FULL_GRID:
+    if (ratio != 0.5 or kind != "llama" or fields) and not FULL_GRID:
         pytest.skip(f"KVComposePress at {ratio} on the tiny {kind}: KVP_KVPRESS_FULL=1 (suite time)")
     model, ctx, question, ref = request.getfixturevalue("tiny_run" if kind == "llama" else "tiny_qwen2_run")
     kh, d, n_layers = model.cfg.n_kv_heads, model.cfg.head_dim, model.cfg.n_layers
     max_len = N_CTX + N_Q + N_NEW
-    want = ref[key_of("KVComposePress", ratio, {})]
+    want = ref[key_of("KVComposePress", ratio, fields)]
     assert "must match the size" in want["error"], want  # kvpress's question in one piece
     want_kept = kept_of(want["masks"], kh)
     counts = [len(layer[0]) for layer in want_kept]
     assert len(set(counts)) > 1 and sum(counts) == int(n_layers * N_CTX * (1 - ratio)), counts
     assert counts[0] == max(counts) and all(len(h) == c for layer, c in zip(want_kept, counts) for h in layer)
-    eng = Engine(model, kvpress("KVComposePress", ratio, max_new=MAX_NEW), max_len=max_len, fit=1, share_steps=True)
+    eng = Engine(model, kvpress("KVComposePress", ratio, max_new=MAX_NEW, **fields), max_len=max_len, fit=1,
+                 share_steps=True)
     state = eng.compress(eng.prompt(ctx[None]))
     kept = [[p.tolist() for p in layer] for layer in eng.kept_positions(state)]
     for i, (g, w) in enumerate(zip([h for layer in kept for h in layer], [h for layer in want_kept for h in layer])):
