@@ -168,7 +168,8 @@ class KVCompose(Fits, Reconstructor, PromptScored):
         pos = jnp.concatenate([st.pos for st in states])  # [L, B, 1, M]
         vnorm = None
         if pol.add_v_norm:
-            v = jnp.concatenate([pol.codec.decode(st.v, jnp.float32, in_basis=True) for st in states])  # [L, B, K, M, D]
+            v = jnp.concatenate([pol.codec.decode(st.v, jnp.float32, in_basis=True)
+                                 for st in states])  # [L, B, K, M, D]
             vnorm = jnp.sqrt(jnp.sum(v * v, axis=-1))  # [L, B, K, M]
         m, n_layers = score.shape[-1], score.shape[0]
         table = np.asarray([pol.composite_kept(n, n_layers) for n in range(m + 1)], np.int32)

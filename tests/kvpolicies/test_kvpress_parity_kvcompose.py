@@ -116,7 +116,8 @@ V_NORM = {"add_v_norm": True}
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     return tiny("llama", tmp_path_factory.mktemp("llama"),
-                [["KVComposePress", r, {}] for r in (RATIOS if FULL_GRID else (0.5,))] + [["KVComposePress", 0.5, V_NORM]]
+                [["KVComposePress", r, {}] for r in (RATIOS if FULL_GRID else (0.5,))]
+                + [["KVComposePress", 0.5, V_NORM]]
                 + ([["KVComposePress", 0.5, OTHER]] if FULL_GRID else []))
 
 
@@ -143,9 +144,9 @@ def kept_of(masks: list[str], kv_heads: int) -> list[list[list[int]]]:
                          ids=["llama-0.5", "llama-0.75", "qwen2-0.5", "qwen2-0.75", "llama-0.5-other"])
 def test_kvcompose_keeps_kvpress_positions_answers_and_bytes(kind, ratio, fields, request):
     """KVComposePress at its defaults (structured, agg_task max, agg_group mean, agg_head mean, the layer mean
-    added; the tiny Llama at 0.5, the rest and the other aggregations with KVP_KVPRESS_FULL=1): kvpress gives each layer a count from one
-    top-k over all layers' composite scores (layer 0 the largest) and truncates every layer's cache to it; we
-    keep the same positions per (layer, kv head). kvpress 0.5.5's pipeline then fails on the question (sdpa's
+    added; the tiny Llama at 0.5, the rest and the other aggregations with KVP_KVPRESS_FULL=1): kvpress gives each
+    layer a count from one top-k over all layers' composite scores (layer 0 the largest) and truncates every
+    layer's cache to it; we keep the same positions per (layer, kv head). kvpress 0.5.5's pipeline then fails on the question (sdpa's
     mask follows layer 0's length, the other layers hold fewer keys: as for PyramidKVPress and SimLayerKVPress);
     fed one token at a time, its compressed cache answers, and we give that answer. Stored at what each layer
     kept (`Engine(fit=1)`), each layer holds kvpress's tokens plus max_new free slots, with a position and a

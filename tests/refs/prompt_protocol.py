@@ -321,7 +321,8 @@ def kept_kvcompose(pol, t, m, recon):
     ratio))) best composites of all layers (ties: the earlier layer) count each layer's tokens,
     which every kv head takes from its own best (ties: the newer token)."""
     n, n_layers = t["atts"][0].shape[-1], len(recon["atts"])
-    scores = np.stack([_by_kv_head(att, m)[:, :, n:, :n].max(axis=2).mean(axis=1) for att in recon["atts"]])  # [L, K, n]
+    scores = np.stack([_by_kv_head(att, m)[:, :, n:, :n].max(axis=2).mean(axis=1)
+                       for att in recon["atts"]])  # [L, K, n]: max over the second copy's queries, mean over G
     scores = scores + scores.mean(axis=1, keepdims=True)
     comp = -np.sort(-scores, axis=-1).mean(axis=1)  # [L, n]
     comp[0] = comp.max(axis=0)
