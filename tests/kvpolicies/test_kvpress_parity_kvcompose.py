@@ -146,9 +146,9 @@ def test_kvcompose_keeps_kvpress_positions_answers_and_bytes(kind, ratio, fields
     """KVComposePress at its defaults (structured, agg_task max, agg_group mean, agg_head mean, the layer mean
     added; the tiny Llama at 0.5, the rest and the other aggregations with KVP_KVPRESS_FULL=1): kvpress gives each
     layer a count from one top-k over all layers' composite scores (layer 0 the largest) and truncates every
-    layer's cache to it; we keep the same positions per (layer, kv head). kvpress 0.5.5's pipeline then fails on the question (sdpa's
-    mask follows layer 0's length, the other layers hold fewer keys: as for PyramidKVPress and SimLayerKVPress);
-    fed one token at a time, its compressed cache answers, and we give that answer. Stored at what each layer
+    layer's cache to it; we keep the same positions per (layer, kv head). kvpress 0.5.5's pipeline then fails on
+    the question (sdpa's mask follows layer 0's length, the other layers hold fewer keys: as for PyramidKVPress
+    and SimLayerKVPress); fed one token at a time, its compressed cache answers, and we give that answer. Stored at what each layer
     kept (`Engine(fit=1)`), each layer holds kvpress's tokens plus max_new free slots, with a position and a
     float32 mass per slot (the stream rule's); unfitted, max_len slots per kv head (a layer may keep all)."""
     if (ratio != 0.5 or kind != "llama" or fields) and not FULL_GRID:
