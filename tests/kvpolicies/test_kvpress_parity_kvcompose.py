@@ -148,9 +148,10 @@ def test_kvcompose_keeps_kvpress_positions_answers_and_bytes(kind, ratio, fields
     layer a count from one top-k over all layers' composite scores (layer 0 the largest) and truncates every
     layer's cache to it; we keep the same positions per (layer, kv head). kvpress 0.5.5's pipeline then fails on
     the question (sdpa's mask follows layer 0's length, the other layers hold fewer keys: as for PyramidKVPress
-    and SimLayerKVPress); fed one token at a time, its compressed cache answers, and we give that answer. Stored at what each layer
-    kept (`Engine(fit=1)`), each layer holds kvpress's tokens plus max_new free slots, with a position and a
-    float32 mass per slot (the stream rule's); unfitted, max_len slots per kv head (a layer may keep all)."""
+    and SimLayerKVPress); fed one token at a time, its compressed cache answers, and we give that answer.
+    Stored at what each layer kept (`Engine(fit=1)`), each layer holds kvpress's tokens plus max_new free slots,
+    with a position and a float32 mass per slot (the stream rule's); unfitted, max_len slots per kv head (a layer
+    may keep all)."""
     if (ratio != 0.5 or kind != "llama" or fields) and not FULL_GRID:
         pytest.skip(f"KVComposePress at {ratio} on the tiny {kind}: KVP_KVPRESS_FULL=1 (suite time)")
     model, ctx, question, ref = request.getfixturevalue("tiny_run" if kind == "llama" else "tiny_qwen2_run")
