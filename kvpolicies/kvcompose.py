@@ -39,7 +39,9 @@ aggregators take the maximum over the batch too, and its unstructured form needs
 (3) ties keep the earlier layer in the top-k over layers and the newer token within a head
 (kvpress: torch.topk's and torch.argsort's order); (4) `add_v_norm=True` multiplies by the
 norms of the context's n values (kvpress 0.5.5 multiplies n scores by the 2n values of its
-cache after the pass and raises). Stream extension (ours; `Engine.score` and generation past
+cache after the pass and raises); (5) the pass feeds the context itself, kvpress's default (its
+`register_prompt_ids`, other probe prompts whose attention `agg_task` aggregates, is not reached by its
+pipeline and not reproduced). Stream extension (ours; `Engine.score` and generation past
 `max_new`): a slot's `mass` is its score from the pass, raised by the most attention a later
 query gives it averaged over the G query heads (per query, so a chunk of queries gives what they
 give one by one), and a full kv head keeps its S - max_new best by mass.
