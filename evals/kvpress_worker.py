@@ -520,9 +520,13 @@ def group_of(name: str, shared: bool = True) -> tuple[str, str]:
     ObservedAttentionPress needs the attention weights (eager); KVzipPress compresses after the
     prefill, in its own context manager's exit (a second pass reconstructing the context), so it
     never runs in a shared prefill's forward hook: with `shared`, its ratios share one pass
-    (`run_kvzip`), else kvpress's pipeline per press (`run_per_press`)."""
+    (`run_kvzip`), else kvpress's pipeline per press (`run_per_press`). KVComposePress (the same, its
+    pass the context itself) runs kvpress's pipeline per press, on the eager model: it prefills with
+    eager attention, whose keys the kept positions are matched against."""
     if name == "KVzipPress":
         return "sdpa", "kvzip" if shared else "pipeline"
+    if name == "KVComposePress":  # compresses in its context manager's exit too, after an eager prefill and pass
+        return "eager", "pipeline"
     return ("eager" if name == "ObservedAttentionPress" else "sdpa"), "shared" if shared else "pipeline"
 
 

@@ -27,6 +27,9 @@ sized by their `ratio` field (`PromptScored.kept_for`), with kvpress's defaults:
                             (Engine(..., repeat=tok), or a model from models.loading / evals.zoo,
                             which remember theirs). Stored at full size: layers keep data-dependent
                             counts, as kvpress (which masks)
+    KVComposePress          kvcompose (structured; kvpress's agg_* fields): a second pass over the context
+                            itself, layer counts from one top-k over all layers' composite scores; stored
+                            at what each layer kept with Engine(..., fit=1), as kvpress (which truncates)
     DuoAttentionPress       duo with compression_ratio as kvpress's head_compression_ratio: the
                             round(L K r) lowest of `head_scores` ([L][K], a file or nested lists;
                             kvpress downloads the authors' patterns or scores BookSum, neither
@@ -129,6 +132,7 @@ from kvpolicies.duo import Duo, load_pattern
 from kvpolicies.knorm import Knorm
 from kvpolicies.keydiff import KeyDiff
 from kvpolicies.kvzip import KVzip
+from kvpolicies.kvcompose import KVCompose
 from kvpolicies.lagkv import LagKV
 from kvpolicies.merging import Merging
 from kvpolicies.observed import Observed
@@ -466,7 +470,8 @@ PRESSES = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPress", "
            "KeyDiffPress", "LagKVPress", "RandomPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress",
            "ComposedPress", "FinchPress", "CURPress", "MergingPress", "CompactorPress", "NonCausalAttnPress", "LeverageScorePress",
            "ChunkKVPress", "KeyRerotationPress", "EntropyGatedChunkKVPress", "SimLayerKVPress", "CapPress",
-           "CriticalKVPress", "CriticalAdaKVPress", "ThinKPress", *DECODING_PRESSES, "LUKVPress", "CAMPress")
+           "CriticalKVPress", "CriticalAdaKVPress", "ThinKPress", *DECODING_PRESSES, "LUKVPress", "CAMPress",
+           "KVComposePress")
 SUPPORTED = PRESSES
 WRAPPERS = ("MergingPress", "AdaKVPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress", "ChunkKVPress",
             "KeyRerotationPress", "EntropyGatedChunkKVPress", "CriticalKVPress", "CriticalAdaKVPress")  # `press`: an inner press
@@ -590,6 +595,11 @@ def kvpress(name: str, compression_ratio: float, /, *, max_new: int = 256, n_lay
         layerwise = fields.pop("layerwise", False)
         out = KVzip(ratio=r, max_new=max_new, n_sink=fields.pop("n_sink", 4), repeat_chunk=fields.pop("chunk_size", 2048),
                     scope="layer" if layerwise else "model", keep_last=False, prompts="kvpress")
+    elif press == "KVComposePress":  # structured only (kvpress's default; structured=False masks per head)
+        if not fields.pop("structured", True):
+            raise NotImplementedError("kvpolicies.compat.kvpress: KVComposePress(structured=False)")
+        out = KVCompose(ratio=r, max_new=max_new, **{k: fields.pop(k) for k in list(fields) if k in (
+            "agg_task", "agg_group", "agg_head", "add_v_norm", "add_mean_across_heads", "keep_token_lower_bound")})
     else:
         out = _scored(press, r, max_new, n_layers, fields)
     if fields:

@@ -14,6 +14,9 @@ module names no policy.
 `style="kvpress"`: kvpress 0.5.5's `KVzipPress.prepare` — the second prompt without the trailing
 space, and the context's leading chat prefix (what the chat template puts before a user message,
 `start` tokens) neither reconstructed nor scored; chunks are cut from `start` on.
+
+`style="none"`: no prompt and no suffix, the context chunk alone (KVCompose's pass,
+`kvpolicies.kvcompose`, feeds the whole context again after itself); no tokenizer is needed.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from kvpolicies.prompt import Reconstructor
 
 FIRST = "\n\nRepeat the previous context exactly."
 NEXT = "\n\nRepeat the part of the previous context exactly, starting with "
-STYLES = ("authors", "kvpress")
+STYLES = ("authors", "kvpress", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,11 +46,13 @@ class RepeatPrompts:
 
 
 def repeat_prompts(tok: Any, style: str = "authors") -> RepeatPrompts:
-    """The repeat prompts in `tok`'s ids (`style`: "authors" or "kvpress", see the module
+    """The repeat prompts in `tok`'s ids (`style`: "authors", "kvpress" or "none", see the module
     docstring); the suffix is what the chat template puts after a user message (its generation
     prompt included), as kvpress derives it; "\\n" without a template."""
     if style not in STYLES:
         raise ValueError(f"repeat_prompts: style={style!r} must be one of {list(STYLES)}")
+    if style == "none":
+        return RepeatPrompts((), (), ())
     suffix, prefix = "\n", ""
     template = getattr(tok, "chat_template", None)
     if template is not None and hasattr(tok, "apply_chat_template"):
@@ -87,6 +92,8 @@ def engine_prompts(zippers: tuple, repeat: Any) -> RepeatPrompts | None:
     (RepeatPrompts or None), or a tokenizer's ids in those layers' style."""
     if not zippers:
         return None
+    if {p.prompts for p in zippers} == {"none"} and not isinstance(repeat, RepeatPrompts):
+        return RepeatPrompts((), (), ())  # the context alone: no tokenizer needed
     if repeat is None or isinstance(repeat, RepeatPrompts):
         return repeat
     if not hasattr(repeat, "encode"):

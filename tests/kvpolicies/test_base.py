@@ -61,6 +61,7 @@ CAPABILITIES = {
     "critical": ("budget", True, False, False, False, False),
     "kvzip": ("budget", True, True, False, False, False),
     "kvzap": ("budget", True, False, False, False, False),
+    "kvcompose": ("budget", True, True, False, False, False),
     "duo": (None, True, False, False, True, True),
     "kivi": (None, True, False, False, False, False),
     "paged": (None, False, False, False, False, True),

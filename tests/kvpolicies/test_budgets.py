@@ -31,6 +31,7 @@ META_PER_SLOT |= {"adakv": 8 * K, "kvzip": 8 * K, "kvzap": 8 * K, "pyramidkv": 8
 META_PER_SLOT |= {"qfilter": 4 * K}
 META_PER_SLOT |= {"keydiff": 4 * K, "lagkv": 4 * K, "finch": 8 * K, "cur": 4 * K, "compactor": 8 * K}
 META_PER_SLOT |= {"simlayerkv": 4 * K, "cap": 4 * K}
+META_PER_SLOT |= {"kvcompose": 8 * K}  # a position and a float32 mass per slot and head
 META_PER_SLOT |= {"critical": 8 * K}  # its default inner press, snapkv: a float32 mass per slot and head
 # bytes stored once per layer, not per slot: expected's running query sums (D + D^2 float32 per kv head, a count)
 FIXED = {"expected": 4 * (K * (D + D * D) + 1)}

@@ -48,6 +48,7 @@ SMALL = {
     "critical": kvpolicies.get("critical", budget=8, max_new=4, press=kvpolicies.get("snapkv", obs_window=3, kernel=3)),
     "kvzip": kvpolicies.get("kvzip", budget=5, max_new=3, n_sink=2),
     "kvzap": kvpolicies.get("kvzap", budget=5, max_new=3, window=2, surrogate="random"),
+    "kvcompose": kvpolicies.get("kvcompose", budget=5, max_new=3),
     "duo": kvpolicies.get("duo", sink=2, recent=5, heads=(1, 0)),
     "multires": kvpolicies.get("multires", window=3, branch=2, slots_per_level=2, levels=3),
     "quest": kvpolicies.get("quest", page=4, top_k=2, window=5),

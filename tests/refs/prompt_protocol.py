@@ -313,6 +313,25 @@ def kept_kvzip(pol, t, m, recon):
     return out
 
 
+def kept_kvcompose(pol, t, m, recon):
+    """kvpress KVComposePress (structured, its defaults): each query head's most attention from the
+    context's second copy (recon: hf_tensors of [context, context]), mean over the kv head's query
+    heads, plus the layer's mean over kv heads; a layer's composite at rank r is the mean over its
+    kv heads of their r-th best score, layer 0's the maximum over layers; the max(1, int(L n (1 -
+    ratio))) best composites of all layers (ties: the earlier layer) count each layer's tokens,
+    which every kv head takes from its own best (ties: the newer token)."""
+    n, n_layers = t["atts"][0].shape[-1], len(recon["atts"])
+    scores = np.stack([_by_kv_head(att, m)[:, :, n:, :n].max(axis=2).mean(axis=1)
+                       for att in recon["atts"]])  # [L, K, n]: max over the second copy's queries, mean over G
+    scores = scores + scores.mean(axis=1, keepdims=True)
+    comp = -np.sort(-scores, axis=-1).mean(axis=1)  # [L, n]
+    comp[0] = comp.max(axis=0)
+    flat = sorted(range(n_layers * n), key=lambda i: (-comp.flat[i], i))[:max(1, int(n_layers * n * (1 - pol.ratio)))]
+    counts = np.maximum(np.bincount([i // n for i in flat], minlength=n_layers), 1)
+    return [[sorted(_best(dict(enumerate(scores[layer, h])), int(counts[layer]))) for h in range(m.k)]
+            for layer in range(n_layers)]
+
+
 def kept_kvzap(pol, t, m, params):
     """KVzap (kvpress KVzapPress, rule "budget"): the surrogate (params: the policy's weights,
     stacked on L) on transformers' normalised layer inputs gives a log-score per (token, kv head);
@@ -557,6 +576,10 @@ def _kvzap(pol, t, m, ctx):
     return kept_kvzap(pol, t, m, pol.surrogate_params(ctx["ref"].config.hidden_size, m.k, m.n_layers))
 
 
+def _kvcompose(pol, t, m, ctx):
+    return kept_kvcompose(pol, t, m, hf_tensors(ctx["ref"], np.concatenate([ctx["ids"], ctx["ids"]], axis=1)))
+
+
 def entries():
     """registry name -> Entry: the registry defaults but a budget that compresses a 48-token prompt
     (a ratio where the policy has one), and the fields the 2-layer tiny Qwen2 needs (named)."""
@@ -587,6 +610,7 @@ def entries():
         "cap": Entry(get("cap", ratio=0.5), _plain(kept_cap)),
         "adakv": Entry(get("adakv", ratio=0.2), _plain(kept_adakv)),  # 6 of 16 older tokens per head on average
         "kvzip": Entry(get("kvzip", ratio=0.5), _kvzip),
+        "kvcompose": Entry(get("kvcompose", ratio=0.5), _kvcompose),
         # window 8 (default 128 > the prompt: nothing to choose); surrogate="random" (no weights for this model)
         "kvzap": Entry(get("kvzap", budget=16, window=8, surrogate="random"), _kvzap),
         # sink 4 + recent 8 (defaults 64 + 256 > the prompt); heads: kv head 0 retrieval, 1 streaming

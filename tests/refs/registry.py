@@ -13,6 +13,7 @@ from tests.refs.prompt_scored import pyramid_ref, stream_ref
 from tests.refs.headwise import adakv_reference, duo_reference
 from tests.refs.hub import qfilter_stream
 from tests.refs.kvzap import stream_reference as kvzap_reference
+from tests.refs.kvcompose import stream_reference as kvcompose_reference
 from tests.refs.kvzip import stream_reference as kvzip_reference
 from tests.refs.multires_quest import hier_oracle, quest_oracle
 from tests.refs.quant import np_kivi_attention
@@ -118,6 +119,8 @@ REFERENCES = {
               kvzip_reference),  # tests/refs/kvzip.py
     "kvzap": ([kvpolicies.get("kvzap", budget=5, max_new=3, window=2, surrogate="random")],
               kvzap_reference),  # tests/refs/kvzap.py
+    "kvcompose": ([kvpolicies.get("kvcompose", budget=6, max_new=3)],
+                  kvcompose_reference),  # tests/refs/kvcompose.py (9 slots: 6 kept on overflow; observed's shapes)
     "duo": ([kvpolicies.get("duo", sink=2, recent=5, heads=(1, 0))],
             duo_reference),
     "multires": ([kvpolicies.get("multires", window=3, branch=2, slots_per_level=2, levels=3)], _hier_ref),

@@ -46,6 +46,9 @@ MAX_LEN = 40
 # (critical's W_o) stays in the mesh, as does every policy not named here.
 COVERED = {"finch": "snapkv", "pyramidkv": "snapkv", "keydiff": "knorm", "lagkv": "knorm", "cur": "knorm",
            "qfilter": "knorm"}
+# kvcompose chooses over every layer at once (its layers cannot share a model with other policies, nor its
+# pass another reconstructor's): its decode state is observed's layout (Accumulated), covered by observed's run
+COVERED |= {"kvcompose": "observed"}
 
 
 def instances(kv_heads: int, covered: bool = False) -> dict[str, kvpolicies.Policy]:
