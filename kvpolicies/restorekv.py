@@ -72,14 +72,15 @@ def load_restore(path: str) -> dict:
         return {"embeddings": emb, "lora_A": a, "lora_B": b, "alpha": float(z["lora_alpha"])}
 
 
-def save_restore(path, embeddings: np.ndarray, lora_a: dict, lora_b: dict, alpha: float, **meta) -> pathlib.Path:
-    """Write the arrays file `load_restore` reads (`meta`: settings stored beside them)."""
+def save_restore(path, embeddings: np.ndarray, lora_a: dict, lora_b: dict, alpha: float,
+                 meta: dict | None = None) -> pathlib.Path:
+    """Write the arrays file `load_restore` reads (`meta`: settings stored beside them, as "meta.<key>")."""
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     arrays = {"restore_embeddings": np.asarray(embeddings, np.float32), "lora_alpha": np.float32(alpha)}
     arrays.update({f"lora_A.{n}": np.asarray(x, np.float32) for n, x in lora_a.items()})
     arrays.update({f"lora_B.{n}": np.asarray(x, np.float32) for n, x in lora_b.items()})
-    np.savez(path, **arrays, **{f"meta.{k}": np.asarray(v) for k, v in meta.items()})
+    np.savez(path, **arrays, **{f"meta.{k}": np.asarray(v) for k, v in (meta or {}).items()})
     load_restore.cache_clear()
     return path
 
