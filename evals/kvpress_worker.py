@@ -377,15 +377,16 @@ def key_index(full_keys) -> list[list[dict]]:
     return out
 
 
-def kept_mask(model, cache, index, n: int) -> list[str]:
+def kept_mask(model, cache, index, n: int, extra: int = 0) -> list[str]:
     """Per layer, base64 of np.packbits of the [kv head, n] mask of the context positions `cache`
     keeps: each cached key is an exact copy of an uncompressed one (`index`, from `key_index`);
-    AdaKV's masked slots are not kept."""
+    AdaKV's masked slots are not kept; the last `extra` slots (RestoreKVPress's) are not the context's."""
     import numpy as np
 
     out = []
     for layer, heads in enumerate(index):
         keys = cache.layers[layer].keys[0].numpy()  # [K, m, D]
+        keys = keys[:, :keys.shape[1] - extra]
         mask = np.zeros((len(heads), n), bool)  # [K, n]
         masked = getattr(model.model.layers[layer].self_attn, "masked_key_indices", None)
         for h, where in enumerate(heads):
@@ -422,9 +423,11 @@ def timed_answer(model, cache, index, ctx, question, n_new, phases: dict) -> dic
     """{"kept": mask, "answer": ids, "phases": seconds} of a compressed cache (`phases` holds the
     prefill's and the compression's seconds already)."""
     t0 = time.time()
-    kept = kept_mask(model, cache, index, ctx.shape[1])
+    n = ctx.shape[1]
+    extra = max(0, cache.get_seq_length() - n)  # RestoreKVPress's restore slots after the context (kept, unmasked)
+    kept = kept_mask(model, cache, index, n, extra)
     phases["kept"] = time.time() - t0
-    answer = greedy(model, cache, question, ctx.shape[1], n_new, phases)
+    answer = greedy(model, cache, question, n + extra, n_new, phases)  # kvpress's pipeline: after the cache
     return {"kept": kept, "answer": answer, "phases": {k: round(v, 3) for k, v in phases.items()}}
 
 
@@ -580,6 +583,8 @@ def group_of(name: str, shared: bool = True) -> tuple[str, str]:
     (`run_kvzip`), else kvpress's pipeline per press (`run_per_press`)."""
     if name == "KVzipPress":
         return "sdpa", "kvzip" if shared else "pipeline"
+    if name == "RestoreKVPress":  # kvzip's pass, then its restore pass (its LoRA): the pipeline, per press
+        return "sdpa", "pipeline"
     return ("eager" if name == "ObservedAttentionPress" else "sdpa"), "shared" if shared else "pipeline"
 
 
@@ -594,7 +599,7 @@ def main_samples(job: dict, out_path: str) -> None:
     """The multi-sample form: every sample's presses, one JSON line appended per (sample, press)."""
     path = job["checkpoint"] or build_tiny(job["tiny"], job["save_to"])
     shared = job.get("prefill", "shared") == "shared"
-    if any(p[0] == "KVzipPress" for s in job["samples"] for p in s.get("presses", job.get("presses", []))):
+    if any(p[0] in ("KVzipPress", "RestoreKVPress") for s in job["samples"] for p in s.get("presses", job.get("presses", []))):
         use_tokenizer(job)
     models = {}
     with open(out_path, "a", encoding="utf-8") as f:
