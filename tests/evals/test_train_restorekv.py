@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from evals import train_restorekv as T
 from kvpolicies.compat import kvpress
@@ -61,7 +62,10 @@ def test_training_lowers_the_kl_to_the_model_s_own_teacher(tmp_path):
     eng = Engine(model, kvpress("RestoreKVPress", RATIO, max_new=M, restore_model_name=str(path)),
                  max_len=T_CTX + N + M, repeat=ByteTokenizer())
     ctx, target = texts[0][:T_CTX], texts[0][T_CTX:]
-    state = eng.compress(lora.restore(eng, eng.prompt(ctx[None])))
+    prompt = eng.prompt(ctx[None])
+    with pytest.raises(ValueError, match="models.lora.restore"):  # compress alone: refused (no restore tokens)
+        eng.compress(prompt)
+    state = eng.compress(lora.restore(eng, prompt))
     got = np.asarray(eng.feed(state, target[None]).logits[0])
     kept = jnp.asarray(T.kept_context(windows[0]["scores"], RATIO, N))
     want = np.asarray(T.student_logits(model, base, params, 8.0, windows[0], kept, windows[0]["target"])[-1])

@@ -7,6 +7,7 @@ greedy answer must be identical."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -164,9 +165,11 @@ def test_merged_lora_is_peft_s_sum():
 
 
 def test_restorekv_refuses_clearly(tmp_path):
-    """Errors before any compute: no arrays file, a missing file, kvzip+ normalization, compress without the
-    restore pass, a restore pass on an engine without restorekv."""
+    """Errors before any compute: no arrays file, a missing file, kvzip+ normalization, a restore pass on an
+    engine without restorekv, on a compressed state, without room for the restore tokens (compress without the
+    restore pass: tests/evals/test_train_restorekv.py, whose engine has a prompt)."""
     from models.config import LlamaConfig
+    from models.engine import Prompted
 
     with pytest.raises(ValueError, match="restore_model_name"):
         kvpress("RestoreKVPress", 0.5)
@@ -181,10 +184,10 @@ def test_restorekv_refuses_clearly(tmp_path):
     assert set(load_restore(str(arrays))["lora_A"]) == set(LORA_MODULES)
     eng = Engine(model, kvpress("RestoreKVPress", 0.5, max_new=8, restore_model_name=str(arrays)), max_len=64,
                  repeat=ByteTokenizer())
-    state = eng.prompt(np.arange(40)[None])
-    with pytest.raises(ValueError, match="models.lora.restore"):
-        eng.compress(state)
+    state = Prompted(cache=(), length=60, logits=None, compressed=False, tokens=np.zeros((1, 60), np.int32))
     with pytest.raises(ValueError, match="max_len"):
-        lora.restore(eng, eng.prompt(np.arange(60)[None]))
+        lora.restore(eng, state)
+    with pytest.raises(ValueError, match="uncompressed"):
+        lora.restore(eng, dataclasses.replace(state, compressed=True))
     with pytest.raises(ValueError, match="no layer of this engine restores"):
         lora.restore(Engine(model, kvpress("KVzipPress", 0.5), max_len=64, repeat=ByteTokenizer()), state)
