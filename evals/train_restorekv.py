@@ -84,9 +84,9 @@ def forward(model: Llama, layers: dict, final_norm: Array, x: Float[Array, "T d"
     g_, t_ = n_ // k_, x.shape[0]
     scale = d_ ** -0.5 if cfg.attn_scale is None else cfg.attn_scale
     causal = jnp.tril(jnp.ones((t_, t_), bool))
-    ks, vs = [], []
-    for i in range(cfg.n_layers):
-        w = {k: v[i] for k, v in layers.items()}
+
+    def layer(x, inp):  # one layer (a lax.scan over the stacked weights: one compiled body, whatever L)
+        w, ck_l, cv_l, vis_l = inp
         h = rms_norm(x, w["attn_norm"], cfg.norm_eps)
         q, k, v = h @ w["wq"], h @ w["wk"], h @ w["wv"]
         if cfg.qkv_bias:
@@ -97,8 +97,8 @@ def forward(model: Llama, layers: dict, final_norm: Array, x: Float[Array, "T d"
         if cfg.qk_norm:
             q, k = rms_norm(q, w["q_norm"], cfg.norm_eps), rms_norm(k, w["k_norm"], cfg.norm_eps)
         q, k = model.rope.apply(q, pos[None]), model.rope.apply(k, pos[None])
-        keys, vals = jnp.concatenate([ck[i], k], axis=1), jnp.concatenate([cv[i], v], axis=1)  # [K, S + T, D]
-        mask = jnp.concatenate([jnp.broadcast_to(vis[i][:, None, :], (k_, t_, vis.shape[-1])),
+        keys, vals = jnp.concatenate([ck_l, k], axis=1), jnp.concatenate([cv_l, v], axis=1)  # [K, S + T, D]
+        mask = jnp.concatenate([jnp.broadcast_to(vis_l[:, None, :], (k_, t_, vis_l.shape[-1])),
                                 jnp.broadcast_to(causal, (k_, t_, t_))], axis=-1)  # [K, T, S + T]
         lg = jnp.einsum("KGTD,KSD->KGTS", q.reshape(k_, g_, t_, d_), keys) * scale
         p = jax.nn.softmax(jnp.where(mask[:, None], lg, -jnp.inf), axis=-1)
@@ -110,10 +110,10 @@ def forward(model: Llama, layers: dict, final_norm: Array, x: Float[Array, "T d"
         m = (ACT[cfg.act](h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
         if cfg.post_norms:
             m = rms_norm(m, w["post_mlp_norm"], cfg.norm_eps)
-        x = x + m
-        ks.append(k)
-        vs.append(v)
-    return rms_norm(x, final_norm, cfg.norm_eps), jnp.stack(ks), jnp.stack(vs)
+        return x + m, (k, v)
+
+    x, (ks, vs) = jax.lax.scan(layer, x, (layers, ck, cv, vis))
+    return rms_norm(x, final_norm, cfg.norm_eps), ks, vs
 
 
 def empty(model: Llama) -> tuple[Array, Array, Array]:
