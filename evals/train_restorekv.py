@@ -61,7 +61,8 @@ def init_arrays(model: Llama, n: int, rank: int, seed: int = 0) -> dict:
     nl = model.cfg.n_layers
     shapes = lora_shapes(model)
     return {"emb": (0.02 * rng.standard_normal((n, model.cfg.d_model))).astype(np.float32),
-            "A": {k: rng.uniform(-i ** -0.5, i ** -0.5, (nl, rank, i)).astype(np.float32) for k, (i, o) in shapes.items()},
+            "A": {k: rng.uniform(-i ** -0.5, i ** -0.5, (nl, rank, i)).astype(np.float32)
+                  for k, (i, o) in shapes.items()},
             "B": {k: np.zeros((nl, o, rank), np.float32) for k, (i, o) in shapes.items()}}
 
 
@@ -267,7 +268,8 @@ def main(argv: list[str] | None = None):
     to_file(params, cfg, path)
     report = {"model": cfg["model"], "config": cfg, "heldout_ratio": mid, "heldout_kl_init": before,
               "heldout_kl": after, "train_loss_first": history[:10], "train_loss_last": history[-10:],
-              "command": "python -m evals.train_restorekv " + " ".join(f"{k}={v}" for k, v in cfg.items() if k != "out")}
+              "command": "python -m evals.train_restorekv " + " ".join(f"{k}={v}" for k, v in cfg.items()
+                                                                       if k != "out")}
     path.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     print(f"train_restorekv: {cfg['model']}: held-out symmetric KL at ratio {mid:.2f} {before:.4f} -> {after:.4f}; "
           f"wrote {path}")

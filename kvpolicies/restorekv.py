@@ -167,8 +167,10 @@ def from_kvpress(r: float, max_new: int, fields: dict) -> RestoreKV:
     arrays = fields.pop("restore_model_name", "")
     if not arrays:
         raise ValueError("kvpress('RestoreKVPress'): give restore_model_name= (an .npz of restore embeddings and "
-                         "LoRA: `python -m evals.train_restorekv model=<name>` writes $KVP_DATA/restorekv/<model>.npz); "
+                         "LoRA: `python -m evals.train_restorekv model=<name>` writes "
+                         "$KVP_DATA/restorekv/<model>.npz); "
                          "kvpress downloads the authors' from the Hugging Face hub")
     layerwise = fields.pop("layerwise", False)
-    return RestoreKV(ratio=r, max_new=max_new, n_sink=fields.pop("n_sink", 4), repeat_chunk=fields.pop("chunk_size", 2048),
+    return RestoreKV(ratio=r, max_new=max_new, n_sink=fields.pop("n_sink", 4),
+                     repeat_chunk=fields.pop("chunk_size", 2048),
                      scope="layer" if layerwise else "model", keep_last=False, prompts="kvpress", restore=str(arrays))

@@ -44,7 +44,8 @@ def restore_arrays(path: pathlib.Path, cfg: dict, seed: int = 0) -> pathlib.Path
     rng = np.random.default_rng(seed)
     d, f, n = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     kd = cfg["num_key_value_heads"] * d // cfg["num_attention_heads"]
-    dims = {"wq": (d, d), "wk": (d, kd), "wv": (d, kd), "wo": (d, d), "w_gate": (d, f), "w_up": (d, f), "w_down": (f, d)}
+    dims = {"wq": (d, d), "wk": (d, kd), "wv": (d, kd), "wo": (d, d), "w_gate": (d, f), "w_up": (d, f),
+            "w_down": (f, d)}
     a = {k: rng.normal(0, i ** -0.5, (n, RANK, i)).astype(np.float32) for k, (i, o) in dims.items()}
     b = {k: rng.normal(0, 0.05, (n, o, RANK)).astype(np.float32) for k, (i, o) in dims.items()}
     return save_restore(path, rng.normal(0, 1.0, (N_RESTORE, d)), a, b, alpha=8.0)
@@ -68,7 +69,8 @@ def tiny_run(request, tmp_path_factory):
     arrays = restore_arrays(tmp / "restore.npz", TINY)
     cases = [(r, lw) for kind, r, lw in CASES if kind == request.param]
     job = {"checkpoint": None, "save_to": str(tmp / "ckpt"),
-           "tiny": {"kind": request.param, "seed": 0, "config": dict(TINY, tie_word_embeddings=request.param == "qwen2")},
+           "tiny": {"kind": request.param, "seed": 0,
+                    "config": dict(TINY, tie_word_embeddings=request.param == "qwen2")},
            "context": ctx.tolist(), "question": question.tolist(), "n_new": N_NEW, "tokenizer": "ascii",
            "presses": [["RestoreKVPress", r, {"restore_model_name": str(arrays), "layerwise": lw}] for r, lw in cases]
            + [["KVzipPress", round(r + N_RESTORE / N_CTX, 6), {"layerwise": lw}] for r, lw in cases[:1]]}
@@ -110,7 +112,8 @@ def test_restorekv_keeps_kvpress_positions_and_answers(tiny_run, ratio, layerwis
     kept, answer, state, values = ours(model, ratio, layerwise, ctx, question, arrays)
     # the restore tokens' values, every layer (the LoRA-adapted pass: kvpress adds PEFT's product, we merge)
     np.testing.assert_allclose(values, np.asarray(want["restore_values"]), rtol=1e-4, atol=2e-5)
-    for i, (g, w) in enumerate((g, w) for gl, wl in zip(kept, want["kept"], strict=True) for g, w in zip(gl, wl, strict=True)):
+    pairs = [(g, w) for gl, wl in zip(kept, want["kept"], strict=True) for g, w in zip(gl, wl, strict=True)]
+    for i, (g, w) in enumerate(pairs):
         assert g == w, (ratio, layerwise, divmod(i, kh), sorted(set(g) ^ set(w))[:10])
     assert answer == want["answer"]
     # bytes: kvpress holds every context token and the restore tokens in every head (it masks); ours holds the
