@@ -32,9 +32,10 @@ fields, then kvpress's own `compress_post` once per ratio on a copy of the score
 job["tokenizer_from"] = {"checkpoint": dir, "gguf_file": name}: the tokenizer KVzipPress reads when the
 checkpoint has none (a tiny model's).
 RestoreKVPress: fields {"restore_model_name": an .npz of kvpolicies.restorekv's format} in place of its hub
-download (`restore_press`, PEFT's LoRA forward set by hand: `given_lora`, one arrays file per model); its n
-restore slots follow the context in every layer's cache (kept positions n..n+7 appended to each head's, the
-question at n + 8), and the single-job form also returns their values ("restore_values" [layer][kv head][n][D]).
+download (`restore_press`, PEFT's LoRA forward set by hand: `given_lora`, one arrays file per model); its r
+restore slots follow the n context tokens in every layer's cache (positions n..n+r-1 appended to each head's
+kept ones, the question at n + r), and the single-job form also returns their values ("restore_values"
+[layer][kv head][r][D]).
 """
 
 from __future__ import annotations
