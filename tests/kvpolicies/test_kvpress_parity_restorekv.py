@@ -194,3 +194,49 @@ def test_restorekv_refuses_clearly(tmp_path):
         lora.restore(eng, dataclasses.replace(state, compressed=True))
     with pytest.raises(ValueError, match="no layer of this engine restores"):
         lora.restore(Engine(model, kvpress("KVzipPress", 0.5), max_len=64, repeat=ByteTokenizer()), state)
+
+
+@pytest.fixture(scope="module")
+def smollm2_run(tmp_path_factory):
+    """SmolLM2 (float32) on the 1,024-token text with a needle of test_kvpress_parity.py, seeded random restore
+    arrays of its shape (or RESTOREKV_ARRAYS: a file of evals.train_restorekv), kvpress's RestoreKVPress at 0.5."""
+    from evals.data import default_text
+    from models.loading import load_default_model, smollm2_gguf_path
+
+    model, tok = load_default_model()
+    text = default_text()[20000:24000]
+    cut = len(text) // 2
+    text = text[:cut] + " The secret passphrase is 'purple elephant 42'. " + text[cut:]
+    ctx = np.asarray(tok.encode(text), np.int32)[:1024]
+    question = np.asarray(tok.encode("\nQuestion: What is the secret passphrase?\nAnswer:"), np.int32)
+    tmp = tmp_path_factory.mktemp("smollm2_restore")
+    c = model.cfg
+    arrays = os.environ.get("RESTOREKV_ARRAYS") or restore_arrays(tmp / "restore.npz", dict(
+        hidden_size=c.d_model, intermediate_size=c.d_ff, num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads,
+        num_key_value_heads=c.n_kv_heads))
+    path = smollm2_gguf_path()
+    job = {"checkpoint": str(path.parent), "gguf_file": path.name, "context": ctx.tolist(),
+           "question": question.tolist(), "n_new": 12,
+           "presses": [["RestoreKVPress", 0.5, {"restore_model_name": str(arrays)}]]}
+    return model, ctx, question, arrays, run_kvpress(job, tmp, timeout=3600)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not FULL, reason="KVP_KVPRESS_FULL=1 only (SmolLM2's kvzip passes on both sides: minutes)")
+def test_smollm2_restorekv_equals_kvpress(smollm2_run):
+    """SmolLM2, 1,024 tokens, RestoreKVPress at 0.5 (kvpress's default): kept-set Jaccard per (layer, kv head) and
+    the same 12 greedy tokens as kvpress."""
+    model, ctx, question, arrays, ref = smollm2_run
+    want = ref["RestoreKVPress@0.5"]
+    assert "error" not in want, want
+    pol = kvpress("RestoreKVPress", 0.5, max_new=64, restore_model_name=str(arrays))
+    eng = Engine(model, pol, max_len=len(ctx) + N_RESTORE + len(question) + 12)
+    state = eng.compress(lora.restore(eng, eng.prompt(ctx[None])))
+    kept = eng.kept_positions(state)
+    js = [len(set(g.tolist()) & set(w)) / len(set(g.tolist()) | set(w))
+          for gl, wl in zip(kept, want["kept"], strict=True) for g, w in zip(gl, wl, strict=True)]
+    answer = eng.continue_generate(state, question[None], 12)[0].tolist()
+    print(f"RestoreKVPress 0.5: mean Jaccard {np.mean(js):.4f}, min {np.min(js):.4f}, answers equal "
+          f"{answer == want['answer']}")
+    assert np.mean(js) >= 0.99
+    assert answer == want["answer"]
