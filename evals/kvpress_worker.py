@@ -31,6 +31,11 @@ fields, then kvpress's own `compress_post` once per ratio on a copy of the score
 (`run_kvzip`; the scores do not depend on the ratio; the same test checks it against the pipeline).
 job["tokenizer_from"] = {"checkpoint": dir, "gguf_file": name}: the tokenizer KVzipPress reads when the
 checkpoint has none (a tiny model's).
+RestoreKVPress: fields {"restore_model_name": an .npz of kvpolicies.restorekv's format} in place of its hub
+download (`restore_press`, PEFT's LoRA forward set by hand: `given_lora`, one arrays file per model); its r
+restore slots follow the n context tokens in every layer's cache (positions n..n+r-1 appended to each head's
+kept ones, the question at n + r), and the single-job form also returns their values ("restore_values"
+[layer][kv head][r][D]).
 """
 
 from __future__ import annotations
@@ -156,9 +161,62 @@ def use_tokenizer(job: dict) -> None:
     kvzip_press.AutoTokenizer = Given
 
 
+# RestoreKVPress's LoRA: our weight names (kvpolicies.restorekv.LORA_MODULES) -> (block, transformers module)
+LORA_MODULES = {"wq": ("self_attn", "q_proj"), "wk": ("self_attn", "k_proj"), "wv": ("self_attn", "v_proj"),
+                "wo": ("self_attn", "o_proj"), "w_gate": ("mlp", "gate_proj"), "w_up": ("mlp", "up_proj"),
+                "w_down": ("mlp", "down_proj")}
+
+
+def given_lora(model, arrays) -> None:
+    """Our LoRA arrays on the model's modules as PEFT's LoRA Linear computes them (peft/tuners/lora/layer.py,
+    `Linear.forward`: result + lora_B(lora_A(dropout(x))) * scaling, scaling = lora_alpha / r, dropout 0),
+    switched by the methods RestoreKVPress calls (transformers' PeftAdapterMixin needs the `peft` package):
+    set_adapter, enable_adapters (on), disable_adapters (off). Installed once per model."""
+    if getattr(model, "given_lora_state", None) is not None:
+        return
+    state = {"on": False}
+    alpha = float(arrays["lora_alpha"])
+    for key in (k for k in arrays.files if k.startswith("lora_A.")):
+        name = key.split(".", 1)[1]
+        block, attr = LORA_MODULES[name]
+        for layer, mod in enumerate(getattr(blk, block) for blk in model.model.layers):
+            lin = getattr(mod, attr)
+            a = torch.tensor(arrays[key][layer], dtype=lin.weight.dtype)  # [r, in]
+            b = torch.tensor(arrays[f"lora_B.{name}"][layer], dtype=lin.weight.dtype)  # [out, r]
+
+            def forward(x, base=lin.forward, a=a, b=b, scaling=alpha / a.shape[0]):
+                out = base(x)
+                return out + torch.nn.functional.linear(torch.nn.functional.linear(x, a), b) * scaling \
+                    if state["on"] else out
+
+            lin.forward = forward
+    model.set_adapter = lambda name: None
+    model.enable_adapters = lambda: state.update(on=True)
+    model.disable_adapters = lambda: state.update(on=False)
+    model.given_lora_state = state
+
+
+def restore_press(ratio: float, fields: dict):
+    """RestoreKVPress with our arrays (fields["restore_model_name"]: an .npz of kvpolicies.restorekv's format)
+    in place of its hub download (`post_init_from_model`): the restore embeddings, the LoRA by `given_lora`."""
+    arrays = np.load(fields.pop("restore_model_name"))
+    press = kvpress.RestoreKVPress(compression_ratio=ratio, **fields)
+
+    def post_init_from_model(model):
+        press.restore_embeddings = torch.tensor(arrays["restore_embeddings"], dtype=model.dtype)
+        press.restore_model_name = "given"
+        given_lora(model, arrays)
+        model.disable_adapters()
+
+    press.post_init_from_model = post_init_from_model
+    return press
+
+
 def make_press(name: str, ratio: float, fields: dict):
     if ":" in name:  # evals.peer's "Wrapper:Inner": the wrapper, its inner press given in fields["press"]
         name = name.split(":", 1)[0]
+    if name == "RestoreKVPress":  # our restore embeddings and LoRA (kvpress downloads the authors')
+        return restore_press(ratio, fields)
     if name == "DuoAttentionPress":  # given a head pattern (kvpress downloads the authors' or scores BookSum)
         scores = np.clip(np.asarray(fields.pop("head_scores"), float), 0, 1)
         sizes = (fields.pop("sink_size", 128), fields.pop("recent_size", 256))
@@ -189,9 +247,10 @@ def run(model, press, ctx, question, n_new, full_keys):
     cache = DynamicCache()
     with press(model):
         model(input_ids=ctx, past_key_values=cache, logits_to_keep=1)
+    n, extra = ctx.shape[1], getattr(press, "num_restore_tokens", 0)  # RestoreKVPress: its slots after the context
     kept = []
     for layer, full in enumerate(full_keys):  # full [K, n, D]
-        keys = cache.layers[layer].keys[0]  # [K, m, D]
+        keys = cache.layers[layer].keys[0][:, :cache.layers[layer].keys.shape[2] - extra]  # [K, m, D]
         d = torch.cdist(keys, full, compute_mode="donot_use_mm_for_euclid_dist")  # [K, m, n]
         best = d.argmin(-1)  # [K, m]
         assert float(d.min(-1).values.max()) < 1e-5, "a cached key matches no context key"
@@ -202,12 +261,15 @@ def run(model, press, ctx, question, n_new, full_keys):
             if masked is not None:  # AdaKV: masked slots are not kept
                 drop = masked[2][(masked[0] == 0) & (masked[1] == h)]
                 pos = pos[~torch.isin(torch.arange(len(pos)), drop)]
-            heads.append(sorted(int(p) for p in pos))
+            heads.append(sorted(int(p) for p in pos) + list(range(n, n + extra)))  # the restore slots: kept
         kept.append(heads)
     # the bytes kvpress's cache holds after the compression (its key and value tensors, masked slots included)
     held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
-    try:
-        return {"kept": kept, "cache_bytes": held, "answer": greedy(model, cache, question, ctx.shape[1], n_new)}
+    # RestoreKVPress: its tokens' values [layer][kv head][token][D] (what the LoRA-adapted pass wrote)
+    restored = {"restore_values": [layer.values[0, :, -extra:].tolist() for layer in cache.layers]} if extra else {}
+    try:  # the question after the cache's length (kvpress's pipeline: RestoreKVPress's at n + its tokens)
+        return {"kept": kept, "cache_bytes": held, **restored,
+                "answer": greedy(model, cache, question, n + extra, n_new)}
     except Exception as e:  # noqa: BLE001  kvpress compressed, then failed on the question: both are results
         return {"kept": kept, "cache_bytes": held, "error": f"{type(e).__name__}: {e}"}
 
@@ -278,7 +340,7 @@ def main(job_path: str, out_path: str) -> None:
     if "samples" in job:
         return main_samples(job, out_path)
     path = job["checkpoint"] or build_tiny(job["tiny"], job["save_to"])
-    if any(name == "KVzipPress" for name, _, _ in job["presses"]):
+    if any(name in ("KVzipPress", "RestoreKVPress") for name, _, _ in job["presses"]):
         use_tokenizer(job)
     ctx = torch.tensor([job["context"]])
     question = torch.tensor([job["question"]])
@@ -320,15 +382,16 @@ def key_index(full_keys) -> list[list[dict]]:
     return out
 
 
-def kept_mask(model, cache, index, n: int) -> list[str]:
+def kept_mask(model, cache, index, n: int, extra: int = 0) -> list[str]:
     """Per layer, base64 of np.packbits of the [kv head, n] mask of the context positions `cache`
     keeps: each cached key is an exact copy of an uncompressed one (`index`, from `key_index`);
-    AdaKV's masked slots are not kept."""
+    AdaKV's masked slots are not kept; the last `extra` slots (RestoreKVPress's) are not the context's."""
     import numpy as np
 
     out = []
     for layer, heads in enumerate(index):
         keys = cache.layers[layer].keys[0].numpy()  # [K, m, D]
+        keys = keys[:, :keys.shape[1] - extra]
         mask = np.zeros((len(heads), n), bool)  # [K, n]
         masked = getattr(model.model.layers[layer].self_attn, "masked_key_indices", None)
         for h, where in enumerate(heads):
@@ -365,9 +428,11 @@ def timed_answer(model, cache, index, ctx, question, n_new, phases: dict) -> dic
     """{"kept": mask, "answer": ids, "phases": seconds} of a compressed cache (`phases` holds the
     prefill's and the compression's seconds already)."""
     t0 = time.time()
-    kept = kept_mask(model, cache, index, ctx.shape[1])
+    n = ctx.shape[1]
+    extra = max(0, cache.get_seq_length() - n)  # RestoreKVPress's restore slots after the context (kept, unmasked)
+    kept = kept_mask(model, cache, index, n, extra)
     phases["kept"] = time.time() - t0
-    answer = greedy(model, cache, question, ctx.shape[1], n_new, phases)
+    answer = greedy(model, cache, question, n + extra, n_new, phases)  # kvpress's pipeline: after the cache
     return {"kept": kept, "answer": answer, "phases": {k: round(v, 3) for k, v in phases.items()}}
 
 
@@ -527,6 +592,8 @@ def group_of(name: str, shared: bool = True) -> tuple[str, str]:
         return "sdpa", "kvzip" if shared else "pipeline"
     if name == "KVComposePress":  # compresses in its context manager's exit too, after an eager prefill and pass
         return "eager", "pipeline"
+    if name == "RestoreKVPress":  # kvzip's pass, then its restore pass (its LoRA): the pipeline, per press
+        return "sdpa", "pipeline"
     return ("eager" if name == "ObservedAttentionPress" else "sdpa"), "shared" if shared else "pipeline"
 
 
@@ -541,7 +608,7 @@ def main_samples(job: dict, out_path: str) -> None:
     """The multi-sample form: every sample's presses, one JSON line appended per (sample, press)."""
     path = job["checkpoint"] or build_tiny(job["tiny"], job["save_to"])
     shared = job.get("prefill", "shared") == "shared"
-    if any(p[0] == "KVzipPress" for s in job["samples"] for p in s.get("presses", job.get("presses", []))):
+    if any(p[0] in ("KVzipPress", "RestoreKVPress") for s in job["samples"] for p in s.get("presses", job.get("presses", []))):
         use_tokenizer(job)
     models = {}
     with open(out_path, "a", encoding="utf-8") as f:

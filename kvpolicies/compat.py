@@ -46,6 +46,9 @@ sized by their `ratio` field (`PromptScored.kept_for`), with kvpress's defaults:
                             our weights, evals.train_kvzap), per kv head top-k, no window (DMS: `kvzap`)
     FastKVzipPress          `fastkvzip.FastKVzip` (layerwise=True only, gates= a file): the gates' scores, each
                             layer's int(K n r) lowest (token, kv head) pairs dropped, a head pool
+    RestoreKVPress          `restorekv.RestoreKV`: KVzipPress's rule at min(1, r + n / t) over the context, after n
+                            learned restore tokens (restore_model_name=: our arrays, evals.train_restorekv) went
+                            through a LoRA-adapted pass (`models.lora.restore` between prompt and compress)
     LagKVPress              lagkv (n_sink 4, lag_size 128, cross_scoring False)
     RandomPress             random with kvpress's counts and our draw (torch's cannot be reproduced)
     FinchPress              finch: window_size = the question's tokens, which end the prompt (kvpress: a
@@ -141,6 +144,7 @@ from kvpolicies.prompt_scored import PromptScored, rank_by
 from kvpolicies.pyramidkv import PyramidKV, PyramidLayer  # noqa: F401  (PyramidLayer: re-exported, it lived here)
 from kvpolicies.expected_stats import from_kvpress as expected_stats_press
 from kvpolicies.fastkvzip import from_kvpress as fastkvzip_press
+from kvpolicies.restorekv import from_kvpress as restorekv_press
 from kvpolicies.kvzap_scored import from_kvpress as kvzap_press
 from kvpolicies.qfilter import from_kvpress as qfilter_press
 from kvpolicies.random_keep import RandomKeep
@@ -471,7 +475,7 @@ PRESSES = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPress", "
            "ComposedPress", "FinchPress", "CURPress", "MergingPress", "CompactorPress", "NonCausalAttnPress", "LeverageScorePress",
            "ChunkKVPress", "KeyRerotationPress", "EntropyGatedChunkKVPress", "SimLayerKVPress", "CapPress",
            "CriticalKVPress", "CriticalAdaKVPress", "ThinKPress", *DECODING_PRESSES, "LUKVPress", "CAMPress",
-           "KVComposePress")
+           "KVComposePress", "RestoreKVPress")
 SUPPORTED = PRESSES
 WRAPPERS = ("MergingPress", "AdaKVPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress", "ChunkKVPress",
             "KeyRerotationPress", "EntropyGatedChunkKVPress", "CriticalKVPress", "CriticalAdaKVPress")  # `press`: an inner press
@@ -600,6 +604,8 @@ def kvpress(name: str, compression_ratio: float, /, *, max_new: int = 256, n_lay
             raise NotImplementedError("kvpolicies.compat.kvpress: KVComposePress(structured=False)")
         out = KVCompose(ratio=r, max_new=max_new, **{k: fields.pop(k) for k in list(fields) if k in (
             "agg_task", "agg_group", "agg_head", "add_v_norm", "add_mean_across_heads", "keep_token_lower_bound")})
+    elif press == "RestoreKVPress":  # KVzipPress + n learned restore tokens (restore_model_name=: our arrays)
+        out = restorekv_press(r, max_new, fields)
     else:
         out = _scored(press, r, max_new, n_layers, fields)
     if fields:
