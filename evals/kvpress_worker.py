@@ -136,6 +136,9 @@ class AsciiTokenizer:
         return torch.tensor([ids]) if return_tensors == "pt" else ids
 
 
+REPEATS = ("KVzipPress", "KVgradPress")  # presses whose repeat prompts read the tokenizer (KVgradPress: a KVzipPress)
+
+
 def use_tokenizer(job: dict) -> None:
     """KVzipPress loads `AutoTokenizer.from_pretrained(model.config.name_or_path)`: the job's
     tokenizer instead (a GGUF file's, or ASCII ids for a tiny model); nothing else changes."""
@@ -278,7 +281,7 @@ def main(job_path: str, out_path: str) -> None:
     if "samples" in job:
         return main_samples(job, out_path)
     path = job["checkpoint"] or build_tiny(job["tiny"], job["save_to"])
-    if any(name == "KVzipPress" for name, _, _ in job["presses"]):
+    if any(name in REPEATS for name, _, _ in job["presses"]):
         use_tokenizer(job)
     ctx = torch.tensor([job["context"]])
     question = torch.tensor([job["question"]])
@@ -523,6 +526,8 @@ def group_of(name: str, shared: bool = True) -> tuple[str, str]:
     (`run_kvzip`), else kvpress's pipeline per press (`run_per_press`)."""
     if name == "KVzipPress":
         return "sdpa", "kvzip" if shared else "pipeline"
+    if name == "KVgradPress":  # KVzipPress's pass with a backward pass per chunk: kvpress's pipeline
+        return "sdpa", "pipeline"
     return ("eager" if name == "ObservedAttentionPress" else "sdpa"), "shared" if shared else "pipeline"
 
 
@@ -537,7 +542,7 @@ def main_samples(job: dict, out_path: str) -> None:
     """The multi-sample form: every sample's presses, one JSON line appended per (sample, press)."""
     path = job["checkpoint"] or build_tiny(job["tiny"], job["save_to"])
     shared = job.get("prefill", "shared") == "shared"
-    if any(p[0] == "KVzipPress" for s in job["samples"] for p in s.get("presses", job.get("presses", []))):
+    if any(p[0] in REPEATS for s in job["samples"] for p in s.get("presses", job.get("presses", []))):
         use_tokenizer(job)
     models = {}
     with open(out_path, "a", encoding="utf-8") as f:

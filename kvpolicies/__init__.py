@@ -42,6 +42,7 @@ _REGISTRY = {
     "adakv": "adakv:AdaKV",
     "critical": "critical:Critical",  # CriticalKV over an inner scorer (the model hands it W_o: base.ReadsValues)
     "kvzip": "kvzip:KVzip",
+    "kvgrad": "kvgrad:KVgrad",  # KVzip's reconstruction, scored by attention x ||v W_o|| x gradient (models.gradient)
     "kvzap": "kvzap:KVzap",  # a learned surrogate of kvzip's scores (weights: evals.train_kvzap)
     "duo": "duo:Duo",
     "kivi": "kivi:Kivi",

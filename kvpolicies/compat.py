@@ -27,6 +27,9 @@ sized by their `ratio` field (`PromptScored.kept_for`), with kvpress's defaults:
                             (Engine(..., repeat=tok), or a model from models.loading / evals.zoo,
                             which remember theirs). Stored at full size: layers keep data-dependent
                             counts, as kvpress (which masks)
+    KVgradPress             kvgrad: KVzipPress's pass and choice (chunk_size 512), a token's score its attention
+                            x ||v W_o||_2 x the gradient norm of the repeat query's attention output
+                            (models.gradient); layerwise=True: per layer, each head's share stored
     DuoAttentionPress       duo with compression_ratio as kvpress's head_compression_ratio: the
                             round(L K r) lowest of `head_scores` ([L][K], a file or nested lists;
                             kvpress downloads the authors' patterns or scores BookSum, neither
@@ -128,6 +131,7 @@ from kvpolicies.full import Full
 from kvpolicies.duo import Duo, load_pattern
 from kvpolicies.knorm import Knorm
 from kvpolicies.keydiff import KeyDiff
+from kvpolicies.kvgrad import KVgrad
 from kvpolicies.kvzip import KVzip
 from kvpolicies.lagkv import LagKV
 from kvpolicies.merging import Merging
@@ -466,7 +470,7 @@ PRESSES = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPress", "
            "KeyDiffPress", "LagKVPress", "RandomPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress",
            "ComposedPress", "FinchPress", "CURPress", "MergingPress", "CompactorPress", "NonCausalAttnPress", "LeverageScorePress",
            "ChunkKVPress", "KeyRerotationPress", "EntropyGatedChunkKVPress", "SimLayerKVPress", "CapPress",
-           "CriticalKVPress", "CriticalAdaKVPress", "ThinKPress", *DECODING_PRESSES, "LUKVPress", "CAMPress")
+           "CriticalKVPress", "CriticalAdaKVPress", "ThinKPress", *DECODING_PRESSES, "LUKVPress", "CAMPress", "KVgradPress")
 SUPPORTED = PRESSES
 WRAPPERS = ("MergingPress", "AdaKVPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress", "ChunkKVPress",
             "KeyRerotationPress", "EntropyGatedChunkKVPress", "CriticalKVPress", "CriticalAdaKVPress")  # `press`: an inner press
@@ -590,6 +594,10 @@ def kvpress(name: str, compression_ratio: float, /, *, max_new: int = 256, n_lay
         layerwise = fields.pop("layerwise", False)
         out = KVzip(ratio=r, max_new=max_new, n_sink=fields.pop("n_sink", 4), repeat_chunk=fields.pop("chunk_size", 2048),
                     scope="layer" if layerwise else "model", keep_last=False, prompts="kvpress")
+    elif press == "KVgradPress":  # KVzipPress's fields (kvzip_plus_normalization is fixed off), chunk 512
+        layerwise = fields.pop("layerwise", False)
+        out = KVgrad(ratio=r, max_new=max_new, n_sink=fields.pop("n_sink", 4), repeat_chunk=fields.pop("chunk_size", 512),
+                     scope="layer" if layerwise else "model", keep_last=False, prompts="kvpress")
     else:
         out = _scored(press, r, max_new, n_layers, fields)
     if fields:
