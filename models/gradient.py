@@ -33,16 +33,17 @@ DENSE = 1 << 30  # Tuning.block of the gradient pass: every step attends densely
 _STEPS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()  # engine -> its jitted pass
 
 
-def gradient_policies(policies: tuple) -> tuple:
-    """Each layer's policy in the gradient pass (`policies`: the reconstruction pass's)."""
-    return tuple(p.gradient_policy() if reads_gradients(p) else p for p in policies)
+def gradient_runs(policies: tuple, n_layers: int) -> tuple[tuple[int, int, Any], ...]:
+    """(start, end, policy in the gradient pass) per run of the reconstruction pass's `policies` (the runs of
+    the pass's cache, kept even where two runs' gradient policies are equal)."""
+    return tuple((a, b, p.gradient_policy() if reads_gradients(p) else p) for a, b, p in policy_runs(policies, n_layers))
 
 
-def grad_norms(graphdef: Any, policies: tuple, params: tuple, cache: tuple, tokens: Int[Array, "B T"],
+def grad_norms(graphdef: Any, runs: tuple, params: tuple, cache: tuple, tokens: Int[Array, "B T"],
                pos: Int[Array, "B T"], end: Int[Array, ""]) -> Float[Array, "L B T"]:
     """||dPhi / d(attention output of layer l at token t)||_2 of the repeat input `tokens` at `pos` after the
-    prompt cache (one state per run of `policies`, the gradient pass's); tokens at positions >= `end` are pads
-    (not in Phi). float32."""
+    prompt cache (one state per run of `runs`: `gradient_runs`); tokens at positions >= `end` are pads (not in
+    Phi). float32."""
     state, tables = params
     m = nnx.merge(graphdef, state)
     # dense attention (the blocked path's loop has a dynamic trip count, which reverse mode cannot take); the
@@ -52,7 +53,6 @@ def grad_norms(graphdef: Any, policies: tuple, params: tuple, cache: tuple, toke
     rope, rope_local = (m.rope, m.rope_local) if tables is None else (tables["global"], tables["local"])
     weights = {k: v[...] for k, v in m.layers.items()}  # each [L, ...]
     local = np.asarray(cfg.local_layers)  # [L] bool
-    runs = policy_runs(policies, cfg.n_layers)
     x0 = m.embed_tokens(tokens)  # [B, T, d]
     real = (pos < end)[..., None]  # [B, T, 1]
 
@@ -85,15 +85,16 @@ def attention_gradients(engine: Any, cache: tuple, tokens: Int[Array, "B T"], po
     """The reconstruction pass's `cache` (one state per run of `engine.recon_policies`) with each layer that
     `reads_gradients` holding its gradient norms of the repeat input `tokens` (`read_gradients`). One compiled
     pass per engine and input shape (`engine.traces["gradient"]` counts its traces)."""
-    policies = gradient_policies(engine.recon_policies)
+    runs = policy_runs(engine.recon_policies, engine.cfg.n_layers)
     step = _STEPS.get(engine)
     if step is None:
+        grad_runs = gradient_runs(engine.recon_policies, engine.cfg.n_layers)
+
         def traced(params, cache, tokens, pos, end):
             engine.traces["gradient"] += 1
-            return grad_norms(engine.graphdef, policies, params, cache, tokens, pos, end)
+            return grad_norms(engine.graphdef, grad_runs, params, cache, tokens, pos, end)
 
         step = _STEPS[engine] = jax.jit(traced)
-    runs = policy_runs(engine.recon_policies, engine.cfg.n_layers)
     # a scoring layer's pass state without what the scoring added (unread here: one trace for every input)
     bare = tuple(dataclasses.replace(st, extra={}) if reads_gradients(pol) else st for (_, _, pol), st in zip(runs, cache))
     norms = step(engine.params, bare, tokens, pos, jnp.int32(end))  # [L, B, T]

@@ -124,3 +124,58 @@ def test_kvgrad_press_fields_and_errors():
     assert type(kvpress("KVgradPress", 0)).__name__ == "Full"  # kvpress's no-op
     with pytest.raises(ValueError, match="kvzip_plus_normalization"):  # fixed off in KVgradPress (init=False)
         kvpress("KVgradPress", 0.5, kvzip_plus_normalization=True)
+
+
+@pytest.mark.slow
+@pytest.mark.ref
+@pytest.mark.kvpress
+@needs_kvpress
+def test_smollm2_real_text_equals_kvpress(tmp_path):
+    """SmolLM2 (float32, its chat prefix and tokenizer) on 700 tokens of Pride & Prejudice with a needle, two
+    context chunks of 512, KVgradPress at 0.5 (kvpress's default, one choice over all 30 layers): mean kept-set
+    Jaccard per (layer, kv head) >= 0.99 and the same 12 greedy ids as kvpress 0.5.5."""
+    from evals.data import default_text
+    from models.loading import load_default_model, smollm2_gguf_path
+
+    model, tok = load_default_model()
+    text = default_text()[20000:23000]
+    cut = len(text) // 2
+    text = text[:cut] + " The secret passphrase is 'purple elephant 42'. " + text[cut:]
+    ctx = np.asarray(tok.encode(text), np.int32)[:700]
+    question = np.asarray(tok.encode("\nQuestion: What is the secret passphrase?\nAnswer:"), np.int32)
+    path = smollm2_gguf_path()
+    job = {"checkpoint": str(path.parent), "gguf_file": path.name, "context": ctx.tolist(),
+           "question": question.tolist(), "n_new": 12, "presses": [["KVgradPress", 0.5, {}]]}
+    want = run_kvpress(job, tmp_path, timeout=1800)["KVgradPress@0.5"]
+    assert "error" not in want, want
+    eng = Engine(model, kvpress("KVgradPress", 0.5, max_new=64), max_len=len(ctx) + len(question) + 12)
+    state = eng.compress(eng.prompt(ctx[None]))
+    js = [len(set(g.tolist()) & set(w)) / len(set(g.tolist()) | set(w))
+          for gl, wl in zip(eng.kept_positions(state), want["kept"], strict=True) for g, w in zip(gl, wl, strict=True)]
+    answer = eng.continue_generate(state, question[None], 12)[0].tolist()
+    print(f"KVgradPress 0.5 on SmolLM2: mean Jaccard {np.mean(js):.4f}, min {np.min(js):.4f}, "
+          f"answers equal {answer == want['answer']}")
+    assert np.mean(js) >= 0.99
+    assert answer == want["answer"]
+
+
+def test_gradient_pass_keeps_the_runs_of_the_reconstruction_pass():
+    """Adjacent kvgrad layers at different ratios are different runs of the reconstruction pass, whose gradient
+    policies are equal (`models.gradient.gradient_runs` keeps the pass's runs): their scores are those of one
+    uniform kvgrad (the scores do not read the ratio), over two context chunks."""
+    from models.config import LlamaConfig
+    from models.reconstruct import RepeatPrompts
+
+    model = Llama(LlamaConfig(vocab_size=97, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64))
+    repeat = RepeatPrompts(first=(5, 6, 7), next=(8, 9), suffix=(10, 11))
+    ids = np.random.default_rng(3).integers(0, 97, (1, 24))
+    mixed = [KVgrad(ratio=r, max_new=4, repeat_chunk=16, n_sink=2, prompts="authors") for r in (0.5, 0.75)]
+    scores = []
+    for pols in (tuple(mixed), (mixed[0],) * 2):
+        eng = Engine(model, pols, max_len=32, repeat=repeat)
+        st = eng.reconstruct(eng.prompt(ids))
+        assert eng.traces["gradient"] == 1 and len(st.cache) == len(set(pols))  # runs: 2 or 1
+        scores.append(np.concatenate([np.asarray(c.extra["zip"]) for c in st.cache]))  # [L, B, K, M]
+        assert all("grad" not in c.extra for c in st.cache)
+    np.testing.assert_allclose(scores[0], scores[1], rtol=1e-5, atol=0)
+    assert (scores[0][:, 0, :, :24] > 0).all() and np.isfinite(scores[0]).all()
