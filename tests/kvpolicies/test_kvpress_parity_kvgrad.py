@@ -126,14 +126,18 @@ def test_kvgrad_press_fields_and_errors():
         kvpress("KVgradPress", 0.5, kvzip_plus_normalization=True)
 
 
+N_SMOL = 700 if FULL else 400  # SmolLM2's context tokens in the slow test (suite time: one chunk)
+
+
 @pytest.mark.slow
 @pytest.mark.ref
 @pytest.mark.kvpress
 @needs_kvpress
 def test_smollm2_real_text_equals_kvpress(tmp_path):
-    """SmolLM2 (float32, its chat prefix and tokenizer) on 700 tokens of Pride & Prejudice with a needle, two
-    context chunks of 512, KVgradPress at 0.5 (kvpress's default, one choice over all 30 layers): mean kept-set
-    Jaccard per (layer, kv head) >= 0.99 and the same 12 greedy ids as kvpress 0.5.5."""
+    """SmolLM2 (float32, its chat prefix and tokenizer) on N_SMOL tokens of Pride & Prejudice with a needle,
+    KVgradPress at 0.5 (kvpress's default, one choice over all 30 layers; KVP_KVPRESS_FULL=1: 700 tokens, two
+    context chunks of 512): mean kept-set Jaccard per (layer, kv head) >= 0.99 and the same 12 greedy ids as
+    kvpress 0.5.5."""
     from evals.data import default_text
     from models.loading import load_default_model, smollm2_gguf_path
 
@@ -141,7 +145,7 @@ def test_smollm2_real_text_equals_kvpress(tmp_path):
     text = default_text()[20000:23000]
     cut = len(text) // 2
     text = text[:cut] + " The secret passphrase is 'purple elephant 42'. " + text[cut:]
-    ctx = np.asarray(tok.encode(text), np.int32)[:700]
+    ctx = np.asarray(tok.encode(text), np.int32)[:N_SMOL]
     question = np.asarray(tok.encode("\nQuestion: What is the secret passphrase?\nAnswer:"), np.int32)
     path = smollm2_gguf_path()
     job = {"checkpoint": str(path.parent), "gguf_file": path.name, "context": ctx.tolist(),
