@@ -26,8 +26,8 @@ and, in a forward hook on every attention module, calls each press's own `forwar
 copy of that layer's cache: kvpress compresses a layer after its attention ran, so every layer's
 input is the same as in a prefill under the press alone (tests/evals/test_peer.py checks that both
 give the same kept positions and answers). KVzipPress compresses after the prefill, in its context
-manager's exit: with "shared", one KVzipPress prefill and reconstruction pass per sample and set of
-fields, then kvpress's own `compress_post` once per ratio on a copy of the scores it computed
+manager's exit: with "shared", one KVzipPress (or KVgradPress) prefill and reconstruction pass per sample and
+set of fields, then kvpress's own `compress_post` once per ratio on a copy of the scores it computed
 (`run_kvzip`; the scores do not depend on the ratio; the same test checks it against the pipeline).
 job["tokenizer_from"] = {"checkpoint": dir, "gguf_file": name}: the tokenizer KVzipPress reads when the
 checkpoint has none (a tiny model's).
@@ -484,8 +484,8 @@ def answered(model, compressed, index, ctx, question, n_new) -> dict:
 
 @torch.no_grad()
 def run_kvzip(model, presses, ctx, question, n_new):
-    """{(name, ratio): result} of KVzipPress at several ratios from one prefill and reconstruction
-    pass per set of fields: the pass under `press(model)` of the first ratio, with its
+    """{(name, ratio): result} of KVzipPress (or KVgradPress: its pass takes gradients, then calls the same
+    `compress_post`) at several ratios from one prefill and reconstruction pass per press and set of fields: the pass under `press(model)` of the first ratio, with its
     `compress_post` (the step that reads the ratio) replaced by keeping a copy of the scores
     `score_val` it computed; then, per ratio, kvpress's own `compress_post` on a copy of those
     scores (it masks each layer's pruned slots, `masked_key_indices`) and the answer from a copy
@@ -494,8 +494,8 @@ def run_kvzip(model, presses, ctx, question, n_new):
     out = {}
     by_fields: dict[str, list] = {}
     for name, ratio, fields in presses:
-        assert name == "KVzipPress", name
-        by_fields.setdefault(json.dumps(fields, sort_keys=True), []).append((name, ratio, fields))
+        assert name in REPEATS, name
+        by_fields.setdefault(json.dumps([name, fields], sort_keys=True), []).append((name, ratio, fields))
     for group in by_fields.values():
         cache, scores = DynamicCache(), []
         try:
@@ -524,10 +524,8 @@ def group_of(name: str, shared: bool = True) -> tuple[str, str]:
     prefill, in its own context manager's exit (a second pass reconstructing the context), so it
     never runs in a shared prefill's forward hook: with `shared`, its ratios share one pass
     (`run_kvzip`), else kvpress's pipeline per press (`run_per_press`)."""
-    if name == "KVzipPress":
+    if name in REPEATS:  # KVgradPress: KVzipPress's pass (with its gradients), its compress_post alike
         return "sdpa", "kvzip" if shared else "pipeline"
-    if name == "KVgradPress":  # KVzipPress's pass with a backward pass per chunk: kvpress's pipeline
-        return "sdpa", "pipeline"
     return ("eager" if name == "ObservedAttentionPress" else "sdpa"), "shared" if shared else "pipeline"
 
 
