@@ -36,7 +36,8 @@ _STEPS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()  # e
 def gradient_runs(policies: tuple, n_layers: int) -> tuple[tuple[int, int, Any], ...]:
     """(start, end, policy in the gradient pass) per run of the reconstruction pass's `policies` (the runs of
     the pass's cache, kept even where two runs' gradient policies are equal)."""
-    return tuple((a, b, p.gradient_policy() if reads_gradients(p) else p) for a, b, p in policy_runs(policies, n_layers))
+    return tuple((a, b, p.gradient_policy() if reads_gradients(p) else p)
+                 for a, b, p in policy_runs(policies, n_layers))
 
 
 def grad_norms(graphdef: Any, runs: tuple, params: tuple, cache: tuple, tokens: Int[Array, "B T"],
@@ -96,7 +97,8 @@ def attention_gradients(engine: Any, cache: tuple, tokens: Int[Array, "B T"], po
 
         step = _STEPS[engine] = jax.jit(traced)
     # a scoring layer's pass state without what the scoring added (unread here: one trace for every input)
-    bare = tuple(dataclasses.replace(st, extra={}) if reads_gradients(pol) else st for (_, _, pol), st in zip(runs, cache))
+    bare = tuple(dataclasses.replace(st, extra={}) if reads_gradients(pol) else st
+                 for (_, _, pol), st in zip(runs, cache))
     norms = step(engine.params, bare, tokens, pos, jnp.int32(end))  # [L, B, T]
     out = []
     for (a, b, pol), st in zip(runs, cache):

@@ -30,7 +30,8 @@ from models.tokenizer import ByteTokenizer
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 REF = ROOT / ".venv" / "kvpress-ref"
 FULL = bool(os.environ.get("KVP_KVPRESS_FULL"))
-needs_kvpress = pytest.mark.skipif(not (REF / "kvpress").is_dir(), reason="kvpress not installed (bash scripts/setup.sh test)")
+needs_kvpress = pytest.mark.skipif(not (REF / "kvpress").is_dir(),
+                                   reason="kvpress not installed (bash scripts/setup.sh test)")
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512)
@@ -57,7 +58,8 @@ def tiny_run(request, tmp_path_factory):
     rng = np.random.default_rng(1)
     ctx, question = rng.integers(0, 128, N_CTX), rng.integers(0, 128, N_Q)
     job = {"checkpoint": None, "save_to": str(tmp / "ckpt"),
-           "tiny": {"kind": request.param, "seed": 0, "config": dict(TINY, tie_word_embeddings=request.param == "qwen2")},
+           "tiny": {"kind": request.param, "seed": 0,
+                    "config": dict(TINY, tie_word_embeddings=request.param == "qwen2")},
            "context": ctx.tolist(), "question": question.tolist(), "n_new": N_NEW, "tokenizer": "ascii",
            "presses": [["KVgradPress", r, f] for r, f in CASES[request.param]]}
     ref = run_kvpress(job, tmp)
