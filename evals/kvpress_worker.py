@@ -26,8 +26,8 @@ and, in a forward hook on every attention module, calls each press's own `forwar
 copy of that layer's cache: kvpress compresses a layer after its attention ran, so every layer's
 input is the same as in a prefill under the press alone (tests/evals/test_peer.py checks that both
 give the same kept positions and answers). KVzipPress compresses after the prefill, in its context
-manager's exit: with "shared", one KVzipPress prefill and reconstruction pass per sample and set of
-fields, then kvpress's own `compress_post` once per ratio on a copy of the scores it computed
+manager's exit: with "shared", one KVzipPress (or KVgradPress) prefill and reconstruction pass per sample and
+set of fields, then kvpress's own `compress_post` once per ratio on a copy of the scores it computed
 (`run_kvzip`; the scores do not depend on the ratio; the same test checks it against the pipeline).
 job["tokenizer_from"] = {"checkpoint": dir, "gguf_file": name}: the tokenizer KVzipPress reads when the
 checkpoint has none (a tiny model's).
@@ -139,6 +139,9 @@ class AsciiTokenizer:
     def encode(self, text, return_tensors=None, add_special_tokens=False):
         ids = [ord(c) for c in text]
         return torch.tensor([ids]) if return_tensors == "pt" else ids
+
+
+REPEATS = ("KVzipPress", "KVgradPress")  # presses whose repeat prompts read the tokenizer (KVgradPress: a KVzipPress)
 
 
 def use_tokenizer(job: dict) -> None:
@@ -340,7 +343,7 @@ def main(job_path: str, out_path: str) -> None:
     if "samples" in job:
         return main_samples(job, out_path)
     path = job["checkpoint"] or build_tiny(job["tiny"], job["save_to"])
-    if any(name in ("KVzipPress", "RestoreKVPress") for name, _, _ in job["presses"]):
+    if any(name in REPEATS + ("RestoreKVPress",) for name, _, _ in job["presses"]):
         use_tokenizer(job)
     ctx = torch.tensor([job["context"]])
     question = torch.tensor([job["question"]])
@@ -546,8 +549,8 @@ def answered(model, compressed, index, ctx, question, n_new) -> dict:
 
 @torch.no_grad()
 def run_kvzip(model, presses, ctx, question, n_new):
-    """{(name, ratio): result} of KVzipPress at several ratios from one prefill and reconstruction
-    pass per set of fields: the pass under `press(model)` of the first ratio, with its
+    """{(name, ratio): result} of KVzipPress (or KVgradPress: its pass takes gradients, then calls the same
+    `compress_post`) at several ratios from one prefill and reconstruction pass per press and set of fields: the pass under `press(model)` of the first ratio, with its
     `compress_post` (the step that reads the ratio) replaced by keeping a copy of the scores
     `score_val` it computed; then, per ratio, kvpress's own `compress_post` on a copy of those
     scores (it masks each layer's pruned slots, `masked_key_indices`) and the answer from a copy
@@ -556,8 +559,8 @@ def run_kvzip(model, presses, ctx, question, n_new):
     out = {}
     by_fields: dict[str, list] = {}
     for name, ratio, fields in presses:
-        assert name == "KVzipPress", name
-        by_fields.setdefault(json.dumps(fields, sort_keys=True), []).append((name, ratio, fields))
+        assert name in REPEATS, name
+        by_fields.setdefault(json.dumps([name, fields], sort_keys=True), []).append((name, ratio, fields))
     for group in by_fields.values():
         cache, scores = DynamicCache(), []
         try:
@@ -588,7 +591,7 @@ def group_of(name: str, shared: bool = True) -> tuple[str, str]:
     (`run_kvzip`), else kvpress's pipeline per press (`run_per_press`). KVComposePress (the same, its
     pass the context itself) runs kvpress's pipeline per press, on the eager model: it prefills with
     eager attention, whose keys the kept positions are matched against."""
-    if name == "KVzipPress":
+    if name in REPEATS:  # KVgradPress: KVzipPress's pass (with its gradients), its compress_post alike
         return "sdpa", "kvzip" if shared else "pipeline"
     if name == "KVComposePress":  # compresses in its context manager's exit too, after an eager prefill and pass
         return "eager", "pipeline"
@@ -608,7 +611,7 @@ def main_samples(job: dict, out_path: str) -> None:
     """The multi-sample form: every sample's presses, one JSON line appended per (sample, press)."""
     path = job["checkpoint"] or build_tiny(job["tiny"], job["save_to"])
     shared = job.get("prefill", "shared") == "shared"
-    if any(p[0] in ("KVzipPress", "RestoreKVPress") for s in job["samples"] for p in s.get("presses", job.get("presses", []))):
+    if any(p[0] in REPEATS + ("RestoreKVPress",) for s in job["samples"] for p in s.get("presses", job.get("presses", []))):
         use_tokenizer(job)
     models = {}
     with open(out_path, "a", encoding="utf-8") as f:

@@ -43,6 +43,7 @@ _REGISTRY = {
     "critical": "critical:Critical",  # CriticalKV over an inner scorer (the model hands it W_o: base.ReadsValues)
     "kvzip": "kvzip:KVzip",
     "kvcompose": "kvcompose:KVCompose",  # kvzip's kind of pass (the context fed again), layer counts chosen over all layers
+    "kvgrad": "kvgrad:KVgrad",  # KVzip's reconstruction, scored by attention x ||v W_o|| x gradient (models.gradient)
     "kvzap": "kvzap:KVzap",  # a learned surrogate of kvzip's scores (weights: evals.train_kvzap)
     "duo": "duo:Duo",
     "kivi": "kivi:Kivi",

@@ -30,6 +30,9 @@ sized by their `ratio` field (`PromptScored.kept_for`), with kvpress's defaults:
     KVComposePress          kvcompose (structured; kvpress's agg_* fields): a second pass over the context
                             itself, layer counts from one top-k over all layers' composite scores; stored
                             at what each layer kept with Engine(..., fit=1), as kvpress (which truncates)
+    KVgradPress             kvgrad: KVzipPress's pass and choice (chunk_size 512), a token's score its attention
+                            x ||v W_o||_2 x the gradient norm of the repeat query's attention output
+                            (models.gradient); layerwise=True: per layer, each head's share stored
     DuoAttentionPress       duo with compression_ratio as kvpress's head_compression_ratio: the
                             round(L K r) lowest of `head_scores` ([L][K], a file or nested lists;
                             kvpress downloads the authors' patterns or scores BookSum, neither
@@ -134,6 +137,7 @@ from kvpolicies.full import Full
 from kvpolicies.duo import Duo, load_pattern
 from kvpolicies.knorm import Knorm
 from kvpolicies.keydiff import KeyDiff
+from kvpolicies.kvgrad import KVgrad
 from kvpolicies.kvzip import KVzip
 from kvpolicies.kvcompose import KVCompose
 from kvpolicies.lagkv import LagKV
@@ -475,7 +479,7 @@ PRESSES = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPress", "
            "ComposedPress", "FinchPress", "CURPress", "MergingPress", "CompactorPress", "NonCausalAttnPress", "LeverageScorePress",
            "ChunkKVPress", "KeyRerotationPress", "EntropyGatedChunkKVPress", "SimLayerKVPress", "CapPress",
            "CriticalKVPress", "CriticalAdaKVPress", "ThinKPress", *DECODING_PRESSES, "LUKVPress", "CAMPress",
-           "KVComposePress", "RestoreKVPress")
+           "KVComposePress", "RestoreKVPress", "KVgradPress")
 SUPPORTED = PRESSES
 WRAPPERS = ("MergingPress", "AdaKVPress", "PerLayerCompressionPress", "ChunkPress", "BlockPress", "ChunkKVPress",
             "KeyRerotationPress", "EntropyGatedChunkKVPress", "CriticalKVPress", "CriticalAdaKVPress")  # `press`: an inner press
@@ -606,6 +610,10 @@ def kvpress(name: str, compression_ratio: float, /, *, max_new: int = 256, n_lay
             "agg_task", "agg_group", "agg_head", "add_v_norm", "add_mean_across_heads", "keep_token_lower_bound")})
     elif press == "RestoreKVPress":  # KVzipPress + n learned restore tokens (restore_model_name=: our arrays)
         out = restorekv_press(r, max_new, fields)
+    elif press == "KVgradPress":  # KVzipPress's fields (kvzip_plus_normalization is fixed off), chunk 512
+        layerwise = fields.pop("layerwise", False)
+        out = KVgrad(ratio=r, max_new=max_new, n_sink=fields.pop("n_sink", 4), repeat_chunk=fields.pop("chunk_size", 512),
+                     scope="layer" if layerwise else "model", keep_last=False, prompts="kvpress")
     else:
         out = _scored(press, r, max_new, n_layers, fields)
     if fields:

@@ -162,6 +162,26 @@ def reconstructs(policy: Policy) -> bool:
     return isinstance(policy, Reconstructor)
 
 
+class ReadsGradients:
+    """Capability: a reconstruction-pass policy whose scores read, for each repeat input, the norm of the
+    gradient of Phi = sum ||h^L||^2 (the last layer's output over the input's real tokens) with respect to
+    its layer's attention output at each repeat token (kvgrad). Before each input the engine's pass runs a
+    gradient pass (`models.gradient`) in which this layer runs `gradient_policy()`, then hands the norms."""
+
+    def gradient_policy(self) -> Policy:
+        """The layer's policy in the gradient pass (the same attention, nothing scored)."""
+        raise NotImplementedError
+
+    def read_gradients(self, state: Any, norms: Float[Array, "B T"]) -> Any:
+        """The layer's pass state with the next repeat input's gradient norms [B, T] (pads included)."""
+        raise NotImplementedError
+
+
+def reads_gradients(policy: Any) -> bool:
+    """Whether the reconstruction pass hands `policy` gradient norms (`ReadsGradients`)."""
+    return isinstance(policy, ReadsGradients)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class PromptState(SlotState):

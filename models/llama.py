@@ -149,6 +149,8 @@ def block(cfg: LlamaConfig, policy: Policy, rope: Rope | RopeTable, w: dict, x, 
     # layer loop (the stored cache is then read in place, not copied through the scan)
     o, state = attend(policy, state, q, k, v, pos, rope, cfg.attn_scale, defer=True, tuning=cfg.attention)  # [B, T, N, D]
     o = o.reshape(B, T, -1) @ w["wo"]  # [B, T, d]
+    if "attn_delta" in w:  # a perturbation of the attention output (kvgrad's gradient pass, models.gradient)
+        o = o + w["attn_delta"]
     if cfg.post_norms:
         o = rms_norm(o, w["post_attn_norm"], cfg.norm_eps)
     x = x + o

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Int
 
-from kvpolicies.prompt import Reconstructor
+from kvpolicies.prompt import Reconstructor, reads_gradients
+from models.gradient import attention_gradients
 
 FIRST = "\n\nRepeat the previous context exactly."
 NEXT = "\n\nRepeat the part of the previous context exactly, starting with "
@@ -134,6 +135,8 @@ def reconstruct(engine: Any, cache: tuple, tokens: np.ndarray, runs: list) -> tu
         padded = np.pad(ids, ((0, 0), (0, min(-r % RECON_BUCKET, max(engine.max_len - r, 0)))))
         cache = tuple(zippers[0].before_chunk(st, lo, hi, t + r) if z else st for st, z in zip(cache, scored))
         pos = jnp.broadcast_to(jnp.arange(t, t + padded.shape[1], dtype=jnp.int32), padded.shape)
+        if any(reads_gradients(p) for _, _, p in runs):  # kvgrad: each layer's attention-output gradient norms
+            cache = attention_gradients(engine, cache, jnp.asarray(padded), pos, t + r)
         new = engine.recon_step(engine.params, cache, jnp.asarray(padded), pos)
         cache = tuple(n if z else st for st, n, z in zip(cache, new, scored))
         engine.reconstruct_tokens += ids.size

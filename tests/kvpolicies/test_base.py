@@ -60,6 +60,7 @@ CAPABILITIES = {
     "adakv": ("budget", True, False, False, False, False),
     "critical": ("budget", True, False, False, False, False),
     "kvzip": ("budget", True, True, False, False, False),
+    "kvgrad": ("budget", True, True, False, False, False),
     "kvzap": ("budget", True, False, False, False, False),
     "kvcompose": ("budget", True, True, False, False, False),
     "duo": (None, True, False, False, True, True),

@@ -27,7 +27,7 @@ UNSIZED = sorted(set(kvpolicies.POLICIES) - set(BUDGETED))
 # metadata bytes per slot: int32 positions shared by the kv heads (1) or per head (K), plus a
 # float32 accumulated attention per head for the policies that accumulate
 META_PER_SLOT = {"window": 4, "sink": 4, "tova": 4, "h2o": 4 * K + 4 * K, "snapkv": 4 * K + 4 * K}
-META_PER_SLOT |= {"adakv": 8 * K, "kvzip": 8 * K, "kvzap": 8 * K, "pyramidkv": 8 * K, "observed": 8 * K, "knorm": 4 * K, "random": 4 * K, "expected": 4 * K}
+META_PER_SLOT |= {"adakv": 8 * K, "kvzip": 8 * K, "kvgrad": 8 * K, "kvzap": 8 * K, "pyramidkv": 8 * K, "observed": 8 * K, "knorm": 4 * K, "random": 4 * K, "expected": 4 * K}
 META_PER_SLOT |= {"qfilter": 4 * K}
 META_PER_SLOT |= {"keydiff": 4 * K, "lagkv": 4 * K, "finch": 8 * K, "cur": 4 * K, "compactor": 8 * K}
 META_PER_SLOT |= {"simlayerkv": 4 * K, "cap": 4 * K}

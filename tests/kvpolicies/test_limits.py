@@ -47,6 +47,7 @@ SMALL = {
     "adakv": kvpolicies.get("adakv", budget=5, obs_window=3, kernel=3, max_new=4),
     "critical": kvpolicies.get("critical", budget=8, max_new=4, press=kvpolicies.get("snapkv", obs_window=3, kernel=3)),
     "kvzip": kvpolicies.get("kvzip", budget=5, max_new=3, n_sink=2),
+    "kvgrad": kvpolicies.get("kvgrad", budget=5, max_new=3, n_sink=2),
     "kvzap": kvpolicies.get("kvzap", budget=5, max_new=3, window=2, surrogate="random"),
     "kvcompose": kvpolicies.get("kvcompose", budget=5, max_new=3),
     "duo": kvpolicies.get("duo", sink=2, recent=5, heads=(1, 0)),

@@ -57,7 +57,8 @@ def prompt_compressors() -> list[str]:
 
 # Prompt compressors whose prompt rule is checked beside kvpress itself instead (its values through the
 # layer's W_o have no re-simulation here yet): the file that does it
-BESIDE_KVPRESS = {"critical": "tests/kvpolicies/test_kvpress_parity_critical.py"}
+BESIDE_KVPRESS = {"critical": "tests/kvpolicies/test_kvpress_parity_critical.py",
+                  "kvgrad": "tests/kvpolicies/test_kvpress_parity_kvgrad.py"}
 
 
 def test_every_prompt_compressor_has_an_entry():

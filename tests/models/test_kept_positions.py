@@ -40,6 +40,7 @@ POLICIES = {
     "expected": (kvpolicies.get("expected", budget=6, max_new=3, n_sink=2, n_future_positions=8), (6,)),
     "adakv": (kvpolicies.get("adakv", budget=5, obs_window=3, kernel=3, max_new=4), "pool8"),
     "kvzip": (kvpolicies.get("kvzip", budget=5, max_new=3, n_sink=2), "pool5"),
+    "kvgrad": (kvpolicies.get("kvgrad", budget=5, max_new=3, n_sink=2), "pool5"),
     "kvzap": (kvpolicies.get("kvzap", budget=5, max_new=3, window=2, surrogate="random"), "pool5"),
     "kvcompose": (kvpolicies.get("kvcompose", budget=6, max_new=3), (6,)),  # a budget: uniform layers
     "duo": (kvpolicies.get("duo", sink=2, recent=5, heads=(1, 0)), lambda h: range(T) if h == 0 else [0, 1, *range(T - 5, T)]),

@@ -117,6 +117,11 @@ REFERENCES = {
         "snapkv", budget=5, obs_window=3, kernel=3, max_new=4))], _inner_ref),
     "kvzip": ([kvpolicies.get("kvzip", budget=5, max_new=3, n_sink=2)],
               kvzip_reference),  # tests/refs/kvzip.py
+    # streams by kvzip's rule (no gradient mid-stream); its prompt rule is checked beside kvpress
+    # (tests/kvpolicies/test_kvpress_parity_kvgrad.py); kvzip's chunking and prompts, so that one
+    # reconstruction pass serves both in a model of every policy (tests/refs/sharding_check.py)
+    "kvgrad": ([kvpolicies.get("kvgrad", budget=5, max_new=3, n_sink=2, repeat_chunk=2000, prompts="authors")],
+               kvzip_reference),
     "kvzap": ([kvpolicies.get("kvzap", budget=5, max_new=3, window=2, surrogate="random")],
               kvzap_reference),  # tests/refs/kvzap.py
     "kvcompose": ([kvpolicies.get("kvcompose", budget=6, max_new=3)],
