@@ -22,7 +22,9 @@ Keys (key=value):
     ratios=[0.25,0.5,0.75,0.875]  kvpress compression ratios in (0, 1); the full cache (ratio 0) always runs
     presses=[...]                 default: PEER_PRESSES (kvpolicies.compat's but Random, PerLayerCompression; DuoAttentionPress
                                   with a seeded random head pattern on both sides, `duo_pattern`; none for
-                                  model=hf); RandomPress is also accepted (its draw is not kvpress's)
+                                  model=hf); RandomPress is also accepted (its draw is not kvpress's), and
+                                  the rest of compat's catalogue, CATALOGUE (`catalogue_args`: ThinKPress,
+                                  the hub presses with our arrays, the decoding presses, SimLayerKVPress, ...)
     gen=<task's>                  greedy tokens after the question (ruler_niah_single: 32)
     seed=0  chunk=512             the samples' seed; our prefill chunk (never changes a result; the rest
                                   of a context in power-of-two pieces, `pieces`, and the question in
