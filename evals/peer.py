@@ -347,15 +347,15 @@ def catalogue_args(p: "Plan", press: str, ratio: float) -> tuple[str, float, dic
     fields: dict[str, Any] = {"press": inner} if inner and name in ("MergingPress", "ChunkPress", "BlockPress",
                                                                    "PerLayerCompressionPress") else {}
     if name == "QFilterPress":
-        fields = {"q_filters": str(hub_file(p, "qfilters"))}
+        fields = {"q_filters": str(hub_file(p, "qfilters").resolve())}
     elif name == "ExpectedAttentionStatsPress":
-        fields = {"stats_folder": str(hub_file(p, "expected_stats"))}
+        fields = {"stats_folder": str(hub_file(p, "expected_stats").resolve())}
     elif name in ("KVzapPress", "DMSPress"):
-        fields = {"model_type": "linear", "kvzap_model_name": str(hub_file(p, "kvzap"))}
+        fields = {"model_type": "linear", "kvzap_model_name": str(hub_file(p, "kvzap").resolve())}
         if name == "DMSPress":
             fields |= {"press": "KVzapPress", "threshold": 0.0 if tiny else -6.0, "sliding_window_size": 64 if tiny else 128}
     elif name == "FastKVzipPress":
-        fields = {"layerwise": True, "gates": str(hub_file(p, "fastkvzip"))}
+        fields = {"layerwise": True, "gates": str(hub_file(p, "fastkvzip").resolve())}
     elif name == "DecodingPress":
         fields = {"base_press": inner, "compression_interval": DECODING_INTERVAL, "target_size": p.tokens // 4}
     elif name == "CompressionRatioDecodingPress":
@@ -382,7 +382,7 @@ def catalogue_args(p: "Plan", press: str, ratio: float) -> tuple[str, float, dic
         spread = min(ratio, 1 - ratio) / 2
         fields["compression_ratios"] = [float(x) for x in ratio + spread * np.linspace(-1, 1, layers)]
     elif name == "LUKVPress":
-        fields = {"budget_curves": str(lukv_curve(p))}
+        fields = {"budget_curves": str(lukv_curve(p).resolve())}
     return name, ratio, dict(fields), json.loads(json.dumps(fields))
 
 

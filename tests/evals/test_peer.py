@@ -653,11 +653,14 @@ RAISE_ON_TINY = ("FastKVzipPress", "PerLayerCompressionPress:KeyDiffPress", "LUK
 @pytest.mark.skipif(os.environ.get("KVP_KVPRESS_FULL") != "1", reason="minutes (17 presses): KVP_KVPRESS_FULL=1")
 def test_every_catalogue_press_beside_kvpress(tiny_run, tmp_path):
     """Every CATALOGUE row at ratio 0.25 (ratio-less rows at 0) beside kvpress on the tiny model: the same ids and
-    kept sets (Jaccard 1.0 per (layer, kv head), recomputed here from the lines), ComposedPress's kvpress n_kept of
-    what each of its presses is handed; the presses kvpress raises on after compressing keep the same sets before
-    the error (PerLayerCompressionPress: int(n (1 - r_layer)) per head)."""
+    kept sets (Jaccard 1.0 per (layer, kv head), recomputed here from the lines; in layer 0 the surrogate and
+    gate presses keep the same token ids: their scores read each token's embedding alone, so repeated ids tie
+    exactly and torch.topk breaks the tie its way, ours the newer), ComposedPress's kvpress n_kept of what each of
+    its presses is handed; the presses kvpress raises on after compressing keep the same sets before the error
+    (PerLayerCompressionPress: int(n (1 - r_layer)) per head)."""
     rows, kv, ours, n, args = _catalogue_run(tiny_run, tmp_path, ",".join(peer.CATALOGUE))
-    assert set(ours) == set(kv) == {"full", *peer.CATALOGUE}
+    ids = peer.prepare(peer.parse(args)).contexts[0]
+    assert {"full", *peer.CATALOGUE} <= set(ours) and {"full", *peer.CATALOGUE} <= set(kv)
     for press in peer.CATALOGUE:
         a, b = kv[press], ours[press]
         assert "error" not in b, (press, b.get("error"))
@@ -666,8 +669,11 @@ def test_every_catalogue_press_beside_kvpress(tiny_run, tmp_path):
             assert a["answer"] == b["answer"], press
         what = "channels" if press == "ThinKPress" else "kept"
         size = 16 if what == "channels" else n
-        for x, y in zip(a[what], b[what], strict=True):
-            assert _positions(x, 2, size) == _positions(y, 2, size), press
+        for layer, (x, y) in enumerate(zip(a[what], b[what], strict=True)):
+            sx, sy = _positions(x, 2, size), _positions(y, 2, size)
+            if layer == 0 and press in ("FastKVzipPress", "KVzapPress", "DMSPress"):  # scores of the embedding alone:
+                sx, sy = ([sorted(ids[sorted(h)]) for h in s] for s in (sx, sy))  # repeated ids tie, the same ids kept
+            assert sx == sy, (press, layer)
     each = 1 - float(np.sqrt(0.75))
     assert all(len(h) == int(int(n * (1 - each)) * (1 - each)) for layer in ours["ComposedPress"]["kept"]
                for h in _positions(layer, 2, n))
