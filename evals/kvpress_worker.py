@@ -41,6 +41,7 @@ kept ones, the question at n + r), and the single-job form also returns their va
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import json
 import os
@@ -216,6 +217,8 @@ def restore_press(ratio: float, fields: dict):
 
 
 def make_press(name: str, ratio: float, fields: dict):
+    if (press := catalogue_press(name.split(":", 1)[0], ratio, fields)) is not None:  # evals.peer's catalogue rows
+        return press
     if ":" in name:  # evals.peer's "Wrapper:Inner": the wrapper, its inner press given in fields["press"]
         name = name.split(":", 1)[0]
     if name == "RestoreKVPress":  # our restore embeddings and LoRA (kvpress downloads the authors')
@@ -243,6 +246,108 @@ def make_press(name: str, ratio: float, fields: dict):
         wrapper = {k: fields.pop(k) for k in list(fields) if k in own}
         return cls(press=make_press(fields.pop("press", "SnapKVPress"), ratio, fields), **wrapper)
     return cls(compression_ratio=ratio, **fields)
+
+
+# -- evals.peer's catalogue: presses whose fields name arrays or that kvpress's constructor does not take ----------
+
+
+def _f32(a) -> torch.Tensor:
+    return torch.tensor(np.asarray(a), dtype=torch.float32)
+
+
+def _no_download(press):
+    """`press` with its `post_init_from_model` (which downloads the authors' arrays) a no-op: they are given."""
+    press.post_init_from_model = lambda model: None
+    return press
+
+
+def _kvzap_model(path: str):
+    """kvpress's KVzapModel holding a kvzap surrogate file's weights (evals.train_kvzap's format)."""
+    from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel
+
+    z = np.load(path)
+    mlp = "w1" in z.files
+    first = z["w1"] if mlp else z["w"]  # [L, d, hidden or K]
+    out = (z["w2"] if mlp else z["w"]).shape[-1]
+    zm = KVzapModel(KVzapConfig(input_dim=first.shape[1], output_dim=out, n_modules=first.shape[0],
+                                hidden_dim=first.shape[-1] if mlp else None)).eval()
+    with torch.no_grad():
+        for l, layer in enumerate(zm.layers):
+            for lin, wn, bn in ([(layer[0], "w1", "b1"), (layer[2], "w2", "b2")] if mlp else [(layer, "w", "b")]):
+                lin.weight.copy_(_f32(z[wn][l].T))
+                lin.bias.copy_(_f32(z[bn][l]))
+    return zm
+
+
+def _fastkvzip_gates(path: str) -> list:
+    """kvpress's FastKVzipGate modules holding a gate file's weights (kvpolicies.fastkvzip's format)."""
+    from kvpress.presses.fastkvzip_press import FastKVzipGate
+
+    z, gates = np.load(path), []
+    for l in range(z["q_w"].shape[0]):
+        kh, g = z["b"].shape[1:]
+        gate = FastKVzipGate(l, z["q_w"].shape[1], kh, g, torch.float32)
+        gate.load_state_dict({"q_proj.weight": _f32(z["q_w"][l].T), "q_proj.bias": _f32(z["q_b"][l]),
+                              "k_proj.weight": _f32(z["k_w"][l].T), "q_norm.weight": _f32(z["q_norm"][l]),
+                              "k_norm.weight": _f32(z["k_norm"][l]), "k_base": _f32(z["k_base"][l][:, None]),
+                              "b": _f32(z["b"][l][:, None])})
+        gates.append(gate.eval())
+    return gates
+
+
+def catalogue_press(name: str, ratio: float, fields: dict):
+    """kvpress's `name` at `ratio` for the `evals.peer` rows (`evals.peer.catalogue_args`) whose fields its
+    constructor does not take as they are, or None (make_press's own rules). The hub presses get the arrays
+    of the files named (in place of their downloads); ThinKPress's ratio is its compression_ratio,
+    key_channel_compression_ratio / 2; SimLayerKVPress and DecodingPress have none (0); FinchPress's window is
+    given (no delimiter token); LUKVPress's budget curve is a .npy file."""
+    cls = getattr(kvpress, name, None)
+    if name == "ThinKPress":
+        return cls(key_channel_compression_ratio=fields.pop("key_channel_compression_ratio", 2 * ratio), **fields)
+    if name == "SimLayerKVPress":
+        return cls(**fields)
+    if name == "FinchPress":
+        window = fields.pop("window_size")
+        press = cls(compression_ratio=ratio, **fields)
+        press.window_size = window  # kvpress sets it from a delimiter token between context and question
+        return press
+    if name == "QFilterPress":
+        press = _no_download(cls(compression_ratio=ratio))
+        press.q_filters = _f32(np.load(fields.pop("q_filters"))["q_filters"])
+        return press
+    if name == "ExpectedAttentionStatsPress":
+        z = np.load(fields.pop("stats_folder"))
+        press = cls(compression_ratio=ratio, **fields)
+        press.mu, press.cov = _f32(z["mu"]), _f32(z["cov"])  # set: post_init_from_model loads nothing
+        return press
+    if name == "KVzapPress":
+        path = fields.pop("kvzap_model_name")
+        press = _no_download(cls(compression_ratio=ratio, **fields))
+        press.kvzap_model = _kvzap_model(path)
+        return press
+    if name == "FastKVzipPress":
+        path = fields.pop("gates")
+        press = cls(compression_ratio=ratio, **fields)
+        press.gates = _fastkvzip_gates(path)  # set: post_init_from_model loads nothing
+        return press
+    if name == "LUKVPress":
+        curve = np.load(fields.pop("budget_curves"))
+        press = cls(compression_ratio=ratio, **fields)
+        press._budget_curves = curve  # set: post_init_from_model downloads nothing
+        return press
+    if name == "DMSPress":
+        zap = {k: fields.pop(k) for k in ("model_type", "kvzap_model_name")}
+        return cls(press=catalogue_press(fields.pop("press"), 0.0, zap), **fields)
+    if name in ("DecodingPress", "CompressionRatioDecodingPress"):
+        base = getattr(kvpress, fields.pop("base_press"))()
+        if name == "CompressionRatioDecodingPress":
+            fields.setdefault("target_compression_ratio", ratio)
+        return cls(base_press=base, **fields)
+    if name == "PrefillDecodingPress":
+        dec = fields.pop("decoding_press")  # [name, ratio, fields]
+        return cls(prefilling_press=make_press(fields.pop("prefilling_press"), ratio, fields),
+                   decoding_press=catalogue_press(dec[0], dec[1], dict(dec[2])))
+    return None
 
 
 @torch.no_grad()
@@ -429,13 +534,17 @@ def greedy(model, cache, question, n: int, n_new: int, phases: dict | None = Non
 
 def timed_answer(model, cache, index, ctx, question, n_new, phases: dict) -> dict:
     """{"kept": mask, "answer": ids, "phases": seconds} of a compressed cache (`phases` holds the
-    prefill's and the compression's seconds already)."""
+    prefill's and the compression's seconds already); {"kept", "error", "phases"} if kvpress raised on the
+    question (PyramidKVPress's uneven layers, the masking presses' fake keys at a small head dim)."""
     t0 = time.time()
     n = ctx.shape[1]
     extra = max(0, cache.get_seq_length() - n)  # RestoreKVPress's restore slots after the context (kept, unmasked)
     kept = kept_mask(model, cache, index, n, extra)
     phases["kept"] = time.time() - t0
-    answer = greedy(model, cache, question, n + extra, n_new, phases)  # kvpress's pipeline: after the cache
+    try:
+        answer = greedy(model, cache, question, n + extra, n_new, phases)
+    except Exception as e:  # noqa: BLE001  kvpress compressed, then failed on the question: both are results
+        return {"kept": kept, "error": f"{type(e).__name__}: {e}", "phases": {k: round(v, 3) for k, v in phases.items()}}
     return {"kept": kept, "answer": answer, "phases": {k: round(v, 3) for k, v in phases.items()}}
 
 
@@ -583,6 +692,103 @@ def run_kvzip(model, presses, ctx, question, n_new):
     return out
 
 
+# evals.peer's rows that `run_own` reads back: a channel press, the decoding presses, and FastKVzipPress (it
+# compresses in its context manager's exit, after the prefill, as KVzipPress)
+OWN = ("ThinKPress", "DecodingPress", "CompressionRatioDecodingPress", "PrefillDecodingPress", "FastKVzipPress")
+
+
+def _mask(heads: list, n: int) -> str:
+    """base64 of np.packbits of the [kv head, n] mask of the positions < n in `heads` ([kv head] positions)."""
+    mask = np.zeros((len(heads), n), bool)
+    for h, pos in enumerate(heads):
+        pos = [t for t in pos if t < n]
+        mask[h, pos] = True
+    return base64.b64encode(np.packbits(mask).tobytes()).decode()
+
+
+def channels_kept(cache, full_keys, n: int) -> tuple[list[str], list[str]]:
+    """A channel press's cache (kvpress's ThinKPress zeroes the pruned key channels of every cached key): per
+    layer, (the [kv head, n] kept-token mask, each cached key matched to an uncompressed key over its head's
+    kept channels, bit for bit; the [kv head, D] kept-channel mask: the channels not zero in every key)."""
+    kept, chans = [], []
+    for layer, full in enumerate(full_keys):  # full [K, n, D]
+        keys = cache.layers[layer].keys[0].numpy()  # [K, m, D]
+        f = full.numpy()
+        on = ~(keys == 0).all(axis=1)  # [K, D]
+        heads = []
+        for h in range(keys.shape[0]):
+            where = {f[h, t, on[h]].tobytes(): t for t in range(f.shape[1])}
+            pos = [where.get(row[on[h]].tobytes(), -1) for row in keys[h]]
+            assert min(pos, default=0) >= 0, "a cached key matches no context key over its kept channels"
+            heads.append(pos)
+        kept.append(_mask(heads, n))
+        chans.append(base64.b64encode(np.packbits(on).tobytes()).decode())
+    return kept, chans
+
+
+@torch.no_grad()
+def run_own(model, presses, ctx, question, n_new):
+    """{(name, ratio): result} of the presses `evals.peer` reads back their own way, each through kvpress's
+    pipeline: ThinKPress (the context prefilled under the press; "kept" every token it holds, "channels" each
+    head's kept key channels, `channels_kept`), the decoding presses (the context prefilled, under the press
+    for PrefillDecodingPress only, then the question and the greedy ids under it; `Tracker` follows every slot
+    through the compressions: "kept" is the context positions held after the last id fed, "kept_prefill" those
+    after the prefill), FastKVzipPress (its compression in its context manager's exit; masked slots not kept).
+    Each result also has "cache_bytes", its key and value tensors' bytes after the compression (after the
+    decoding for a decoding press)."""
+    full = DynamicCache()
+    model(input_ids=ctx, past_key_values=full, logits_to_keep=1)
+    full_keys = [full.layers[i].keys[0] for i in range(len(full.layers))]
+    index = key_index(full_keys)
+    n, out = ctx.shape[1], {}
+    for name, ratio, fields in presses:
+        t0 = time.time()
+        try:
+            press = make_press(name, ratio, dict(fields))
+            cache = DynamicCache()
+            if isinstance(press, (kvpress.DecodingPress, kvpress.PrefillDecodingPress)):
+                pre = isinstance(press, kvpress.PrefillDecodingPress)
+                dec = press.decoding_press if pre else press
+                tracker = Tracker([p for p in (press.prefilling_press if pre else None, dec.base_press) if p is not None])
+                with press(model) if pre else contextlib.nullcontext():  # the pipeline's prefill
+                    hooks = tracker.attach(model)  # after the press's hooks: they run after its compression
+                    model(input_ids=ctx, past_key_values=cache, logits_to_keep=1)
+                    [h.remove() for h in hooks]
+                phases = {"prefill": time.time() - t0}
+                after = tracker.kept()
+                with press(model):
+                    hooks = tracker.attach(model)
+                    answer = greedy(model, cache, question, n, n_new, phases)
+                    [h.remove() for h in hooks]
+                res = {"kept": [_mask(h, n) for h in tracker.kept()], "kept_prefill": [_mask(h, n) for h in after],
+                       "answer": answer}
+            elif isinstance(press, kvpress.ThinKPress):
+                with press(model):
+                    model(input_ids=ctx, past_key_values=cache, logits_to_keep=1)
+                phases = {"prefill": time.time() - t0}
+                t1 = time.time()
+                kept, chans = channels_kept(cache, full_keys, n)
+                phases["kept"] = time.time() - t1
+                held = sum(x.keys.nbytes + x.values.nbytes for x in cache.layers)
+                res = {"kept": kept, "channels": chans, "cache_bytes": held,
+                       "answer": greedy(model, cache, question, n, n_new, phases)}
+            else:  # FastKVzipPress
+                with press(model):
+                    model(input_ids=ctx, past_key_values=cache, logits_to_keep=1)
+                held = sum(x.keys.nbytes + x.values.nbytes for x in cache.layers)
+                res = timed_answer(model, cache, index, ctx, question, n_new, {"prefill": time.time() - t0})
+                res["cache_bytes"] = held
+            if "cache_bytes" not in res:
+                res["cache_bytes"] = sum(x.keys.nbytes + x.values.nbytes for x in cache.layers)
+            res["phases"] = {k: round(v, 3) for k, v in (res.get("phases") or phases).items()}
+            out[(name, ratio)] = res
+        except Exception as e:  # noqa: BLE001  (kvpress failing is a result)
+            out[(name, ratio)] = {"error": f"{type(e).__name__}: {e}"}
+        finally:
+            _set_masks(model, [None] * len(model.model.layers))
+    return out
+
+
 def group_of(name: str, shared: bool = True) -> tuple[str, str]:
     """(attention implementation, how: "shared" | "pipeline" | "kvzip") a press runs with:
     ObservedAttentionPress needs the attention weights (eager); KVzipPress compresses after the
@@ -597,6 +803,8 @@ def group_of(name: str, shared: bool = True) -> tuple[str, str]:
         return "eager", "pipeline"
     if name == "RestoreKVPress":  # kvzip's pass, then its restore pass (its LoRA): the pipeline, per press
         return "sdpa", "pipeline"
+    if name.split(":", 1)[0] in OWN:  # read back their own way, each through kvpress's pipeline (`run_own`)
+        return "sdpa", "own"
     return ("eager" if name == "ObservedAttentionPress" else "sdpa"), "shared" if shared else "pipeline"
 
 
@@ -625,7 +833,7 @@ def main_samples(job: dict, out_path: str) -> None:
                     models[attn] = load(path, attn, job.get("gguf_file"))
                 every_core_once(job.get("every_core_when"))
                 t0 = time.time()
-                run_group = {"shared": run_shared, "pipeline": run_per_press, "kvzip": run_kvzip}[how]
+                run_group = {"shared": run_shared, "pipeline": run_per_press, "kvzip": run_kvzip, "own": run_own}[how]
                 res = run_group(models[attn], group, ctx, question, job["n_new"])
                 secs = round((time.time() - t0) / len(res), 2)  # the group's time, shared out
                 for (name, ratio), r in res.items():

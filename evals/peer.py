@@ -22,7 +22,9 @@ Keys (key=value):
     ratios=[0.25,0.5,0.75,0.875]  kvpress compression ratios in (0, 1); the full cache (ratio 0) always runs
     presses=[...]                 default: PEER_PRESSES (kvpolicies.compat's but Random, PerLayerCompression; DuoAttentionPress
                                   with a seeded random head pattern on both sides, `duo_pattern`; none for
-                                  model=hf); RandomPress is also accepted (its draw is not kvpress's)
+                                  model=hf); RandomPress is also accepted (its draw is not kvpress's), and
+                                  the rest of compat's catalogue, CATALOGUE (`catalogue_args`: ThinKPress,
+                                  the hub presses with our arrays, the decoding presses, SimLayerKVPress, ...)
     gen=<task's>                  greedy tokens after the question (ruler_niah_single: 32)
     seed=0  chunk=512             the samples' seed; our prefill chunk (never changes a result; the rest
                                   of a context in power-of-two pieces, `pieces`, and the question in
@@ -177,7 +179,7 @@ class Plan:
     @property
     def cells(self) -> list[tuple[str, float]]:
         """(press, ratio) of every row, the full cache first."""
-        return [("full", 0.0)] + [(p, r) for p in self.presses for r in self.ratios]
+        return [("full", 0.0)] + [(p, r) for p in self.presses for r in ((0.0,) if p in RATIOLESS else self.ratios)]
 
     def sample_id(self, i: int) -> str:
         """'<config>/<index>/<hash of the sample's ids>': what a saved line belongs to."""
@@ -215,6 +217,22 @@ PEER_PRESSES = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPres
 EXTRA_PRESSES = ("RandomPress", "CompactorPress", "LeverageScorePress", "ChunkKVPress:SnapKVPress", "AdaKVPress:ExpectedAttentionPress",
                  "KeyRerotationPress:ExpectedAttentionPress", "EntropyGatedChunkKVPress:SnapKVPress",
                  "CriticalKVPress:SnapKVPress", "CriticalAdaKVPress:SnapKVPress")
+# the rest of compat.PRESSES (issue 58), each row as both sides get it (`catalogue_args`): our side runs them
+# one engine per (press, ratio), `run_catalogue`, the worker as its `catalogue_press` and `run_own` say
+CATALOGUE = ("ThinKPress", "QFilterPress", "ExpectedAttentionStatsPress", "KVzapPress", "FastKVzipPress",
+             "DecodingPress:KeyDiffPress", "CompressionRatioDecodingPress:KeyDiffPress",
+             "PrefillDecodingPress:SnapKVPress", "SimLayerKVPress", "FinchPress", "MergingPress:KeyDiffPress",
+             "ChunkPress:KeyDiffPress", "BlockPress:KeyDiffPress", "ComposedPress", "PerLayerCompressionPress:KeyDiffPress",
+             "LUKVPress", "DMSPress")
+EXTRA_PRESSES += CATALOGUE
+# rows without a compression ratio to set (kvpress's is read-only or absent): one row each, at ratio 0
+RATIOLESS = ("DecodingPress:KeyDiffPress", "SimLayerKVPress", "DMSPress")
+HUB = {"QFilterPress": "qfilters", "ExpectedAttentionStatsPress": "expected_stats", "KVzapPress": "kvzap",
+       "FastKVzipPress": "fastkvzip"}  # the presses whose arrays kvpress downloads: ours, one file per model
+HUB_COMMANDS = {"qfilters": "python -m evals.qfilter model={m}", "expected_stats": "python -m evals.expected_stats model={m}",
+                "kvzap": "python -m evals.train_kvzap model={m} kind=linear",
+                "fastkvzip": "python -m evals.train_fastkvzip model={m}"}
+DECODING_INTERVAL = 4  # the decoding presses' compression_interval (steps: the question is one, each id one)
 DUO_SEED = 0  # the head pattern both sides get for DuoAttentionPress (`duo_pattern`)
 
 
@@ -249,6 +267,146 @@ def press_fields(model: str, press: str) -> dict[str, Any]:
     if press != "DuoAttentionPress":
         return {}
     return {"head_scores": duo_pattern(model)} | ({"sink_size": 16, "recent_size": 64} if model == "tiny" else {})
+
+
+def hub_file(p: "Plan", what: str) -> pathlib.Path:
+    """The file of our arrays `what` (HUB's values) for the run's model: for model=tiny seeded random arrays of
+    its shapes (`tiny_arrays`, as duo_pattern's: a check of the rule, not of trained arrays); else what
+    evals.qfilter, evals.expected_stats, evals.train_kvzap (kind=linear) and evals.train_fastkvzip write."""
+    from evals.data import data_dir
+
+    if p.model == "tiny":
+        return tiny_arrays(p)[what]
+    if what == "kvzap":
+        from kvpolicies.kvzap import weight_file
+
+        return weight_file(f"{p.model}_linear")
+    return data_dir() / what / f"{p.model}.npz"
+
+
+def tiny_arrays(p: "Plan") -> dict[str, pathlib.Path]:
+    """model=tiny's arrays for the hub presses and LUKVPress's curve, seeded (numpy's default_rng), written
+    under <out>/tiny_arrays/ once: q_filters [L, K, D]; mu [L, N, D] and PSD cov [L, N, D, D]; a linear kvzap
+    surrogate (nonzero biases); FastKVzip gates (kvpolicies.fastkvzip's format); LU-KV's curve [99, L, K]."""
+    from kvpolicies.kvzap import random_surrogate
+
+    folder = p.out / "tiny_arrays"
+    folder.mkdir(parents=True, exist_ok=True)
+    n, kh, nh, d = TINY["num_hidden_layers"], TINY["num_key_value_heads"], TINY["num_attention_heads"], TINY["hidden_size"]
+    hd, g, e = d // nh, nh // kh, 16
+    out = {k: folder / f"{k}.npz" for k in HUB.values()} | {"lukv": folder / "lukv.npy"}
+    if all(f.is_file() for f in out.values()):
+        return out
+    rng = np.random.default_rng(0)
+    r = lambda *shape, scale=1.0: (scale * rng.standard_normal(shape)).astype(np.float32)  # noqa: E731
+    np.savez(out["qfilters"], q_filters=r(n, kh, hd))
+    a = r(n, nh, hd, hd, scale=0.25)
+    np.savez(out["expected_stats"], mu=r(n, nh, hd), cov=(a @ np.swapaxes(a, -1, -2)).astype(np.float32))
+    zap = random_surrogate("linear", d, kh, n, seed=1)
+    zap["b"] = r(n, kh, scale=0.1)
+    np.savez(out["kvzap"], kind="linear", d_model=d, kv_heads=kh, n_layers=n, **zap)
+    np.savez(out["fastkvzip"], q_w=r(n, d, kh * g * e, scale=d ** -0.5), q_b=r(n, kh * g * e, scale=0.1),
+             k_w=r(n, d, kh * e, scale=d ** -0.5), q_norm=1 + r(n, e, scale=0.1), k_norm=1 + r(n, e, scale=0.1),
+             k_base=r(n, kh, 16, e), b=r(n, kh, g, scale=0.5))
+    u = rng.random((99, n, kh))
+    np.save(out["lukv"], np.clip(np.arange(1, 100)[:, None, None] / 100 + 0.4 * (u - 0.5), 0, 0.99).astype(np.float32))
+    return out
+
+
+def lukv_curve(p: "Plan") -> pathlib.Path:
+    """LUKVPress's budget curve [99, L, K] for the run's model (kvpress downloads one, for Llama-3.1-8B): seeded
+    random prune ratios spread around (i + 1) / 100 in row i (the parity test's), the same on both sides."""
+    if p.model == "tiny":
+        return tiny_arrays(p)["lukv"]
+    from evals import zoo
+
+    cfg = zoo.describe(p.mconf)
+    path = p.out / f"lukv_{p.model}.npy"
+    if not path.is_file():
+        p.out.mkdir(parents=True, exist_ok=True)
+        u = np.random.default_rng(0).random((99, cfg.n_layers, cfg.n_kv_heads))
+        np.save(path, np.clip(np.arange(1, 100)[:, None, None] / 100 + 0.4 * (u - 0.5), 0, 0.99).astype(np.float32))
+    return path
+
+
+def catalogue_args(p: "Plan", press: str, ratio: float) -> tuple[str, float, dict[str, Any], dict[str, Any]]:
+    """(kvpress class, compression_ratio, our fields for `kvpolicies.compat.kvpress`, the worker's JSON fields) of
+    a CATALOGUE row at `ratio`: both sides get the same press, fields and arrays. ThinKPress: the ratio is
+    kvpress's read-only compression_ratio, key_channel_compression_ratio / 2 (below 0.5). The hub presses: our
+    arrays' files (`hub_file`); FastKVzipPress layerwise. Decoding presses: KeyDiffPress re-scoring every
+    DECODING_INTERVAL steps (DecodingPress: back to a quarter of `tokens`; CompressionRatioDecodingPress: the
+    ratio of the tokens seen; PrefillDecodingPress: SnapKVPress at the ratio, then back to half of what it
+    kept). SimLayerKVPress: n_recent an eighth of `tokens`, lazy_threshold 0.1 (tiny) or 0.5. FinchPress:
+    a 32-token window ending the context (the question comes after the compression here), keys not
+    re-rotated. ChunkPress 256-token chunks; ComposedPress SnapKVPress then KeyDiffPress, each at
+    1 - sqrt(1 - ratio); PerLayerCompressionPress ratios spread linearly over the layers around the ratio
+    (mean: the ratio); LUKVPress a seeded curve (`lukv_curve`); DMSPress over KVzapPress (our surrogate),
+    threshold 0 (tiny) or -6, window 64 (tiny) or 128."""
+    name, inner = (press.split(":", 1) + [None])[:2]
+    tiny = p.model == "tiny"
+    fields: dict[str, Any] = {"press": inner} if inner and name in ("MergingPress", "ChunkPress", "BlockPress",
+                                                                   "PerLayerCompressionPress") else {}
+    if name == "QFilterPress":
+        fields = {"q_filters": str(hub_file(p, "qfilters").resolve())}
+    elif name == "ExpectedAttentionStatsPress":
+        fields = {"stats_folder": str(hub_file(p, "expected_stats").resolve())}
+    elif name in ("KVzapPress", "DMSPress"):
+        fields = {"model_type": "linear", "kvzap_model_name": str(hub_file(p, "kvzap").resolve())}
+        if name == "DMSPress":
+            fields |= {"press": "KVzapPress", "threshold": 0.0 if tiny else -6.0, "sliding_window_size": 64 if tiny else 128}
+    elif name == "FastKVzipPress":
+        fields = {"layerwise": True, "gates": str(hub_file(p, "fastkvzip").resolve())}
+    elif name == "DecodingPress":
+        fields = {"base_press": inner, "compression_interval": DECODING_INTERVAL, "target_size": p.tokens // 4}
+    elif name == "CompressionRatioDecodingPress":
+        fields = {"base_press": inner, "compression_interval": DECODING_INTERVAL}
+    elif name == "PrefillDecodingPress":
+        kept = max(1, int(min(len(c) for c in p.contexts) * (1 - ratio)) // 2) if p.contexts else p.tokens // 4
+        dec = ["DecodingPress", 0.0, {"base_press": "KeyDiffPress", "compression_interval": DECODING_INTERVAL,
+                                      "target_size": kept}]
+        from kvpolicies.compat import kvpress
+
+        ours = {"prefilling_press": inner, "decoding_press": kvpress(dec[0], dec[1], **dec[2])}
+        return name, ratio, ours, {"prefilling_press": inner, "decoding_press": dec}
+    elif name == "SimLayerKVPress":
+        fields = {"lazy_threshold": 0.1 if tiny else 0.5, "n_recent": p.tokens // 8, "n_last": 1, "n_initial": 4}
+    elif name == "FinchPress":
+        fields = {"window_size": 32, "rerotate_keys": False}
+    elif name == "ChunkPress":
+        fields["chunk_length"] = 256
+    elif name == "ComposedPress":
+        each = 1 - float(np.sqrt(1 - ratio))
+        fields = {"presses": [["SnapKVPress", each], ["KeyDiffPress", each]]}
+    elif name == "PerLayerCompressionPress":
+        layers = TINY["num_hidden_layers"] if tiny else model_layers(p)
+        spread = min(ratio, 1 - ratio) / 2
+        fields["compression_ratios"] = [float(x) for x in ratio + spread * np.linspace(-1, 1, layers)]
+    elif name == "LUKVPress":
+        fields = {"budget_curves": str(lukv_curve(p).resolve())}
+    return name, ratio, dict(fields), json.loads(json.dumps(fields))
+
+
+def model_layers(p: "Plan") -> int:
+    from evals import zoo
+
+    return zoo.describe(p.mconf).n_layers
+
+
+def check_catalogue(p: "Plan") -> None:
+    """Before anything runs (ConfigError): the arrays of the hub presses asked for, with the command that
+    makes them (model=tiny's are drawn here), and the ratios ThinKPress can take."""
+    for press in p.presses:
+        what = HUB.get(press) or ("kvzap" if press == "DMSPress" else None)
+        if what and p.model == "hf":
+            raise ConfigError(f"presses: {press} needs our arrays ({what}) for the model, made by our commands for "
+                              "smollm2 and qwen only; leave it out for model=hf")
+        if what and p.model != "tiny" and not hub_file(p, what).is_file():
+            raise ConfigError(f"presses: {press} needs our {what} arrays for model={p.model} ({hub_file(p, what)} is "
+                              f"missing; kvpress downloads the authors'): make them with `"
+                              f"{HUB_COMMANDS[what].format(m=p.model)}`")
+        if press == "ThinKPress" and max(p.ratios) >= 0.5:
+            raise ConfigError(f"ratios: ThinKPress's compression_ratio is key_channel_compression_ratio / 2 (the keys' "
+                              f"share of the cache): below 0.5, got {max(p.ratios):g}")
 
 
 def parse(argv: Sequence[str]) -> Plan:
@@ -374,6 +532,7 @@ def prepare(p: Plan) -> Plan:
     p.config = config_key({"model": mc if p.model != "tiny" else {"tiny": TINY, "vocab": tok.vocab_size},
                            "task": task, "tokens": p.tokens, "seed": p.seed} | ({"query_aware": True} if p.query_aware
                                                                                   else {}))
+    check_catalogue(p)
     return p
 
 
@@ -465,9 +624,10 @@ def tiny_dir(p: Plan) -> pathlib.Path:
 def worker_job(p: Plan, todo: Sequence[tuple[int, str, float]]) -> dict[str, Any]:
     """The worker's multi-sample job for the (sample, press, ratio) items `todo`."""
     by: dict[int, list] = {}
-    fields = {c: press_fields(p.model, c) for c in dict.fromkeys(c for _, c, _ in todo)}
+    fields = {(c, r): catalogue_args(p, c, r)[3] if c in CATALOGUE else press_fields(p.model, c)
+              for c, r in dict.fromkeys((c, r) for _, c, r in todo)}
     for i, c, r in todo:
-        by.setdefault(i, []).append([c, r, fields[c]])
+        by.setdefault(i, []).append([c, r, fields[(c, r)]])
     job: dict[str, Any] = {"n_new": p.gen, "prefill": p.prefill,
                            # every core once our side is done, unless the environment sets the threads
                            "every_core_when": None if "OMP_NUM_THREADS" in os.environ else str(p.path(".ours-done")),
@@ -596,7 +756,7 @@ def engine_slots(p: Plan, model, max_len: int, max_new: int) -> dict[str, int]:
 
     return {c: grid_slots([kvpress(press_name(c), r, n_layers=model.cfg.n_layers, max_new=max_new,
                                    **press_fields(p.model, c))
-                           for r in p.ratios], model.cfg.n_layers, max_len) for c in p.presses}
+                           for r in p.ratios], model.cfg.n_layers, max_len) for c in p.presses if c not in CATALOGUE}
 
 
 def shared_phase(model, engines, max_len: int, steps: list[int], memo: dict):
@@ -717,6 +877,82 @@ def _answer_group(p: Plan, i: int, group: list, q: np.ndarray, n: int, log, f, t
         tick()
 
 
+def run_catalogue(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=lambda: None) -> None:
+    """Our side of the CATALOGUE items `todo`, one line each in <stem>.ours.jsonl (run_ours's format): per
+    (press, ratio) an engine of `kvpress(*catalogue_args(...))`, kept across samples; per item the context's
+    prefill, the compression, the kept positions, the greedy answer after the question. A channel press's
+    line also has "channels", [layer] the packed [kv head, D] mask of the key channels it keeps (ThinK's
+    `chan`); a decoding press's "kept" is what it holds after the last id fed (the question as one step, then
+    one id a step, as kvpress's pipeline: `Engine.feed`), "kept_prefill" what it held after the prefill. Our
+    side raising is a line with its error (the table shows it)."""
+    import jax
+
+    from evals.compiles import CompileLog
+    from kvpolicies.compat import kvpress
+    from kvpolicies.decoding import Decoding
+    from kvpolicies.memory import filled_bytes, tree_nbytes
+    from kvpolicies.think import ThinK
+    from models.engine import Engine
+
+    max_len = max(len(c) + len(q) for c, q in zip(p.contexts, p.questions)) + p.gen
+    max_new = max(len(q) for q in p.questions) + p.gen
+    engines: dict[tuple[str, float], Any] = {}
+    with open(p.path(".ours.jsonl"), "a", encoding="utf-8") as f, jax.default_matmul_precision("highest"), \
+            CompileLog() as log:
+        for i, c, r in todo:
+            ctx, q = p.contexts[i], p.questions[i]
+            t0 = time.time()
+            ph = Phases(log)
+            line: dict[str, Any] = {"sample": p.sample_id(i), "press": c, "ratio": r, "n": len(ctx)}
+            try:
+                if (c, r) not in engines:
+                    name, kr, fields, _ = catalogue_args(p, c, r)
+                    pol = kvpress(name, kr, n_layers=model.cfg.n_layers, max_new=max_new, **fields)
+                    engines[(c, r)] = (Engine(model, pol, max_len=max_len), pol)
+                eng, pol = engines[(c, r)]
+                st = ph("compress", eng.compress(ph("prefill", prompt_in_pieces(eng, ctx, p.chunk))))
+                held = {"stored": filled_bytes(st.cache), "allocated": tree_nbytes(st.cache)}
+                kept = _packed(eng.kept_positions(st), model.cfg.n_kv_heads, len(ctx))
+                ph("kept")
+                fed = ph("question", eng.feed(st, q[None]))  # one step, as kvpress's (a decoding press counts steps)
+                ids = ph("decode", eng.continue_generate(fed, np.zeros((1, 0), np.int32), p.gen))[0]
+                line |= {"answer": [int(x) for x in ids], "kept": kept, "bytes": held}
+                pols = pol if isinstance(pol, tuple) else (pol,)
+                if any(isinstance(x, Decoding) for x in pols):  # the state after the question and the ids, step by step
+                    for x in ids[:-1]:
+                        fed = eng.feed(fed, np.asarray([[x]], np.int32))
+                    line |= {"kept": _packed(eng.kept_positions(fed), model.cfg.n_kv_heads, len(ctx)),
+                             "kept_prefill": kept, "bytes": {"stored": filled_bytes(fed.cache),
+                                                             "allocated": tree_nbytes(fed.cache)}}
+                    ph("kept")
+                if isinstance(pol, ThinK):  # [L, B, K, D]: each head's kept channels, then its pruned ones
+                    chan = np.asarray(st.cache[0].chan)[:, 0]
+                    on = np.zeros(chan.shape, bool)  # [L, K, D]
+                    c_kept = pol.kept_channels(chan.shape[-1])
+                    for layer in range(chan.shape[0]):
+                        for h in range(chan.shape[1]):
+                            on[layer, h, chan[layer, h, :c_kept]] = True
+                    line["channels"] = [pack(m) for m in on]
+            except (ValueError, NotImplementedError, TypeError) as e:  # our side refusing is a result too
+                line["error"] = f"{type(e).__name__}: {e}"
+            line |= {"seconds": round(time.time() - t0, 2), "phases": ph.done() | {"batch": 1}}
+            f.write(json.dumps(line) + "\n")
+            f.flush()
+            tick()
+
+
+def _packed(kept: list, heads: int, n: int) -> list[str]:
+    """[layer][kv head] positions -> per layer the packed [kv head, n] mask of the positions below n."""
+    out = []
+    for layer in kept:
+        m = np.zeros((heads, n), bool)
+        for h, pos in enumerate(layer):
+            pos = np.asarray(pos)
+            m[h, pos[pos < n]] = True
+        out.append(pack(m))
+    return out
+
+
 def ray_side() -> dict[str, Any]:
     """What a Ray actor of `evals.peer_grid` runs of our side (handed to it: peer_grid imports no peer)."""
     return {"saved": saved, "load": load_ours, "run": run_ours}
@@ -754,6 +990,20 @@ def jaccard(a: np.ndarray, b: np.ndarray) -> float:
     return int((a & b).sum()) / union if union else 1.0
 
 
+def kept_jaccard(lines: dict[str, dict[str, Any]]) -> list[list[float]]:
+    """[layer][kv head] Jaccard of the two sides' kept sets: of the context positions, or of the key channels
+    where both lines have "channels" (a channel press keeps every token)."""
+    k = len(lines["ours"]["kept"])
+    heads = len(base64.b64decode(lines["ours"]["kept"][0])) * 8 // lines["ours"]["n"] if k else 0
+    what = "channels" if all("channels" in lines[s] for s in SIDES) else "kept"
+    js = []
+    for a, b in zip(lines["kvpress"][what], lines["ours"][what], strict=True):
+        n = lines["ours"]["n"] if what == "kept" else len(base64.b64decode(b)) * 8 // heads
+        ma, mb = unpack(a, heads, n), unpack(b, heads, n)
+        js.append([jaccard(ma[h], mb[h]) for h in range(heads)])
+    return js
+
+
 def records(p: Plan, tok) -> list[dict[str, Any]]:
     """One record per (press, ratio, sample) whose both sides are saved: each side's answer ids,
     text (cut at EOS), score (or kvpress's error), whether they agree, and the kept-set Jaccard
@@ -778,16 +1028,14 @@ def records(p: Plan, tok) -> list[dict[str, Any]]:
                 rec[s] = {"ids": line["answer"], "text": text, "score": score(p, text, p.refs[i]),
                           "seconds": line.get("seconds")}
             if any("error" in rec[s] for s in p.sides) or len(p.sides) < 2:
+                if len(p.sides) == 2 and all("kept" in lines[s] for s in SIDES):  # compressed, then kvpress raised
+                    rec["jaccard_before_error"] = kept_jaccard(lines)
                 out.append(rec)
                 continue
             k = len(lines["ours"]["kept"])
-            heads = None
-            js = []
-            for a, b in zip(lines["kvpress"]["kept"], lines["ours"]["kept"], strict=True):
-                n = lines["ours"]["n"]
-                heads = heads or len(base64.b64decode(a)) * 8 // n
-                ma, mb = unpack(a, heads, n), unpack(b, heads, n)
-                js.append([jaccard(ma[h], mb[h]) for h in range(heads)])
+            js = kept_jaccard(lines)
+            if all("channels" in lines[s] for s in SIDES):
+                rec["jaccard_of"] = "channels"
             rec |= {"same_text": rec["kvpress"]["text"] == rec["ours"]["text"],
                     "same_ids": rec["kvpress"]["ids"] == rec["ours"]["ids"],
                     "same_score": rec["kvpress"]["score"] == rec["ours"]["score"],
@@ -815,6 +1063,9 @@ def summarize(p: Plan, recs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         js = [j for x in both for layer in x["jaccard"] for j in layer]
         row["jaccard_mean"] = float(np.mean(js)) if js else float("nan")
         row["jaccard_min"] = float(np.min(js)) if js else float("nan")
+        row["jaccard_of"] = "channels" if any(x.get("jaccard_of") == "channels" for x in both) else "positions"
+        before = [j for x in rs if "jaccard_before_error" in x for layer in x["jaccard_before_error"] for j in layer]
+        row["jaccard_before_error"] = (float(np.mean(before)), float(np.min(before))) if before else None
         errs = sorted({x[s]["error"] for x in rs for s in p.sides if "error" in x[s]})
         for side in SIDES:  # wall seconds per item (its share of a shared prefill included), mean over samples
             secs = [x[side]["seconds"] for x in rs if side in x and x[side].get("seconds") is not None]
@@ -866,11 +1117,14 @@ def markdown(p: Plan, rows: Sequence[dict[str, Any]], title: str = "") -> str:
     for r in rows:
         n = r["compared"]
         if r["samples"] and not n:
+            before = r.get("jaccard_before_error")
             cells = [f"kvpress raised ({r['kvpress_errors']}/{r['samples']})" if r["kvpress_errors"] else
-                     f"ours raised ({r['ours_errors']}/{r['samples']})"] + ["-"] * 5
+                     f"ours raised ({r['ours_errors']}/{r['samples']})"] + ["-"] * 4 + [
+                "-" if not before else f"{before[0]:.4f} ({before[1]:.4f}) before the error"]
             notes.append(f"{r['press']} at {r['ratio']:g}: {r['error']}")
         else:
             j = "-" if n == 0 or r["jaccard_mean"] != r["jaccard_mean"] else f"{r['jaccard_mean']:.4f} ({r['jaccard_min']:.4f})"
+            j += " channels" if j != "-" and r.get("jaccard_of") == "channels" else ""
             cells = [_acc(r, "kvpress"), _acc(r, "ours"), _frac(r["same_text"], n), _frac(r["same_ids"], n),
                      _frac(r["same_score"], n), j]
             if r["kvpress_errors"] or r["ours_errors"]:
@@ -887,7 +1141,9 @@ def markdown(p: Plan, rows: Sequence[dict[str, Any]], title: str = "") -> str:
               f"Accuracy: RULER's {p.task.get('metric', 'string_match_all')}, Wilson 95 % interval in brackets. "
               "Same answer text / ids / score: samples where kvpress 0.5.5 and kvpolicies give the same decoded "
               "answer (cut at EOS) / the same greedy ids / the same score. Kept Jaccard: |A ∩ B| / |A ∪ B| of "
-              "the context positions each keeps, per (layer, kv head), mean (min) over samples, layers and heads. "
+              "the context positions each keeps, per (layer, kv head), mean (min) over samples, layers and heads "
+              "(\"channels\": of the key channels a channel press keeps, every token kept; a decoding press: "
+              "what it holds after the last id fed). "
               "s/item: each side's wall seconds per (sample, press, ratio) item, mean over samples, as this run ran "
               "them (both sides at once, each its share of a shared prefill and its compilations included: "
               "`python -m benchmarks.peer_speed` times each side alone)."]
@@ -979,14 +1235,20 @@ def run(p: Plan, model=None) -> list[dict[str, Any]]:
             bars["kvpress"].n = _count(p, "kvpress")
             bars["kvpress"].refresh()
 
-        if todo["ours"] and p.ray is not None:  # on Ray actors, a shard each, merged at the end
+        mine = [x for x in todo["ours"] if x[1] in CATALOGUE]  # one engine per (press, ratio): `run_catalogue`
+        rest = [x for x in todo["ours"] if x[1] not in CATALOGUE]
+        if rest and p.ray is not None:  # on Ray actors, a shard each, merged at the end
             from evals.peer_grid import run_ours as on_ray
 
-            on_ray(p, todo["ours"], tick, say=tqdm.write, side=ray_side())
-        elif todo["ours"]:
+            on_ray(p, rest, tick, say=tqdm.write, side=ray_side())
+        elif rest:
             if model is None:
                 model, _ = load_ours(p)
-            run_ours(p, model, todo["ours"], tick)
+            run_ours(p, model, rest, tick)
+        if mine:
+            if model is None:
+                model, _ = load_ours(p)
+            run_catalogue(p, model, mine, tick)
         if worker is not None:
             p.path(".ours-done").touch()  # our side is done: the worker takes every core (`worker_job`)
             _wait(p, worker, bars["kvpress"], total)

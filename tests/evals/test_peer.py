@@ -541,3 +541,145 @@ def test_answer_shared_answers_through_one_canonical_engine_as_press_mode(tmp_pa
         shared = k[1] in ("SnapKVPress", "TOVAPress")
         assert (y.get("answer_mode") == "shared") == shared and "answer_mode" not in x, k
         assert y["phases"]["batch"] == x["phases"]["batch"] == 1, k
+
+
+# -- the rest of compat's catalogue (issue 58): evals.peer.CATALOGUE ---------------------------------------------
+
+
+def test_catalogue_rows_reach_both_sides_alike(tmp_path, monkeypatch):
+    """Every CATALOGUE row: the worker's job carries `catalogue_args`' JSON fields, our side builds the press
+    from the same fields (`kvpolicies.compat.kvpress`), ratio-less presses run one row at ratio 0, ComposedPress's
+    two ratios compose to the row's, PerLayerCompressionPress's per-layer ratios average to it; model=tiny's
+    arrays are drawn once (the same bytes on a second call); a missing hub file and ThinKPress past its ratio
+    are errors before anything runs."""
+    from kvpolicies.compat import PRESSES, kvpress
+
+    covered = {peer.press_name(c) for c in peer.PEER_PRESSES + peer.EXTRA_PRESSES}
+    assert set(PRESSES) - covered <= {"CAMPress"}, set(PRESSES) - covered  # CaM's draw is torch.bernoulli's
+    p = peer.prepare(peer.parse(["model=tiny", "tokens=320", "samples=1", "ratios=[0.25,0.4]", f"out={tmp_path}",
+                                 "presses=[" + ",".join(peer.CATALOGUE) + "]"]))
+    cells = [(c, r) for c, r in p.cells if c != "full"]
+    assert [c for c, r in cells if r == 0] == list(peer.RATIOLESS) and len(cells) == 3 + 2 * (len(peer.CATALOGUE) - 3)
+    job = peer.worker_job(p, peer.pending(p, "kvpress"))
+    sent = {(c, r): f for c, r, f in job["samples"][0]["presses"]}
+    for c, r in cells:
+        name, kr, ours, theirs = peer.catalogue_args(p, c, r)
+        assert sent[(c, r)] == theirs and json.loads(json.dumps(theirs)) == theirs, c
+        assert kvpress(name, kr, n_layers=3, max_new=64, **ours) is not None, c
+        if c == "ComposedPress":
+            (_, a), (_, b) = theirs["presses"]
+            assert 1 - (1 - a) * (1 - b) == pytest.approx(r, abs=1e-12)
+        if c.startswith("PerLayerCompressionPress"):
+            ratios = theirs["compression_ratios"]
+            assert len(ratios) == 3 and len(set(ratios)) == 3 and sum(ratios) / 3 == pytest.approx(r, abs=1e-12)
+        if c.startswith("PrefillDecodingPress"):
+            assert theirs["decoding_press"][2]["target_size"] == int(len(p.contexts[0]) * (1 - r)) // 2
+    files = peer.tiny_arrays(p)
+    before = {k: f.read_bytes() for k, f in files.items()}
+    for f in files.values():
+        f.unlink()
+    assert {k: f.read_bytes() for k, f in peer.tiny_arrays(p).items()} == before  # seeded: the same arrays
+    with np.load(files["expected_stats"]) as z:  # [L, N, D], [L, N, D, D] positive semi-definite
+        assert z["mu"].shape == (3, 4, 16) and np.linalg.eigvalsh(z["cov"].astype(np.float64)).min() > -1e-5
+    with pytest.raises(peer.ConfigError, match="below 0.5, got 0.5"):
+        peer.prepare(peer.parse(["model=tiny", "tokens=320", "samples=1", "ratios=[0.5]", "presses=[ThinKPress]",
+                                 f"out={tmp_path}"]))
+    import evals.data
+
+    monkeypatch.setattr(evals.data, "data_dir", lambda: tmp_path / "nothing")
+    q = peer.parse(["model=tiny", "tokens=320", "samples=1", "presses=[QFilterPress]", f"out={tmp_path}"])
+    q.model = "smollm2"  # the check alone: the file it names is missing
+    with pytest.raises(peer.ConfigError, match="python -m evals.qfilter model=smollm2"):
+        peer.check_catalogue(q)
+
+
+def _catalogue_run(tiny_run, tmp_path, presses: str):
+    """evals.peer beside kvpress on the module run's tiny checkpoint and full rows (copied: sample 0's full row is
+    not run again) for `presses` at ratio 0.25: (table rows, kvpress's lines, our lines, context length, args)."""
+    import shutil
+
+    out, _ = tiny_run
+    for f in out.iterdir():
+        if f.name.endswith((".jsonl", ".model")) and not f.name.endswith(f"{STEM}.jsonl"):
+            (shutil.copytree if f.is_dir() else shutil.copy)(f, tmp_path / f.name)
+    args = [a for a in ARGS if not a.startswith(("presses=", "ratios=", "samples="))] + [
+        f"presses=[{presses}]", "ratios=[0.25]", "samples=1", f"out={tmp_path}", "compile_cache=none"]
+    rows = {(r["press"], r["ratio"]): r for r in peer.main(args)}
+    sample = peer.prepare(peer.parse(args)).sample_id(0)
+    kv, ours = ({x["press"]: x for x in _lines(tmp_path / f"{STEM}.{side}.jsonl") if x["sample"] == sample}
+                for side in ("kvpress", "ours"))
+    return rows, kv, ours, ours["full"]["n"], args
+
+
+@pytest.mark.ref
+@pytest.mark.kvpress
+@pytest.mark.skipif(not (REF / "kvpress").is_dir(), reason="kvpress not installed (bash scripts/setup.sh test)")
+def test_catalogue_channel_and_decoding_presses_beside_kvpress(tiny_run, tmp_path):
+    """A channel press and a decoding press beside kvpress on the tiny model, their numbers recomputed from the
+    saved lines: ThinKPress (ratio 0.25: key_channel_compression_ratio 0.5) keeps every token on both sides and
+    the same 8 of 16 key channels per (layer, kv head); PrefillDecodingPress (SnapKVPress, then KeyDiffPress at
+    the 4th step back to half) keeps the same positions after the prefill and after the last id fed; both give
+    the same ids."""
+    think, dec = "ThinKPress", "PrefillDecodingPress:SnapKVPress"
+    rows, kv, ours, n, _ = _catalogue_run(tiny_run, tmp_path, f"{think},{dec}")
+    for press in (think, dec):
+        assert kv[press]["answer"] == ours[press]["answer"] and len(ours[press]["answer"]) == 4, press
+        assert rows[(press, 0.25)]["same_ids"] == 1.0 and rows[(press, 0.25)]["jaccard_min"] == 1.0, press
+    for a, b in zip(kv[think]["channels"], ours[think]["channels"], strict=True):  # [K, D] per layer
+        ca, cb = _positions(a, 2, 16), _positions(b, 2, 16)
+        assert ca == cb and all(len(h) == 8 for h in ca)
+    for x in (kv[think], ours[think]):
+        assert all(h == set(range(n)) for layer in x["kept"] for h in _positions(layer, 2, n))
+    for key in ("kept_prefill", "kept"):
+        for a, b in zip(kv[dec][key], ours[dec][key], strict=True):
+            sa, sb = _positions(a, 2, n), _positions(b, 2, n)
+            assert sa == sb, key
+            if key == "kept_prefill":  # SnapKVPress's n_kept of the context
+                assert all(len(h) == int(n * 0.75) for h in sa)
+            else:  # at the 4th step (the question, then 3 ids) back to half of it, question tokens included
+                assert all(len(h) <= int(n * 0.75) // 2 for h in sa)
+    assert "1.0000 (1.0000) channels" in (tmp_path / f"{STEM}.md").read_text()
+
+
+# kvpress's masking of evicted slots at the tiny model's head dim 16 raises on its questions ("Could not find fake
+# keys"), after the compression: these presses' rows compare the kept sets made before the error
+RAISE_ON_TINY = ("FastKVzipPress", "PerLayerCompressionPress:KeyDiffPress", "LUKVPress", "DMSPress")
+
+
+@pytest.mark.slow
+@pytest.mark.ref
+@pytest.mark.kvpress
+@pytest.mark.skipif(not (REF / "kvpress").is_dir(), reason="kvpress not installed (bash scripts/setup.sh test)")
+@pytest.mark.skipif(os.environ.get("KVP_KVPRESS_FULL") != "1", reason="minutes (17 presses): KVP_KVPRESS_FULL=1")
+def test_every_catalogue_press_beside_kvpress(tiny_run, tmp_path):
+    """Every CATALOGUE row at ratio 0.25 (ratio-less rows at 0) beside kvpress on the tiny model: the same ids and
+    kept sets (Jaccard 1.0 per (layer, kv head), recomputed here from the lines; in layer 0 the surrogate and
+    gate presses keep the same token ids: their scores read each token's embedding alone, so repeated ids tie
+    exactly and torch.topk breaks the tie its way, ours the newer), ComposedPress's kvpress n_kept of what each of
+    its presses is handed; the presses kvpress raises on after compressing keep the same sets before the error
+    (PerLayerCompressionPress: int(n (1 - r_layer)) per head)."""
+    rows, kv, ours, n, args = _catalogue_run(tiny_run, tmp_path, ",".join(peer.CATALOGUE))
+    ids = peer.prepare(peer.parse(args)).contexts[0]
+    assert {"full", *peer.CATALOGUE} <= set(ours) and {"full", *peer.CATALOGUE} <= set(kv)
+    for press in peer.CATALOGUE:
+        a, b = kv[press], ours[press]
+        assert "error" not in b, (press, b.get("error"))
+        assert ("error" in a) == (press in RAISE_ON_TINY), (press, a.get("error"))
+        if "error" not in a:
+            assert a["answer"] == b["answer"], press
+        what = "channels" if press == "ThinKPress" else "kept"
+        size = 16 if what == "channels" else n
+        for layer, (x, y) in enumerate(zip(a[what], b[what], strict=True)):
+            sx, sy = _positions(x, 2, size), _positions(y, 2, size)
+            if layer == 0 and press in ("FastKVzipPress", "KVzapPress", "DMSPress"):  # scores of the embedding alone:
+                sx, sy = ([sorted(ids[sorted(h)]) for h in s] for s in (sx, sy))  # repeated ids tie, the same ids kept
+            assert sx == sy, (press, layer)
+    each = 1 - float(np.sqrt(0.75))
+    assert all(len(h) == int(int(n * (1 - each)) * (1 - each)) for layer in ours["ComposedPress"]["kept"]
+               for h in _positions(layer, 2, n))
+    per = "PerLayerCompressionPress:KeyDiffPress"
+    ratios = peer.catalogue_args(peer.prepare(peer.parse(args)), per, 0.25)[3]["compression_ratios"]
+    for layer, x in enumerate(kv[per]["kept"]):
+        assert all(len(h) == int(n * (1 - ratios[layer])) for h in _positions(x, 2, n)), layer
+    assert all(rows[(c, 0.0 if c in peer.RATIOLESS else 0.25)]["compared"] == (c not in RAISE_ON_TINY)
+               for c in peer.CATALOGUE)
