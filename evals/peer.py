@@ -216,7 +216,10 @@ PEER_PRESSES = ("SnapKVPress", "PyramidKVPress", "KnormPress", "StreamingLLMPres
 # critical_snapkv, critical_adakv_snapkv; kvpress's CriticalAdaKVPress raises on the tiny model's questions)
 EXTRA_PRESSES = ("RandomPress", "CompactorPress", "LeverageScorePress", "ChunkKVPress:SnapKVPress", "AdaKVPress:ExpectedAttentionPress",
                  "KeyRerotationPress:ExpectedAttentionPress", "EntropyGatedChunkKVPress:SnapKVPress",
-                 "CriticalKVPress:SnapKVPress", "CriticalAdaKVPress:SnapKVPress")
+                 "CriticalKVPress:SnapKVPress", "CriticalAdaKVPress:SnapKVPress",
+                 # kvpress fails on the questions after KVComposePress (uneven layers) and, on the tiny model, after
+                 # KVgradPress and RestoreKVPress (its fake keys): kept sets and answers in their parity tests
+                 "KVgradPress", "KVComposePress", "RestoreKVPress")
 # the rest of compat.PRESSES (issue 58), each row as both sides get it (`catalogue_args`): our side runs them
 # one engine per (press, ratio), `run_catalogue`, the worker as its `catalogue_press` and `run_own` say
 CATALOGUE = ("ThinKPress", "QFilterPress", "ExpectedAttentionStatsPress", "KVzapPress", "FastKVzipPress",
@@ -264,6 +267,8 @@ def press_fields(model: str, press: str) -> dict[str, Any]:
     than kvpress's sink 128 + recent 256, sink 16 + recent 64)."""
     if ":" in press:
         return {"press": press.split(":", 1)[1]}
+    if press == "RestoreKVPress":  # our arrays (evals.train_restorekv); model=tiny: seeded random ones
+        return {"restore_model_name": str(restore_arrays(model))}
     if press != "DuoAttentionPress":
         return {}
     return {"head_scores": duo_pattern(model)} | ({"sink_size": 16, "recent_size": 64} if model == "tiny" else {})
@@ -407,6 +412,24 @@ def check_catalogue(p: "Plan") -> None:
         if press == "ThinKPress" and max(p.ratios) >= 0.5:
             raise ConfigError(f"ratios: ThinKPress's compression_ratio is key_channel_compression_ratio / 2 (the keys' "
                               f"share of the cache): below 0.5, got {max(p.ratios):g}")
+
+
+def restore_arrays(model: str) -> pathlib.Path:
+    """RestoreKVPress's arrays file: `$KVP_DATA/restorekv/<model>.npz` (evals.train_restorekv); for model=tiny
+    seeded random ones (written once), the same on both sides."""
+    from evals.data import data_dir
+    from kvpolicies.restorekv import save_restore
+
+    path = data_dir() / "restorekv" / f"{model}.npz"
+    if model == "tiny" and not path.is_file():
+        rng = np.random.default_rng(0)
+        d, f, nl = TINY["hidden_size"], TINY["intermediate_size"], TINY["num_hidden_layers"]
+        kd = TINY["num_key_value_heads"] * d // TINY["num_attention_heads"]
+        dims = {"wq": (d, d), "wk": (d, kd), "wv": (d, kd), "wo": (d, d), "w_gate": (d, f), "w_up": (d, f),
+                "w_down": (f, d)}
+        save_restore(path, rng.normal(0, 1.0, (8, d)), {k: rng.normal(0, i ** -0.5, (nl, 4, i)) for k, (i, o) in dims.items()},
+                     {k: rng.normal(0, 0.05, (nl, o, 4)) for k, (i, o) in dims.items()}, 8.0)
+    return path
 
 
 def parse(argv: Sequence[str]) -> Plan:
@@ -797,11 +820,12 @@ def run_ours(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=lambda
     from evals.compiles import CompileLog
     from kvpolicies.compat import kvpress
     from kvpolicies.memory import filled_bytes, tree_nbytes
+    from models import lora
     from models.engine import Engine
     from evals.shared_answers import canonical_of
     from models.llama import policy_runs
 
-    max_len = max(len(c) + len(q) for c, q in zip(p.contexts, p.questions)) + p.gen
+    max_len = max(len(c) + len(q) for c, q in zip(p.contexts, p.questions)) + p.gen + 8 * ("RestoreKVPress" in p.presses)
     max_new = max(len(q) for q in p.questions) + p.gen
     slots = engine_slots(p, model, max_len, max_new)
     engines: dict[tuple[str, float], Engine] = {}
@@ -837,13 +861,15 @@ def run_ours(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=lambda
                     j = len(states) - 1
                 if eng.reconstructors:  # kvzip: one reconstruction pass a sample, its scores kept for every ratio
                     states[j] = (states[j][0], eng.reconstruct(states[j][1]))
-                st = ph("compress", eng.compress(states[j][1]))
+                restores = any(getattr(x, "restores", False) for x in eng.reconstructors)
+                st = ph("compress", eng.compress(lora.restore(eng, states[j][1]) if restores else states[j][1]))
                 mask = np.zeros((model.cfg.n_kv_heads, len(ctx)), bool)
                 kept = []
                 for layer in eng.kept_positions(st):
                     m = mask.copy()
                     for h, pos in enumerate(layer):
-                        m[h, np.asarray(pos)] = True
+                        pos = np.asarray(pos)
+                        m[h, pos[pos < len(ctx)]] = True  # RestoreKVPress's restore slots: not the context's
                     kept.append(pack(m))
                 ph("kept")
                 # a press's ratios (one shape class, the same steps) answer as the rows of one batch
