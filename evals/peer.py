@@ -48,7 +48,7 @@ Keys (key=value):
     kvpress=true                  false: our side alone (kvpress's columns left empty; no kvpress needed,
                                   but for model=tiny, whose checkpoint its worker builds)
     progress=true
-    answer=press                  how our side answers a press's ratios (one batch): press (through the
+    answer=shared                 how our side answers a press's ratios (one batch): press (through the
                                   press's own compiled steps) or shared (a shape-class prompt scorer's
                                   batch through one canonical append-only policy, `evals.shared_answers`:
                                   one set of question and decode steps for every press of one slot count
@@ -482,7 +482,7 @@ def parse(argv: Sequence[str]) -> Plan:
             raise ConfigError(f"ratios: {r}: a compression ratio is in (0, 1) (the fraction of the context removed)")
         if v > 0 and v not in ratios:
             ratios.append(v)  # 0, the full cache, always runs
-    answer = own.get("answer", "press")
+    answer = own.get("answer", "shared")
     if answer not in ANSWERS:
         raise ConfigError(f"answer={answer}: must be one of {list(ANSWERS)}")
     prefill = own.get("prefill", "shared")

@@ -515,7 +515,7 @@ def test_a_wrapper_over_an_inner_press_by_name(tmp_path):
 def test_answer_shared_answers_through_one_canonical_engine_as_press_mode(tmp_path):
     """answer=shared (evals.shared_answers): each prompt scorer's ratios answer as one batch through
     one canonical form's engine (the full cache through its own). The lines keep the same kept
-    positions and answer ids as answer=press (the default), and the same batches."""
+    positions and answer ids as answer=press, and the same batches (shared is the default)."""
     from models.config import LlamaConfig
     from models.llama import Llama
 
@@ -527,7 +527,7 @@ def test_answer_shared_answers_through_one_canonical_engine_as_press_mode(tmp_pa
     model = None
     for mode in ("press", "shared"):
         p = peer.prepare(peer.parse(args + [f"answer={mode}", f"out={tmp_path / mode}"]))
-        assert p.answer == mode and (mode == "shared" or peer.parse(args).answer == "press")
+        assert p.answer == mode and (mode == "press" or peer.parse(args).answer == "shared")
         if model is None:  # a random Llama of the tokenizer's vocabulary (no checkpoint needed)
             model = Llama(LlamaConfig(vocab_size=49152, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                                       d_ff=48))
