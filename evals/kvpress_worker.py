@@ -2,6 +2,7 @@
 
 Run with PYTHONPATH=.venv/kvpress-ref (transformers 5.2.0 + kvpress, see scripts/setup.sh):
     python evals/kvpress_worker.py job.json out.json
+    python evals/kvpress_worker.py --serve    (jobs read from stdin, each in a forked child: `serve` below)
 job: {"checkpoint": dir | null, "gguf_file": name in that dir | absent, "tiny": {"kind": "llama"|"qwen2", "seed": int, "config": {...}} | null,
       "save_to": dir | null, "context": [ids], "question": [ids], "n_new": int,
       "presses": [[name, ratio, {fields}], ...], "tokenizer": "ascii" | absent (the checkpoint's)}
@@ -843,9 +844,67 @@ def main_samples(job: dict, out_path: str) -> None:
                     f.flush()
 
 
+# -- the loop mode (the tests' one worker per pytest process) ------------------------------------------
+
+
+def serve() -> None:
+    """`python evals/kvpress_worker.py --serve`: jobs from stdin, one JSON line each, {"argv": [...],
+    "script": Python source | null, "stdout": file, "stderr": file}; each runs in a child forked from
+    this process, which has imported torch, transformers and kvpress once (about 4 s a process), so a job costs
+    what it computes. The child starts from this process's state as it was after the imports (no
+    job sees another's: a job may patch kvpress's classes or seed torch), its stdin /dev/null, its
+    stdout and stderr appended to the files named, and runs what a process of its own would:
+    `python evals/kvpress_worker.py ARGV...` (script null: the single-job form above) or
+    `python -c SCRIPT ARGV...`. Answers one JSON line per job, {"rc": the child's exit status}.
+    Ends at the end of stdin. Nothing in a job is computed here, so no thread pool (torch's,
+    OpenMP's, the tokenizers') exists when a child is forked."""
+    import traceback
+
+    for name in ("LlamaForCausalLM", "Qwen2ForCausalLM", "AutoModelForCausalLM", "AutoTokenizer"):
+        getattr(transformers, name)  # transformers' lazy modules, imported once here
+    here = str(pathlib.Path(__file__).resolve().parent)
+    answers = os.fdopen(os.dup(1), "w")
+    for line in sys.stdin:
+        job = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            rc = 1
+            try:
+                null = os.open(os.devnull, os.O_RDONLY)
+                os.dup2(null, 0)
+                for fd, name in ((1, "stdout"), (2, "stderr")):
+                    os.dup2(os.open(job[name], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), fd)
+                if job.get("script") is None:  # as `python evals/kvpress_worker.py ARGV`
+                    sys.argv, sys.path[0] = [__file__, *job["argv"]], here
+                    main(*sys.argv[1:3])
+                else:  # as `python -c SCRIPT ARGV` (its `import kvpress_worker` runs this file again, as there)
+                    sys.argv, sys.path[0] = ["-c", *job["argv"]], ""
+                    del sys.modules["kvpress_worker"]
+                    code = compile(job["script"], "<string>", "exec")
+                    exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
+                rc = 0
+            except SystemExit as e:
+                rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+                if not isinstance(e.code, (int, type(None))):
+                    print(e.code, file=sys.stderr)
+            except BaseException as e:  # noqa: BLE001  the traceback a process of its own would print
+                traceback.print_exception(type(e), e, e.__traceback__.tb_next)
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(rc)
+        _, status = os.waitpid(pid, 0)
+        answers.write(json.dumps({"rc": os.waitstatus_to_exitcode(status)}) + "\n")
+        answers.flush()
+
+
 if __name__ == "__main__":
     if sys.argv[1] in ("--convert", "--check-converted"):  # scripts/setup.sh test; the check above
         src = pathlib.Path(sys.argv[2]).resolve()
         print(converted(str(src.parent), src.name)) if sys.argv[1] == "--convert" else check_converted(sys.argv[2])
+    elif sys.argv[1] == "--serve":
+        import kvpress_worker  # this file as the module a job's script imports (sys.path[0] is evals/)
+
+        kvpress_worker.serve()
     else:
         main(*sys.argv[1:3])

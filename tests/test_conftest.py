@@ -4,8 +4,11 @@ each file's tests in their own order."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 from types import SimpleNamespace
+
+import pytest
 
 from tests import conftest
 
@@ -33,3 +36,43 @@ def test_recorded_durations_name_existing_test_files_of_a_stage():
         stage, name = key.split(":")
         assert stage in ("unit", "slow") and seconds >= 0
         assert (Path(conftest.__file__).parent / name).is_file(), f"tests/durations.json names a missing file: {key}"
+
+
+PROBE = r"""
+import os, sys, torch, transformers, kvpress
+sys.path.insert(0, sys.argv[3])
+import kvpress_worker
+patched = kvpress.KnormPress.score is not kvpress.presses.knorm_press.KnormPress.__dict__["score"]
+print(sys.argv[1:], sys.path[:2], os.getcwd(), __name__, "__file__" in globals(), os.environ["PYTHONPATH"],
+      os.environ["OMP_NUM_THREADS"], torch.get_num_threads(), transformers.__version__, kvpress.__file__,
+      kvpress_worker.__name__, kvpress_worker.__file__, repr(sys.stdin.read()), patched, sep="\n")
+print(torch.initial_seed(), file=sys.stderr)  # the process's own (random) seed
+kvpress.KnormPress.score = None  # a job's patch: the next job must not see it
+torch.manual_seed(int(sys.argv[1]))
+if sys.argv[2] == "fail":
+    raise ValueError("the job failed")
+"""
+
+
+@pytest.mark.skipif(not (conftest.ROOT / ".venv" / "kvpress-ref" / "kvpress").is_dir(),
+                    reason="kvpress not installed (bash scripts/setup.sh test)")
+def test_kvpress_ref_runs_each_job_as_a_process_of_its_own(kvpress_ref, monkeypatch, capsys):
+    """A job forked from the shared `--serve` worker sees what `python -c SCRIPT ARGV` in kvpress's
+    environment sees (its arguments, path, working directory, versions, an empty stdin), nothing an
+    earlier job changed (a patched kvpress class, torch's seed), and fails as a process would."""
+    evals = conftest.ROOT / "evals"
+    served = [kvpress_ref.run([7, "ok", evals], script=PROBE)]
+    started = kvpress_ref.started
+    served.append(kvpress_ref.run([7, "ok", evals], script=PROBE))
+    seeds = capsys.readouterr().err.split()
+    with pytest.raises(subprocess.CalledProcessError) as failed:
+        kvpress_ref.run([9, "fail", evals], script=PROBE)
+    assert kvpress_ref.started == started >= 1  # one worker served the three jobs
+    monkeypatch.setenv("KVP_KVPRESS_SERVER", "0")  # the way before: a subprocess per job
+    alone = kvpress_ref.run([7, "ok", evals], script=PROBE)
+    assert served[0] == served[1] == alone
+    assert alone.splitlines()[-1] == "False" and alone.splitlines()[3:5] == ["__main__", "False"]
+    assert len(seeds) == 2 and seeds[0] == seeds[1] != "7"  # the server's seed, not the job before's
+    assert failed.value.returncode == 1 and failed.value.output == alone.replace("['7', 'ok'", "['9', 'fail'")
+    assert failed.value.stderr.endswith('Traceback (most recent call last):\n  File "<string>", line 13, in <module>\n'
+                                        'ValueError: the job failed\n'), failed.value.stderr

@@ -9,9 +9,7 @@ import base64
 import csv
 import json
 import math
-import os
 import pathlib
-import subprocess
 import sys
 
 import numpy as np
@@ -159,16 +157,13 @@ class TestTable:
         assert "holds another configuration" in capsys.readouterr().err
         assert len(_lines(out / f"{STEM}.ours.jsonl")) == 6  # nothing removed
 
-    def test_shared_prefill_equals_the_pipeline(self, tiny_run, tmp_path):
+    def test_shared_prefill_equals_the_pipeline(self, tiny_run, tmp_path, kvpress_ref):
         """The worker's default (one prefill per sample, each press's hook on its own cache copy)
         keeps the same positions and gives the same ids as one prefill per press under press(model)."""
         out, _ = tiny_run
         job = json.loads((out / f"{STEM}.kvpress-job.json").read_text())
         job |= {"prefill": "per_press", "save_to": str(tmp_path / "ckpt")}
-        (tmp_path / "job.json").write_text(json.dumps(job))
-        env = {**os.environ, "PYTHONPATH": str(REF), "CUDA_VISIBLE_DEVICES": "", "TRANSFORMERS_VERBOSITY": "error"}
-        subprocess.run([sys.executable, str(ROOT / "evals" / "kvpress_worker.py"), str(tmp_path / "job.json"),
-                        str(tmp_path / "out.jsonl")], check=True, env=env, cwd=ROOT, timeout=600)
+        kvpress_ref.job(job, tmp_path, out="out.jsonl")  # evals/kvpress_worker.py job.json out.jsonl
         key = lambda x: (x["sample"], x["press"], x["ratio"])  # noqa: E731
         pipeline = {key(x): x for x in _lines(tmp_path / "out.jsonl")}
         shared = {key(x): x for x in _lines(out / f"{STEM}.kvpress.jsonl")}
@@ -226,7 +221,7 @@ class TestTable:
             if x["press"] != "full":
                 assert x["answer"] == eng.continue_generate(st, q[None], p.gen).tolist()[0], (x["press"], x["ratio"])
 
-    def test_kvzip_ratios_share_one_pass_as_the_pipeline_would(self, tiny_run, tmp_path):
+    def test_kvzip_ratios_share_one_pass_as_the_pipeline_would(self, tiny_run, tmp_path, kvpress_ref):
         """KVzipPress at three ratios from one prefill and reconstruction pass per sample (the
         worker's default, `run_kvzip`): the same kept positions and ids as kvpress's pipeline, a
         prefill and a pass per ratio; the ratios keep fewer and fewer tokens."""
@@ -237,12 +232,10 @@ class TestTable:
         # one question token: with the tiny heads (dim 16), kvpress's masking of AdaKV-style pruned
         # slots finds no key that all of a long question's queries ignore (its attention_patch raises)
         job["samples"][0]["question"] = job["samples"][0]["question"][-1:]
-        env = {**os.environ, "PYTHONPATH": str(REF), "CUDA_VISIBLE_DEVICES": "", "TRANSFORMERS_VERBOSITY": "error"}
         got = {}
         for how in ("shared", "per_press"):
             (tmp_path / f"{how}.json").write_text(json.dumps(job | {"prefill": how, "save_to": str(tmp_path / how)}))
-            subprocess.run([sys.executable, str(ROOT / "evals" / "kvpress_worker.py"), str(tmp_path / f"{how}.json"),
-                            str(tmp_path / f"{how}.jsonl")], check=True, env=env, cwd=ROOT, timeout=600)
+            kvpress_ref.run([tmp_path / f"{how}.json", tmp_path / f"{how}.jsonl"])  # evals/kvpress_worker.py
             got[how] = {x["ratio"]: x for x in _lines(tmp_path / f"{how}.jsonl")}
         assert sorted(got["shared"]) == sorted(got["per_press"]) == [0.25, 0.5, 0.75]
         for r, x in got["per_press"].items():
@@ -447,7 +440,7 @@ def test_the_worker_takes_every_core_when_our_side_is_done(tmp_path, monkeypatch
 @pytest.mark.ref
 @pytest.mark.kvpress
 @pytest.mark.skipif(not (REF / "kvpress").is_dir(), reason="kvpress not installed (bash scripts/setup.sh test)")
-def test_the_worker_takes_every_core_once_the_file_exists(tmp_path):
+def test_the_worker_takes_every_core_once_the_file_exists(tmp_path, kvpress_ref):
     """The worker's check between items (in kvpress's environment): torch keeps its one thread while
     the file is absent, and has os.cpu_count() once it exists."""
     flag = tmp_path / "done"
@@ -455,9 +448,7 @@ def test_the_worker_takes_every_core_once_the_file_exists(tmp_path):
             f"torch.set_num_threads(1); w.every_core_once({str(flag)!r}); a = torch.get_num_threads(); "
             f"open({str(flag)!r}, 'w').close(); w.every_core_once({str(flag)!r}); w.every_core_once(None); "
             "print(a, torch.get_num_threads(), os.cpu_count())")
-    env = {**os.environ, "PYTHONPATH": str(REF), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                         check=True).stdout.split()
+    out = kvpress_ref.run([], script=code, timeout=300).split()  # python -c code, OMP_NUM_THREADS=1
     assert out[0] == "1" and out[1] == out[2], out
 
 

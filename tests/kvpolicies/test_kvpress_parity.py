@@ -7,11 +7,8 @@ positions per (layer, kv head) and greedy answers must be identical."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -59,18 +56,8 @@ RATIOS = (0.5, 0.75)
 N_CTX, N_Q, N_NEW = 320, 8, 6
 
 
-def run_kvpress(job: dict, tmp: pathlib.Path, timeout: int = 600) -> dict:
-    """kvpress's results for `job` (evals/kvpress_worker.py in its own environment)."""
-    (tmp / "job.json").write_text(json.dumps(job))
-    env = {**os.environ, "PYTHONPATH": str(REF), "CUDA_VISIBLE_DEVICES": "", "TRANSFORMERS_VERBOSITY": "error",
-           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    subprocess.run([sys.executable, str(ROOT / "evals" / "kvpress_worker.py"), str(tmp / "job.json"),
-                    str(tmp / "out.json")], check=True, env=env, cwd=ROOT, timeout=timeout)
-    return json.loads((tmp / "out.json").read_text())
-
-
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
-def tiny_run(request, tmp_path_factory):
+def tiny_run(request, tmp_path_factory, kvpress_ref):
     """(our model, context ids, question ids, kvpress's results) for one tiny architecture."""
     tmp = tmp_path_factory.mktemp(request.param)
     rng = np.random.default_rng(1)
@@ -82,7 +69,7 @@ def tiny_run(request, tmp_path_factory):
            "presses": [[p, r, fields_of(p, r)] for p in (*EXACT, "RandomPress") for r in RATIOS
                        if request.param == "llama" or p not in WRAPPED]
            + [["PerLayerCompressionPress", 0.5, PER_LAYER]], "tokenizer": "ascii"}
-    ref = run_kvpress(job, tmp)
+    ref = kvpress_ref.job(job, tmp)
     cfg, params = load_hf(tmp / "ckpt")
     return Llama(cfg, params), ctx, question, ref
 
@@ -170,7 +157,7 @@ N_DECODE = 48
 
 
 @pytest.fixture(scope="module")
-def decoding_run(tmp_path_factory):
+def decoding_run(tmp_path_factory, kvpress_ref):
     """(our model, context ids, question ids, kvpress's results) for the decoding presses (tiny Llama)."""
     tmp = tmp_path_factory.mktemp("decoding")
     rng = np.random.default_rng(2)
@@ -179,7 +166,7 @@ def decoding_run(tmp_path_factory):
            "context": ctx.tolist(), "question": question.tolist(), "n_new": N_DECODE,
            "presses": [["KnormPress", r, {"compression_interval": i, "target_size": t}] for r, i, t in DECODING]
            + [["SnapKVPress", 0.5, {"compression_interval": 16, "target_size": 160}]]}
-    ref = run_kvpress(job, tmp)
+    ref = kvpress_ref.job(job, tmp)
     cfg, params = load_hf(tmp / "ckpt")
     return Llama(cfg, params), ctx, question, ref
 
@@ -235,7 +222,7 @@ def test_decoding_compression_keeps_the_bytes_of_target_plus_interval():
 
 
 @pytest.fixture(scope="module")
-def smollm2_run(tmp_path_factory):
+def smollm2_run(tmp_path_factory, kvpress_ref):
     """SmolLM2 (float32) on a ~1K-token real text with a needle, and kvpress's results on it."""
     from evals.data import default_text
     from models.loading import load_default_model, smollm2_gguf_path
@@ -250,7 +237,7 @@ def smollm2_run(tmp_path_factory):
     job = {"checkpoint": str(path.parent), "gguf_file": path.name, "context": ctx.tolist(),
            "question": question.tolist(), "n_new": 12,
            "presses": [[p, r, SLOW_FIELDS.get(p, {})] for p, r in SLOW_CASES]}
-    return model, ctx, question, run_kvpress(job, tmp_path_factory.mktemp("smollm2"), timeout=3600)
+    return model, ctx, question, kvpress_ref.job(job, tmp_path_factory.mktemp("smollm2"), timeout=3600)
 
 
 # The suite's slow stage runs three presses at 0.5 on SmolLM2 (IN_SUITE: kvzip's chat-prefix and

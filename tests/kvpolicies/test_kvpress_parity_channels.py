@@ -7,11 +7,8 @@ our stored bytes are measured against kvpress's cache tensors."""
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -109,17 +106,8 @@ json.dump(out, open(sys.argv[2], "w"))
 """
 
 
-def run_kvpress(job: dict, tmp: pathlib.Path, timeout: int = 600) -> dict:
-    (tmp / "job.json").write_text(json.dumps(job))
-    env = {**os.environ, "PYTHONPATH": str(REF), "CUDA_VISIBLE_DEVICES": "", "TRANSFORMERS_VERBOSITY": "error",
-           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    subprocess.run([sys.executable, "-c", WORKER, str(tmp / "job.json"), str(tmp / "out.json"), str(ROOT / "evals")],
-                   check=True, env=env, cwd=ROOT, timeout=timeout)
-    return json.loads((tmp / "out.json").read_text())
-
-
 @pytest.fixture(scope="module", params=["llama"])
-def tiny_run(request, tmp_path_factory):
+def tiny_run(request, tmp_path_factory, kvpress_ref):
     """(our model, context ids, question ids, kvpress's results by press) on a tiny architecture: the Llama in
     the suite; the tiny Qwen2 (biases, tied embeddings: a second kvpress run) gave the same results when
     this file was written (add "qwen2" to `params` to rerun it)."""
@@ -131,7 +119,7 @@ def tiny_run(request, tmp_path_factory):
            "context": ctx.tolist(), "question": question.tolist(), "n_new": N_NEW, "ratios": [0.0, *CHANNEL_RATIOS],
            "snapkv": list(SNAP_RATIOS), "cam": {"interval": CAM_INTERVAL, "merge_budget": 32},
            "window": 32}
-    ref = run_kvpress(job, tmp)
+    ref = kvpress_ref.job(job, tmp, script=WORKER)
     cfg, params = load_hf(tmp / "ckpt")
     return Llama(cfg, params), ctx, question, ref
 
@@ -331,7 +319,7 @@ def test_cam_evicts_kvpress_tokens(tiny_run):
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("KVP_KVPRESS_FULL"), reason="suite time: KVP_KVPRESS_FULL=1 runs it (270 s "
                     "at load 17 on the 2 shared cores, mostly compiling SmolLM2's 30 layers)")
-def test_smollm2_think_equals_kvpress(tmp_path):
+def test_smollm2_think_equals_kvpress(tmp_path, kvpress_ref):
     """SmolLM2 (30 layers, 3 kv heads, head_dim 64) on 1,024 tokens of Pride & Prejudice with a needle,
     ThinKPress(key_channel_compression_ratio=0.5): the pruned channels per (layer, kv head) as kvpress's (mean
     Jaccard >= 0.98: near ties of the channel scores may swap) and the same 12 greedy ids. Measured: all 90 sets
@@ -346,8 +334,9 @@ def test_smollm2_think_equals_kvpress(tmp_path):
     ctx = np.asarray(tok.encode(text), np.int32)[:1024]
     question = np.asarray(tok.encode("\nQuestion: What is the secret passphrase?\nAnswer:"), np.int32)
     path = smollm2_gguf_path()
-    ref = run_kvpress({"checkpoint": str(path.parent), "gguf_file": path.name, "context": ctx.tolist(),
-                       "question": question.tolist(), "n_new": 12, "ratios": [0.5], "window": 32}, tmp_path)["0.5"]
+    ref = kvpress_ref.job({"checkpoint": str(path.parent), "gguf_file": path.name, "context": ctx.tolist(),
+                           "question": question.tolist(), "n_new": 12, "ratios": [0.5], "window": 32}, tmp_path,
+                          script=WORKER)["0.5"]
     pol = kvpress("ThinKPress", 0.25, max_new=len(question) + 12)
     eng = Engine(model, pol, max_len=len(ctx) + len(question) + 12)
     state = eng.compress(eng.prompt(ctx[None]))

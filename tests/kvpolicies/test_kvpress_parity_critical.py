@@ -8,11 +8,8 @@ bytes each library holds for CriticalAdaKV (kvpress masks, ours stores each head
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -83,17 +80,8 @@ def key(i: int) -> str:
     return f"{name}@{ratio}@{i}"
 
 
-def run_kvpress(job: dict, tmp: pathlib.Path) -> dict:
-    (tmp / "job.json").write_text(json.dumps(job))
-    env = {**os.environ, "PYTHONPATH": str(REF), "CUDA_VISIBLE_DEVICES": "", "TRANSFORMERS_VERBOSITY": "error",
-           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    subprocess.run([sys.executable, "-c", WORKER, str(tmp / "job.json"), str(tmp / "out.json"), str(ROOT / "evals")],
-                   check=True, env=env, cwd=ROOT, timeout=600)
-    return json.loads((tmp / "out.json").read_text())
-
-
 @pytest.fixture(scope="module", params=MODELS)
-def tiny_run(request, tmp_path_factory):
+def tiny_run(request, tmp_path_factory, kvpress_ref):
     """(our model, context ids, question ids, kvpress's results) on the tiny Llama (or Qwen2)."""
     tmp = tmp_path_factory.mktemp(request.param)
     rng = np.random.default_rng(2)
@@ -103,7 +91,7 @@ def tiny_run(request, tmp_path_factory):
         config["head_dim"] = TINY["hidden_size"] // TINY["num_attention_heads"]
     job = {"save_to": str(tmp / "ckpt"), "tiny": {"kind": request.param, "seed": 0, "config": config},
            "context": ctx.tolist(), "question": question.tolist(), "n_new": N_NEW, "presses": [list(c) for c in CASES]}
-    ref = run_kvpress(job, tmp)
+    ref = kvpress_ref.job(job, tmp, script=WORKER)
     cfg, params = load_hf(tmp / "ckpt")
     return Llama(cfg, params), ctx, question, ref
 
@@ -164,7 +152,7 @@ SLOW_CASES = (("CriticalAdaKVPress", 0.5, {}), ("CriticalKVPress", 0.5, {}), ("C
 
 
 @pytest.fixture(scope="module")
-def smollm2_run(tmp_path_factory):
+def smollm2_run(tmp_path_factory, kvpress_ref):
     """SmolLM2 (float32) on 1,024 tokens of Pride & Prejudice with a needle, and kvpress's results."""
     from evals.data import default_text
     from models.loading import load_default_model, smollm2_gguf_path
@@ -178,7 +166,7 @@ def smollm2_run(tmp_path_factory):
     path = smollm2_gguf_path()
     job = {"checkpoint": str(path.parent), "gguf_file": path.name, "context": ctx.tolist(),
            "question": question.tolist(), "n_new": 12, "presses": [list(c) for c in SLOW_CASES]}
-    return model, ctx, question, run_kvpress(job, tmp_path_factory.mktemp("smollm2"))
+    return model, ctx, question, kvpress_ref.job(job, tmp_path_factory.mktemp("smollm2"), script=WORKER)
 
 
 @needs_kvpress

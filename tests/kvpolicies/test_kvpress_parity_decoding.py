@@ -20,11 +20,8 @@ the same float32 or one spacing apart depending on XLA's compile flags, to eithe
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -199,17 +196,8 @@ json.dump(out, open(sys.argv[2], "w"))
 """
 
 
-def run_kvpress(job: dict, tmp: pathlib.Path, timeout: int = 600) -> dict:
-    (tmp / "job.json").write_text(json.dumps(job))
-    env = {**os.environ, "PYTHONPATH": str(REF), "CUDA_VISIBLE_DEVICES": "", "TRANSFORMERS_VERBOSITY": "error",
-           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    subprocess.run([sys.executable, "-c", WORKER, str(tmp / "job.json"), str(tmp / "out.json"), str(ROOT / "evals")],
-                   check=True, env=env, cwd=ROOT, timeout=timeout)
-    return json.loads((tmp / "out.json").read_text())
-
-
 @pytest.fixture(scope="module", params=["llama"])
-def tiny_run(request, tmp_path_factory):
+def tiny_run(request, tmp_path_factory, kvpress_ref):
     """(our model, context ids, question ids, kvpress's results by case) on a tiny architecture: the Llama in
     the suite (add "qwen2" to `params` for the tiny Qwen2: biases, tied embeddings, a second kvpress run)."""
     tmp = tmp_path_factory.mktemp(request.param)
@@ -221,7 +209,8 @@ def tiny_run(request, tmp_path_factory):
            "presses": {key: CASES[key][0] for key in SUITE}, "q_filters": Q_FILTERS.tolist(),
            "dms": {"surrogate": str(zap_weights(tmp, config)), "window": DMS_WINDOW},
            "lukv": {"curve": str(lukv_curve(tmp, config)), "ratio": LUKV_RATIO}}
-    ref = {**run_kvpress(job, tmp), "dms_surrogate": job["dms"]["surrogate"], "lukv_curve": job["lukv"]["curve"]}
+    ref = {**kvpress_ref.job(job, tmp, script=WORKER), "dms_surrogate": job["dms"]["surrogate"],
+           "lukv_curve": job["lukv"]["curve"]}
     cfg, params = load_hf(tmp / "ckpt")
     return Llama(cfg, params), ctx, question, ref
 

@@ -9,11 +9,8 @@ of the model and must equal them. Kept positions per (layer, kv head) and greedy
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -151,15 +148,6 @@ CASES = [(p, r, {}) for p in ("QFilterPress", "ExpectedAttentionStatsPress", "Fa
     ("KVzapPress", r, {"kind": k}) for k in KVZAP_KINDS for r in RATIOS]
 
 
-def run_kvpress(job: dict, tmp: pathlib.Path, timeout: int = 600) -> dict:
-    (tmp / "job.json").write_text(json.dumps(job))
-    env = {**os.environ, "PYTHONPATH": str(REF), "CUDA_VISIBLE_DEVICES": "", "TRANSFORMERS_VERBOSITY": "error",
-           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    subprocess.run([sys.executable, "-c", WORKER, str(tmp / "job.json"), str(tmp / "out.json"), str(ROOT / "evals")],
-                   check=True, env=env, cwd=ROOT, timeout=timeout)
-    return json.loads((tmp / "out.json").read_text())
-
-
 def zap_weights(tmp: pathlib.Path, kind: str, cfg: dict) -> pathlib.Path:
     """Seeded random surrogate weights of `kind` for the tiny model, in kvzap's file format (the arrays
     both sides load: kvzap's surrogate=<file> and kvpress's KVzapModel)."""
@@ -188,7 +176,7 @@ def gate_weights(tmp: pathlib.Path, cfg: dict) -> pathlib.Path:
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
+def tiny_run(tmp_path_factory, kvpress_ref):
     """(our model, context ids, question ids, calibration windows, kvpress's results, the worker's arrays)."""
     tmp = tmp_path_factory.mktemp("hub")
     rng = np.random.default_rng(7)
@@ -199,7 +187,7 @@ def tiny_run(tmp_path_factory):
            "calib": [c.tolist() for c in calib], "samples": SAMPLES, "seed": SEED, "n_sink": 4,
            "arrays": str(tmp / "arrays.npz"), "presses": [list(c) for c in CASES],
            "kvzap": {k: str(zap_weights(tmp, k, TINY)) for k in KVZAP_KINDS}, "fastkvzip": str(gate_weights(tmp, TINY))}
-    ref = run_kvpress(job, tmp)
+    ref = kvpress_ref.job(job, tmp, script=WORKER)
     arrays = dict(np.load(tmp / "arrays.npz"))
     cfg, params = load_hf(tmp / "ckpt")
     return Llama(cfg, params), ctx, question, calib, ref, {**arrays, "tmp": tmp}
@@ -314,7 +302,7 @@ SLOW_CASES = [(p, 0.5) for p in ("QFilterPress", "ExpectedAttentionStatsPress", 
 
 
 @pytest.fixture(scope="module")
-def smollm2_hub(tmp_path_factory):
+def smollm2_hub(tmp_path_factory, kvpress_ref):
     from evals import expected_stats, qfilter
     from evals.data import default_text
     from kvpolicies.kvzap import weight_file
@@ -335,7 +323,7 @@ def smollm2_hub(tmp_path_factory):
            "question": question.tolist(), "n_new": 12, "given": str(tmp / "given.npz"),
            "kvzap": {"linear": str(weight_file("smollm2_linear"))},
            "presses": [[p, r, {"kind": "linear"} if p == "KVzapPress" else {}] for p, r in SLOW_CASES]}
-    return model, ctx, question, tmp, run_kvpress(job, tmp, timeout=3600)
+    return model, ctx, question, tmp, kvpress_ref.job(job, tmp, timeout=3600, script=WORKER)
 
 
 @pytest.mark.slow

@@ -6,11 +6,7 @@ kv head) and greedy answers must be identical."""
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -132,17 +128,8 @@ def plan(request) -> None:
         pytest.skip(f"{press} at {request.node.callspec.params['ratio']} on the tiny {kind}: not planned (suite time)")
 
 
-def run_kvpress(job: dict, tmp: pathlib.Path, timeout: int = 600) -> dict:
-    (tmp / "job.json").write_text(json.dumps(job))
-    env = {**os.environ, "PYTHONPATH": str(REF), "CUDA_VISIBLE_DEVICES": "", "TRANSFORMERS_VERBOSITY": "error",
-           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    subprocess.run([sys.executable, "-c", WORKER, str(tmp / "job.json"), str(tmp / "out.json"), str(ROOT / "evals")],
-                   check=True, env=env, cwd=ROOT, timeout=timeout)
-    return json.loads((tmp / "out.json").read_text())
-
-
 @pytest.fixture(scope="module", params=["llama"])
-def tiny_run(request, tmp_path_factory):
+def tiny_run(request, tmp_path_factory, kvpress_ref):
     """(our model, context ids, question ids, kvpress's results) for one tiny architecture."""
     tmp = tmp_path_factory.mktemp(request.param)
     rng = np.random.default_rng(5)
@@ -152,7 +139,7 @@ def tiny_run(request, tmp_path_factory):
            "context": ctx.tolist(), "question": question.tolist(), "suffix": SUFFIX, "delim": DELIM, "n_new": N_NEW,
            "presses": [[p, r, FIELDS[p]] for p in PRESSES for r in RATIOS if planned(request.param, p, r)],
            "tensors": str(tmp / "tensors.npz"), "logits_of": ["MergingPress"]}
-    ref = run_kvpress(job, tmp)
+    ref = kvpress_ref.job(job, tmp, script=WORKER)
     ref["tensors"] = dict(np.load(tmp / "tensors.npz"))
     cfg, params = load_hf(tmp / "ckpt")
     return Llama(cfg, params), ctx, question, ref

@@ -6,11 +6,8 @@ answers must be identical; the bytes each library holds are compared."""
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -84,38 +81,29 @@ CAP_RATIOS = (0.5, 0.75)
 FULL_GRID = bool(os.environ.get("KVP_KVPRESS_FULL"))  # CapPress at 0.75 and on the tiny Qwen2 too (suite time)
 
 
-def run_kvpress(job: dict, tmp: pathlib.Path, timeout: int = 600) -> dict:
-    (tmp / "job.json").write_text(json.dumps(job))
-    env = {**os.environ, "PYTHONPATH": str(REF), "CUDA_VISIBLE_DEVICES": "", "TRANSFORMERS_VERBOSITY": "error",
-           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    subprocess.run([sys.executable, "-c", WORKER, str(tmp / "job.json"), str(tmp / "out.json"), str(ROOT / "evals")],
-                   check=True, env=env, cwd=ROOT, timeout=timeout)
-    return json.loads((tmp / "out.json").read_text())
-
-
-def tiny(kind: str, tmp: pathlib.Path, presses: list):
+def tiny(kvpress_ref, kind: str, tmp: pathlib.Path, presses: list):
     """(our model, context ids, question ids, kvpress's results) on a tiny random model."""
     rng = np.random.default_rng(5)
     ctx, question = rng.integers(0, 127, N_CTX), rng.integers(0, 127, N_Q)
     job = {"save_to": str(tmp / "ckpt"), "tiny": {"kind": kind, "seed": 0,
                                                    "config": dict(TINY, tie_word_embeddings=kind == "qwen2")},
            "context": ctx.tolist(), "question": question.tolist(), "n_new": N_NEW, "presses": presses}
-    ref = run_kvpress(job, tmp)
+    ref = kvpress_ref.job(job, tmp, script=WORKER)
     cfg, params = load_hf(tmp / "ckpt")
     return Llama(cfg, params), ctx, question, ref
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
+def tiny_run(tmp_path_factory, kvpress_ref):
     """The tiny Llama: every press of this file."""
-    return tiny("llama", tmp_path_factory.mktemp("llama"),
+    return tiny(kvpress_ref, "llama", tmp_path_factory.mktemp("llama"),
                 [["SimLayerKVPress", 0, f] for f in SIMLAYER] + [["CapPress", r, {}] for r in CAP_RATIOS])
 
 
 @pytest.fixture(scope="module")
-def tiny_qwen2_run(tmp_path_factory):
+def tiny_qwen2_run(tmp_path_factory, kvpress_ref):
     """The tiny Qwen2 (biases, tied embeddings): CapPress (KVP_KVPRESS_FULL=1)."""
-    return tiny("qwen2", tmp_path_factory.mktemp("qwen2"), [["CapPress", r, {}] for r in CAP_RATIOS])
+    return tiny(kvpress_ref, "qwen2", tmp_path_factory.mktemp("qwen2"), [["CapPress", r, {}] for r in CAP_RATIOS])
 
 
 def ours(model: Llama, press: str, ratio: float, ctx, question, fit: int = 0, **fields):

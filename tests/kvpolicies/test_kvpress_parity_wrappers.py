@@ -10,11 +10,8 @@ a float64 numpy re-simulation (Ada-KV's allocation over key norms, attention per
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -97,17 +94,8 @@ json.dump(out, open(sys.argv[2], "w"))
 """
 
 
-def run_kvpress(job: dict, tmp: pathlib.Path) -> dict:
-    (tmp / "job.json").write_text(json.dumps(job))
-    env = {**os.environ, "PYTHONPATH": str(REF), "CUDA_VISIBLE_DEVICES": "", "TRANSFORMERS_VERBOSITY": "error",
-           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    subprocess.run([sys.executable, "-c", WORKER, str(tmp / "job.json"), str(tmp / "out.json"), str(ROOT / "evals")],
-                   check=True, env=env, cwd=ROOT, timeout=600)
-    return json.loads((tmp / "out.json").read_text())
-
-
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
+def tiny_run(tmp_path_factory, kvpress_ref):
     """(our model, context ids, question ids, kvpress's results) on the tiny Llama."""
     tmp = tmp_path_factory.mktemp("llama")
     rng = np.random.default_rng(1)
@@ -115,7 +103,7 @@ def tiny_run(tmp_path_factory):
     job = {"checkpoint": None, "save_to": str(tmp / "ckpt"), "tiny": {"kind": "llama", "seed": 0, "config": TINY},
            "context": ctx.tolist(), "question": question.tolist(), "n_new": N_NEW,
            "presses": [list(c) for c in CASES], "tokenizer": "ascii"}
-    ref = run_kvpress(job, tmp)
+    ref = kvpress_ref.job(job, tmp, script=WORKER)
     cfg, params = load_hf(tmp / "ckpt")
     return Llama(cfg, params), ctx, question, ref
 
@@ -169,7 +157,6 @@ def test_wrapper_keeps_kvpress_positions_and_answers(tiny_run, press, ratio, fie
         assert any(((0 < n) & (n < w)).any() for n in parts for w in whole)  # spiky chunks cut (or the top-up)
     assert "error" not in want, want
     assert answer == want["answer"]
-
 
 
 @pytest.mark.parametrize("inner", ["knorm", "expected"])
@@ -254,7 +241,7 @@ def simulate(press, q, k, v, prompt_len, s, max_new, ratio, alpha):
 
 
 @pytest.fixture(scope="module")
-def smollm2_run(tmp_path_factory):
+def smollm2_run(tmp_path_factory, kvpress_ref):
     """SmolLM2 (float32) on 1,024 tokens of Pride & Prejudice with a needle, and kvpress's results."""
     from evals.data import default_text
     from models.loading import load_default_model, smollm2_gguf_path
@@ -268,7 +255,7 @@ def smollm2_run(tmp_path_factory):
     path = smollm2_gguf_path()
     job = {"checkpoint": str(path.parent), "gguf_file": path.name, "context": ctx.tolist(),
            "question": question.tolist(), "n_new": 12, "presses": [list(c) for c in SLOW_CASES]}
-    return model, ctx, question, run_kvpress(job, tmp_path_factory.mktemp("smollm2"))
+    return model, ctx, question, kvpress_ref.job(job, tmp_path_factory.mktemp("smollm2"), script=WORKER)
 
 
 # in the suite: AdaKV over expected attention (kvpress's leaderboard row); KVP_KVPRESS_FULL=1 adds the
