@@ -9,6 +9,7 @@ import base64
 import csv
 import json
 import math
+import os
 import pathlib
 import sys
 
