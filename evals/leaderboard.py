@@ -20,8 +20,9 @@ Keys (key=value):
     samples=1               prompts per task (seed `seed`); every (press, ratio) runs on the same prompts
     tasks=[...]             default: every task evals.ruler generates (AVAILABLE: qa_1 and qa_2 are
                             not: no registry package ships SQuAD or HotpotQA)
-    presses=[...]           default: LEADERBOARD_PRESSES (the compat catalogue that `evals.peer` runs,
-                            without DuoAttentionPress, whose head pattern here is random, not trained)
+    presses=[...]           default: `default_presses` (the compat catalogue that `evals.peer` runs,
+                            without DuoAttentionPress, whose head pattern here is random, not trained,
+                            the catalogue rows of `evals.peer.CATALOGUE` and NOT_DEFAULT)
     ratios=[0.25,0.5,0.75,0.875]
     query_aware=[...]       presses also run query-aware (default: those of QUERY_AWARE that compat has;
                             [] for none)
@@ -68,10 +69,19 @@ PASS_THROUGH = ("model_path", "dtype", "samples", "gen", "seed", "chunk", "compi
                 "ray.address", "ray.workers")
 
 
+# presses evals.peer runs that the default leaves out: the catalogue rows (`peer.CATALOGUE`: arrays made per model,
+# ThinKPress below ratio 0.5 only, ratio-less rows) and the presses compat took last, which kvpress fails to answer
+# after (KVComposePress) or that need arrays per model (RestoreKVPress) or minutes a row on a CPU (KVgradPress);
+# each runs by presses=[...]
+NOT_DEFAULT = ("KVgradPress", "KVComposePress", "RestoreKVPress")
+
+
 def default_presses() -> list[str]:
     """Every press `evals.peer` runs but DuoAttentionPress (its pattern here is random: a parity
-    check, not DuoAttention's accuracy), and RandomPress (kvpress's leaderboard floor)."""
-    return [p for p in peer.PEER_PRESSES if p != "DuoAttentionPress"] + [p for p in peer.EXTRA_PRESSES]
+    check, not DuoAttention's accuracy), the catalogue rows and NOT_DEFAULT; with RandomPress
+    (kvpress's leaderboard floor)."""
+    return [p for p in peer.PEER_PRESSES if p != "DuoAttentionPress"] + [
+        p for p in peer.EXTRA_PRESSES if p not in peer.CATALOGUE and p not in NOT_DEFAULT]
 
 
 @dataclasses.dataclass
