@@ -121,11 +121,12 @@ class Appended(NamedTuple):
 
     k, v:  [B, K, T, D] the new tokens as attention reads them (encoded, then decoded).
     slots: the T new slots, encoded (a state of T slots).
-    start: [B] the slot from which `compact` writes `slots`, contiguously, and all it does
-           besides is what `Policy.defer` returns (e.g. Quest's page bounds): the new state is
-           `write_deferred(old state, policy.defer(view, seen))`, so a model may defer those
-           writes past its layer loop (`attend(..., defer=True)`); None when `compact` does
-           more than that (a ring chunk folded by `ring_compact`, an eviction).
+    start: [B] (or [B, Kp]: per position row) the slot from which `compact` writes `slots`,
+           contiguously, and all it does besides is what `Policy.defer` returns (e.g. Quest's
+           page bounds): the new state is `write_deferred(old state, policy.defer(view, seen))`,
+           so a model may defer those writes past its layer loop (`attend(..., defer=True)`);
+           None when `compact` does more than that (a ring chunk folded by `ring_compact`, an
+           eviction).
     """
 
     k: Float[Array, "B K T D"]
@@ -152,6 +153,9 @@ class View:
             is decoded in (`Codec.decode(..., in_basis=True)`): attention then rotates the
             queries (for keys) and its outputs (for values) instead of every slot. None: k and v
             are decoded in full (`view_of` and `append_view` set it for a codec with a `basis`).
+    joined: (static) attention reads the appended slots as if they were stored after the others:
+            the same blocks and pieces, so the same floats, as a view of S + T stored slots
+            (`concat`'s), while the stored slots are still read where they lie.
     """
 
     k: Float[Array, "B K S D"]
@@ -163,6 +167,7 @@ class View:
     carry: Any = None
     append: Appended | None = None
     basis: Codec | None = dataclasses.field(default=None, metadata=dict(static=True))
+    joined: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
 @jax.tree_util.register_dataclass
@@ -197,14 +202,14 @@ class Deferred(NamedTuple):
 
     slots:  the T new slots, encoded, written at slot `start` (a state of T slots: `SlotState`'s
             fields of the state).
-    start:  [*L, B].
+    start:  [*L, B], or [*L, B, Kp]: per position row (broadcast to the kv heads for k, v).
     fields: other fields of the state, each {name: (block [*L, B, H, n, ...], first [*L, B])}:
             the block is written at index first[b] of the field's axis 2 (Quest: the page bounds
             of the pages the step's tokens fall in); None: no other field changes.
     """
 
     slots: SlotState
-    start: Int[Array, "*L B"]
+    start: Int[Array, "*L B"] | Int[Array, "*L B Kp"]
     fields: dict | None = None
 
 

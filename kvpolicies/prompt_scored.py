@@ -56,7 +56,8 @@ from kvpolicies.budgets import Budgeted
 from kvpolicies.checks import check_int
 from kvpolicies.prompt import KeptTable, PromptCompressor, PromptPhase, PromptState
 from kvpolicies.scored import Accumulated, Scored, append_packed, pack, top_mask
-from kvpolicies.slots import Pending, QuietChunks, Spare, SpareSlot, concat, move_spare, pad_slot, view_of, write_spare
+from kvpolicies.slots import (Pending, QuietChunks, Spare, SpareSlot, append_view, concat, move_spare, pad_slot, view_of,
+                              write_spare)
 
 
 def chunked(observe):
@@ -208,7 +209,22 @@ class PromptScored(Budgeted, KeptTable, PromptCompressor, QuietChunks, SpareSlot
             at = (slots.pos[..., :-1] >= 0).sum(axis=-1, dtype=jnp.int32)  # [B, K]: the first free slot (packed)
             buf = write_spare(slots, new, at)  # [B, K, S + 1, ...]
             return view_of(self.codec, buf, pos, k.dtype, carry=(Spare(buf, at), stats))
+        if self.appends_in_place:  # a chunk after the compression: written after the filled slots
+            at = (slots.pos >= 0).sum(axis=-1, dtype=jnp.int32)  # [B, Kp]: each head's first free slot (packed)
+            return append_view(self.codec, slots, new, pos, k.dtype, carry=(Pending(slots, new), stats), start=at,
+                               joined=True)
         return view_of(self.codec, concat(slots, new), pos, k.dtype, carry=(Pending(slots, new), stats))
+
+    @property
+    def appends_in_place(self) -> bool:
+        """A chunk of a shape class (`appends_only`) whose step changes nothing but its new slots
+        (`observe` not overridden, no accumulated mass): its view reads the stored slots where they
+        lie and the new ones after them as one sequence (`View.joined`: the floats of the
+        concatenated view), and it writes the new slots after each head's filled ones
+        (`Appended.start`: the packing `compact` would do, the same slots), which a model may defer
+        past its layer loop (`attend(..., defer=True)`), each head at its own count."""
+        return (self.appends_only and not self.spare and not self.accumulates
+                and type(self).observe is PromptScored.observe and type(self).split is PromptScored.split)
 
     def compact(self, view, seen):
         if isinstance(view.carry[0], Spare):  # appends only (`appends_only`; an overflow's outputs are NaN)
@@ -225,7 +241,8 @@ class PromptScored(Budgeted, KeptTable, PromptCompressor, QuietChunks, SpareSlot
         over = self.overflows(count, s)  # [B, K, 1]: no free slot for the new token (or `interval`'s turn)
 
         def evict():  # the ranking's sorts and the packing only on a step where some head overflows
-            prio, tie = self.rank(slots, view.k, stats, seen)
+            keys = view.k if view.append is None else jnp.concatenate([view.k, view.append.k], axis=2)  # [B, K, V, D]
+            prio, tie = self.rank(slots, keys, stats, seen)
             kept = jnp.where(over, top_mask(prio, tie, self.stream_kept(s)) & filled, filled)
             return pack(self.restart(slots, over), kept, s)
 

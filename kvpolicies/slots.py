@@ -76,11 +76,23 @@ def concat(a: SlotState, b: SlotState) -> SlotState:
     return _map_fields(cat, a, b)
 
 
-def write_rows(buf: Array, x: Array, start: Int[Array, "B"], lead: int = 0) -> Array:
+def write_rows(buf: Array, x: Array, start: Int[Array, "*L B"] | Int[Array, "*L B H"], lead: int = 0) -> Array:
     """buf [*lead, B, H, S, ...] with x [*lead, B, H', T, ...] written at index start[b] of axis
-    lead + 2 of row b (in place under donation: one dynamic_update_slice per row, B static)."""
+    lead + 2 of row b (in place under donation). start [B]: one start per row for every leading
+    index (one dynamic_update_slice per row, B static); [*lead, B]: each leading index its own (a
+    model's layers of different counts); [*lead, B, H'']: each head too (H'' 1 or H); those two
+    as one scatter (a vmapped dynamic_update_slice)."""
     x = jnp.broadcast_to(x, x.shape[:lead + 1] + buf.shape[lead + 1:lead + 2] + x.shape[lead + 2:])
     x = x.astype(buf.dtype)
+    if start.ndim > 1:  # a start per leading index and row (and head): one scatter
+        axes = lead + 1 if start.ndim == lead + 1 else lead + 2
+        if axes == lead + 2:
+            start = jnp.broadcast_to(start, start.shape[:-1] + buf.shape[lead + 1:lead + 2])
+        put = lambda b, r, at: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
+            b, r, at.astype(jnp.int32), axis=lead + 2 - axes)
+        for _ in range(axes):
+            put = jax.vmap(put)
+        return put(buf, x, start)
     zero = jnp.zeros((), jnp.int32)
     for b in range(buf.shape[lead]):
         row = x[(slice(None),) * lead + (slice(b, b + 1),)]
@@ -89,7 +101,8 @@ def write_rows(buf: Array, x: Array, start: Int[Array, "B"], lead: int = 0) -> A
     return buf
 
 
-def write_at(state: SlotState, new: SlotState, start: Int[Array, "B"], lead: int = 0) -> SlotState:
+def write_at(state: SlotState, new: SlotState, start: Int[Array, "*L B"] | Int[Array, "*L B H"],
+             lead: int = 0) -> SlotState:
     """Write `new`'s slots contiguously at slot `start[b]` (in place under donation). `lead`:
     leading axes both states have before B (a model's stacked layers), written alike."""
     return _map_fields(lambda name, buf, x: write_rows(buf, x, start, lead), state, new)
@@ -97,11 +110,12 @@ def write_at(state: SlotState, new: SlotState, start: Int[Array, "B"], lead: int
 
 
 def write_deferred(state: SlotState, writes: Deferred, lead: int = 0) -> SlotState:
-    """Apply `Deferred` writes; `lead` leading axes (e.g. stacked layers) share one `start`
-    (the layers of a run hold one policy and see the same positions)."""
+    """Apply `Deferred` writes; `lead` leading axes (e.g. stacked layers): the slots are written at
+    each layer's own start (a prompt scorer's layers may hold different counts), the other fields
+    at the first layer's (Quest's: the layers of a run see the same positions)."""
     row = (0,) * lead
     names = [f.name for f in dataclasses.fields(writes.slots)]
-    part = write_at(type(writes.slots)(**{n: getattr(state, n) for n in names}), writes.slots, writes.start[row], lead)
+    part = write_at(type(writes.slots)(**{n: getattr(state, n) for n in names}), writes.slots, writes.start, lead)
     out = {n: getattr(part, n) for n in names}
     for name, (block, first) in (writes.fields or {}).items():
         out[name] = write_rows(getattr(state, name), block, first[row], lead)
@@ -109,16 +123,17 @@ def write_deferred(state: SlotState, writes: Deferred, lead: int = 0) -> SlotSta
 
 
 def append_view(codec: Codec, state: SlotState, new: SlotState, pos: Int[Array, "B T"], dtype: Any, carry: Any,
-                start: Int[Array, "B"] | None = None, **kw) -> View:
+                start: Int[Array, "B"] | Int[Array, "B Kp"] | None = None, **kw) -> View:
     """A view of `state`'s stored slots followed by the T `new` ones (`View.append`): positions,
     RoPE, masks then cover S + T slots, while the stored keys/values are read in place. With
-    `start` (compact writes the new slots there and does nothing else), the stored slots
-    [start, start + T) are read as empty: the new tokens replace them in this very step."""
+    `start` (compact writes the new slots there and does nothing else; [B], or [B, Kp]: per
+    position row), the stored slots [start, start + T) are read as empty: the new tokens replace
+    them in this very step."""
     spos = state.pos  # [B, Kp, S]
     if start is not None:
         s = jnp.arange(spos.shape[-1])
-        over = (s >= start[:, None]) & (s < start[:, None] + new.slots)  # [B, S]
-        spos = jnp.where(over[:, None, :], EMPTY, spos)
+        at = (start if start.ndim == 2 else start[:, None])[..., None]  # [B, Kp|1, 1]
+        spos = jnp.where((s >= at) & (s < at + new.slots), EMPTY, spos)  # [B, Kp, S]
     npos = jnp.broadcast_to(new.pos, new.pos.shape[:1] + spos.shape[1:2] + new.pos.shape[2:])  # [B, Kp, T]
     allpos = jnp.concatenate([spos, npos.astype(spos.dtype)], axis=-1)  # [B, Kp, S + T]
     kw.setdefault("rope", RopePositions(q=pos[..., None], k=allpos))

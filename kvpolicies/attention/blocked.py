@@ -4,7 +4,11 @@ logits never materialise (docs/design/attention.md).
 
 The stored slots are cut into whole blocks (a `Block` each, scanned) and a remainder; the
 chunk's own appended slots are read as one piece, or, for a chunk of more than `block` tokens
-(read in query tiles of `block`), in tiles of `block` slots. How each block is read (skipped,
+(read in query tiles of `block`), in tiles of `block` slots. A `joined` view (`View.joined`) is
+cut as if its appended slots were stored after the others: the stored slots' whole blocks read
+where they lie, then the rest of them and the new slots concatenated (at most block - 1 + T
+slots copied) and cut into whole blocks and a remainder, so the blocks and pieces are those of a
+view of S + T stored slots. How each block is read (skipped,
 whole, masked) is decided for all blocks at once, before any is read; a loop then reads only
 the blocks some query sees, in slot order. Its trip count is traced (a while loop), so
 reverse-mode autodiff does not pass through a blocked chunk.
@@ -38,7 +42,8 @@ class Block(NamedTuple):
 class Layout(NamedTuple):
     """How the view's slots are cut: the stored part [lo, hi) as n whole blocks (`stored`) and a
     remainder of `rest` slots; the appended part [a_lo, a_hi) in tiles padded with `a_fill`
-    empty slots (`appended`), or None when it is read as one piece."""
+    empty slots (`appended`), or None when it is read as one piece. A joined view: `tail`, the
+    stored remainder and the appended slots as one sequence (in place of both)."""
 
     lo: int
     hi: int
@@ -49,6 +54,20 @@ class Layout(NamedTuple):
     a_lo: int
     a_hi: int
     a_fill: int
+    tail: Tail | None = None
+
+
+class Tail(NamedTuple):
+    """A joined view's last slots [lo, hi): the stored remainder then the appended slots, keys and
+    values [B, K, hi - lo, D] concatenated, as n whole blocks (`blocks`, None when n is 0) and a
+    remainder."""
+
+    lo: int
+    hi: int
+    k: Any
+    v: Any
+    n: int
+    blocks: Block | None
 
 
 class Tile(NamedTuple):
@@ -87,12 +106,24 @@ def layout(st: Step, tiled: bool, block: int) -> Layout:
     (lo, hi), kp, vp = st.cuts[0], st.keys[0], st.vals[0]
     n, rest = divmod(hi - lo, block)
     stored = as_blocks(st, kp[:, :, :n * block], vp[:, :, :n * block], lo, lo + n * block, block) if n else None
+    if st.view.joined and len(st.cuts) > 1:
+        return Layout(lo, hi, n, 0, stored, None, 0, 0, 0, joined_tail(st, lo + n * block, n * block, block))
     appended, a_lo, a_hi, a_fill = None, 0, 0, 0
     if tiled and len(st.cuts) > 1:  # the appended part in tiles, padded with empty slots
         (a_lo, a_hi), = st.cuts[1:]
         a_fill = -(a_hi - a_lo) % block
         appended = as_blocks(st, st.keys[1], st.vals[1], a_lo, a_hi, block, a_fill)
     return Layout(lo, hi, n, rest, stored, appended, a_lo, a_hi, a_fill)
+
+
+def joined_tail(st: Step, lo: int, a: int, block: int) -> Tail:
+    """A joined view's slots from view slot `lo` (stored slot `a`) on, as one sequence."""
+    (_, hi), = st.cuts[-1:]
+    k = jnp.concatenate([st.keys[0][:, :, a:]] + list(st.keys[1:]), axis=2)  # [B, K, hi - lo, D]
+    v = jnp.concatenate([st.vals[0][:, :, a:]] + list(st.vals[1:]), axis=2)
+    n = (hi - lo) // block
+    blocks = as_blocks(st, k[:, :, :n * block], v[:, :, :n * block], lo, lo + n * block, block) if n else None
+    return Tail(lo, hi, k, v, n, blocks)
 
 
 def piece(st: Step, vmask_q, lo: int, hi: int, kp, vp, a=None, b=None) -> Block:
@@ -108,6 +139,14 @@ def parts(st: Step, lay: Layout, vmask_q, block: int, one, many) -> list:
     over the view's slots in order: the list of their results."""
     lo, hi, n = lay.lo, lay.hi, lay.n
     got = [many(with_mask(lay.stored, vmask_q, lo, lo + n * block, block))] if n else []
+    if lay.tail is not None:  # joined: the tail's whole blocks, then its remainder
+        tl = lay.tail
+        t_mid = tl.lo + tl.n * block
+        if tl.n:
+            got.append(many(with_mask(tl.blocks, vmask_q, tl.lo, t_mid, block)))
+        if t_mid < tl.hi:
+            got.append(one(piece(st, vmask_q, t_mid, tl.hi, tl.k, tl.v, tl.n * block, None)))
+        return got
     if lay.rest:
         got.append(one(piece(st, vmask_q, lo + n * block, hi, st.keys[0], st.vals[0], n * block, None)))
     if lay.appended is not None:  # the appended slots in tiles

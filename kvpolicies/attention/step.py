@@ -72,7 +72,7 @@ def attend_step(policy, state, q, k, v, pos, rope, scale, defer=False, tuning: T
         if quiet is None:
             return token_by_token(policy, state, q, k, v, pos, rope, scale, tuning)
         if only:  # no alternative compiled: a chunk that would evict gets NaN outputs
-            out, new_state, visible = whole(policy, state, q, k, v, pos, rope, scale, False, tuning)
+            out, new_state, visible = whole(policy, state, q, k, v, pos, rope, scale, defer, tuning)
             return jnp.where(quiet, out, jnp.nan), new_state, visible
         return jax.lax.cond(quiet, lambda: whole(policy, state, q, k, v, pos, rope, scale, False, tuning),
                             lambda: token_by_token(policy, state, q, k, v, pos, rope, scale, tuning))
@@ -87,7 +87,10 @@ def whole(policy, state, q, k, v, pos, rope, scale, defer=False, tuning: Tuning 
     """`attend_step` of the T tokens in one step (one piece or blocks)."""
     check_codec(policy)  # at trace time, before any compute
     st = prepare(policy, state, q, k, v, pos, rope, scale)
-    if use_blocks(policy, st, tuning):
+    blocks = use_blocks(policy, st, tuning)
+    if st.view.joined and not blocks:  # one piece of a joined view: its parts as one
+        st = joined(st)
+    if blocks:
         out, visible, columns = blocked(st, tuning, "columns" in policy.observes)
         scores = last_rows_scores(st, policy.score_rows) if "scores" in policy.observes else None
         seen = observe(policy, st, rope, scores=scores, columns=columns)
@@ -104,12 +107,21 @@ def use_blocks(policy: Policy, st: Step, tuning: Tuning) -> bool:
     per-slot observation but the last rows' scores (`score_rows`). Column sums (observed's prompt
     phase) take a second pass over the blocks: only for a chunk of more than `block` tokens, whose
     one-piece logits would grow with T x T; a shorter chunk keeps the one piece, faster for it."""
-    x_t, s = st.pos.shape[1], st.view.k.shape[2]
+    x_t, s = st.pos.shape[1], st.cuts[-1][1] if st.view.joined else st.view.k.shape[2]
     observed = {"scores", "logits"} & set(policy.observes)
     rows = policy.score_rows
     return (x_t > 1 and max(s, x_t) > tuning.block and st.selected is None
             and not observed - ({"scores"} if rows else set())
             and (x_t > tuning.block or "columns" not in policy.observes))
+
+
+def joined(st: Step) -> Step:
+    """A joined view's step (`View.joined`) with its parts concatenated: one part of S + T slots,
+    the one piece a view of S + T stored slots reads."""
+    if len(st.cuts) == 1:
+        return st
+    cat = lambda xs: jnp.concatenate(xs, axis=2)  # noqa: E731
+    return st._replace(cuts=[(st.cuts[0][0], st.cuts[-1][1])], keys=[cat(st.keys)], vals=[cat(st.vals)])
 
 
 def prepare(policy: Policy, state, q, k, v, pos, rope, scale) -> Step:
