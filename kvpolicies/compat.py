@@ -47,8 +47,9 @@ sized by their `ratio` field (`PromptScored.kept_for`), with kvpress's defaults:
                             of calibration text (stats_folder=: ours, `python -m evals.expected_stats`)
     KVzapPress              `kvzap_scored.ZapScored`: kvzap's surrogate scores (model_type "mlp", kvzap_model_name=
                             our weights, evals.train_kvzap), per kv head top-k, no window (DMS: `kvzap`)
-    FastKVzipPress          `fastkvzip.FastKVzip` (layerwise=True only, gates= a file): the gates' scores, each
-                            layer's int(K n r) lowest (token, kv head) pairs dropped, a head pool
+    FastKVzipPress          `fastkvzip.FastKVzip` (gates= a file): the gates' scores, the int(L K n r) lowest
+                            (layer, kv head, token) of all layers dropped (layerwise=True: each layer's
+                            int(K n r)), a head pool (Engine(fit=1): each layer at what it kept)
     RestoreKVPress          `restorekv.RestoreKV`: KVzipPress's rule at min(1, r + n / t) over the context, after n
                             learned restore tokens (restore_model_name=: our arrays, evals.train_restorekv) went
                             through a LoRA-adapted pass (`models.lora.restore` between prompt and compress)
@@ -859,7 +860,7 @@ def _scored(press: str, r: float, max_new: int, n_layers: int | None, fields: di
         return expected_stats_press(r, max_new, n_layers, fields)
     if press == "KVzapPress":  # kvzap's surrogate (kvzap_model_name=: our weights), kvpress's per-head top-k
         return kvzap_press(r, max_new, fields)
-    if press == "FastKVzipPress":  # layerwise=True, gates= a file (kvpress downloads the authors')
+    if press == "FastKVzipPress":  # gates= a file (kvpress downloads the authors'); layerwise False by default
         return fastkvzip_press(r, max_new, fields)
     if press == "KeyDiffPress":
         return KeyDiff(ratio=r, max_new=max_new)
