@@ -29,7 +29,9 @@ sized by their `ratio` field (`PromptScored.kept_for`), with kvpress's defaults:
                             counts, as kvpress (which masks)
     KVComposePress          kvcompose (structured; kvpress's agg_* fields): a second pass over the context
                             itself, layer counts from one top-k over all layers' composite scores; stored
-                            at what each layer kept with Engine(..., fit=1), as kvpress (which truncates)
+                            at what each layer kept with Engine(..., fit=1), as kvpress (which truncates);
+                            structured=False: `kvcompose.KVComposeHeads`, each (layer, kv head) its own count,
+                            a counted head pool (kvpress masks)
     KVgradPress             kvgrad: KVzipPress's pass and choice (chunk_size 512), a token's score its attention
                             x ||v W_o||_2 x the gradient norm of the repeat query's attention output
                             (models.gradient); layerwise=True: per layer, each head's share stored
@@ -140,7 +142,7 @@ from kvpolicies.knorm import Knorm
 from kvpolicies.keydiff import KeyDiff
 from kvpolicies.kvgrad import KVgrad
 from kvpolicies.kvzip import KVzip
-from kvpolicies.kvcompose import KVCompose
+from kvpolicies.kvcompose import KVCompose, KVComposeHeads
 from kvpolicies.lagkv import LagKV
 from kvpolicies.merging import Merging
 from kvpolicies.observed import Observed
@@ -604,11 +606,13 @@ def kvpress(name: str, compression_ratio: float, /, *, max_new: int = 256, n_lay
         layerwise = fields.pop("layerwise", False)
         out = KVzip(ratio=r, max_new=max_new, n_sink=fields.pop("n_sink", 4), repeat_chunk=fields.pop("chunk_size", 2048),
                     scope="layer" if layerwise else "model", keep_last=False, prompts="kvpress")
-    elif press == "KVComposePress":  # structured only (kvpress's default; structured=False masks per head)
-        if not fields.pop("structured", True):
-            raise NotImplementedError("kvpolicies.compat.kvpress: KVComposePress(structured=False)")
-        out = KVCompose(ratio=r, max_new=max_new, **{k: fields.pop(k) for k in list(fields) if k in (
-            "agg_task", "agg_group", "agg_head", "add_v_norm", "add_mean_across_heads", "keep_token_lower_bound")})
+    elif press == "KVComposePress":  # structured (kvpress's default) or not: each head its own count, a head pool
+        structured = fields.pop("structured", True)
+        if not structured:
+            fields.pop("agg_head", None)  # the composite's aggregation: unused unstructured (in kvpress too)
+        out = (KVCompose if structured else KVComposeHeads)(ratio=r, max_new=max_new, **{
+            k: fields.pop(k) for k in list(fields) if k in ("agg_task", "agg_group", "agg_head", "add_v_norm",
+                                                             "add_mean_across_heads", "keep_token_lower_bound")})
     elif press == "RestoreKVPress":  # KVzipPress + n learned restore tokens (restore_model_name=: our arrays)
         out = restorekv_press(r, max_new, fields)
     elif press == "KVgradPress":  # KVzipPress's fields (kvzip_plus_normalization is fixed off), chunk 512
