@@ -33,13 +33,15 @@ per head too (it truncates each layer's tensors; it does not mask). Under a toke
 uniform: each kv head keeps its `budget` best by the pass's scores (+ their layer mean), no
 composite allocation.
 
-Deviations, named: (1) `structured=False` (each head its own count, kvpress's attention patch
-that masks) is not reproduced; (2) batch rows are scored and chosen each on its own (kvpress's
+kvpress's `structured=False` (each head its own count; kvpress masks through its attention patch) is
+`KVComposeHeads` below (compat only): a counted head pool holds each head's share.
+
+Deviations, named: (1) batch rows are scored and chosen each on its own (kvpress's
 aggregators take the maximum over the batch too, and its unstructured form needs batch 1);
-(3) ties keep the earlier layer in the top-k over layers and the newer token within a head
-(kvpress: torch.topk's and torch.argsort's order); (4) `add_v_norm=True` multiplies by the
+(2) ties keep the earlier layer in the top-k over layers and the newer token within a head
+(kvpress: torch.topk's and torch.argsort's order); (3) `add_v_norm=True` multiplies by the
 norms of the context's n values (kvpress 0.5.5 multiplies n scores by the 2n values of its
-cache after the pass and raises); (5) the pass feeds the context itself, kvpress's default (its
+cache after the pass and raises); (4) the pass feeds the context itself, kvpress's default (its
 `register_prompt_ids`, other probe prompts whose attention `agg_task` aggregates, is not reached by its
 pipeline and not reproduced). Stream extension (ours; `Engine.score` and generation past
 `max_new`): a slot's `mass` is its score from the pass, raised by the most attention a later
