@@ -338,8 +338,8 @@ def catalogue_args(p: "Plan", press: str, ratio: float) -> tuple[str, float, dic
     """(kvpress class, compression_ratio, our fields for `kvpolicies.compat.kvpress`, the worker's JSON fields) of
     a CATALOGUE row at `ratio`: both sides get the same press, fields and arrays. ThinKPress: the ratio is
     kvpress's read-only compression_ratio, key_channel_compression_ratio / 2 (below 0.5). The hub presses: our
-    arrays' files (`hub_file`); FastKVzipPress layerwise. Decoding presses: KeyDiffPress re-scoring every
-    DECODING_INTERVAL steps (DecodingPress: back to a quarter of `tokens`; CompressionRatioDecodingPress: the
+    arrays' files (`hub_file`); FastKVzipPress at its default (layerwise=False). Decoding presses: KeyDiffPress
+    re-scoring every DECODING_INTERVAL steps (DecodingPress: back to a quarter of `tokens`; CompressionRatioDecodingPress: the
     ratio of the tokens seen; PrefillDecodingPress: SnapKVPress at the ratio, then back to half of what it
     kept). SimLayerKVPress: n_recent an eighth of `tokens`, lazy_threshold 0.1 (tiny) or 0.5. FinchPress:
     a 32-token window ending the context (the question comes after the compression here), keys not
@@ -360,7 +360,7 @@ def catalogue_args(p: "Plan", press: str, ratio: float) -> tuple[str, float, dic
         if name == "DMSPress":
             fields |= {"press": "KVzapPress", "threshold": 0.0 if tiny else -6.0, "sliding_window_size": 64 if tiny else 128}
     elif name == "FastKVzipPress":
-        fields = {"layerwise": True, "gates": str(hub_file(p, "fastkvzip").resolve())}
+        fields = {"gates": str(hub_file(p, "fastkvzip").resolve())}  # kvpress's default layerwise=False
     elif name == "DecodingPress":
         fields = {"base_press": inner, "compression_interval": DECODING_INTERVAL, "target_size": p.tokens // 4}
     elif name == "CompressionRatioDecodingPress":

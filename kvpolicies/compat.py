@@ -29,7 +29,9 @@ sized by their `ratio` field (`PromptScored.kept_for`), with kvpress's defaults:
                             counts, as kvpress (which masks)
     KVComposePress          kvcompose (structured; kvpress's agg_* fields): a second pass over the context
                             itself, layer counts from one top-k over all layers' composite scores; stored
-                            at what each layer kept with Engine(..., fit=1), as kvpress (which truncates)
+                            at what each layer kept with Engine(..., fit=1), as kvpress (which truncates);
+                            structured=False: `kvcompose.KVComposeHeads`, each (layer, kv head) its own count,
+                            a counted head pool (kvpress masks)
     KVgradPress             kvgrad: KVzipPress's pass and choice (chunk_size 512), a token's score its attention
                             x ||v W_o||_2 x the gradient norm of the repeat query's attention output
                             (models.gradient); layerwise=True: per layer, each head's share stored
@@ -47,8 +49,9 @@ sized by their `ratio` field (`PromptScored.kept_for`), with kvpress's defaults:
                             of calibration text (stats_folder=: ours, `python -m evals.expected_stats`)
     KVzapPress              `kvzap_scored.ZapScored`: kvzap's surrogate scores (model_type "mlp", kvzap_model_name=
                             our weights, evals.train_kvzap), per kv head top-k, no window (DMS: `kvzap`)
-    FastKVzipPress          `fastkvzip.FastKVzip` (layerwise=True only, gates= a file): the gates' scores, each
-                            layer's int(K n r) lowest (token, kv head) pairs dropped, a head pool
+    FastKVzipPress          `fastkvzip.FastKVzip` (gates= a file): the gates' scores, the int(L K n r) lowest
+                            (layer, kv head, token) of all layers dropped (layerwise=True: each layer's
+                            int(K n r)), a head pool (Engine(fit=1): each layer at what it kept)
     RestoreKVPress          `restorekv.RestoreKV`: KVzipPress's rule at min(1, r + n / t) over the context, after n
                             learned restore tokens (restore_model_name=: our arrays, evals.train_restorekv) went
                             through a LoRA-adapted pass (`models.lora.restore` between prompt and compress)
@@ -139,7 +142,7 @@ from kvpolicies.knorm import Knorm
 from kvpolicies.keydiff import KeyDiff
 from kvpolicies.kvgrad import KVgrad
 from kvpolicies.kvzip import KVzip
-from kvpolicies.kvcompose import KVCompose
+from kvpolicies.kvcompose import KVCompose, KVComposeHeads
 from kvpolicies.lagkv import LagKV
 from kvpolicies.merging import Merging
 from kvpolicies.observed import Observed
@@ -603,11 +606,13 @@ def kvpress(name: str, compression_ratio: float, /, *, max_new: int = 256, n_lay
         layerwise = fields.pop("layerwise", False)
         out = KVzip(ratio=r, max_new=max_new, n_sink=fields.pop("n_sink", 4), repeat_chunk=fields.pop("chunk_size", 2048),
                     scope="layer" if layerwise else "model", keep_last=False, prompts="kvpress")
-    elif press == "KVComposePress":  # structured only (kvpress's default; structured=False masks per head)
-        if not fields.pop("structured", True):
-            raise NotImplementedError("kvpolicies.compat.kvpress: KVComposePress(structured=False)")
-        out = KVCompose(ratio=r, max_new=max_new, **{k: fields.pop(k) for k in list(fields) if k in (
-            "agg_task", "agg_group", "agg_head", "add_v_norm", "add_mean_across_heads", "keep_token_lower_bound")})
+    elif press == "KVComposePress":  # structured (kvpress's default) or not: each head its own count, a head pool
+        structured = fields.pop("structured", True)
+        if not structured:
+            fields.pop("agg_head", None)  # the composite's aggregation: unused unstructured (in kvpress too)
+        out = (KVCompose if structured else KVComposeHeads)(ratio=r, max_new=max_new, **{
+            k: fields.pop(k) for k in list(fields) if k in ("agg_task", "agg_group", "agg_head", "add_v_norm",
+                                                             "add_mean_across_heads", "keep_token_lower_bound")})
     elif press == "RestoreKVPress":  # KVzipPress + n learned restore tokens (restore_model_name=: our arrays)
         out = restorekv_press(r, max_new, fields)
     elif press == "KVgradPress":  # KVzipPress's fields (kvzip_plus_normalization is fixed off), chunk 512
@@ -859,7 +864,7 @@ def _scored(press: str, r: float, max_new: int, n_layers: int | None, fields: di
         return expected_stats_press(r, max_new, n_layers, fields)
     if press == "KVzapPress":  # kvzap's surrogate (kvzap_model_name=: our weights), kvpress's per-head top-k
         return kvzap_press(r, max_new, fields)
-    if press == "FastKVzipPress":  # layerwise=True, gates= a file (kvpress downloads the authors')
+    if press == "FastKVzipPress":  # gates= a file (kvpress downloads the authors'); layerwise False by default
         return fastkvzip_press(r, max_new, fields)
     if press == "KeyDiffPress":
         return KeyDiff(ratio=r, max_new=max_new)

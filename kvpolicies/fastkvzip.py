@@ -1,7 +1,8 @@
 """kvpress's `FastKVzipPress` (Kim et al. 2026, "Fast KVzip", arXiv:2601.17668; Janghyun1230/FastKVzip):
 small per-layer gates, trained by the authors on KVzip's scores, read each layer's normalised input hidden
 states and score every (token, kv head) during the prefill; no reconstruction pass. Reached through
-`kvpolicies.compat.kvpress("FastKVzipPress", r, layerwise=True, gates=<file>)`; not registered.
+`kvpolicies.compat.kvpress("FastKVzipPress", r, gates=<file>)` (kvpress's default, `layerwise=False`) or
+with `layerwise=True`; not registered.
 
 Shapes: B batch, T new tokens, d model width, K kv heads, G query heads per kv head, E = 16 the gate's
 width, S = 16 its sink keys, M = max_len (the prompt phase's slots), L layers.
@@ -10,15 +11,26 @@ The gate of a layer (kvpress's `FastKVzipGate`): q = RMSNorm(h W_q + b_q) [K, G,
 (RMSNorm with a learned weight, eps 1e-6), logit = k.q / sqrt(E) + b [K, G], base_s = k_base[s].q / sqrt(E);
 the score is 1 / (1 + sum_s exp(base_s - logit)), averaged over G. After the prompt (kvpress's
 `compress_post`): the first n_sink tokens and the last max(1, int(n window_ratio)) score 1 (a context
-under 32,000 tokens; window_size beyond), and with `layerwise=True` each layer drops its int(K n r)
-lowest-scored (token, kv head) pairs over all its heads; the kept pairs are stored as Ada-KV's head pool
-(`kvpolicies.adakv`), the heads holding different numbers of tokens (kvpress masks them).
+under 32,000 tokens; window_size beyond), then
+  - `layerwise=False` (kvpress's default): the int(L K n r) lowest-scored (layer, kv head, token) of ALL
+    layers are removed, so each layer keeps a data-dependent number of pairs. The choice is kvzip's
+    scope="model" (`kvpolicies.kvzip.model_scope_keep`), made by the engine between the prompt phase and
+    `after_prompt` through the reconstructors' hook (`after_pass`): this policy is a `Reconstructor` whose
+    pass feeds no repeat input (`repeat_chunk = 0`; the gates scored the prompt in the prefill);
+  - `layerwise=True`: each layer drops its int(K n r) lowest-scored (token, kv head) pairs over all its heads.
+The kept pairs are stored as Ada-KV's head pool (`kvpolicies.adakv`), the heads holding different numbers
+of tokens (kvpress keeps every key and masks the dropped ones). Memory: `layerwise=True` stores
+K x (n - int(n r) + 1 + max_new) slots per layer; `layerwise=False` lets a layer keep every token, so its
+static pool is K x max_len slots per layer, and `Engine(..., fit=1)` (`Fits`: `Engine.fitted`) stores each
+layer at what it kept plus max_new free slots per kv head: fewer bytes than kvpress's cache, which holds all
+n keys and values of every head (docs/guide/kvpress.md, with the bytes).
 
-Not reproduced: kvpress's default `layerwise=False`, one choice over every layer's scores (the layers then
-keep data-dependent counts; our kvzip does this through the engine's reconstruction hooks, which a
-pass-free scorer does not run), refused by `compat`. The gates: the authors' are downloaded from
-`Jang-Hyun/Fast-KVzip` for a few checkpoints; ours are trained by their recipe on our kvzip's scores,
-`python -m evals.train_fastkvzip model=<name>` (`$KVP_DATA/fastkvzip/<model>.npz`, `GATE_NAMES`).
+Deviations, named: (1) the sinks are never removed (kvpress removes them too past ratio 1 - n_sink / n;
+kvzip's `model_scope_keep`); (2) `layerwise=False` chooses over each batch row on its own (kvpress: over the
+batch's pairs together); (3) ties remove the earlier (layer, head, token) first (kvpress: torch.topk's
+order). The gates: the authors' are downloaded from `Jang-Hyun/Fast-KVzip` for a few checkpoints; ours are
+trained by their recipe on our kvzip's scores, `python -m evals.train_fastkvzip model=<name>`
+(`$KVP_DATA/fastkvzip/<model>.npz`, `GATE_NAMES`).
 """
 
 from __future__ import annotations
@@ -26,17 +38,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import pathlib
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from kvpolicies.adakv import prompt_pool
+from kvpolicies.adakv import HeadPool, prompt_pool
+from kvpolicies.checks import check_int
 from kvpolicies.codecs import Codec, Identity
 from kvpolicies.kvzap import KVzap
-from kvpolicies.prompt import PromptPhase, PromptState
+from kvpolicies.kvzip import model_scope_keep
+from kvpolicies.prompt import PromptPhase, PromptState, Reconstructor
 from kvpolicies.scored import top_mask
 
 GATE_NAMES = ("q_w", "q_b", "k_w", "q_norm", "k_norm", "k_base", "b")  # per layer, stacked on L
@@ -75,18 +89,29 @@ def gate_scores(w: dict[str, Array], h: Float[Array, "B T d"]) -> Float[Array, "
 
 
 @dataclasses.dataclass(frozen=True)
-class FastKVzip(KVzap):
-    """kvpress's FastKVzipPress with `layerwise=True`: the gates' scores (`gates`, a file), the n_sink first
-    and the last max(1, int(n window_ratio)) tokens scored 1, each layer's int(K n ratio) lowest (token, kv
-    head) pairs dropped. Decoding and streams: `kvzap`'s (a slot's mass is its score, kvzip's stream rule)."""
+class FastKVzip(Reconstructor, KVzap):
+    """kvpress's FastKVzipPress: the gates' scores (`gates`, a file), the n_sink first and the last
+    max(1, int(n window_ratio)) tokens scored 1, then the int(L K n ratio) lowest (layer, kv head, token) of
+    every layer removed (`layerwise=False`, kvpress's default) or each layer's int(K n ratio) lowest (token,
+    kv head) pairs (`layerwise=True`). Decoding and streams: `kvzap`'s (a slot's mass is its score, kvzip's
+    stream rule)."""
+
+    # the engine's pass between the prompt phase and after_prompt (models.reconstruct) feeds no repeat input:
+    # the gates scored the prompt in the prefill; only `after_pass`, the choice over all layers, runs
+    repeat_chunk: ClassVar[int] = 0
+    repeat_tail: ClassVar[int] = 0
+    prompts: ClassVar[str] = "none"
 
     ratio: float = 0.5
+    layerwise: bool = False  # kvpress's default: one choice over every layer's scores
     n_sink: int = 4
     window_ratio: float = 0.02
     window_size: int = 4096  # the window from 32,000 context tokens on
     gates: str = ""
     budget: int = 1 << 30  # unused with ratio (kvzap's field: the stream rule's)
     window: int = 1
+    # tokens per kv head this layer is stored for (`fit`, set by `Engine.fitted`; 0: the static capacity)
+    fitted: int = dataclasses.field(default=0, metadata={"engine": True})
     codec: Codec = Identity()
 
     def __post_init__(self):
@@ -95,32 +120,92 @@ class FastKVzip(KVzap):
             raise ValueError(f"fastkvzip.ratio={self.ratio!r}: must be a number in (0, 1)")
         if not isinstance(self.window_ratio, (int, float)) or not 0 <= self.window_ratio < 1:
             raise ValueError(f"fastkvzip.window_ratio={self.window_ratio!r}: must be a number in [0, 1)")
+        if not isinstance(self.layerwise, bool):
+            raise ValueError(f"fastkvzip.layerwise={self.layerwise!r}: must be True or False")
+        check_int("fastkvzip", "fitted", self.fitted, 0)
 
     def kept_for(self, n: int) -> int:
-        """Tokens per kv head on average after an n-token prompt (rounded up: a layer keeps K n - int(K n r))."""
+        """Tokens per kv head on average after an n-token prompt (rounded up: a layer keeps K n - int(K n r);
+        layerwise=False: the same fraction over the model, a layer's own count varies)."""
         return n - int(n * self.ratio) + 1
 
     def capacity(self, max_len):
+        """Slots per kv head on average (the pool holds kv_heads x this many): once fitted, what the layer
+        kept + max_new; layerwise=False, max_len (a layer may keep every token)."""
+        if self.fitted:
+            return min(self.fitted + self.max_new, max_len)
+        if not self.layerwise:
+            return max_len
         return min(self.kept_for(max_len) + self.max_new, max_len)
 
+    # -- Fits: stored at what each layer kept (`Engine(..., fit=n)`) ----------------------------------
+    def fit(self, tokens_per_head: int) -> "FastKVzip":
+        return dataclasses.replace(self, fitted=max(int(tokens_per_head), 1))
+
+    # -- the prompt phase and the engine's pass (no repeat input) --------------------------------------
     def prompt_policy(self):
         return GatePhase(codec=self.codec, of=self, obs_window=0, gates=self.gates)
 
-    def after_prompt(self, state: PromptState) -> Any:
+    def reconstruction(self) -> "GatePhase":
+        """The layer in the pass: its prompt phase (the pass feeds nothing, `repeat_chunk = 0`)."""
+        return self.prompt_policy()
+
+    def scores_in_pass(self, policy) -> bool:
+        return isinstance(policy, GatePhase)
+
+    def after_pass(self, reconstructors: tuple, states: tuple, scored: list[bool]) -> tuple:
+        """layerwise=False: one choice over every FastKVzip layer's scores (`model_scope_keep`, kvzip's
+        scope="model"), stored as each layer's `extra["gate_kept"]` [B, K, M] for `after_prompt`."""
+        if not all(isinstance(p, FastKVzip) for p in reconstructors):
+            raise ValueError("fastkvzip: no other reconstructing policy (kvzip, kvcompose) in the same engine, got "
+                             f"{sorted({type(p).__name__ for p in reconstructors})}")
+        if all(p.layerwise for p in reconstructors):
+            return states
+        if len({(p.ratio, p.n_sink, p.window_ratio, p.window_size, p.layerwise) for p in reconstructors}) > 1:
+            raise ValueError("fastkvzip layerwise=False: every fastkvzip layer must share ratio, n_sink, the window "
+                             "and layerwise (one choice over all of them)")
+        runs = [st for st, z in zip(states, scored) if z]
+        score = jnp.concatenate([jax.vmap(self.scores)(st) for st in runs])  # [L, B, K, M]
+        kept = model_scope_keep(score, jnp.concatenate([st.pos for st in runs]), self.ratio, self.n_sink)
+        out, i = [], 0
+        for st, z in zip(states, scored):
+            if z:
+                n = st.pos.shape[0]
+                st = dataclasses.replace(st, extra={**st.extra, "gate_kept": kept[i:i + n]})
+                i += n
+            out.append(st)
+        return tuple(out)
+
+    def scores(self, state: PromptState) -> Float[Array, "B K M"]:
+        """The gates' scores of a prompt state's tokens, the n_sink first and the window's scored 1 (0 past the
+        prompt)."""
         if "gate" not in state.extra:
             raise ValueError("fastkvzip: the prompt has no gate scores (its prompt phase runs in models.llama)")
+        kh, m = state.extra["gate"].shape[1:]
+        pos = jnp.broadcast_to(state.pos, (state.pos.shape[0], kh, m))  # [B, K, M]
+        n = (state.pos[:, :1] >= 0).sum(axis=-1, keepdims=True)  # [B, 1, 1] prompt tokens
+        win = jnp.where(n < 32000, jnp.maximum(1, jnp.floor(n * self.window_ratio)), self.window_size)
+        score = jnp.where((pos < self.n_sink) | (pos >= n - win), 1.0, state.extra["gate"])  # [B, K, M]
+        return jnp.where(pos >= 0, score, 0.0)
+
+    def after_prompt(self, state: PromptState) -> HeadPool:
         m = state.slots
         kh = jax.tree.leaves(state.k)[0].shape[1]
         b = state.pos.shape[0]
         pos = jnp.broadcast_to(state.pos, (b, kh, m))  # [B, K, M]
         filled = pos >= 0
-        n = filled[:, :1].sum(axis=-1, keepdims=True)  # [B, 1, 1] prompt tokens
-        win = jnp.where(n < 32000, jnp.maximum(1, jnp.floor(n * self.window_ratio)), self.window_size)
-        score = jnp.where((pos < self.n_sink) | (pos >= n - win), 1.0, state.extra["gate"])  # [B, K, M]
-        keep_n = kh * n[:, 0, 0] - jnp.floor(kh * n[:, 0, 0] * self.ratio).astype(jnp.int32)  # [B]
-        prio = jnp.where(filled, score, -jnp.inf).reshape(b, kh * m)
-        kept = top_mask(prio, pos.reshape(b, kh * m), keep_n[:, None]).reshape(b, kh, m) & filled
-        return prompt_pool(state, kept, jnp.where(filled, score, 0.0), kh * self.capacity(m))
+        score = self.scores(state)  # [B, K, M]
+        if not self.layerwise:
+            if "gate_kept" not in state.extra:
+                raise ValueError("fastkvzip layerwise=False: the prompt has no choice over all layers; run it "
+                                 "through models.engine.Engine (compress makes it)")
+            kept = state.extra["gate_kept"] & filled
+        else:
+            n = filled[:, 0].sum(axis=-1)  # [B] prompt tokens
+            keep_n = kh * n - jnp.floor(kh * n * self.ratio).astype(jnp.int32)  # [B]
+            prio = jnp.where(filled, score, -jnp.inf).reshape(b, kh * m)
+            kept = top_mask(prio, pos.reshape(b, kh * m), keep_n[:, None]).reshape(b, kh, m) & filled
+        return prompt_pool(state, kept, score, kh * self.capacity(m))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,15 +238,12 @@ class GatePhase(PromptPhase):
 
 
 def from_kvpress(r: float, max_new: int, fields: dict) -> FastKVzip:
-    """`kvpolicies.compat.kvpress("FastKVzipPress", r, layerwise=True, gates=<file>)`; kvpress's n_sink,
-    window_size, window_ratio. layerwise=False (kvpress's default, one choice over all layers) is refused."""
-    if not fields.pop("layerwise", False):
-        raise NotImplementedError("kvpolicies.compat.kvpress: FastKVzipPress(layerwise=False), one choice over every "
-                                  "layer's gate scores (give layerwise=True: each layer drops int(K n r) pairs)")
+    """`kvpolicies.compat.kvpress("FastKVzipPress", r, gates=<file>)`; kvpress's layerwise (default False: one
+    choice over all layers), n_sink, window_size, window_ratio."""
     gates = fields.pop("gates", "")
     if not gates:
         raise ValueError("kvpress('FastKVzipPress'): give gates= (an .npz of per-layer gates: `python -m "
                          "evals.train_fastkvzip model=<name>` writes $KVP_DATA/fastkvzip/<model>.npz); kvpress "
                          "downloads the authors' from the Hugging Face hub")
     return FastKVzip(ratio=r, max_new=max_new, gates=str(gates), **{k: fields.pop(k) for k in list(fields) if k in (
-        "n_sink", "window_size", "window_ratio")})
+        "layerwise", "n_sink", "window_size", "window_ratio")})

@@ -33,13 +33,15 @@ per head too (it truncates each layer's tensors; it does not mask). Under a toke
 uniform: each kv head keeps its `budget` best by the pass's scores (+ their layer mean), no
 composite allocation.
 
-Deviations, named: (1) `structured=False` (each head its own count, kvpress's attention patch
-that masks) is not reproduced; (2) batch rows are scored and chosen each on its own (kvpress's
+kvpress's `structured=False` (each head its own count; kvpress masks through its attention patch) is
+`KVComposeHeads` below (compat only): a counted head pool holds each head's share.
+
+Deviations, named: (1) batch rows are scored and chosen each on its own (kvpress's
 aggregators take the maximum over the batch too, and its unstructured form needs batch 1);
-(3) ties keep the earlier layer in the top-k over layers and the newer token within a head
-(kvpress: torch.topk's and torch.argsort's order); (4) `add_v_norm=True` multiplies by the
+(2) ties keep the earlier layer in the top-k over layers and the newer token within a head
+(kvpress: torch.topk's and torch.argsort's order); (3) `add_v_norm=True` multiplies by the
 norms of the context's n values (kvpress 0.5.5 multiplies n scores by the 2n values of its
-cache after the pass and raises); (5) the pass feeds the context itself, kvpress's default (its
+cache after the pass and raises); (4) the pass feeds the context itself, kvpress's default (its
 `register_prompt_ids`, other probe prompts whose attention `agg_task` aggregates, is not reached by its
 pipeline and not reproduced). Stream extension (ours; `Engine.score` and generation past
 `max_new`): a slot's `mass` is its score from the pass, raised by the most attention a later
@@ -58,11 +60,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from kvpolicies.base import Policy, SlotState
+from kvpolicies.adakv import prompt_pool
+from kvpolicies.adascored import AdaScored, CountedPool
+from kvpolicies.base import Policy, SlotState, empty_slots
 from kvpolicies.budgets import Fits
 from kvpolicies.checks import check_choice, check_int
 from kvpolicies.codecs import Codec, Identity
-from kvpolicies.prompt import PromptPhase, PromptState, Reconstructor
+from kvpolicies.prompt import PromptCompressor, PromptPhase, PromptState, Reconstructor
 from kvpolicies.prompt_scored import PromptScored, chunked, rank_by
 from kvpolicies.scored import Accumulated, pack, top_mask
 from kvpolicies.slots import concat, encode_new, head_slots, view_of
@@ -277,5 +281,167 @@ def compose_keep(score: Float[Array, "L B K M"], pos: Int[Array, "L B 1 M"], vno
     count = jnp.minimum(jnp.moveaxis(count, 0, 1), n[None])[:, :, None, None]  # [L, B, 1, 1]
     if uniform:
         count = jnp.broadcast_to(table[n][None, :, None, None], count.shape)
+    prio = jnp.where(filled, score, -jnp.inf)  # [L, B, K, M]
+    return top_mask(prio, jnp.broadcast_to(pos, score.shape), count) & filled
+
+
+@dataclasses.dataclass(frozen=True)
+class KVComposeHeads(Fits, Reconstructor, PromptCompressor, Policy):
+    """kvpress's `KVComposePress(structured=False)` (`kvpolicies.compat.kvpress("KVComposePress", r,
+    structured=False)`; not registered): kvcompose's pass and scores, then each (layer, kv head) its own count
+    from one top-k over every layer's and head's sorted scores (no composite, no layer-0 rule, no floor: a
+    head may keep nothing), each head keeping its own best tokens (`compose_keep_heads`). kvpress masks the
+    others (its cache keeps every token, the pass's second copy included); we store each head's share in a
+    counted head pool (`kvpolicies.adascored.CountedPool`) of K x max_len slots per layer, or, fitted
+    (`Engine(..., fit=1)`), K x (what the layer kept / K + max_new). Decoding appends to every head; our
+    stream extension (generation past max_new): a full pool keeps the layer's K x (S - max_new) slots the
+    overflowing query attends most (averaged over the G query heads), over all heads together."""
+
+    observes = ("logits",)
+    per_token = True
+    repeat_chunk: ClassVar[int] = 1 << 30
+    repeat_tail: ClassVar[int] = 0
+    prompts: ClassVar[str] = "none"
+
+    ratio: float = 0.5
+    max_new: int = 256
+    agg_task: str = "max"
+    agg_group: str = "mean"
+    add_v_norm: bool = False
+    add_mean_across_heads: bool = True
+    keep_token_lower_bound: int = 0
+    fitted: int = dataclasses.field(default=0, metadata={"engine": True})
+    codec: Codec = Identity()
+
+    def __post_init__(self):
+        r = self.ratio
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r < 1:
+            raise ValueError(f"kvcompose-heads.ratio={r!r}: must be a number in (0, 1)")
+        check_int("kvcompose-heads", "fitted", self.fitted, 0)
+        self.scorer()  # the shared fields' checks
+
+    def scorer(self) -> KVCompose:
+        """The structured policy with these fields: its pass scores alike (`ComposePass`)."""
+        return KVCompose(ratio=self.ratio, max_new=self.max_new, agg_task=self.agg_task, agg_group=self.agg_group,
+                         add_v_norm=self.add_v_norm, add_mean_across_heads=self.add_mean_across_heads,
+                         keep_token_lower_bound=self.keep_token_lower_bound, codec=self.codec)
+
+    def capacity(self, max_len):
+        """Slots per kv head on average: max_len (a head may keep every token) or, fitted, what the layer kept
+        per kv head + max_new."""
+        return min(self.fitted + self.max_new, max_len) if self.fitted else max_len
+
+    def fit(self, tokens_per_head: int) -> "KVComposeHeads":
+        return dataclasses.replace(self, fitted=max(int(tokens_per_head), 1))
+
+    def fit_state(self, state: CountedPool, max_len: int) -> CountedPool:
+        """A packed pool cut to this policy's slots per row (every kept slot is in the first K x slots)."""
+        kh, s = state.pos.shape[1], min(self.capacity(max_len), state.pos.shape[2])
+        cut = lambda x: x.reshape((x.shape[0], 1, -1) + x.shape[3:])[:, :, :kh * s].reshape(  # noqa: E731
+            (x.shape[0], kh, s) + x.shape[3:])
+        return dataclasses.replace(state, k=jax.tree.map(cut, state.k), v=jax.tree.map(cut, state.v),
+                                   pos=cut(state.pos))
+
+    def init(self, batch, kv_heads, head_dim, dtype, max_len):
+        st = empty_slots(self.codec, batch, kv_heads, head_dim, dtype, self.capacity(max_len), kv_heads)
+        return CountedPool(st.k, st.v, st.pos, counts=jnp.zeros((batch, kv_heads), jnp.int32))
+
+    # -- the pass: kvcompose's ---------------------------------------------------------------------------
+    def prompt_policy(self):
+        return PromptPhase(codec=self.codec, of=self, obs_window=0)
+
+    def reconstruction(self) -> ComposePass:
+        return ComposePass(codec=self.codec, of=self.scorer())
+
+    def pass_policy(self, phase: Policy) -> Policy:
+        from kvpolicies.kvzip import recon_policy
+
+        return recon_policy(phase)
+
+    def scores_in_pass(self, policy: Policy) -> bool:
+        return isinstance(policy, ComposePass)
+
+    before_chunk = KVCompose.before_chunk
+
+    def after_pass(self, reconstructors: tuple, states: tuple, scored: list[bool]) -> tuple:
+        """One choice over every layer and kv head (`compose_keep_heads`): `extra["compose_kept"]` per layer."""
+        if len(set(reconstructors)) > 1 or not all(scored):
+            raise ValueError("kvcompose (structured=False) chooses over all layers at once: every layer must run the "
+                             f"same policy, got {sorted({type(p).__name__ for p in reconstructors})} on "
+                             f"{sum(scored)} of {len(scored)} runs")
+        score = jnp.concatenate([st.extra["compose"] for st in states])  # [L, B, K, M]
+        pos = jnp.concatenate([st.pos for st in states])  # [L, B, 1, M]
+        vnorm = None
+        if self.add_v_norm:
+            v = jnp.concatenate([self.codec.decode(st.v, jnp.float32, in_basis=True) for st in states])
+            vnorm = jnp.sqrt(jnp.sum(v * v, axis=-1))  # [L, B, K, M]
+        m, n_layers, kh = score.shape[-1], score.shape[0], score.shape[2]
+        table = np.asarray([max(1, int(n_layers * kh * n * (1 - self.ratio))) for n in range(m + 1)], np.int32)
+        kept = compose_keep_heads(score, pos, vnorm, jnp.asarray(table), self.add_mean_across_heads,
+                                  self.keep_token_lower_bound)  # [L, B, K, M]
+        out, i = [], 0
+        for st in states:
+            n = st.pos.shape[0]
+            out.append(dataclasses.replace(st, extra={**st.extra, "compose_kept": kept[i:i + n]}))
+            i += n
+        return tuple(out)
+
+    def after_prompt(self, state: PromptState) -> CountedPool:
+        if "compose_kept" not in state.extra:
+            raise ValueError("kvcompose: the prompt has no pass scores; run it through models.engine.Engine "
+                             "(prefill / generate / compress run the pass)")
+        m = state.slots
+        kh = jax.tree.leaves(state.k)[0].shape[1]
+        kept = state.extra["compose_kept"] & (state.pos >= 0)  # [B, K, M]
+        pool = prompt_pool(state, kept, jnp.zeros(kept.shape, jnp.float32), kh * self.capacity(m))
+        return CountedPool(pool.k, pool.v, pool.pos, counts=kept.sum(axis=-1, dtype=jnp.int32))
+
+    # -- decoding: the pool plus the new token of every head ---------------------------------------------
+    extend = AdaScored.extend
+    _store = AdaScored._store
+
+    def compact(self, view, seen):
+        slots, head, p, stats = view.carry  # [B, 1, V] flat slots, their heads, P
+        b, kh = view.k.shape[:2]
+        if seen.logits.shape[3] != 1:
+            raise ValueError(f"kvcompose (structured=False) evicts after every token: got a step of "
+                             f"{seen.logits.shape[3]} tokens")
+        filled = slots.pos >= 0  # [B, 1, V]
+        mine = (head == jnp.arange(kh)[None, :, None]) & filled  # [B, K, V]
+        over = filled.sum(axis=-1, keepdims=True) > p  # [B, 1, 1]
+
+        def evict():  # the ranking's sort only on a step where the pool overflows
+            probs = jax.nn.softmax(seen.logits[:, :, :, 0], axis=-1).mean(axis=2)  # [B, K, V]: mean over G
+            prio = jnp.where(mine, probs, -jnp.inf).reshape(b, kh * probs.shape[-1])
+            tie = jnp.broadcast_to(slots.pos, mine.shape).reshape(prio.shape)
+            kept = top_mask(prio, tie, kh * max(p // kh - self.max_new, 1)).reshape(mine.shape) & mine
+            return jnp.where(over, kept.any(axis=1, keepdims=True), filled)  # [B, 1, V]
+
+        kept = jax.lax.cond(over.any(), evict, lambda: filled)
+        return self._store(slots, kept, head, p, kh, stats)
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5))
+def compose_keep_heads(score: Float[Array, "L B K M"], pos: Int[Array, "L B 1 M"],
+                       vnorm: Float[Array, "L B K M"] | None, table: Int[Array, "M1"], add_mean: bool = True,
+                       lower_bound: int = 0) -> Bool[Array, "L B K M"]:
+    """kvpress's unstructured KVCompose choice: the scores (times the value norms, plus the layer's mean over
+    its kv heads), each head's sorted, its first `lower_bound` ranks + 1e9; the table[n] best ranks over all
+    (layer, kv head, rank) of an n-token context (ties: the earlier layer, head, rank) give each head its
+    count, and it keeps its own best tokens (ties: the newer)."""
+    n_layers, b, kh, m = score.shape
+    filled = jnp.broadcast_to(pos >= 0, score.shape)  # [L, B, K, M]
+    if vnorm is not None:
+        score = score * vnorm
+    if add_mean:
+        score = score + _in_order_mean(score)
+    ranked = -jnp.sort(-jnp.where(filled, score, -jnp.inf), axis=-1)  # [L, B, K, M] best first, -inf past n
+    ranked = ranked.at[..., :lower_bound].add(1e9)
+    n = filled[0, :, 0].sum(-1)  # [B] context tokens
+    flat = jnp.moveaxis(ranked, 1, 0).reshape(b, n_layers * kh * m)  # [B, L*K*M] layer-major
+    live = jnp.broadcast_to(jnp.arange(m) < n[:, None, None, None], (b, n_layers, kh, m)).reshape(flat.shape)
+    tie = jnp.broadcast_to(-jnp.arange(flat.shape[1]), flat.shape)  # ties: the earlier layer, head, rank
+    chosen = top_mask(jnp.where(live, flat, -jnp.inf), tie, table[n][:, None]) & live
+    count = jnp.moveaxis(chosen.reshape(b, n_layers, kh, m).sum(-1), 0, 1)[..., None]  # [L, B, K, 1]
     prio = jnp.where(filled, score, -jnp.inf)  # [L, B, K, M]
     return top_mask(prio, jnp.broadcast_to(pos, score.shape), count) & filled

@@ -17,6 +17,8 @@ space, and the context's leading chat prefix (what the chat template puts before
 
 `style="none"`: no prompt and no suffix, the context chunk alone (KVCompose's pass,
 `kvpolicies.kvcompose`, feeds the whole context again after itself); no tokenizer is needed.
+With `repeat_chunk = 0` the pass feeds nothing and only the reconstructors' `after_pass` runs (a
+choice over all layers of scores taken in the prefill: `kvpolicies.fastkvzip`, `layerwise=False`).
 """
 
 from __future__ import annotations
@@ -71,9 +73,12 @@ def repeat_prompts(tok: Any, style: str = "authors") -> RepeatPrompts:
 def repeat_inputs(context: Int[np.ndarray, "B T"], prompts: RepeatPrompts, chunk: int, tail: int
                   ) -> list[tuple[int, int, Int[np.ndarray, "B R"]]]:
     """(lo, hi, ids) per chunk [lo, hi) of the context from `prompts.start` on: ids = prompt +
-    suffix + context[:, lo:hi]."""
+    suffix + context[:, lo:hi]. chunk 0: none (a reconstructor that scored the prompt during the
+    prefill: only its `after_pass` runs)."""
     b, t = context.shape
     out = []
+    if chunk == 0:
+        return out
     for i, lo in enumerate(range(min(prompts.start, t), t, chunk)):
         hi = min(lo + chunk, t)
         head = np.asarray(prompts.first if i == 0 else prompts.next, np.int32)

@@ -107,7 +107,7 @@ def build(name, ratio, fields):
                                   "k_norm.weight": f32(z["k_norm"][l]), "k_base": f32(z["k_base"][l][:, None]),
                                   "b": f32(z["b"][l][:, None])})
             gates.append(gate.eval())
-        press = FastKVzipPress(compression_ratio=ratio, layerwise=True)
+        press = FastKVzipPress(compression_ratio=ratio, **fields)  # layerwise: kvpress's default (False) or given
         press.gates = gates
     else:  # KVzapPress: our surrogate's weights in kvpress's KVzapModel
         z = np.load(job["kvzap"][kind])
@@ -135,6 +135,7 @@ for name, ratio, fields in job["presses"]:
     key = f"{name}@{ratio}"
     try:
         key += f"@{fields['kind']}" if "kind" in fields else ""
+        key += "@layerwise" if fields.get("layerwise") else ""
         out[key] = w.run(model, build(name, ratio, dict(fields)), ctx, question, job["n_new"], full_keys)
     except Exception as e:
         out[key] = {"error": f"{type(e).__name__}: {e}"}
@@ -145,7 +146,8 @@ FULL = os.environ.get("KVP_KVPRESS_FULL") == "1"  # both ratios for every press 
 RATIOS = (0.5, 0.75) if FULL else (0.5,)
 KVZAP_KINDS = ("mlp", "linear") if FULL else ("mlp",)  # kvpress's default model_type: mlp
 CASES = [(p, r, {}) for p in ("QFilterPress", "ExpectedAttentionStatsPress", "FastKVzipPress") for r in RATIOS] + [
-    ("KVzapPress", r, {"kind": k}) for k in KVZAP_KINDS for r in RATIOS]
+    ("KVzapPress", r, {"kind": k}) for k in KVZAP_KINDS for r in RATIOS] + [
+    ("FastKVzipPress", r, {"layerwise": True}) for r in RATIOS]
 
 
 def zap_weights(tmp: pathlib.Path, kind: str, cfg: dict) -> pathlib.Path:
@@ -191,6 +193,23 @@ def tiny_run(tmp_path_factory, kvpress_ref):
     arrays = dict(np.load(tmp / "arrays.npz"))
     cfg, params = load_hf(tmp / "ckpt")
     return Llama(cfg, params), ctx, question, calib, ref, {**arrays, "tmp": tmp}
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2_run(tmp_path_factory, kvpress_ref):
+    """(our tiny Qwen2, context ids, question ids, kvpress's FastKVzipPress results, the gates' file): the same
+    ids and gates as `tiny_run`'s, a Qwen2 (qkv biases, tied embeddings) of the same shape."""
+    tmp = tmp_path_factory.mktemp("hub_qwen2")
+    rng = np.random.default_rng(7)
+    ctx, question = rng.integers(0, 128, N_CTX), rng.integers(0, 128, N_Q)
+    gates = gate_weights(tmp, TINY)
+    job = {"save_to": str(tmp / "ckpt"), "tiny": {"kind": "qwen2", "seed": 0,
+                                                   "config": dict(TINY, tie_word_embeddings=True)},
+           "context": ctx.tolist(), "question": question.tolist(), "n_new": N_NEW, "fastkvzip": str(gates),
+           "presses": [["FastKVzipPress", r, {}] for r in RATIOS]}
+    ref = kvpress_ref.job(job, tmp, script=WORKER)
+    cfg, params = load_hf(tmp / "ckpt")
+    return Llama(cfg, params), ctx, question, ref, gates
 
 
 def ours(model, press: str, ratio: float, ctx, question, **fields):
@@ -272,27 +291,70 @@ def test_kvzap_press_keeps_kvpress_positions_and_answers(tiny_run, ratio, kind):
     check_same("KVzapPress", ratio, kept, answer, ref[f"KVzapPress@{ratio}@{kind}"], tied_ids=ctx)
 
 
+def same_head_sets(kept, want, ctx, what):
+    """The same kept positions per (layer, kv head); layer 0: the same token ids (a multiset: its gates read only
+    the token's embedding, so repeated ids tie exactly and torch.topk breaks the tie its way, ours the newer)."""
+    for layer, (gl, wl) in enumerate(zip(kept, want, strict=True)):
+        for h, (g, w) in enumerate(zip(gl, wl, strict=True)):
+            if layer == 0:
+                assert sorted(ctx[g]) == sorted(ctx[w]), (what, layer, h)
+            else:
+                assert g == w, (what, layer, h, sorted(set(g) ^ set(w))[:10])
+
+
 @pytest.mark.parametrize("ratio", RATIOS)
 def test_fastkvzip_layerwise_keeps_kvpress_positions_and_answers(tiny_run, ratio):
     """FastKVzipPress(layerwise=True) with the same gates in kvpress's FastKVzipGate and in our file: the sinks
     and the last 2 % scored 1, each layer's int(K n r) lowest pairs over its heads dropped (kvpress masks them,
-    we store each head's share): the same positions per (layer, kv head) (layer 0: the same token ids, its
-    gates read only the token's embedding), the same answer."""
+    we store each head's share): the same positions per (layer, kv head) (layer 0: the same token ids), the
+    same answer."""
     model, ctx, question, _, ref, arrays = tiny_run
-    want = ref[f"FastKVzipPress@{ratio}"]
+    want = ref[f"FastKVzipPress@{ratio}@layerwise"]
     assert "error" not in want, want
-    assert sum(len(h) for layer in want["kept"] for h in layer) == 3 * (2 * N_CTX - int(2 * N_CTX * ratio))
+    assert [sum(len(h) for h in layer) for layer in want["kept"]] == [2 * N_CTX - int(2 * N_CTX * ratio)] * 3
     pol = kvpress("FastKVzipPress", ratio, max_new=16, layerwise=True, gates=str(arrays["tmp"] / "gates.npz"))
     eng = Engine(model, pol, max_len=N_CTX + N_Q + N_NEW)
     state = eng.compress(eng.prompt(ctx[None]))
-    kept = [[p.tolist() for p in layer] for layer in eng.kept_positions(state)]
-    for layer, (gl, wl) in enumerate(zip(kept, want["kept"], strict=True)):
-        for h, (g, w) in enumerate(zip(gl, wl, strict=True)):
-            if layer == 0:
-                assert sorted(ctx[g]) == sorted(ctx[w]), (ratio, layer, h)
-            else:
-                assert g == w, (ratio, layer, h, sorted(set(g) ^ set(w))[:10])
+    same_head_sets([[p.tolist() for p in layer] for layer in eng.kept_positions(state)], want["kept"], ctx, ratio)
     assert eng.continue_generate(state, question[None], N_NEW)[0].tolist() == want["answer"]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("ratio", RATIOS)
+def test_fastkvzip_keeps_kvpress_positions_answers_and_bytes(kind, ratio, request):
+    """FastKVzipPress at kvpress's default (layerwise=False) with the same gates on both sides (the tiny Llama at
+    0.5; 0.75 and the tiny Qwen2 with KVP_KVPRESS_FULL=1): the int(L K n r)
+    lowest (layer, kv head, token) of all layers removed, so the layers keep different numbers of pairs; the
+    same positions per (layer, kv head) (layer 0: the same token ids) and the same answer. Bytes: kvpress masks
+    the removed pairs and holds every layer's n keys and values (float32); ours, stored at what each layer kept
+    (`Engine(fit=1)`), holds ceil(c_l / K) + max_new slots per kv head (a position and a float32 mass each),
+    fewer; unfitted, max_len slots per kv head (a layer may keep all)."""
+    from kvpolicies.memory import tree_nbytes
+
+    if kind == "qwen2" and not FULL:
+        pytest.skip("the tiny Qwen2: KVP_KVPRESS_FULL=1 (suite time)")
+    if kind == "llama":
+        model, ctx, question, _, ref, arrays = request.getfixturevalue("tiny_run")
+        gates = arrays["tmp"] / "gates.npz"
+    else:
+        model, ctx, question, ref, gates = request.getfixturevalue("tiny_qwen2_run")
+    kh, d, n_layers = model.cfg.n_kv_heads, model.cfg.head_dim, model.cfg.n_layers
+    max_len = N_CTX + N_Q + N_NEW
+    want = ref[f"FastKVzipPress@{ratio}"]
+    assert "error" not in want, want
+    counts = [sum(len(h) for h in layer) for layer in want["kept"]]  # pairs kept per layer
+    assert sum(counts) == n_layers * kh * N_CTX - int(n_layers * kh * N_CTX * ratio) and len(set(counts)) > 1, counts
+    pol = kvpress("FastKVzipPress", ratio, max_new=16, gates=str(gates))
+    assert not pol.layerwise
+    eng = Engine(model, pol, max_len=max_len, fit=1)
+    state = eng.compress(eng.prompt(ctx[None]))
+    same_head_sets([[p.tolist() for p in layer] for layer in eng.kept_positions(state)], want["kept"], ctx, ratio)
+    assert eng.continue_generate(state, question[None], N_NEW)[0].tolist() == want["answer"]
+    assert want["cache_bytes"] == n_layers * kh * N_CTX * 2 * d * 4
+    slot = 2 * d * 4 + 4 + 4  # a key and a value (float32), a position, a mass
+    assert tree_nbytes(state.cache) == sum(kh * min(-(-c // kh) + 16, max_len) * slot for c in counts)
+    assert tree_nbytes(state.cache) < want["cache_bytes"]
+    assert tree_nbytes(eng.init_cache(1).runs) == n_layers * kh * max_len * slot
 
 
 # SmolLM2 (slow, with KVP_KVPRESS_FULL=1 only: kvpress's 1K-token prefills and our per-layer compilations take

@@ -17,8 +17,9 @@ tests/refs/prompt_protocol.py:
     the one-chunk reconstruction sequence, head-wise choice (tests/refs/kvzip.choose); kvzap: the
     policy's surrogate weights (random: no trained file fits this model) applied in numpy to
     transformers' normalised layer inputs, the head-wise choice with its window
-    (tests/refs/kvzap.choose); duo: the authors' trim of streaming heads; quest and kivi keep
-    every token;
+    (tests/refs/kvzap.choose); duo: the authors' trim of streaming heads; critical: CriticalKV's two
+    stages over SnapKV's window attention in kvpress's units, the second by ||v W_o||_1 from transformers'
+    values and output projection (`kept_critical` below); quest and kivi keep every token;
 (c) the decode: a 3-token question then greedy tokens through `continue_generate` equal a float64
     numpy forward of transformers' weights over transformers' cached keys / values restricted to
     the kept sets (logits after the question to 1e-4, the ids exactly), decoding by the method's
@@ -42,12 +43,69 @@ from kvpolicies.prompt import prompt_policy_of
 from models.engine import Engine
 from tests.refs.multires_quest import INV, quest_oracle
 from tests.refs.oracle import rope_complex
-from tests.refs.prompt_protocol import Decode, NpQwen, QuestDecode, decode, entries, hf_tensors
+from tests.refs.prompt_protocol import Decode, Entry, NpQwen, QuestDecode, decode, entries, hf_tensors
 
 T = 48  # prompt tokens
 MAX_LEN = 64
 N_NEW = 4  # greedy tokens after the question
-ENTRIES = entries()
+
+
+def kept_critical(pol, t, m):
+    """CriticalKV (Feng et al. 2025, "Identify Critical KV Cache in LLM Inference from an Output Perturbation
+    Perspective", arXiv:2502.03805; kvpress `CriticalKVPress.score` over `SnapKVPress.score`) re-simulated on
+    transformers' tensors of the prompt, per layer and kv head h:
+      s_j   SnapKV's score in kvpress's units: the attention of the last w queries (softmax over each query's
+            whole causal row) to the n - w older tokens, summed over the window and h's G query heads, pooled
+            over the kernel (max: the authors' max_pool1d, -inf padding, over the G heads' sum as the matrix's
+            snapkv reference; avg: kvpress's avg_pool1d, zero padding, which commutes with the sum), divided by
+            G w (and the kernel, avg: kvpress's means); the w window tokens at the layer's largest score + 1
+            (kvpress pads them so);
+      vo_j  ||v_j W_o^(g)||_1 averaged over h's G query heads (W_o^(g): query head g's rows of o_proj);
+    stage 1 keeps the top max(1, int((1 - r) n first_stage_ratio)) by s (ties: the larger window mass, then
+    the newer token), stage 2 the best by (s + epsilon) vo of the rest (ties: the newer token), kvpress's
+    n_kept = max(1, int(n (1 - r))) in all."""
+    snap = pol.press
+    n = t["atts"][0].shape[-1]
+    w, r = snap.obs_window, snap.kernel // 2
+    cand = n - w
+    n_kept = max(1, int(n * (1 - pol.ratio)))
+    first = max(1, int((1 - pol.ratio) * n * pol.first_stage_ratio)) if pol.first_stage_ratio else 0
+    out = []
+    for layer, att in enumerate(t["atts"]):
+        mass = att[:, -w:, :cand].reshape(m.k, m.g * w, cand).sum(axis=1)  # [K, n - w]
+        if snap.pooling == "max":
+            score = np.stack([mass[:, max(j - r, 0):j + r + 1].max(-1) for j in range(cand)], axis=-1) / (m.g * w)
+        else:
+            padded = np.pad(mass, ((0, 0), (r, r)))
+            score = np.stack([padded[:, j:j + snap.kernel].sum(-1) for j in range(cand)], axis=-1) / (
+                m.g * w * snap.kernel)  # [K, n - w]
+        score = np.concatenate([score, np.full((m.k, w), score.max() + 1)], axis=1)  # [K, n]
+        wo = m.lw(layer, "self_attn.o_proj.weight").T.reshape(m.h, m.d, -1)  # [H, D, d]
+        v = t["values"][layer]  # [K, n, D]
+        vo = np.stack([np.mean([np.abs(v[h] @ wo[h * m.g + g]).sum(-1) for g in range(m.g)], axis=0)
+                       for h in range(m.k)])  # [K, n]
+        raw = np.concatenate([mass, np.full((m.k, w), -np.inf)], axis=1)  # [K, n]
+        heads = []
+        for h in range(m.k):
+            one = set(sorted(range(n), key=lambda j: (-score[h, j], -raw[h, j], -j))[:first])
+            two = (score[h] + pol.epsilon) * vo[h]
+            rest = sorted((j for j in range(n) if j not in one), key=lambda j: (-two[j], -j))
+            heads.append(sorted(one | set(rest[:n_kept - first])))
+        out.append(heads)
+    return out
+
+
+def _critical_entry():
+    """critical at ratio 0.75 over the registry's snapkv (max pooling, kernel 7) with obs_window 4: 12 tokens kept
+    per kv head, stage 1's 6 the window and 2 older ones (at snapkv's default window 32 of the 48-token prompt,
+    stage 1 would hold window tokens only, tied at the layer's max + 1); here stage 1 changes what a head keeps
+    (checked: the rule without it, or with stage 1 only, keeps other sets). At ratio 0.625 layer 1's tokens 0 and
+    1 nearly tie in stage 2 (their (s + epsilon) vo differ by 1e-9 relative, below float32's resolution)."""
+    pol = kvpolicies.get("critical", ratio=0.75, press=kvpolicies.get("snapkv", obs_window=4))
+    return Entry(pol, lambda pol, t, m, ctx: kept_critical(pol, t, m))
+
+
+ENTRIES = {**entries(), "critical": _critical_entry()}
 
 
 def prompt_compressors() -> list[str]:
@@ -57,8 +115,7 @@ def prompt_compressors() -> list[str]:
 
 # Prompt compressors whose prompt rule is checked beside kvpress itself instead (its values through the
 # layer's W_o have no re-simulation here yet): the file that does it
-BESIDE_KVPRESS = {"critical": "tests/kvpolicies/test_kvpress_parity_critical.py",
-                  "kvgrad": "tests/kvpolicies/test_kvpress_parity_kvgrad.py"}
+BESIDE_KVPRESS = {"kvgrad": "tests/kvpolicies/test_kvpress_parity_kvgrad.py"}
 
 
 def test_every_prompt_compressor_has_an_entry():
