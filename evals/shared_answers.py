@@ -23,13 +23,14 @@ Shapes: L layers of a run, B batch rows, K kv heads, Kp = 1 or K position rows, 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from kvpolicies.base import SlotState
+from kvpolicies.base import SlotState, keys_rotated
 from kvpolicies.knorm import Knorm
 from kvpolicies.prompt_scored import PromptScored
 
@@ -47,7 +48,8 @@ def canonical(policy: Any) -> Knorm | None:
         return None
     if not getattr(type(policy).observe, "chunked", False):  # its question would run token by token
         return None
-    return Knorm(budget=0, max_new=policy.max_new, dense_layers=0, codec=policy.codec).shape_class(policy.slots)
+    return dataclasses.replace(Knorm(budget=0, max_new=policy.max_new, dense_layers=0, codec=policy.codec).shape_class(
+        policy.slots), rotated=keys_rotated(policy.codec))
 
 
 def canonical_of(engine: Any) -> Knorm | None:
@@ -89,6 +91,23 @@ def append_state(run: SlotState, kv_heads: int) -> SlotState:
     return SlotState(k=run.k, v=run.v, pos=pos)
 
 
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _rotated(state: SlotState, tables: dict | None, local: tuple, ropes: tuple) -> SlotState:
+    """The state's keys [L, B, K, S, D] rotated at their positions, layer l by its RoPE (the local or
+    global table, or `ropes` without tables): the rotation attention applies to un-rotated stored
+    keys (the same cos/sin and formula, elementwise)."""
+    pick = (lambda loc: tables["local" if loc else "global"]) if tables is not None else (lambda loc: ropes[loc])
+    k = [pick(loc).apply(state.k[i], state.pos[i]) for i, loc in enumerate(local)]
+    return dataclasses.replace(state, k=jnp.stack(k))
+
+
+def rotate_keys(eng: Any, state: SlotState) -> SlotState:
+    """`state` (one run of every layer) with its keys stored after RoPE, as `eng`'s rotated
+    canonical policy reads them (`PromptScored.rotated`): rotated once here, never again by a step."""
+    m = eng._model
+    return _rotated(state, eng.params[1], tuple(bool(x) for x in eng.cfg.local_layers), (m.rope, m.rope_local))
+
+
 def shared_rows(pairs: Sequence[tuple[Any, Any]], written: int) -> tuple[Any, Any]:
     """(the answering engine, one `Prompted` batch) of the compressed one-row states `pairs` ((engine,
     state) each, of one prompt: the same length) whose engines share a canonical policy; `written`:
@@ -113,7 +132,8 @@ def shared_rows(pairs: Sequence[tuple[Any, Any]], written: int) -> tuple[Any, An
                              f"{st.logits.shape[0]} rows")
         e._check_room(st, written, "shared_rows")
         runs.append(append_state(st.cache[0], eng.cfg.n_kv_heads))
-    cache = (jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *runs),)  # leaves [L, B, ...]
+    cache = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *runs)  # leaves [L, B, ...]
+    cache = (rotate_keys(eng, cache) if eng.policies[0].rotated_keys else cache,)
     first = pairs[0][1]
     logits = jnp.concatenate([st.logits for _, st in pairs])  # [B, V]
     return eng, dataclasses.replace(first, cache=cache, logits=logits, tokens=None, maker=eng.maker())

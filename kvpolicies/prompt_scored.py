@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from kvpolicies.base import SlotState, View
+from kvpolicies.base import SlotState, View, keys_rotated
 from kvpolicies.budgets import Budgeted
 from kvpolicies.checks import check_int
 from kvpolicies.prompt import KeptTable, PromptCompressor, PromptPhase, PromptState
@@ -85,6 +85,9 @@ class PromptScored(Budgeted, KeptTable, PromptCompressor, QuietChunks, SpareSlot
     slots: int = dataclasses.field(default=0, metadata={"engine": True})  # set by the engine, not a CLI field
     # decode steps write their token into a spare slot after the S (`SpareSlot`; a shape class's decoding)
     spare: bool = dataclasses.field(default=False, metadata={"engine": True})
+    # a shape class that only answers (evals.shared_answers' canonical form): its stored keys are rotated
+    # (RoPE at their text positions, written once) so no step rotates them again; states come rotated
+    rotated: bool = dataclasses.field(default=False, metadata={"engine": True})
 
     def __post_init__(self):
         check_int(self.label, "budget", self.budget, 0)
@@ -94,9 +97,17 @@ class PromptScored(Budgeted, KeptTable, PromptCompressor, QuietChunks, SpareSlot
         check_int(self.label, "interval", self.interval, 0)
         check_int(self.label, "target", self.target, 0)
         check_int(self.label, "slots", self.slots, 0)
+        if self.rotated and not (self.slots and not self.interval and keys_rotated(self.codec)):
+            raise ValueError(f"{self.label}(rotated=True): only a shape class that only appends (slots, no interval) "
+                             f"with keys stored after RoPE (no codec, or one after RoPE), got slots={self.slots}, "
+                             f"interval={self.interval}, codec={self.codec.name}")
         if bool(self.interval) != bool(self.target):
             raise ValueError(f"{self.label}: interval={self.interval} and target={self.target} go together "
                              "(compression while decoding: every `interval` tokens back to `target`; 0 and 0: off)")
+
+    @property
+    def rotated_keys(self) -> bool:
+        return self.rotated
 
     def kept(self) -> int:
         """Tokens per kv head after a compression (the budget; snapkv adds its window)."""
@@ -191,6 +202,9 @@ class PromptScored(Budgeted, KeptTable, PromptCompressor, QuietChunks, SpareSlot
     def from_prompt(self, state: PromptState, pos: Int[Array, "B K S"]) -> tuple[SlotState, Any]:
         """(slots, statistics) of the decode state, from the prompt phase's state (slots
         [B, K, max_len]: every prompt token; `mass` zeros when the state accumulates)."""
+        if self.rotated:
+            raise ValueError(f"{self.label}(rotated=True) answers compressed states it is given (rotated keys); "
+                             "it runs no prompt of its own")
         if not self.accumulates:
             return SlotState(state.k, state.v, pos), None
         return Accumulated(state.k, state.v, pos, mass=jnp.zeros(pos.shape, jnp.float32)), None

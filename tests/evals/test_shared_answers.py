@@ -6,6 +6,8 @@ compilation events, never a clock); what has no canonical form is refused before
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -124,3 +126,35 @@ def test_what_has_no_canonical_form_is_refused(setup):
         shared_rows([(ka, sa), (kb, longer)], Q + GEN - 1)
     with pytest.raises(ValueError, match="compressed"):
         shared_rows([(ka, ka.prompt(ctx))], Q + GEN - 1)
+
+
+def test_the_canonical_form_holds_its_keys_rotated_once(setup):
+    """Without a codec (or with one after RoPE) the canonical policy stores its keys after RoPE
+    (`PromptScored.rotated`): `shared_rows` rotates each press's stored keys once, at their positions
+    (against a float64 numpy RoPE of the press's keys), so no question or decode step rotates them
+    again (the answers above stay bit for bit); a codec before RoPE keeps them un-rotated; anything
+    but an answering shape class is refused."""
+    from kvpolicies.codecs import Absmax
+    from kvpolicies.knorm import Knorm
+
+    model, ctx, q, states = setup
+    rows = states["KnormPress"]
+    assert canonical(rows[0][0].policies[0]).rotated_keys
+    int8 = dataclasses.replace(rows[0][0].policies[0], codec=Absmax())
+    assert not canonical(int8).rotated_keys and canonical(int8).codec == Absmax()
+    eng, st = shared_rows(rows, Q + GEN - 1)
+    got, pos = np.asarray(st.cache[0].k), np.asarray(st.cache[0].pos)  # [L, B, K, S, D], [L, B, K, S]
+    raw = np.concatenate([np.asarray(s.cache[0].k) for _, s in rows], axis=1)
+    half = CFG.head_dim // 2
+    inv = 1.0 / (CFG.rope_theta ** (np.arange(half) * 2.0 / CFG.head_dim))
+    ang = pos[..., None].astype(np.float64) * inv  # [L, B, K, S, D/2]
+    x1, x2 = raw[..., :half].astype(np.float64), raw[..., half:].astype(np.float64)
+    want = np.concatenate([x1 * np.cos(ang) - x2 * np.sin(ang), x2 * np.cos(ang) + x1 * np.sin(ang)], axis=-1)
+    filled = pos >= 0
+    np.testing.assert_allclose(got[filled], want[filled], rtol=1e-5, atol=1e-5)
+    assert np.abs(got[filled] - raw[filled]).max() > 0.1  # rotated, not the stored keys as they were
+    with pytest.raises(ValueError, match="rotated=True"):
+        Knorm(budget=4, max_new=2, rotated=True)  # not a shape class
+    answering = Engine(model, canonical(rows[0][0].policies[0]), max_len=MAX_LEN)
+    with pytest.raises(ValueError, match="runs no prompt"):
+        answering.compress(answering.prompt(ctx))

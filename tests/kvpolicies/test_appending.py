@@ -99,18 +99,31 @@ def test_only_pure_appends_defer():
 
 
 def test_write_deferred_over_stacked_layers():
-    """A run's stacked states [L, ...] take the layers' new slots at the one start of the run."""
+    """A run's stacked states [L, ...] take each layer's new slots at that layer's start, and with a
+    start per head ([L, B, K]: a prompt scorer's per-head counts) at each head's."""
     pol = kvpolicies.get("full", codec="int8")
     st = jax.tree.map(lambda x: jnp.stack([x, x + 1]), pol.init(2, 2, 8, jnp.float32, 16))  # [L=2, ...]
     new = kvpolicies.slots.encode_new(pol.codec, *(_qkv(3, 1)[1:]), jnp.array([[5, 6, 7], [2, 3, 4]], jnp.int32))
     new = jax.tree.map(lambda x: x.transpose(0, 2, 1, 3) if x.ndim == 4 else x, new)  # [B, K, T, .]
     layers = jax.tree.map(lambda x: jnp.stack([x, 2 * x if jnp.issubdtype(x.dtype, jnp.floating) else x]), new)
-    got = write_deferred(st, Deferred(layers, jnp.array([[5, 2], [5, 2]], jnp.int32)), lead=1)
+    starts = np.array([[5, 2], [3, 9]], np.int32)  # [L, B]
+    got = write_deferred(st, Deferred(layers, jnp.asarray(starts)), lead=1)
     for layer in range(2):
         one = jax.tree.map(lambda x: x[layer], st)
-        want = kvpolicies.slots.write_at(one, jax.tree.map(lambda x: x[layer], layers), jnp.array([5, 2]))
+        want = kvpolicies.slots.write_at(one, jax.tree.map(lambda x: x[layer], layers), jnp.asarray(starts[layer]))
         for a, b in zip(jax.tree.leaves(jax.tree.map(lambda x: x[layer], got)), jax.tree.leaves(want)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    heads = np.array([[[5, 1], [2, 7]], [[0, 4], [9, 3]]], np.int32)  # [L, B, K]
+    pst = kvpolicies.base.SlotState(k=jnp.zeros((2, 2, 2, 16, 8)), v=jnp.zeros((2, 2, 2, 16, 8)),
+                                    pos=-jnp.ones((2, 2, 2, 16), jnp.int32))
+    pnew = kvpolicies.base.SlotState(k=jnp.ones((2, 2, 2, 3, 8)), v=2 * jnp.ones((2, 2, 2, 3, 8)),
+                                     pos=jnp.broadcast_to(jnp.arange(3, dtype=jnp.int32), (2, 2, 1, 3)))
+    got = write_deferred(pst, Deferred(pnew, jnp.asarray(heads)), lead=1)
+    want = np.full((2, 2, 2, 16), -1)
+    for i in np.ndindex(2, 2, 2):  # numpy: each (layer, row, head) its three slots from its start
+        want[i][heads[i]:heads[i] + 3] = np.arange(3)
+    np.testing.assert_array_equal(np.asarray(got.pos), want)
+    np.testing.assert_array_equal(np.asarray(got.k)[..., 0], np.where(want >= 0, 1.0, 0.0))
 
 
 @pytest.mark.parametrize("phase", ["decode", "prompt"])
@@ -156,3 +169,39 @@ def test_model_decode_step_does_not_copy_the_cache():
         tok, pos = np.zeros((1, 1), np.int32), np.full((1, 1), 100, np.int32)
         mem = eng._logits_step.lower(eng.params, cache, tok, pos).compile().memory_analysis()
         assert mem.temp_size_in_bytes < tree_nbytes(cache) / 3, (pol, mem.temp_size_in_bytes, tree_nbytes(cache))
+
+
+@pytest.mark.parametrize("s, t, block", [(40, 3, 8), (40, 12, 8), (37, 20, 16), (20, 5, 512)])
+def test_a_shape_class_question_joined_in_place_is_the_concatenated_step(s, t, block, monkeypatch):
+    """A shape class's chunk after its compression (`PromptScored.appends_in_place`): a joined view
+    (the stored whole blocks read in place, the rest joined to the new slots) gives the outputs of
+    the view it replaces (stored and new slots concatenated, then packed by `compact`) bit for bit,
+    blocked (tails of whole blocks and a remainder) or in one piece, per-head fills differing; its
+    deferred writes give that step's state on the filled slots."""
+    from kvpolicies.attention.tuning import Tuning
+    from kvpolicies.compat import kvpress
+    from kvpolicies.prompt_scored import PromptScored
+
+    pol = kvpress("KnormPress", 0.5, max_new=32).shape_class(s)
+    assert pol.appends_in_place
+    rng = np.random.default_rng(s + t)
+    st = pol.init(2, 2, 8, jnp.float32, 200)
+    fill = np.array([[s - t - 4, s - t], [3, s - t - 9]])  # tokens held per (row, kv head)
+    pos = np.where(np.arange(s) < fill[..., None], np.arange(s) * 2, -1).astype(np.int32)
+    keys = jnp.asarray(rng.standard_normal((2, 2, s, 8)).astype(np.float32))
+    st = dataclasses.replace(st, k=keys, v=-keys[..., ::-1], pos=jnp.broadcast_to(jnp.asarray(pos), st.pos.shape))
+    q, k, v = (jnp.asarray(rng.standard_normal((2, t, h, 8)).astype(np.float32)) for h in (4, 2, 2))
+    at = jnp.broadcast_to(jnp.arange(100, 100 + t, dtype=jnp.int32), (2, t))
+    tune = Tuning(block=block)
+    out_j, writes = attend(pol, st, q, k, v, at, ROPE, defer=True, tuning=tune)
+    assert isinstance(writes, Deferred)
+    out_c, new_c = attend(pol, st, q, k, v, at, ROPE, tuning=tune)  # compact: the same step, written by compact
+    monkeypatch.setattr(PromptScored, "appends_in_place", property(lambda self: False))
+    out, new = attend(pol, st, q, k, v, at, ROPE, tuning=tune)  # the concatenated view, packed by compact
+    np.testing.assert_array_equal(np.asarray(out_j), np.asarray(out))
+    np.testing.assert_array_equal(np.asarray(out_c), np.asarray(out))
+    for got in (write_deferred(st, writes), new_c):
+        np.testing.assert_array_equal(np.asarray(got.pos), np.asarray(new.pos))
+        filled = np.broadcast_to(np.asarray(new.pos)[..., None] >= 0, new.k.shape)
+        for a, b in ((got.k, new.k), (got.v, new.v)):
+            np.testing.assert_array_equal(np.asarray(a)[filled], np.asarray(b)[filled])
