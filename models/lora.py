@@ -95,9 +95,7 @@ def restore(engine, state):
     (`Engine.reconstruct`: kvzip's scores of the context alone), then `append_pass`. Returns the state at length
     t + n, which `engine.compress` keeps from without another pass (the question follows at t + n); a state
     restored already is returned as it is."""
-    from models.engine import Prompted
-
-    if not isinstance(state, Prompted) or state.compressed:
+    if getattr(state, "compressed", True):  # (a models.engine.Prompted: models.engine imports this module)
         raise ValueError("restore: needs an uncompressed Prompted (Engine.prompt, before compress)")
     if not appended_tokens(engine.reconstructors):
         raise ValueError("restore: no layer of this engine restores (kvpolicies.compat.kvpress('RestoreKVPress', ...))")
