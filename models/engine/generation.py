@@ -58,8 +58,9 @@ class Generation:
         chunk = self._chunk(chunk, t)
         fresh = cache is None and self.compresses
         more = self.appends if fresh else 0  # tokens the reconstruction pass appends (RestoreKV's)
+        what = f"prompt of {t} tokens" + f" + {more} appended by the reconstruction pass" * bool(more)
         self._check_len(int(np.max(start)) + t + more, f"prompt of {int(np.max(start))} + {t} tokens" if cache is not
-                        None else f"prompt of {t} tokens" + f" + {more} appended by the reconstruction pass" * bool(more))
+                        None else what)
         if fresh:
             self._check_repeat()
         cache_was_none = cache is None
