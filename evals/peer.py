@@ -820,7 +820,6 @@ def run_ours(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=lambda
     from evals.compiles import CompileLog
     from kvpolicies.compat import kvpress
     from kvpolicies.memory import filled_bytes, tree_nbytes
-    from models import lora
     from models.engine import Engine
     from evals.shared_answers import canonical_of
     from models.llama import policy_runs
@@ -861,8 +860,7 @@ def run_ours(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=lambda
                     j = len(states) - 1
                 if eng.reconstructors:  # kvzip: one reconstruction pass a sample, its scores kept for every ratio
                     states[j] = (states[j][0], eng.reconstruct(states[j][1]))
-                restores = any(getattr(x, "restores", False) for x in eng.reconstructors)
-                st = ph("compress", eng.compress(lora.restore(eng, states[j][1]) if restores else states[j][1]))
+                st = ph("compress", eng.compress(states[j][1]))  # (RestoreKVPress: its restore pass in compress)
                 mask = np.zeros((model.cfg.n_kv_heads, len(ctx)), bool)
                 kept = []
                 for layer in eng.kept_positions(st):

@@ -10,7 +10,8 @@ prompt (`after_prompt(state)`). The engine asks every policy through `prompt_pol
 and `after_prompt(policy, state)`, which give the streaming default (the policy itself, the
 state unchanged) to a policy without the capability. A `Reconstructor` (kvzip) also scores its
 prompt with a second model pass between the two (`reconstruction()`; `reconstructs(policy)`;
-the pass's hooks: `pass_policies`, `Reconstructor`).
+the pass's hooks: `pass_policies`, `Reconstructor`); one that `Appends` (RestoreKV) has learned
+tokens appended after the pass.
 
 Most such methods run dense attention over the whole prompt, then compress the cache once
 (`after_prompt`) before decoding. During the prompt every token is kept, as `full`
@@ -97,6 +98,32 @@ class Reconstructor(PromptCompressor):
         the last repeat input, given every reconstructor of the model: e.g. a choice made over all
         layers at once. By default unchanged."""
         return states
+
+
+class Appends:
+    """Capability: a reconstructor whose prompt of t tokens is followed, after its pass and before `after_pass`,
+    by n learned tokens that go once through an adapted copy of the model at positions t..t+n-1, attending to the
+    whole prompt (RestoreKV's restore tokens): the engine runs them through every layer's prompt phase
+    (`models.lora.append_pass`), hands each scoring layer's state to `after_append`, and the prompt then ends at
+    t + n (`Engine.compress`, `generate`; `appended_tokens`)."""
+
+    def appended(self) -> dict:
+        """{"embeddings": [n, d] the tokens' input embeddings, "lora_A": {weight: [L, r, I]}, "lora_B": {weight:
+        [L, O, r]}, "alpha": float}: what the pass feeds, and the LoRA on `models.llama`'s layer weights."""
+        raise NotImplementedError
+
+    def after_append(self, state: Any, t: int) -> Any:
+        """A scoring layer's prompt state (any leading axes) once the tokens are in after a t-token prompt."""
+        return state
+
+
+def appended_tokens(reconstructors: tuple) -> int:
+    """How many tokens the reconstruction pass of `reconstructors` appends after the prompt (`Appends`; one pass
+    serves all, so they must append the same arrays), 0 for none."""
+    arrays = {id(p.appended()): p.appended() for p in reconstructors if isinstance(p, Appends)}
+    if len(arrays) > 1:
+        raise ValueError("reconstructors that append different tokens (Appends.appended): one pass serves all")
+    return int(next(iter(arrays.values()))["embeddings"].shape[0]) if arrays else 0
 
 
 def pass_policies(reconstructors: tuple, phases: tuple) -> tuple:

@@ -16,8 +16,9 @@ budget), min(1, r + n / t): over all layers, int(L K t (r + n / t)) pairs (kvpre
 int(K t (r + n / t)) per layer). The restore slots are never scored nor removed (kvpress's scores cover the
 context only). The question then follows at position t + n.
 
-Here: `models.lora.restore(engine, state)` runs the pass on an `Engine.prompt` state (the reconstruction first),
-then `Engine.compress` keeps from the scores with this policy's `after_pass` / `after_prompt`; the kept pairs
+Here: the engine runs the pass (`kvpolicies.prompt.Appends`: `Engine.compress` and `generate`, after the
+reconstruction; `models.lora.restore(engine, state)` runs it on an `Engine.prompt` state by hand), then keeps from
+the scores with this policy's `after_pass` / `after_prompt`; the kept pairs
 are stored as kvzip's head pool (scope="model", kvpress's default: every layer at full size, as kvpress which
 masks; layerwise: each layer's K t (1 - r) + 1 slots, the restore tokens included). Deviations: the LoRA is
 merged into a copy of the weights for the pass (PEFT adds its product to the base output: the same up to float
@@ -43,7 +44,7 @@ import numpy as np
 
 from kvpolicies.adakv import prompt_pool
 from kvpolicies.kvzip import KVzip, model_scope_keep
-from kvpolicies.prompt import PromptState
+from kvpolicies.prompt import Appends, PromptState
 
 # our per-layer weight name -> the module PEFT adapts (the authors' LORA_TARGET_SUFFIXES)
 LORA_MODULES = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj", "w_gate": "gate_proj",
@@ -86,11 +87,11 @@ def save_restore(path, embeddings: np.ndarray, lora_a: dict, lora_b: dict, alpha
 
 
 @dataclasses.dataclass(frozen=True)
-class RestoreKV(KVzip):
-    """KVzip whose prompt is followed by n learned restore tokens (`models.lora.restore`), kept always; the
-    context's pairs removed at min(1, ratio + n / t). `restore`: the arrays file (see the module docstring)."""
+class RestoreKV(KVzip, Appends):
+    """KVzip whose prompt is followed by n learned restore tokens (`Appends`: the engine's restore pass), kept
+    always; the context's pairs removed at min(1, ratio + n / t). `restore`: the arrays file (the module
+    docstring)."""
 
-    restores = True  # a capability read by models.lora.restore: the restore pass before compress
     restore: str = ""
 
     def __post_init__(self):
@@ -102,6 +103,14 @@ class RestoreKV(KVzip):
     def restore_arrays(self) -> dict:
         """The restore embeddings and LoRA (`load_restore`)."""
         return load_restore(self.restore)
+
+    def appended(self) -> dict:
+        return self.restore_arrays()
+
+    def after_append(self, state: PromptState, t: int) -> PromptState:
+        """The state marked with the context's length t (`extra["restored"]`, per layer and row)."""
+        return dataclasses.replace(state, extra={**state.extra, "restored": jnp.full(state.pos.shape[:-2], t,
+                                                                                      jnp.int32)})
 
     @property
     def n_restore(self) -> int:
@@ -138,8 +147,8 @@ class RestoreKV(KVzip):
 
     def after_prompt(self, state: PromptState):
         if "restored" not in state.extra:
-            raise ValueError("restorekv: the prompt has no restore tokens; run models.lora.restore(engine, state) "
-                             "between Engine.prompt and Engine.compress")
+            raise ValueError("restorekv: the prompt has no restore tokens (an Engine's compress or generate appends "
+                             "them after its reconstruction pass; models.lora.restore by hand)")
         if not self.ratio:
             raise ValueError("restorekv needs ratio > 0 (kvpress's compression_ratio; at 0 kvpress does nothing)")
         if self.scope == "model":

@@ -21,7 +21,8 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array
 
-from models.llama import Llama, policy_runs
+from kvpolicies.prompt import Appends, appended_tokens
+from models.llama import Llama
 
 
 def merge(layers: dict[str, np.ndarray], lora_a: dict[str, np.ndarray], lora_b: dict[str, np.ndarray],
@@ -66,37 +67,44 @@ def _pass(graphdef, policies: tuple, state, cache, ids, pos, tables):
     return nnx.merge(graphdef, state).hidden(ids, pos, cache, policies, tables)[1]
 
 
-def restore(engine, state):
-    """RestoreKV's restore pass on an uncompressed `Engine.prompt` state of t context tokens (kvpress's order):
-    the reconstruction pass first (`Engine.reconstruct`: kvzip's scores of the context alone), then the n
-    restore embeddings at positions t..t+n-1 through the LoRA-adapted copy of the model and the engine's
-    prompt phase (every layer's cache gains their keys and values; they attend to the whole context), each
-    restoring layer's state marked `extra["restored"]` = t. Returns the state at length t + n; then
-    `engine.compress` (the question follows at t + n)."""
-    from models.engine import Prompted
-
-    if not isinstance(state, Prompted) or state.compressed:
-        raise ValueError("restore: needs an uncompressed Prompted (Engine.prompt, before compress)")
-    runs = policy_runs(engine.prompt_policies, engine.cfg.n_layers)
-    marks = [getattr(getattr(p, "of", None), "restores", False) for _, _, p in runs]
-    owners = {p.of for (_, _, p), m in zip(runs, marks) if m}
-    if not owners:
-        raise ValueError("restore: no layer of this engine restores (kvpolicies.compat.kvpress('RestoreKVPress', ...))")
-    if len({p.restore for p in owners}) > 1:
-        raise ValueError("restore: the engine's restorekv layers name different arrays files")
-    if state.tokens is None or state.tokens.shape[1] != state.length:
-        raise ValueError("restore: the state already holds more than its prompt's tokens (restored already?)")
-    arrays = next(iter(owners)).restore_arrays()
-    t, n, b = state.length, arrays["embeddings"].shape[0], state.tokens.shape[0]
+def append_pass(engine, cache: tuple, t: int, scored: list[bool]) -> tuple:
+    """An engine's prompt-phase cache of t tokens after the tokens its reconstructors append
+    (`kvpolicies.prompt.Appends`: RestoreKV's n restore embeddings) at positions t..t+n-1 through the LoRA-adapted
+    copy of the model and the engine's prompt phase (every layer's cache gains their keys and values; they attend
+    to the whole prompt), each scoring run's state (`scored`) then handed to `Appends.after_append`. The adapted
+    weights are merged once per engine."""
+    owner = next(p for p in engine.reconstructors if isinstance(p, Appends))
+    arrays = owner.appended()
+    n, b = arrays["embeddings"].shape[0], cache[0].pos.shape[-3]
     if t + n > engine.max_len:
         raise ValueError(f"restore: the {t} prompt tokens and {n} restore tokens exceed the engine's max_len "
                          f"{engine.max_len} (give it room for them, the question and the answer)")
-    state = engine.reconstruct(state)
-    model = adapted(nnx.merge(engine.graphdef, engine.params[0]), arrays)
-    graphdef, weights = nnx.split(model)
+    memo = engine.__dict__.get("_appended_model")
+    if memo is None or memo[0] is not arrays:  # the arrays held with their merge (so compared by identity)
+        memo = engine.__dict__["_appended_model"] = (arrays, *nnx.split(adapted(nnx.merge(engine.graphdef,
+                                                                                       engine.params[0]), arrays)))
+    _, graphdef, weights = memo
     ids = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
-    cache = _pass(graphdef, engine.prompt_policies, weights, state.cache, ids, ids + t, engine.params[1])
-    cache = tuple(dataclasses.replace(st, extra={**st.extra, "restored": jnp.full(st.pos.shape[:-2], t, jnp.int32)})
-                  if m else st for st, m in zip(cache, marks))
-    return dataclasses.replace(state, cache=cache, length=t + n)
+    cache = _pass(graphdef, engine.prompt_policies, weights, cache, ids, ids + t, engine.params[1])
+    return tuple(owner.after_append(st, t) if z else st for st, z in zip(cache, scored))
 
+
+def restore(engine, state):
+    """RestoreKV's restore pass on an uncompressed `Engine.prompt` state of t context tokens, by hand (an engine
+    runs it in `compress` and `generate`: `kvpolicies.prompt.Appends`): the reconstruction pass first
+    (`Engine.reconstruct`: kvzip's scores of the context alone), then `append_pass`. Returns the state at length
+    t + n, which `engine.compress` keeps from without another pass (the question follows at t + n); a state
+    restored already is returned as it is."""
+    if getattr(state, "compressed", True):  # (a models.engine.Prompted: models.engine imports this module)
+        raise ValueError("restore: needs an uncompressed Prompted (Engine.prompt, before compress)")
+    if not appended_tokens(engine.reconstructors):
+        raise ValueError("restore: no layer of this engine restores (kvpolicies.compat.kvpress('RestoreKVPress', ...))")
+    if state.tokens is None:
+        raise ValueError("restore: the state has no token ids (a state from Engine.prompt)")
+    n = appended_tokens(engine.reconstructors)
+    if state.length + n * (state.tokens.shape[1] == state.length) > engine.max_len:
+        raise ValueError(f"restore: the {state.length} prompt tokens and {n} restore tokens exceed the engine's "
+                         f"max_len {engine.max_len} (give it room for them, the question and the answer)")
+    state = engine.reconstruct(state)
+    cache, length = engine._scored(state, engine._adopt(state.cache, "restore"))  # the pass's tokens appended
+    return dataclasses.replace(state, cache=cache, length=length)

@@ -56,9 +56,11 @@ class Generation:
             cache, length = self._extent(cache, "prefill(cache=...)", bare=False, batch=tokens.shape[0])
             start = int(length[0]) if (length == length[0]).all() else length
         chunk = self._chunk(chunk, t)
-        self._check_len(int(np.max(start)) + t, f"prompt of {int(np.max(start))} + {t} tokens" if cache is not None
-                        else f"prompt of {t} tokens")
         fresh = cache is None and self.compresses
+        more = self.appends if fresh else 0  # tokens the reconstruction pass appends (RestoreKV's)
+        what = f"prompt of {t} tokens" + f" + {more} appended by the reconstruction pass" * bool(more)
+        self._check_len(int(np.max(start)) + t + more, f"prompt of {int(np.max(start))} + {t} tokens" if cache is not
+                        None else what)
         if fresh:
             self._check_repeat()
         cache_was_none = cache is None
@@ -71,8 +73,8 @@ class Generation:
         self.prefill_tokens += t * tokens.shape[0]
         if fresh:
             self.prompts_compressed += 1
-            cache = self.compress_cache(self._reconstruct(cache, tokens))
-        end = jnp.asarray(np.broadcast_to(np.asarray(start, np.int32) + t, (tokens.shape[0],)))  # [B]
+            cache = self.compress_cache(self._reconstruct(cache, tokens))  # kvzip: its pass (and appended tokens)
+        end = jnp.asarray(np.broadcast_to(np.asarray(start, np.int32) + t + more, (tokens.shape[0],)))  # [B]
         return logits, EngineCache(tuple(cache), end, self.maker())
 
     def generate(self, prompt, n: int, chunk: int | None = None) -> np.ndarray:
@@ -91,7 +93,9 @@ class Generation:
         if t == 0:
             raise ValueError(f"prompt: generate needs a prompt of at least 1 token, got shape {prompt.shape}")
         chunk = self._chunk(chunk, t)
-        self._check_len(t + n, f"prompt of {t} tokens + n={n} new tokens = {t + n}")
+        more = self.appends  # tokens the reconstruction pass appends after the prompt (RestoreKV's)
+        self._check_len(t + more + n, f"prompt of {t} tokens + n={n} new tokens = {t + n}" + (
+            f" + {more} appended by the reconstruction pass" * bool(more)))
         if n == 0:
             out = np.zeros((prompt.shape[0], 0), np.int32)
             return out[0] if squeeze else out
@@ -104,8 +108,8 @@ class Generation:
         if n == 1:
             out = np.asarray(first)[:, None]
         else:
-            pos = jnp.full(first.shape, t, jnp.int32)
-            rest = self._generate_rest(cache.runs, first, pos, n - 1, t + n - 1)
+            pos = jnp.full(first.shape, t + more, jnp.int32)
+            rest = self._generate_rest(cache.runs, first, pos, n - 1, t + more + n - 1)
             out = np.concatenate([np.asarray(first)[:, None], np.asarray(rest)], axis=1)
         return out[0] if squeeze else out
 
@@ -119,8 +123,10 @@ class Generation:
         rows = self._rows(prompts, "prompt")
         n = check_int("n", n, 0)
         self._check_new(n)
+        more = self.appends  # tokens the reconstruction pass appends after each prompt (RestoreKV's)
         for i, r in enumerate(rows):
-            self._check_len(len(r) + n, f"prompt row {i} of {len(r)} tokens + n={n} new tokens = {len(r) + n}")
+            self._check_len(len(r) + more + n, f"prompt row {i} of {len(r)} tokens + n={n} new tokens = {len(r) + n}"
+                            + f" + {more} appended by the reconstruction pass" * bool(more))
         if n == 0:
             return np.zeros((len(rows), 0), np.int32)
         done = [self.prefill(r[None], chunk) for r in rows]  # (logits [1, V], cache) per row
@@ -129,8 +135,8 @@ class Generation:
         first = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B]
         if n == 1:
             return np.asarray(first)[:, None]
-        pos = jnp.asarray([len(r) for r in rows], jnp.int32)
-        rest = self._generate_rest(cache, first, pos, n - 1, max(map(len, rows)) + n - 1)
+        pos = jnp.asarray([len(r) + more for r in rows], jnp.int32)
+        rest = self._generate_rest(cache, first, pos, n - 1, max(map(len, rows)) + more + n - 1)
         return np.concatenate([np.asarray(first)[:, None], np.asarray(rest)], axis=1)
 
     def _score_ragged(self, streams: Sequence, chunk: int, progress: bool) -> list[np.ndarray]:

@@ -22,7 +22,6 @@ from models.engine.layers import split_layers, stack_layers
 from models.engine.steps import fork_cache, rotate_keys
 
 
-
 @functools.partial(jax.jit, static_argnums=0)
 def _after_prompt_layer(policy, run, i):
     """Layer i of a run of prompt states after `policy`'s `after_prompt` (one compile per policy
@@ -102,8 +101,9 @@ class Staged:
         """More prompt tokens [B, T] through the prompt phase of an uncompressed state (which stays
         usable: a fork)."""
         tokens = self._check_state(state, tokens, "extend_prompt")
-        if state.compressed:
-            raise ValueError("extend_prompt: the state is already compressed; use continue_generate")
+        if state.compressed or state.tokens is not None and state.length > state.tokens.shape[1]:
+            raise ValueError("extend_prompt: the state is already compressed (or holds the tokens a reconstruction "
+                             "pass appends, RestoreKV's: extend the prompt before them); use continue_generate")
         state = self._own(state, "extend_prompt")
         t = tokens.shape[1]
         self._check_len(state.length + t, f"prompt of {state.length} + {t} tokens")
@@ -164,11 +164,12 @@ class Staged:
         if self.fit:
             engine, fitted = self.fitted(state, self.fit)
             return dataclasses.replace(fitted, fitted=engine)
+        length = state.length
         if self.compresses:
             self.prompts_compressed += 1
-            cache = self.compress_cache(self._scored(state, cache))  # kvzip: its scores (a pass, or `reconstruct`'s)
-        return Prompted(cache, state.length, state.logits, True, state.tokens, compressed_at=state.length,
-                        maker=self.maker())
+            cache, length = self._scored(state, cache)  # kvzip: its scores (a pass, or `reconstruct`'s), RestoreKV's
+            cache = self.compress_cache(cache)
+        return Prompted(cache, length, state.logits, True, state.tokens, compressed_at=length, maker=self.maker())
 
     def fitted(self, state: Prompted, round_to: int = 1) -> tuple["Staged", Prompted]:
         """A state stored at what each layer keeps: (an engine whose layers' policies are re-sized
@@ -199,12 +200,12 @@ class Staged:
             raise ValueError(f"fitted: no layer's policy can be fit to what it kept (kvzap); got "
                              f"{sorted({type(p).__name__ for p in self.policies})}")
         self._check_made(state, "fitted")
-        kh = self.cfg.n_kv_heads
+        kh, length = self.cfg.n_kv_heads, state.length
         if state.compressed:
             layers = split_layers(state.cache)
             held = [int(np.asarray((st.pos >= 0).sum(axis=(1, 2))).max()) for st in layers]
         else:
-            cache = self._scored(state, self._adopt(state.cache))
+            cache, length = self._scored(state, self._adopt(state.cache))
             held = [int(n) for n in np.asarray(self._held_after_prompt(cache)).max(axis=1)]  # [L]
         policies = []
         for i, (pol, n) in enumerate(zip(self.policies, held)):
@@ -233,7 +234,7 @@ class Staged:
         self.fit_records.append({"tokens": state.length, "rows": int(state.logits.shape[0]), "kept": held,
                                  "stored_bytes": tree_nbytes(cache),
                                  "layer_bytes": [tree_nbytes(st) for st in layers]})
-        return memo[policies], Prompted(cache, state.length, state.logits, True, state.tokens, maker=memo[policies].maker())
+        return memo[policies], Prompted(cache, length, state.logits, True, state.tokens, maker=memo[policies].maker())
 
     def kept_positions(self, state: Prompted, row: int = 0) -> list[list[np.ndarray]]:
         """The token positions the cache of `state` holds for batch row `row`: [layer][kv head] ->

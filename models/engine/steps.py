@@ -16,10 +16,11 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from kvpolicies.prompt import after_prompt
+from kvpolicies.prompt import after_prompt, appended_tokens
 from kvpolicies.slots import has_prefix_slots
 from kvpolicies.attention.tuning import Tuning
 from models.llama import Cache, Llama, policy_runs
+from models.lora import append_pass
 from models.reconstruct import model_scope, reconstruct, scored_runs
 from models.engine.checks import check_int, check_pool
 from models.engine.extent import EngineCache
@@ -129,12 +130,27 @@ class Steps:
         _, cache = m.hidden(tokens, pos, cache, self.recon_policies, tables)
         return cache
 
-    def _reconstruct(self, cache: Cache, tokens: np.ndarray) -> Cache:
-        """kvzip's reconstruction pass (`models.reconstruct.reconstruct`) over a prompt-phase cache."""
+    def _reconstruct(self, cache: Cache, tokens: np.ndarray, append: bool = True) -> Cache:
+        """kvzip's pass (`models.reconstruct.reconstruct`) over a prompt-phase cache, then (`append`) `_append`."""
         if not self.reconstructors:
             return cache
         self._check_repeat()
-        return reconstruct(self, cache, tokens, policy_runs(self.recon_policies, self.cfg.n_layers))
+        cache = reconstruct(self, cache, tokens, policy_runs(self.recon_policies, self.cfg.n_layers))
+        return self._append(cache, tokens.shape[1]) if append else cache
+
+    @property
+    def appends(self) -> int:
+        """Tokens the reconstruction pass appends after a prompt (`kvpolicies.prompt.Appends`: RestoreKV's n
+        restore tokens; 0 for none): a fresh prompt of t tokens continues at t + appends."""
+        return appended_tokens(self.reconstructors)
+
+    def _append(self, cache: Cache, t: int) -> Cache:
+        """A scored prompt-phase cache of t tokens after the tokens the reconstructors append (`models.lora.
+        append_pass`) and their `after_pass` (a choice over all layers, the appended slots in it)."""
+        if not self.appends:
+            return cache
+        scored = scored_runs(self.reconstructors, policy_runs(self.recon_policies, self.cfg.n_layers))
+        return model_scope(self.reconstructors, append_pass(self, cache, t, scored), scored)
 
     def _score_key(self) -> tuple:
         """What kvzip's scores depend on: the model, max_len, the pass's policies with what kvzip keeps
@@ -142,18 +158,30 @@ class Steps:
         policies = tuple(p.scoring() if hasattr(p, "scoring") else p for p in self.recon_policies)
         return id(self._model), self.max_len, policies, self.repeat
 
-    def _scored(self, state: Any, cache: Cache) -> Cache:
-        """The adopted prompt cache of `state` with kvzip's scores: a reconstruction pass now, or
-        the scores `reconstruct` put in the state when it ran a pass that scores alike (then only
-        this engine's choice over all layers, scope="model", is made again)."""
+    def _scored(self, state: Any, cache: Cache, append: bool = True) -> tuple[Cache, int]:
+        """(the adopted prompt cache of `state` with kvzip's scores: a reconstruction pass now, or the scores
+        `reconstruct` put in the state when it ran a pass that scores alike (then only this engine's choice over
+        all layers, scope="model", is made again); with `append`, the tokens the pass appends (`_append`) unless
+        the state holds them already; the state's length then)."""
         if not self.reconstructors:
-            return cache
+            return cache, state.length
+        held = state.tokens is not None and state.length > state.tokens.shape[1]  # appended already (lora.restore)
         if getattr(state, "scored", None) != self._score_key():
             if state.tokens is None:
                 raise ValueError("kvzip needs the prompt's token ids (a state from Engine.prompt)")
-            return self._reconstruct(cache, state.tokens)
-        scored = scored_runs(self.reconstructors, policy_runs(self.recon_policies, self.cfg.n_layers))
-        return model_scope(self.reconstructors, cache, scored)
+            if held:
+                raise ValueError(f"the state holds {state.length - state.tokens.shape[1]} tokens appended after "
+                                 "another engine's reconstruction pass (RestoreKV's restore tokens): compress it "
+                                 "with that engine, or an engine of the same pass")
+            cache = self._reconstruct(cache, state.tokens, append=False)
+        else:
+            scored = scored_runs(self.reconstructors, policy_runs(self.recon_policies, self.cfg.n_layers))
+            cache = model_scope(self.reconstructors, cache, scored)
+        if not append or held or not self.appends:
+            return cache, state.length
+        self._check_len(state.length + self.appends, f"prompt of {state.length} tokens + {self.appends} appended "
+                        "after the reconstruction pass (RestoreKV's restore tokens)")
+        return self._append(cache, state.length), state.length + self.appends
 
     def reconstruct(self, state: Any) -> Any:
         """kvzip's reconstruction pass over an uncompressed `Prompted` on its own (`compress` runs
@@ -161,7 +189,8 @@ class Steps:
         by any engine that `shares_prompt` with this one and scores alike (kvzip at other ratios
         or budgets) keeps from them without another pass: score once, compress at every ratio.
         A state whose kvzip layers hold scores alike is returned as it is; more prompt tokens
-        (`extend_prompt`) drop the scores."""
+        (`extend_prompt`) drop the scores. The tokens a pass appends (RestoreKV's) are not in it:
+        `compress` appends them."""
         if getattr(state, "compressed", True):
             raise ValueError("reconstruct: needs an uncompressed Prompted (Engine.prompt, before compress)")
         if not self.reconstructors:
@@ -169,7 +198,7 @@ class Steps:
                              f"{sorted({type(p).__name__ for p in self.policies})}")
         if getattr(state, "scored", None) == self._score_key():
             return state
-        cache = self._scored(state, self._adopt(state.cache, "reconstruct"))  # the pass (the state's scores differ)
+        cache, _ = self._scored(state, self._adopt(state.cache, "reconstruct"), append=False)  # the pass
         return dataclasses.replace(state, cache=cache, scored=self._score_key())
 
     def _after_prompt_impl(self, cache, tables=None):

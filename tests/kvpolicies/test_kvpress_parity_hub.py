@@ -9,6 +9,7 @@ of the model and must equal them. Kept positions per (layer, kv head) and greedy
 
 from __future__ import annotations
 
+import collections
 import os
 import pathlib
 
@@ -411,6 +412,57 @@ def test_smollm2_with_our_arrays_equals_kvpress(smollm2_hub, press, ratio):
           f"answers equal {answer == want['answer']}")
     assert np.mean(js) >= 0.98
     assert answer == want["answer"]
+
+
+@pytest.mark.slow
+def test_smollm2_fastkvzip_equals_kvpress(tmp_path, kvpress_ref):
+    """SmolLM2 on 1,024 tokens of Pride & Prejudice with a needle, FastKVzipPress at kvpress's default
+    (layerwise=False: one choice over all layers) at 0.5, the same seeded random gates of SmolLM2's shape on both
+    sides: mean kept-set Jaccard per (layer, kv head) >= 0.99 (layer 0's gates read each token's embedding alone:
+    its repeated ids tie exactly and torch.topk breaks the tie its way, so there the token ids are compared),
+    the same 12 greedy tokens, and our bytes, each layer stored at what it kept (`Engine.fitted`, what
+    `Engine(fit=1)` stores), below kvpress's cache (every layer's n keys and values, the removed pairs masked)."""
+    from evals.data import default_text
+    from kvpolicies.memory import tree_nbytes
+    from models.loading import load_default_model, smollm2_gguf_path
+
+    model, tok = load_default_model()
+    text = default_text()[20000:24000]
+    cut = len(text) // 2
+    text = text[:cut] + " The secret passphrase is 'purple elephant 42'. " + text[cut:]
+    ctx = np.asarray(tok.encode(text), np.int32)[:1024]
+    question = np.asarray(tok.encode("\nQuestion: What is the secret passphrase?\nAnswer:"), np.int32)
+    c = model.cfg
+    gates = gate_weights(tmp_path, dict(hidden_size=c.d_model, num_key_value_heads=c.n_kv_heads,
+                                        num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads))
+    path = smollm2_gguf_path()
+    want = kvpress_ref.job({"checkpoint": str(path.parent), "gguf_file": path.name, "context": ctx.tolist(),
+                            "question": question.tolist(), "n_new": 12, "fastkvzip": str(gates),
+                            "presses": [["FastKVzipPress", 0.5, {}]]}, tmp_path, timeout=3600,
+                           script=WORKER)["FastKVzipPress@0.5"]
+    assert "error" not in want, want
+    eng = Engine(model, kvpress("FastKVzipPress", 0.5, max_new=64, gates=str(gates)),
+                 max_len=len(ctx) + len(question) + 12)
+    state = eng.compress(eng.prompt(ctx[None]))
+    _, fitted = eng.fitted(state)  # each layer's pool cut to what it kept (Engine(fit=1)'s state; decoding it
+    # compiles a step per layer size: minutes here, so the kept sets and answer are the unfitted state's, equal
+    # to the fitted one's on the tiny models above)
+    kept = eng.kept_positions(state)
+    js = []
+    for layer, (gl, wl) in enumerate(zip(kept, want["kept"], strict=True)):
+        for g, w in zip(gl, wl, strict=True):
+            a, b = (collections.Counter(ctx[x].tolist()) if layer == 0 else collections.Counter(x)
+                    for x in (g.tolist(), w))
+            js.append(sum((a & b).values()) / sum((a | b).values()))
+    counts = [sum(len(h) for h in layer) for layer in want["kept"]]
+    assert len(set(counts)) > 1  # one choice over all layers: they keep different numbers of pairs
+    answer = eng.continue_generate(state, question[None], 12)[0].tolist()
+    print(f"FastKVzipPress 0.5 on SmolLM2: mean Jaccard {np.mean(js):.4f}, min {np.min(js):.4f}, answers equal "
+          f"{answer == want['answer']}, bytes ours {tree_nbytes(fitted.cache)} kvpress {want['cache_bytes']}")
+    assert len(js) == c.n_layers * c.n_kv_heads and np.mean(js) >= 0.99
+    assert answer == want["answer"]
+    assert tree_nbytes(fitted.cache) < want["cache_bytes"]
+    assert sum(int(np.asarray(st.pos >= 0).sum()) for st in fitted.cache) == sum(counts)  # every kept pair in it
 
 
 def test_expected_stats_stream_extension_matches_its_reference(tmp_path):

@@ -277,3 +277,46 @@ def test_smollm2_kvcompose_equals_kvpress(tmp_path):
     assert sum(counts) == sum(ref["lengths"]) == int(model.cfg.n_layers * n * 0.5)
     assert "must match the size" in ref["error"]
     assert eng.continue_generate(state, question[None], 12)[0].tolist() == ref["stepwise"]
+
+
+@pytest.mark.slow
+def test_smollm2_kvcompose_unstructured_equals_kvpress(tmp_path, kvpress_ref):
+    """SmolLM2 (30 layers, 3 kv heads) on 1,024 tokens of Pride & Prejudice with a needle,
+    KVComposePress(structured=False) at 0.5: each (layer, kv head) its own count from one top-k over every layer's
+    and head's sorted scores; mean kept-set Jaccard per (layer, kv head) >= 0.99 against kvpress's (read from its
+    cache cut back to the context, as on the tiny models), the same total kept, the 12 greedy ids of kvpress's
+    compressed cache fed the question token by token, and our bytes, each layer stored at what it kept
+    (`Engine.fitted`, what `Engine(fit=1)` stores), below kvpress's cache (2n keys and values per head in every
+    layer: the context and the pass's copy)."""
+    from evals.data import default_text
+    from models.loading import load_default_model, smollm2_gguf_path
+
+    model, tok = load_default_model()
+    text = default_text()[20000:24000]
+    cut = len(text) // 2
+    text = text[:cut] + " The secret passphrase is 'purple elephant 42'. " + text[cut:]
+    ctx = np.asarray(tok.encode(text), np.int32)[:1024]
+    question = np.asarray(tok.encode("\nQuestion: What is the secret passphrase?\nAnswer:"), np.int32)
+    n, kh = len(ctx), model.cfg.n_kv_heads
+    path = smollm2_gguf_path()
+    ref = kvpress_ref.job({"checkpoint": str(path.parent), "gguf_file": path.name, "context": ctx.tolist(),
+                           "question": question.tolist(), "n_new": 12, "presses": [["KVComposePress", 0.5, HEADS]]},
+                          tmp_path, script=WORKER, timeout=3600)[key_of("KVComposePress", 0.5, HEADS)]
+    assert "masks" in ref and "stepwise" in ref, ref
+    bits = [np.unpackbits(np.frombuffer(base64.b64decode(m), np.uint8))[:kh * n].reshape(kh, n) for m in ref["masks"]]
+    want = [set(np.flatnonzero(b).tolist()) for layer in bits for b in layer]
+    eng = Engine(model, kvpress("KVComposePress", 0.5, max_new=len(question) + 12, structured=False),
+                 max_len=n + len(question) + 12)
+    state = eng.compress(eng.prompt(ctx[None]))
+    got = [set(h.tolist()) for layer in eng.kept_positions(state) for h in layer]
+    jac = [len(a & b) / len(a | b) for a, b in zip(got, want, strict=True)]
+    _, fitted = eng.fitted(state)  # decoding the fitted state compiles a step per layer size: minutes here
+    answer = eng.continue_generate(state, question[None], 12)[0].tolist()
+    print(f"KVCompose(structured=False) on SmolLM2: mean kept Jaccard {np.mean(jac):.4f} (min {min(jac):.4f}), "
+          f"{sum(j == 1 for j in jac)} of {len(jac)} sets identical, answers equal {answer == ref['stepwise']}, "
+          f"bytes ours {tree_nbytes(fitted.cache)} kvpress {ref['cache_bytes']}")
+    assert len(got) == model.cfg.n_layers * kh and np.mean(jac) >= 0.99
+    assert sum(map(len, got)) == sum(map(len, want)) == int(model.cfg.n_layers * kh * n * 0.5)
+    assert len({len(h) for h in want}) > kh  # the heads' counts differ
+    assert answer == ref["stepwise"]
+    assert tree_nbytes(fitted.cache) < ref["cache_bytes"]

@@ -196,6 +196,46 @@ def test_restorekv_refuses_clearly(tmp_path):
         lora.restore(Engine(model, kvpress("KVzipPress", 0.5), max_len=64, repeat=ByteTokenizer()), state)
 
 
+def test_engine_runs_the_restore_pass(tmp_path):
+    """`Engine.generate`, `prefill` and `compress` over RestoreKVPress run the restore pass themselves (the
+    `kvpolicies.prompt.Appends` hook): the same greedy ids, kept positions per (layer, kv head) and decode cache as
+    the by-hand sequence `compress(lora.restore(prompt))` checked beside kvpress above, for kvpress's default and
+    layerwise; a restored state is not restored twice, and more prompt after the restore tokens is refused."""
+    from models.config import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=128, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, d_ff=48)
+    model = Llama(cfg)
+    arrays = restore_arrays(tmp_path / "r.npz", dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                                     num_attention_heads=2, num_key_value_heads=1))
+    t, n_new = 40, 5
+    ctx = np.random.default_rng(7).integers(0, 128, (1, t))
+    for layerwise in (False, True):
+        eng = Engine(model, kvpress("RestoreKVPress", 0.5, max_new=8, restore_model_name=str(arrays),
+                                    layerwise=layerwise), max_len=t + N_RESTORE + n_new, repeat=ByteTokenizer())
+        prompt = eng.prompt(ctx)
+        restored = lora.restore(eng, prompt)
+        assert restored.length == t + N_RESTORE and lora.restore(eng, restored).length == t + N_RESTORE
+        by_hand = eng.compress(restored)
+        auto = eng.compress(prompt)  # the engine's restore pass
+        assert by_hand.length == auto.length == t + N_RESTORE
+        want = [[h.tolist() for h in layer] for layer in eng.kept_positions(by_hand)]
+        assert [[h.tolist() for h in layer] for layer in eng.kept_positions(auto)] == want
+        assert all(h[-N_RESTORE:] == list(range(t, t + N_RESTORE)) for layer in want for h in layer)
+        assert sum(map(len, want[0] + want[1])) < 2 * (t + N_RESTORE)  # some context pairs removed
+        _, cache = eng.prefill(ctx)
+        assert int(cache.length[0]) == t + N_RESTORE
+        for got, ref in zip(cache.runs, by_hand.cache, strict=True):
+            np.testing.assert_array_equal(np.asarray(got.pos), np.asarray(ref.pos))
+            np.testing.assert_array_equal(np.asarray(got.v), np.asarray(ref.v))
+        ids = eng.generate(ctx, n_new)
+        assert ids.tolist() == eng.continue_generate(by_hand, np.zeros((1, 0), np.int32), n_new).tolist()
+        assert ids.tolist() == eng.generate([ctx[0]], n_new).tolist()  # a ragged batch of one row
+        with pytest.raises(ValueError, match="appends"):
+            eng.extend_prompt(restored, ctx[:, :2])
+    with pytest.raises(ValueError, match="max_len"):
+        eng.generate(ctx, n_new + 1)
+
+
 @pytest.fixture(scope="module")
 def smollm2_run(tmp_path_factory):
     """SmolLM2 (float32) on the 1,024-token text with a needle of test_kvpress_parity.py, seeded random restore
