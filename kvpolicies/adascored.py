@@ -165,9 +165,9 @@ class AdaScored(PromptCompressor, QuietChunks, Policy):
             return jnp.where(over, kept, filled)  # [B, 1, V]
 
         kept = jax.lax.cond(over.any(), evict, lambda: filled)
-        return self._store(slots, kept, head, p, kh, stats)
+        return self.store_kept(slots, kept, head, p, kh, stats)
 
-    def _store(self, slots: HeadPool, kept: Bool[Array, "B 1 V"], head: Int[Array, "B 1 V"], p: int, kh: int,
+    def store_kept(self, slots: HeadPool, kept: Bool[Array, "B 1 V"], head: Int[Array, "B 1 V"], p: int, kh: int,
                stats: Any) -> CountedPool:
         pool = as_rows(pack_by_head(slots, kept, head, p), kh)
         counts = ((head == jnp.arange(kh)[None, :, None]) & kept).sum(axis=-1, dtype=jnp.int32)  # [B, K]

@@ -54,7 +54,7 @@ sized by their `ratio` field (`PromptScored.kept_for`), with kvpress's defaults:
                             int(K n r)), a head pool (Engine(fit=1): each layer at what it kept)
     RestoreKVPress          `restorekv.RestoreKV`: KVzipPress's rule at min(1, r + n / t) over the context, after n
                             learned restore tokens (restore_model_name=: our arrays, evals.train_restorekv) went
-                            through a LoRA-adapted pass (`models.lora.restore` between prompt and compress)
+                            through a LoRA-adapted pass (the engine runs it after the reconstruction pass)
     LagKVPress              lagkv (n_sink 4, lag_size 128, cross_scoring False)
     RandomPress             random with kvpress's counts and our draw (torch's cannot be reproduced)
     FinchPress              finch: window_size = the question's tokens, which end the prompt (kvpress: a

@@ -398,7 +398,7 @@ class KVComposeHeads(Fits, Reconstructor, PromptCompressor, Policy):
 
     # -- decoding: the pool plus the new token of every head ---------------------------------------------
     extend = AdaScored.extend
-    _store = AdaScored._store
+    store_kept = AdaScored.store_kept
 
     def compact(self, view, seen):
         slots, head, p, stats = view.carry  # [B, 1, V] flat slots, their heads, P
@@ -418,7 +418,7 @@ class KVComposeHeads(Fits, Reconstructor, PromptCompressor, Policy):
             return jnp.where(over, kept.any(axis=1, keepdims=True), filled)  # [B, 1, V]
 
         kept = jax.lax.cond(over.any(), evict, lambda: filled)
-        return self._store(slots, kept, head, p, kh, stats)
+        return self.store_kept(slots, kept, head, p, kh, stats)
 
 
 @functools.partial(jax.jit, static_argnums=(4, 5))
