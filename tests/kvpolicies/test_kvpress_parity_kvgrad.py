@@ -1,20 +1,17 @@
-"""kvpress 0.5.5's KVgradPress beside `kvpolicies.compat.kvpress("KVgradPress", r, **fields)` (the registered
-`kvgrad`): the tiny random Llama and Qwen2 of tests/kvpolicies/test_kvpress_parity.py, the same token ids, kvpress's
-press prefilling the context and scoring it with its replay and backward pass in its own environment
-(evals/kvpress_worker.py), ours `Engine.prompt` -> `compress` (the reconstruction pass, with the gradient pass of
-`models.gradient` before each repeat input) -> `kept_positions` / `continue_generate`. Kept positions per (layer,
-kv head) and greedy answers are identical: one context chunk (kvpress's default 512 over 320 tokens) and several
-(chunk_size 128 and 100: the "starting with" prompts), kvpress's default choice over all layers and its
-`layerwise=True` (whose bytes are measured: kvpress masks, each of our layers stores its share). The tiny Qwen2
-runs with KVP_KVPRESS_FULL=1 (suite time)."""
+"""kvpress 0.5.5's KVgradPress beside `kvpolicies.compat.kvpress("KVgradPress", r, **fields)` (the registered `kvgrad`):
+the tiny random Llama and Qwen2 of tests/kvpolicies/test_kvpress_parity.py, the same token ids, kvpress's press
+prefilling the context and scoring it with its replay and backward pass in its own environment
+(evals/kvpress_worker.py, through tests/conftest.py's `kvpress_ref`), ours `Engine.prompt` -> `compress` (the
+reconstruction pass, with the gradient pass of `models.gradient` before each repeat input) -> `kept_positions` /
+`continue_generate`. Kept positions per (layer, kv head) and greedy answers are identical: one context chunk
+(kvpress's default 512 over 320 tokens) and several (chunk_size 128 and 100: the "starting with" prompts), kvpress's
+default choice over all layers and its `layerwise=True` (whose bytes are measured: kvpress masks, each of our layers
+stores its share). The tiny Qwen2 runs with KVP_KVPRESS_FULL=1 (suite time)."""
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -41,18 +38,8 @@ CASES = {"llama": ((0.5, {}), (0.75, {"chunk_size": 128, "layerwise": True})),
          "qwen2": ((0.5, {"chunk_size": 100}),)}
 
 
-def run_kvpress(job: dict, tmp: pathlib.Path, timeout: int = 600) -> dict:
-    """kvpress's results for `job` (evals/kvpress_worker.py in its own environment)."""
-    (tmp / "job.json").write_text(json.dumps(job))
-    env = {**os.environ, "PYTHONPATH": str(REF), "CUDA_VISIBLE_DEVICES": "", "TRANSFORMERS_VERBOSITY": "error",
-           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    subprocess.run([sys.executable, str(ROOT / "evals" / "kvpress_worker.py"), str(tmp / "job.json"),
-                    str(tmp / "out.json")], check=True, env=env, cwd=ROOT, timeout=timeout)
-    return json.loads((tmp / "out.json").read_text())
-
-
 @pytest.fixture(scope="module", params=sorted(CASES) if FULL else ["llama"])
-def tiny_run(request, tmp_path_factory):
+def tiny_run(request, tmp_path_factory, kvpress_ref):
     """(model kind, our model, context ids, question ids, kvpress's results)."""
     tmp = tmp_path_factory.mktemp(request.param)
     rng = np.random.default_rng(1)
@@ -62,7 +49,7 @@ def tiny_run(request, tmp_path_factory):
                     "config": dict(TINY, tie_word_embeddings=request.param == "qwen2")},
            "context": ctx.tolist(), "question": question.tolist(), "n_new": N_NEW, "tokenizer": "ascii",
            "presses": [["KVgradPress", r, f] for r, f in CASES[request.param]]}
-    ref = run_kvpress(job, tmp)
+    ref = kvpress_ref.job(job, tmp)
     cfg, params = load_hf(tmp / "ckpt")
     return request.param, Llama(cfg, params), ctx, question, ref
 
@@ -135,7 +122,7 @@ N_SMOL = 700 if FULL else 400  # SmolLM2's context tokens in the slow test (suit
 @pytest.mark.ref
 @pytest.mark.kvpress
 @needs_kvpress
-def test_smollm2_real_text_equals_kvpress(tmp_path):
+def test_smollm2_real_text_equals_kvpress(tmp_path, kvpress_ref):
     """SmolLM2 (float32, its chat prefix and tokenizer) on N_SMOL tokens of Pride & Prejudice with a needle,
     KVgradPress at 0.5 (kvpress's default, one choice over all 30 layers; KVP_KVPRESS_FULL=1: 700 tokens, two
     context chunks of 512): mean kept-set Jaccard per (layer, kv head) >= 0.99 and the same 12 greedy ids as
@@ -152,7 +139,7 @@ def test_smollm2_real_text_equals_kvpress(tmp_path):
     path = smollm2_gguf_path()
     job = {"checkpoint": str(path.parent), "gguf_file": path.name, "context": ctx.tolist(),
            "question": question.tolist(), "n_new": 12, "presses": [["KVgradPress", 0.5, {}]]}
-    want = run_kvpress(job, tmp_path, timeout=1800)["KVgradPress@0.5"]
+    want = kvpress_ref.job(job, tmp_path, timeout=1800)["KVgradPress@0.5"]
     assert "error" not in want, want
     eng = Engine(model, kvpress("KVgradPress", 0.5, max_new=64), max_len=len(ctx) + len(question) + 12)
     state = eng.compress(eng.prompt(ctx[None]))

@@ -1,18 +1,15 @@
 """kvpress 0.5.5's RestoreKVPress beside `kvpolicies.compat.kvpress("RestoreKVPress", ...)` with the SAME arrays
 (restore embeddings and LoRA, seeded random here; `evals.train_restorekv` trains real ones): kvpress runs in a
-subprocess with its own transformers (evals/kvpress_worker.py), its hub download replaced by our arrays and
-PEFT's LoRA forward set on the torch modules (`kvpress_worker.given_lora`); ours runs `Engine.prompt` ->
-`models.lora.restore` -> `compress`. Kept positions per (layer, kv head), the restore slots included, and the
-greedy answer must be identical."""
+subprocess with its own transformers (evals/kvpress_worker.py, through tests/conftest.py's `kvpress_ref`), its hub
+download replaced by our arrays and PEFT's LoRA forward set on the torch modules (`kvpress_worker.given_lora`); ours
+runs `Engine.prompt` -> `models.lora.restore` -> `compress`. Kept positions per (layer, kv head), the restore slots
+included, and the greedy answer must be identical."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -51,17 +48,8 @@ def restore_arrays(path: pathlib.Path, cfg: dict, seed: int = 0) -> pathlib.Path
     return save_restore(path, rng.normal(0, 1.0, (N_RESTORE, d)), a, b, alpha=8.0)
 
 
-def run_kvpress(job: dict, tmp: pathlib.Path, timeout: int = 600) -> dict:
-    (tmp / "job.json").write_text(json.dumps(job))
-    env = {**os.environ, "PYTHONPATH": str(REF), "CUDA_VISIBLE_DEVICES": "", "TRANSFORMERS_VERBOSITY": "error",
-           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    subprocess.run([sys.executable, str(ROOT / "evals" / "kvpress_worker.py"), str(tmp / "job.json"),
-                    str(tmp / "out.json")], check=True, env=env, cwd=ROOT, timeout=timeout)
-    return json.loads((tmp / "out.json").read_text())
-
-
 @pytest.fixture(scope="module", params=sorted({kind for kind, _, _ in CASES}))
-def tiny_run(request, tmp_path_factory):
+def tiny_run(request, tmp_path_factory, kvpress_ref):
     """(our model, context ids, question ids, the arrays file, kvpress's results) for one tiny architecture."""
     tmp = tmp_path_factory.mktemp(request.param)
     rng = np.random.default_rng(3)
@@ -74,7 +62,7 @@ def tiny_run(request, tmp_path_factory):
            "context": ctx.tolist(), "question": question.tolist(), "n_new": N_NEW, "tokenizer": "ascii",
            "presses": [["RestoreKVPress", r, {"restore_model_name": str(arrays), "layerwise": lw}] for r, lw in cases]
            + [["KVzipPress", round(r + N_RESTORE / N_CTX, 6), {"layerwise": lw}] for r, lw in cases[:1]]}
-    ref = run_kvpress(job, tmp)
+    ref = kvpress_ref.job(job, tmp)
     cfg, params = load_hf(tmp / "ckpt")
     return Llama(cfg, params), ctx, question, arrays, ref
 
@@ -237,7 +225,7 @@ def test_engine_runs_the_restore_pass(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def smollm2_run(tmp_path_factory):
+def smollm2_run(tmp_path_factory, kvpress_ref):
     """SmolLM2 (float32) on the 1,024-token text with a needle of test_kvpress_parity.py, seeded random restore
     arrays of its shape (or RESTOREKV_ARRAYS: a file of evals.train_restorekv), kvpress's RestoreKVPress at 0.5."""
     from evals.data import default_text
@@ -258,7 +246,7 @@ def smollm2_run(tmp_path_factory):
     job = {"checkpoint": str(path.parent), "gguf_file": path.name, "context": ctx.tolist(),
            "question": question.tolist(), "n_new": 12,
            "presses": [["RestoreKVPress", 0.5, {"restore_model_name": str(arrays)}]]}
-    return model, ctx, question, arrays, run_kvpress(job, tmp, timeout=3600)
+    return model, ctx, question, arrays, kvpress_ref.job(job, tmp, timeout=3600)
 
 
 @pytest.mark.slow

@@ -37,6 +37,21 @@ def model():
 
 
 @pytest.fixture(scope="module")
+def engine(model):
+    """`engine(pol, slots=0)`: this module's Engine of `pol` on `model` at MAX_LEN (a shape class with
+    `slots`, sharing its steps), built once: the tests that run an equal engine (an exact press at 0.5,
+    a class's ratios) reuse its compiled steps instead of tracing and compiling them again."""
+    built = {}
+
+    def get(pol, slots=0):
+        if (pol, slots) not in built:
+            built[pol, slots] = Engine(model, pol, max_len=MAX_LEN, slots=slots, share_steps=bool(slots))
+        return built[pol, slots]
+
+    return get
+
+
+@pytest.fixture(scope="module")
 def tokens():
     rng = np.random.default_rng(0)
     return rng.integers(0, 97, (1, N)).astype(np.int32), rng.integers(0, 97, (1, Q)).astype(np.int32)
@@ -55,14 +70,13 @@ def _answer(eng, tokens, state=False):
 
 
 @pytest.mark.parametrize("press", sorted(PRESSES))
-def test_a_shape_class_keeps_and_answers_as_the_exact_policy(press, model, tokens):
+def test_a_shape_class_keeps_and_answers_as_the_exact_policy(press, engine, tokens):
     slots = grid_slots(_pols(press, RATIOS), CFG.n_layers, MAX_LEN)  # the class of all four ratios
     assert slots > 0
     # the exact policies of two of them (each compiles its own steps; the middle and the highest
     # ratio: the class is sized by the lowest, so these store the fewest of its slots)
     for pol in _pols(press, (0.5, 0.875)):
-        exact = Engine(model, pol, max_len=MAX_LEN, share_steps=False)
-        shaped = Engine(model, pol, max_len=MAX_LEN, slots=slots, share_steps=True)
+        exact, shaped = engine(pol), engine(pol, slots)
         assert shaped.policies != exact.policies and all(t is not None for t in shaped.keep_tables)
         (ke, ie, se), (ks, is_, ss) = _answer(exact, tokens, True), _answer(shaped, tokens, True)
         assert filled_bytes(ss.cache) == filled_bytes(se.cache) < tree_nbytes(se.cache) <= tree_nbytes(ss.cache)
@@ -84,9 +98,9 @@ def test_budget_sized_policies_have_a_constant_table():
     assert isinstance(decoding, KeptTable) and decoding.kept_table(100) is None
 
 
-def test_pyramid_layers_share_one_run_and_one_layer_step(model, tokens):
+def test_pyramid_layers_share_one_run_and_one_layer_step(model, engine, tokens):
     pol = kvpress("PyramidKVPress", 0.5, max_new=MAX_NEW, window_size=8)
-    exact = Engine(model, pol, max_len=MAX_LEN, share_steps=False)
+    exact = engine(pol)  # (the exact press of test_a_shape_class_keeps_and_answers_as_the_exact_policy)
     assert len(set(exact.policies)) == CFG.n_layers  # a policy (so a layer step) per layer
     shaped = Engine(model, pol, max_len=MAX_LEN, slots=grid_slots([pol], CFG.n_layers, MAX_LEN))
     assert len(set(shaped.policies)) == 1 and shaped.keep_tables[0].shape == (CFG.n_layers, MAX_LEN + 1)
@@ -94,28 +108,30 @@ def test_pyramid_layers_share_one_run_and_one_layer_step(model, tokens):
     assert exact.traces["decode_layer"] == CFG.n_layers and shaped.traces["decode_layer"] == 1
 
 
-def _grid_programs(ratios, tokens, vocab) -> tuple[int, int]:
-    """(XLA programs compiled, engine step traces) of every press of PRESSES at `ratios` on a fresh model
-    of its own vocabulary (its programs are compiled nowhere else, so none is read back from a
-    persistent cache: scripts/test.sh turns one on)."""
-    m = Llama(dataclasses.replace(CFG, vocab_size=vocab))
-    with CompileLog() as log:
-        counters = {}
-        for press in PRESSES:
-            slots = grid_slots(_pols(press, ratios), CFG.n_layers, MAX_LEN)
-            for pol in _pols(press, ratios):
-                eng = Engine(m, pol, max_len=MAX_LEN, slots=slots, share_steps=True)
-                _answer(eng, tokens)
-                counters[id(eng.traces)] = eng.traces
-    return log.programs, sum(sum(c.values()) for c in counters.values())
-
-
 def test_a_grid_compiles_the_same_programs_at_two_ratios_as_at_four(tokens):
-    two, four = _grid_programs((0.25, 0.5), tokens, 101), _grid_programs(RATIOS, tokens, 103)
-    # no more at four ratios than at two (fewer when the first grid also compiled the process's
-    # shape-generic eager programs, host reads and small array ops, that no earlier test did)
-    assert four[0] <= two[0] and four[1] == two[1]
-    assert four[1] <= 4 * len(PRESSES)  # per press: the prompt, the question and one decode-layer step, once
+    """Every press of PRESSES at two ratios, then at the other two of RATIOS (one shape class: the lowest
+    ratio sizes it), on a fresh model of its own vocabulary (its programs are compiled nowhere else, so
+    none is read back from a persistent cache: scripts/test.sh turns one on): the two added ratios
+    compile no program and trace no step (counted from JAX's compilation events), so four ratios
+    compile what two do."""
+    m = Llama(dataclasses.replace(CFG, vocab_size=101))
+    engines = []  # kept alive: a later engine of a class takes the steps of the first
+
+    def grid(ratios) -> tuple[int, int]:
+        with CompileLog() as log:
+            for press in PRESSES:
+                slots = grid_slots(_pols(press, RATIOS), CFG.n_layers, MAX_LEN)
+                assert slots == grid_slots(_pols(press, (0.25, 0.5)), CFG.n_layers, MAX_LEN)  # two ratios' class
+                for pol in _pols(press, ratios):
+                    engines.append(Engine(m, pol, max_len=MAX_LEN, slots=slots, share_steps=True))
+                    _answer(engines[-1], tokens)
+        traces = {id(e.traces): e.traces for e in engines}.values()
+        return log.programs, sum(sum(c.values()) for c in traces)
+
+    two = grid((0.25, 0.5))
+    four = grid((0.75, 0.875))
+    assert two[0] > 0 and four == (0, two[1])  # nothing compiled or traced for the other two ratios
+    assert two[1] <= 4 * len(PRESSES)  # per press: the prompt, the question and one decode-layer step, once
 
 
 def test_equal_engines_share_their_steps(model, tokens):
@@ -164,14 +180,14 @@ def test_chunk_as_a_list_of_steps(model, tokens):
         eng.prompt(ctx, chunk=[149, 0, 1])
 
 
-def test_one_covering_prefill_serves_every_covered_press(model, tokens):
+def test_one_covering_prefill_serves_every_covered_press(model, engine, tokens):
     """`kvpolicies.prompt.covers`: the covering phase's state, cut by `restrict`, is each phase's own
     bit for bit, and compressing it keeps the same positions and answers the same ids."""
     from kvpolicies.prompt import PromptPhase, covers, superset
 
     ctx, q = tokens
     steps = [128, 16, 4, 2]  # no 1-token step (evals.peer.shared_phase)
-    engines = {press: Engine(model, pol, max_len=MAX_LEN) for press in PRESSES if press != "ObservedAttentionPress"
+    engines = {press: engine(pol) for press in PRESSES if press != "ObservedAttentionPress"
                for pol in _pols(press, (0.5,))}
     phases = {e.prompt_policies[0] for e in engines.values()}
     assert len(phases) == 4  # snapkv's and adakv's 8 rows, tova's 1, knorm's and streamingllm's none, expected's sums
@@ -195,7 +211,7 @@ def test_one_covering_prefill_serves_every_covered_press(model, tokens):
         np.testing.assert_array_equal(eng.continue_generate(a, q, GEN), eng.continue_generate(b, q, GEN))
 
 
-def test_a_press_ratios_answer_as_rows_of_one_batch(model, tokens):
+def test_a_press_ratios_answer_as_rows_of_one_batch(engine, tokens):
     """`evals.peer.answer_rows`: the compressed states of a press's ratios (one shape class) decode as
     the rows of one batch, each row the ids it gets alone."""
     from evals.peer import answer_rows
@@ -203,7 +219,7 @@ def test_a_press_ratios_answer_as_rows_of_one_batch(model, tokens):
     ctx, q = tokens
     pols = _pols("SnapKVPress", RATIOS)
     slots = grid_slots(pols, CFG.n_layers, MAX_LEN)
-    engines = [Engine(model, pol, max_len=MAX_LEN, slots=slots, share_steps=True) for pol in pols]
+    engines = [engine(pol, slots) for pol in pols]
     prompt = engines[0].prompt(ctx)
     states = [e.compress(prompt) for e in engines]
     alone = [e.continue_generate(s, q, GEN)[0] for e, s in zip(engines, states)]

@@ -4,8 +4,9 @@ the 8-device checks: on a data=2 x model=4 mesh, every registered policy equals 
 
 The 8 CPU devices need XLA_FLAGS before jax is imported, so that half runs tests/refs/sharding_check.py
 in a subprocess, once for the unit tests (`all`: one model with one layer per registered policy, one
-compile serving them all, then the fallback where neither the kv heads nor a batch of 1 split; ~1.5 min
-of CPU, beside the other pytest-xdist worker's files); the two-process `jax.distributed` run is slow.
+compile serving them all, kvgrad in a 2-layer model of its own, then the fallback where neither the kv
+heads nor a batch of 1 split; about 190 s of CPU on the loaded machine, beside the other pytest-xdist
+worker's files); the two-process `jax.distributed` run is slow.
 """
 
 from __future__ import annotations
@@ -219,11 +220,18 @@ def eight():
 
 
 def test_every_policy_on_a_data_x_model_mesh_equals_one_device(eight):
-    """Every registered policy, one per layer of one model (~1.5 min of CPU), but the prompt scorers
-    `COVERED` by a representative's run: their states are the representative's, leaf by leaf."""
-    from tests.refs.sharding_check import COVERED, instances
+    """Every registered policy, one per layer of one model, but the prompt scorers `COVERED` by a
+    representative's run (their states are the representative's, leaf by leaf) and those `APART`
+    (kvgrad: its gradient pass differentiates the whole model), each checked in a 2-layer model of
+    its own (it, then full)."""
+    from tests.refs.sharding_check import APART, COVERED, instances
 
-    assert sorted(eight["order"]) == sorted(set(kvpolicies.POLICIES) - set(COVERED))
+    assert sorted(eight["order"]) == sorted(set(kvpolicies.POLICIES) - set(COVERED) - set(APART))
+    assert sorted(eight["apart"]) == sorted(APART) and set(APART) <= set(kvpolicies.POLICIES)
+    for name, r in eight["apart"].items():
+        check_equal(r, [name, "full"])
+        check_split(r, [name, "full"])
+        assert r["warnings"] == [] and r["traces"].get("gradient", 0) >= 1, name  # the mesh ran kvgrad's gradient pass
     pols = instances(4, covered=True)
     for name, rep in COVERED.items():
         a, b = (jax.eval_shape(lambda p=pols[n]: p.init(2, 4, 8, jnp.float32, 40)) for n in (name, rep))

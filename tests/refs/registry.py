@@ -119,7 +119,8 @@ REFERENCES = {
               kvzip_reference),  # tests/refs/kvzip.py
     # streams by kvzip's rule (no gradient mid-stream); its prompt rule is checked beside kvpress
     # (tests/kvpolicies/test_kvpress_parity_kvgrad.py); kvzip's chunking and prompts, so that one
-    # reconstruction pass serves both in a model of every policy (tests/refs/sharding_check.py)
+    # reconstruction pass serves both in a model of both (the 8-device check runs kvgrad in a model of its own:
+    # tests/refs/sharding_check.APART)
     "kvgrad": ([kvpolicies.get("kvgrad", budget=5, max_new=3, n_sink=2, repeat_chunk=2000, prompts="authors")],
                kvzip_reference),
     "kvzap": ([kvpolicies.get("kvzap", budget=5, max_new=3, window=2, surrogate="random")],

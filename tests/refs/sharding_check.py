@@ -6,8 +6,9 @@ as one JSON object for the test to check.
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.refs.sharding_check all
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m tests.refs.sharding_check host I 2 PORT
 
-all: every registered policy but those COVERED by another's run, one per layer (~1.5 min of CPU), then the
-fallback: 2 kv heads on model=4 and a batch of 1 on data=2, neither of which splits.
+all: every registered policy but those COVERED by another's run and those APART, one per layer, then each policy
+APART in a 2-layer model of its own (it, then full), then the fallback: 2 kv heads on model=4 and a batch of 1
+on data=2, neither of which splits.
 host: process I of 2, each with 4 CPU devices, joined by `jax.distributed.initialize` into one
 data=2 x model=4 mesh (multi-host on one machine); prints what every process reads back.
 """
@@ -49,6 +50,11 @@ COVERED = {"finch": "snapkv", "pyramidkv": "snapkv", "keydiff": "knorm", "lagkv"
 # kvcompose chooses over every layer at once (its layers cannot share a model with other policies, nor its
 # pass another reconstructor's): its decode state is observed's layout (Accumulated), covered by observed's run
 COVERED |= {"kvcompose": "observed"}
+# Policies checked in a 2-layer model of their own (the policy, then full), not in the model of every policy:
+# kvgrad's gradient pass differentiates the whole model (each repeat input's backward through every layer),
+# which in the model of every policy is a backward through all of its layers, compiled on one device and on
+# the mesh; in its own model it runs the same code (the gradient through a layer after it) on the mesh.
+APART = ("kvgrad",)
 
 
 def instances(kv_heads: int, covered: bool = False) -> dict[str, kvpolicies.Policy]:
@@ -161,19 +167,22 @@ def compare(model: Llama, policies, mesh, batch: int, seed: int) -> dict:
         "nll_mean": float(np.mean(one["nll"])), "nll_spread": float(np.std(one["nll"])),
         "cache_layout": [layout(c) for c in many["cache"]], "stream_layout": [layout(c) for c in many["stream_cache"]],
         "param_layout": layout(eng.params[0]), "logits_sharding": str(jax.tree.leaves(many["logits"])[0].sharding),
-        "warnings": [str(w.message) for w in caught],
+        "warnings": [str(w.message) for w in caught], "traces": dict(eng.traces),  # the mesh engine's
     }
 
 
 def main() -> None:
     t0 = time.perf_counter()
     pols = instances(4)
+    apart = {name: pols.pop(name) for name in APART}
     order = layer_order(pols)
     cfg = LlamaConfig(vocab_size=128, d_model=32, n_layers=len(order), n_heads=8, n_kv_heads=4, head_dim=8, d_ff=64,
                       qkv_bias=True)
     mesh = make_mesh(2, 4)
     out = {"devices": len(jax.devices()), "order": order}
     out["mesh"] = compare(Llama(cfg), tuple(pols[n] for n in order), mesh, 2, 0)
+    two = dataclasses.replace(cfg, n_layers=2)
+    out["apart"] = {name: compare(Llama(two), (pol, kvpolicies.get("full")), mesh, 2, 2) for name, pol in apart.items()}
     # 2 kv heads on model=4 and a batch of 1 on data=2: neither splits (a warning)
     small = dataclasses.replace(cfg, n_layers=2, n_heads=4, n_kv_heads=2)
     out["fallback"] = compare(Llama(small), pols["sink"], mesh, 1, 1)
