@@ -1,17 +1,15 @@
 """kvpress 0.5.5's KVComposePress beside `kvpolicies.compat.kvpress("KVComposePress", r)` (`kvcompose`): the
-same tiny random Llama (and Qwen2 with KVP_KVPRESS_FULL=1) and token ids; kvpress prefills under the press in a
-subprocess with its own transformers (.venv/kvpress-ref, `WORKER` below, over evals/kvpress_worker.py), ours runs
-`Engine.prompt` -> `compress` -> `kept_positions` / `continue_generate`. Kept positions per (layer, kv head) must
-be identical, and the answers those of kvpress's compressed cache; the bytes each library holds are compared."""
+same tiny random Llama (and Qwen2 with KVP_KVPRESS_FULL=1) and token ids; kvpress prefills under the press in the
+shared kvpress worker (the `kvpress_ref` fixture: .venv/kvpress-ref, `WORKER` below, over evals/kvpress_worker.py),
+ours runs `Engine.prompt` -> `compress` -> `kept_positions` / `continue_generate`. Kept positions per (layer, kv
+head) must be identical, and the answers those of kvpress's compressed cache; the bytes each library holds are
+compared."""
 
 from __future__ import annotations
 
 import base64
-import json
 import os
 import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -98,23 +96,14 @@ json.dump(out, open(sys.argv[2], "w"))
 """
 
 
-def run_kvpress(job: dict, tmp: pathlib.Path, timeout: int = 600) -> dict:
-    (tmp / "job.json").write_text(json.dumps(job))
-    env = {**os.environ, "PYTHONPATH": str(REF), "CUDA_VISIBLE_DEVICES": "", "TRANSFORMERS_VERBOSITY": "error",
-           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    subprocess.run([sys.executable, "-c", WORKER, str(tmp / "job.json"), str(tmp / "out.json"), str(ROOT / "evals")],
-                   check=True, env=env, cwd=ROOT, timeout=timeout)
-    return json.loads((tmp / "out.json").read_text())
-
-
-def tiny(kind: str, tmp: pathlib.Path, presses: list):
+def tiny(kind: str, tmp: pathlib.Path, presses: list, kvpress_ref):
     """(our model, context ids, question ids, kvpress's results) on a tiny random model."""
     rng = np.random.default_rng(5)
     ctx, question = rng.integers(0, 127, N_CTX), rng.integers(0, 127, N_Q)
     job = {"save_to": str(tmp / "ckpt"), "tiny": {"kind": kind, "seed": 0,
                                                    "config": dict(TINY, tie_word_embeddings=kind == "qwen2")},
            "context": ctx.tolist(), "question": question.tolist(), "n_new": N_NEW, "presses": presses}
-    ref = run_kvpress(job, tmp)
+    ref = kvpress_ref.job(job, tmp, script=WORKER)
     cfg, params = load_hf(tmp / "ckpt")
     return Llama(cfg, params), ctx, question, ref
 
@@ -130,18 +119,18 @@ HEADS = {"structured": False}
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
+def tiny_run(tmp_path_factory, kvpress_ref):
     return tiny("llama", tmp_path_factory.mktemp("llama"),
                 [["KVComposePress", r, {}] for r in (RATIOS if FULL_GRID else (0.5,))]
                 + [["KVComposePress", 0.5, V_NORM]]
                 + [["KVComposePress", r, HEADS] for r in (RATIOS if FULL_GRID else (0.5,))]
-                + ([["KVComposePress", 0.5, OTHER]] if FULL_GRID else []))
+                + ([["KVComposePress", 0.5, OTHER]] if FULL_GRID else []), kvpress_ref)
 
 
 @pytest.fixture(scope="module")
-def tiny_qwen2_run(tmp_path_factory):
+def tiny_qwen2_run(tmp_path_factory, kvpress_ref):
     return tiny("qwen2", tmp_path_factory.mktemp("qwen2"), [["KVComposePress", r, f] for r in RATIOS
-                                                            for f in ({}, HEADS)])
+                                                            for f in ({}, HEADS)], kvpress_ref)
 
 
 def key_of(name: str, ratio: float, fields: dict) -> str:
@@ -244,7 +233,7 @@ def test_kvpress_add_v_norm_fails(tiny_run):
 @pytest.mark.slow
 @pytest.mark.skipif(not FULL_GRID, reason="suite time: KVP_KVPRESS_FULL=1 runs it (minutes on the 2 shared cores, "
                     "mostly kvpress's eager pass and compiling SmolLM2's 30 layers)")
-def test_smollm2_kvcompose_equals_kvpress(tmp_path):
+def test_smollm2_kvcompose_equals_kvpress(tmp_path, kvpress_ref):
     """SmolLM2 (30 layers, 3 kv heads) on 1,024 tokens of Pride & Prejudice with a needle, KVComposePress at 0.5:
     each layer's count and the kept positions per (layer, kv head) as kvpress's (mean Jaccard >= 0.99: near ties
     of the composite or of a head's scores may swap a token) and the 12 greedy ids of kvpress's compressed cache
@@ -260,9 +249,9 @@ def test_smollm2_kvcompose_equals_kvpress(tmp_path):
     question = np.asarray(tok.encode("\nQuestion: What is the secret passphrase?\nAnswer:"), np.int32)
     n = len(ctx)
     path = smollm2_gguf_path()
-    ref = run_kvpress({"checkpoint": str(path.parent), "gguf_file": path.name, "context": ctx.tolist(),
-                       "question": question.tolist(), "n_new": 12, "presses": [["KVComposePress", 0.5, {}]]},
-                      tmp_path)[key_of("KVComposePress", 0.5, {})]
+    ref = kvpress_ref.job({"checkpoint": str(path.parent), "gguf_file": path.name, "context": ctx.tolist(),
+                           "question": question.tolist(), "n_new": 12, "presses": [["KVComposePress", 0.5, {}]]},
+                          tmp_path, script=WORKER, timeout=3600)[key_of("KVComposePress", 0.5, {})]
     kh = model.cfg.n_kv_heads
     bits = [np.unpackbits(np.frombuffer(base64.b64decode(m), np.uint8))[:kh * n].reshape(kh, n) for m in ref["masks"]]
     want = [set(np.flatnonzero(b).tolist()) for layer in bits for b in layer]
