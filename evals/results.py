@@ -514,12 +514,16 @@ def memory(policies: Sequence[Policy], *, kv_heads: int, head_dim: int, max_len:
 
 
 def policy_record(policy: Policy) -> dict[str, Any]:
-    """A policy as plain data: its registry name, its fields, the codec as {name, fields}."""
+    """A policy as plain data: its registry name, its fields, the codec as {name, fields}. A field
+    added after rows were keyed (`metadata={"later": True}`) is left out at its default, so those
+    rows keep their keys."""
     from kvpolicies import POLICIES
 
     name = next((n for n, cls in POLICIES.items() if type(policy) is cls), type(policy).__name__.lower())
     out: dict[str, Any] = {"name": name}
     for f in dataclasses.fields(policy):
         v = getattr(policy, f.name)
+        if f.metadata.get("later") and v == f.default:
+            continue
         out[f.name] = v.record() if isinstance(v, Codec) else dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
     return out

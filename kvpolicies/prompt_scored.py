@@ -87,7 +87,7 @@ class PromptScored(Budgeted, KeptTable, PromptCompressor, QuietChunks, SpareSlot
     spare: bool = dataclasses.field(default=False, metadata={"engine": True})
     # a shape class that only answers (evals.shared_answers' canonical form): its stored keys are rotated
     # (RoPE at their text positions, written once) so no step rotates them again; states come rotated
-    rotated: bool = dataclasses.field(default=False, metadata={"engine": True})
+    rotated: bool = dataclasses.field(default=False, metadata={"engine": True, "later": True})  # later: keys kept
 
     def __post_init__(self):
         check_int(self.label, "budget", self.budget, 0)

@@ -126,3 +126,18 @@ def test_a_perplexity_run_reports_its_compile_time_apart(tmp_path, text_file):
     assert 0 < m["compile_s"] < m["score_s"]  # a fresh process compiles its score steps
     assert m["tokens_per_s"] == pytest.approx(32 / (m["score_s"] - m["compile_s"]))
     assert row["arrays"]["nll"].startswith("r.jsonl.arrays/") and "failed" not in row
+
+
+def test_a_field_added_later_keeps_the_keys_of_rows_keyed_before_it():
+    """`PromptScored.rotated` (metadata later=True) is left out of a policy's record at its default, so
+    a snapkv row keyed before the field existed keeps its key (docs/results/compare_perplexity_1024.csv's
+    snapkv rows: test_docs re-plans that comparison); set, it is recorded and the key changes."""
+    import dataclasses
+
+    import kvpolicies
+
+    pol = kvpolicies.get("snapkv", budget=30, max_new=64)
+    rec = R.policy_record(pol)
+    assert "rotated" not in rec and rec["spare"] is False and rec["slots"] == 0  # older engine fields stay recorded
+    turned = R.policy_record(dataclasses.replace(pol.shape_class(96), rotated=True))
+    assert turned["rotated"] is True
