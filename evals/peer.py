@@ -117,8 +117,9 @@ DEFAULT_RATIOS = (0.25, 0.5, 0.75, 0.875)  # kvpress's leaderboard's ratios
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
 SIDES = ("kvpress", "ours")
 OWN_KEYS += ("executor", "ray.address", "ray.workers")  # evals.peer_grid: our side on Ray actors
-OWN_KEYS += ("answer",)  # our side's answers: a batch per press (press) or one for every press (shared)
-ANSWERS = ("press", "shared")
+OWN_KEYS += ("answer",)  # our side's answers: a press's ratios per batch (press, shared) or a sample's (pooled)
+ANSWERS = ("press", "shared", "pooled")
+POOL_ROWS = 16  # answer=pooled: the most rows of one batch (a sample's states are held until answered)
 
 
 # -- the command line -------------------------------------------------------------------------------
@@ -845,6 +846,7 @@ def run_ours(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=lambda
                     engines[(c, r)] = Engine(model, pol, max_len=max_len, slots=slots.get(c, 0), share_steps=True)
             wide = shared_phase(model, [engines[x] for x in cells], max_len, pieces(len(ctx), p.chunk), shared)
             ready: dict[Any, list] = {}  # per set of shared steps: (press, ratio, engine, state, kept, phases, seconds)
+            pool: dict[Any, list] = {}  # answer=pooled: per canonical form, the rows of every press of the sample
             order = sorted(cells, key=lambda x: x[0] == "full")
             for k, (c, r) in enumerate(order):
                 t0 = time.time()
@@ -874,19 +876,28 @@ def run_ours(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=lambda
                 held = {"stored": filled_bytes(st.cache), "allocated": tree_nbytes(st.cache)}  # after the compression
                 ready.setdefault((eng.policies, eng.max_len) if eng.slots else (c, r), []).append(
                     (c, r, eng, st, (kept, held), ph.done(), time.time() - t0))
-                if k + 1 == len(order) or order[k + 1][0] != c:  # a press's ratios are compressed: answer them,
+                last = k + 1 == len(order)
+                if last or order[k + 1][0] != c:  # a press's ratios are compressed: answer them,
                     for group in ready.values():  # then free their states (a sample's grid never held at once)
-                        alike = p.answer == "shared" and canonical_of(group[0][2]) is not None
-                        _answer_group(p, i, group, q, len(ctx), log, f, tick, shared=alike)
+                        form = canonical_of(group[0][2]) if p.answer != "press" else None
+                        if p.answer == "pooled" and form is not None:  # held for one batch of the sample's rows
+                            pool.setdefault((form, group[0][2].max_len), []).extend(group)
+                        else:
+                            _answer_group(p, i, group, q, len(ctx), log, f, tick, mode=p.answer if form else None)
                     ready.clear()
+                    for key, rows in list(pool.items()):  # a pool answers when full or at the sample's end
+                        while len(rows) >= POOL_ROWS or last and rows:
+                            _answer_group(p, i, rows[:POOL_ROWS], q, len(ctx), log, f, tick, mode="pooled")
+                            del rows[:POOL_ROWS]
 
 
-def _answer_group(p: Plan, i: int, group: list, q: np.ndarray, n: int, log, f, tick, shared: bool = False) -> None:
-    """The greedy answers of one batch of compressed states (a press's ratios; `shared`: through their
-    canonical form's engine, `evals.shared_answers`), a line each."""
+def _answer_group(p: Plan, i: int, group: list, q: np.ndarray, n: int, log, f, tick, mode: str | None = None) -> None:
+    """The greedy answers of one batch of compressed states, a line each: a press's ratios through its own
+    steps (`mode` None) or through their canonical form's engine (`evals.shared_answers`; "shared"), or
+    the rows of several presses through it ("pooled")."""
     t1 = time.time()
     eng, ph = group[0][2], Phases(log)
-    ids = answer_rows(eng, [x[3] for x in group], q, p.gen, ph, engines=[x[2] for x in group] if shared else None)
+    ids = answer_rows(eng, [x[3] for x in group], q, p.gen, ph, engines=[x[2] for x in group] if mode else None)
     share = {k: v / len(group) for k, v in ph.done().items()}  # the batch's time, shared out
     secs = (time.time() - t1) / len(group)
     for (c, r, _, _, (kept, held), own, spent), row in zip(group, ids):
@@ -894,8 +905,8 @@ def _answer_group(p: Plan, i: int, group: list, q: np.ndarray, n: int, log, f, t
         line = {"sample": p.sample_id(i), "press": c, "ratio": r, "n": n,
                 "answer": [int(x) for x in row], "kept": kept, "bytes": held,
                 "seconds": round(spent + secs, 2), "phases": phases | {"batch": len(group)}}
-        if shared:
-            line["answer_mode"] = "shared"
+        if mode:
+            line["answer_mode"] = mode
         f.write(json.dumps(line) + "\n")
         f.flush()
         tick()

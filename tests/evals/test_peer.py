@@ -517,7 +517,7 @@ def test_answer_shared_answers_through_one_canonical_engine_as_press_mode(tmp_pa
         peer.parse(args + ["answer=both"])
     got = {}
     model = None
-    for mode in ("press", "shared"):
+    for mode in ("press", "shared", "pooled"):
         p = peer.prepare(peer.parse(args + [f"answer={mode}", f"out={tmp_path / mode}"]))
         assert p.answer == mode and (mode == "press" or peer.parse(args).answer == "shared")
         if model is None:  # a random Llama of the tokenizer's vocabulary (no checkpoint needed)
@@ -526,13 +526,34 @@ def test_answer_shared_answers_through_one_canonical_engine_as_press_mode(tmp_pa
         (tmp_path / mode).mkdir()
         peer.run_ours(p, model, peer.pending(p, "ours"))
         got[mode] = {(x["sample"], x["press"], x["ratio"]): x for x in _lines(tmp_path / mode / f"{STEM}.ours.jsonl")}
-    assert got["press"].keys() == got["shared"].keys() and len(got["press"]) == 6  # 2 samples x 3 rows
-    for k, x in got["press"].items():
-        y = got["shared"][k]
+    assert got["press"].keys() == got["shared"].keys() == got["pooled"].keys() and len(got["press"]) == 6
+    for k, x in got["press"].items():  # 2 samples x 3 rows
+        y, z = got["shared"][k], got["pooled"][k]
         assert y["answer"] == x["answer"] and y["kept"] == x["kept"], k
+        # pooled: another batch shape, so not the same floats; on this grid the same ids
+        assert z["answer"] == x["answer"] and z["kept"] == x["kept"], k
         shared = k[1] in ("SnapKVPress", "TOVAPress")
         assert (y.get("answer_mode") == "shared") == shared and "answer_mode" not in x, k
         assert y["phases"]["batch"] == x["phases"]["batch"] == 1, k
+        # the two presses' rows of a sample answer as one batch; the full cache through its own steps
+        assert z.get("answer_mode") == ("pooled" if shared else None) and z["phases"]["batch"] == (2 if shared else 1)
+
+
+def test_answer_pooled_splits_a_sample_into_batches_of_at_most_pool_rows(tmp_path, monkeypatch):
+    """answer=pooled holds a sample's compressed states until POOL_ROWS rows of one canonical form are
+    ready (or the sample ends), so the batches are at most POOL_ROWS rows, in press order."""
+    from models.config import LlamaConfig
+    from models.llama import Llama
+
+    monkeypatch.setattr(peer, "POOL_ROWS", 2)
+    p = peer.prepare(peer.parse(["model=tiny", "tokens=320", "samples=1", "presses=[SnapKVPress,TOVAPress,KnormPress]",
+                                 "ratios=[0.5]", "gen=2", "kvpress=false", "progress=false", "answer=pooled",
+                                 f"out={tmp_path}"]))
+    model = Llama(LlamaConfig(vocab_size=49152, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48))
+    peer.run_ours(p, model, peer.pending(p, "ours"))
+    lines = _lines(tmp_path / f"{STEM}.ours.jsonl")
+    assert {x["press"]: x["phases"]["batch"] for x in lines} == {"SnapKVPress": 2, "TOVAPress": 2, "KnormPress": 1,
+                                                                 "full": 1} and len(lines) == 4
 
 
 # -- the rest of compat's catalogue (issue 58): evals.peer.CATALOGUE ---------------------------------------------
