@@ -10,7 +10,7 @@ the same `extend`, `compact`, `select` and `defer`. So each state converts to on
 append-only state (its `SlotState` of keys, values and positions, statistics dropped; the same
 un-rotated keys and RoPE at text positions) that `canonical`'s policy decodes alike: the question
 and decode steps compile once per (S, batch shape) for every press, not once per press, and at the
-same batch give each press's own floats bit for bit (tests/models/test_shared_answers.py). States
+same batch give each press's own floats bit for bit (tests/evals/test_shared_answers.py). States
 of several presses of one prompt may also join as the rows of one batch (`shared_rows`); a batch of
 another shape may round otherwise (XLA groups a matmul's sums by the batch's shape), and on XLA:CPU
 a larger batch was not faster (docs/results/speed.md), so `evals.peer` keeps a press's ratios as its
