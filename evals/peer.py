@@ -52,8 +52,10 @@ Keys (key=value):
                                   press's own compiled steps) or shared (a shape-class prompt scorer's
                                   batch through one canonical append-only policy, `evals.shared_answers`:
                                   one set of question and decode steps for every press of one slot count
-                                  and batch, not one per press; the same floats, bit for bit; adakv,
-                                  kvzip, duo and the full cache keep their own steps)
+                                  and batch, not one per press; the same floats, bit for bit; head pools,
+                                  adakv and adascored, through per-head rows of max_len slots: the same
+                                  tokens, float32 rounding apart, and the same ids on issue 57's grid;
+                                  kvzip, kvzap, duo and the full cache keep their own steps)
     executor=ray                  our side's items on Ray actors, a press's items per task, each actor's
                                   lines in its own shard of .ours.jsonl (evals.peer_grid); default
                                   executor=local: in this process, Ray not imported

@@ -10,14 +10,27 @@ the same `extend`, `compact`, `select` and `defer`. So each state converts to on
 append-only state (its `SlotState` of keys, values and positions, statistics dropped; the same
 un-rotated keys and RoPE at text positions) that `canonical`'s policy decodes alike: the question
 and decode steps compile once per (S, batch shape) for every press, not once per press, and at the
-same batch give each press's own floats bit for bit (tests/models/test_shared_answers.py). States
+same batch give each press's own floats bit for bit (tests/evals/test_shared_answers.py). States
 of several presses of one prompt may also join as the rows of one batch (`shared_rows`); a batch of
 another shape may round otherwise (XLA groups a matmul's sums by the batch's shape), and on XLA:CPU
 a larger batch was not faster (docs/results/speed.md), so `evals.peer` keeps a press's ratios as its
-batch. A policy that decodes otherwise (adakv's head pool, kvzip, duo, full ...) has no canonical
-form (`canonical` gives None) and keeps its own engine.
+batch.
 
-Shapes: L layers of a run, B batch rows, K kv heads, Kp = 1 or K position rows, S slots, D head dim.
+Head pools (`kvpolicies.adakv.AdaKV`'s shape class, `kvpolicies.adascored.AdaScored`: K x S slots
+shared by a layer's K kv heads, head segments contiguous) also only append after kvpress's
+compression (every head gets each new token, within the pool's K x max_new free slots). Their state
+converts (`pool_rows`, one gather) to per-head rows of S' = the engine's max_len slots (head h's
+tokens in text order, then empty slots): the most a head can hold, so one canonical policy of S'
+slots answers every ratio and every head-pool press of a grid. The same (head, position, key, value)
+sets, but NOT the same floats: the pool's own attention sums over the masked K x S pool, the
+canonical form over each head's S' slots (another summation order; the question's logits agree to
+float32 rounding, the greedy ids in the tests and on issue 57's grid). A head-pool row and a prompt
+scorer's row join one batch only where their S' agree. A policy that decodes otherwise (kvzip,
+kvzap, duo, the full cache ...) has no canonical form (`canonical` gives None) and keeps its own
+engine.
+
+Shapes: L layers of a run, B batch rows, K kv heads, Kp = 1 or K position rows, S slots, S' slots per
+head of a head pool's canonical rows, P = K x S pool slots, D head dim.
 """
 
 from __future__ import annotations
@@ -30,7 +43,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from kvpolicies.base import SlotState, keys_rotated
+from kvpolicies.adakv import AdaKV, HeadPool, head_of
+from kvpolicies.adascored import AdaScored, CountedPool
+from kvpolicies.base import EMPTY, SlotState, keys_rotated
 from kvpolicies.knorm import Knorm
 from kvpolicies.prompt_scored import PromptScored
 
@@ -38,23 +53,42 @@ from kvpolicies.prompt_scored import PromptScored
 # sparse reads); a class that overrides any of them decodes otherwise than the canonical policy
 _DECODE = ("extend", "compact", "select", "defer", "appends_quietly", "pad_spare", "cut_spare", "spared")
 
-def canonical(policy: Any) -> Knorm | None:
-    """The append-only policy that decodes a compressed state of `policy` alike (a knorm shape class
-    of the same slots, max_new and codec: no statistics, every layer compressed), or None where
-    `policy` is not a shape-class prompt scorer that only appends with the base class's decode steps."""
+
+def head_pool(policy: Any) -> bool:
+    """A head pool whose decode only appends after kvpress's compression (within its max_new): adakv's
+    shape class (the engine refuses more, `appends_only`) or adascored (K x max_new free pool slots)."""
+    return (type(policy) is AdaKV and policy.appends_only) or type(policy) is AdaScored
+
+
+def _form(slots: int, max_new: int, codec: Any) -> Knorm:
+    """A knorm shape class of `slots`: no statistics, every layer compressed, keys stored after RoPE
+    (`rotated`) unless the codec encodes before it."""
+    pol = Knorm(budget=0, max_new=max_new, dense_layers=0, codec=codec).shape_class(slots)
+    return dataclasses.replace(pol, rotated=keys_rotated(codec))
+
+
+def canonical(policy: Any, max_len: int = 0) -> Knorm | None:
+    """The append-only policy that decodes a compressed state of `policy` alike: for a shape-class
+    prompt scorer that only appends with the base class's decode steps, a knorm shape class of the
+    same slots, max_new and codec; for a head pool (`head_pool`), the same of `max_len` slots per head
+    (its engine's; required); else None."""
+    if head_pool(policy):
+        if not max_len:
+            raise ValueError(f"canonical({type(policy).__name__}): a head pool's canonical rows hold max_len slots "
+                             "per head: pass its engine's max_len")
+        return _form(max_len, policy.max_new, policy.codec)
     if not isinstance(policy, PromptScored) or not policy.appends_only or policy.spare:
         return None
     if any(getattr(type(policy), m, None) is not getattr(Knorm, m, None) for m in _DECODE):
         return None
     if not getattr(type(policy).observe, "chunked", False):  # its question would run token by token
         return None
-    return dataclasses.replace(Knorm(budget=0, max_new=policy.max_new, dense_layers=0, codec=policy.codec).shape_class(
-        policy.slots), rotated=keys_rotated(policy.codec))
+    return _form(policy.slots, policy.max_new, policy.codec)
 
 
 def canonical_of(engine: Any) -> Knorm | None:
     """The one canonical policy of every layer of `engine` (whose compressed cache is one run), or None."""
-    pols = {canonical(p) for p in engine.policies}
+    pols = {canonical(p, engine.max_len) for p in engine.policies}
     return next(iter(pols)) if len(pols) == 1 and None not in pols else None
 
 
@@ -74,7 +108,7 @@ def answering_engine(engine: Any) -> Any:
     pol = canonical_of(engine)
     if pol is None:
         raise ValueError(f"answering_engine: {sorted({type(p).__name__ for p in engine.policies})} have no common "
-                         "canonical append-only form (a shape class's prompt scorer; see canonical)")
+                         "canonical append-only form (a shape class's prompt scorer or a head pool; see canonical)")
     if "_answering" not in engine.__dict__:
         out = Engine(engine._model, (pol,) * engine.cfg.n_layers, max_len=engine.max_len,
                      cache_dtype=engine.cache_dtype, rope_tables=engine.params[1] is not None, share_steps=True)
@@ -83,12 +117,43 @@ def answering_engine(engine: Any) -> Any:
     return engine._answering
 
 
-def append_state(run: SlotState, kv_heads: int) -> SlotState:
-    """A run's compressed state (leaves [L, B, K|Kp, S, ...]) as the canonical append-only state:
-    keys, values and positions (broadcast to K position rows), every other field dropped."""
+def append_state(run: SlotState, kv_heads: int, slots: int) -> SlotState:
+    """A run's compressed state (leaves [L, B, K|Kp, S, ...]) as the canonical append-only state of
+    `slots` slots: a head pool's per-head rows (`pool_rows`), else its keys, values and positions (broadcast
+    to K position rows), every other field dropped."""
+    if type(run) in (HeadPool, CountedPool):
+        return pool_rows(run, slots)
     pos = run.pos  # [L, B, Kp, S]
     pos = jnp.broadcast_to(pos, pos.shape[:2] + (kv_heads,) + pos.shape[3:])  # [L, B, K, S]
     return SlotState(k=run.k, v=run.v, pos=pos)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def pool_rows(run: HeadPool | CountedPool, slots: int) -> SlotState:
+    """A head pool's state (leaves [L, B, K, S, ...]: K rows of one flat pool of P = K x S slots, head
+    segments contiguous in head order, each in text order) as per-head rows [L, B, K, slots, ...]: head
+    h's c_h tokens in slots 0..c_h-1 of row h (the pool's order), then empty slots (pos -1, zeros).
+    The heads' counts: `counts` (adascored) or `head_of`'s segments (adakv); one gather for every layer.
+    `slots` must cover every head's count (a head holds distinct positions: max_len always does)."""
+    l, b, kh, s = run.pos.shape
+    flat = run.pos.reshape(l, b, kh * s)  # [L, B, P]
+    if isinstance(run, CountedPool):
+        counts = run.counts  # [L, B, K]
+    else:
+        head = head_of(flat, kh)  # [L, B, P], K for empty slots
+        counts = (head[..., None, :] == jnp.arange(kh)[:, None]).sum(axis=-1, dtype=jnp.int32)  # [L, B, K]
+    j = jnp.arange(slots)  # [S']
+    live = j < counts[..., None]  # [L, B, K, S']
+    idx = jnp.where(live, (jnp.cumsum(counts, axis=-1) - counts)[..., None] + j, 0)  # [L, B, K, S'] pool slots
+
+    def take(x):  # [L, B, K, S, ...] -> [L, B, K, S', ...]
+        x = x.reshape((l * b, 1, kh * s) + x.shape[4:])  # [L*B, 1, P, ...]
+        got = jnp.take_along_axis(x, idx.reshape((l * b, kh, slots) + (1,) * (x.ndim - 3)), axis=2)
+        got = got.reshape((l, b, kh, slots) + x.shape[3:])  # [L, B, K, S', ...]
+        return jnp.where(live.reshape(live.shape + (1,) * (got.ndim - 4)), got, jnp.zeros((), got.dtype))
+
+    pos = jnp.where(live, take(run.pos), EMPTY)  # [L, B, K, S']
+    return SlotState(k=jax.tree.map(take, run.k), v=jax.tree.map(take, run.v), pos=pos)
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3))
@@ -131,7 +196,8 @@ def shared_rows(pairs: Sequence[tuple[Any, Any]], written: int) -> tuple[Any, An
             raise ValueError(f"shared_rows: a one-row state of one run of layers, got {len(st.cache)} runs, "
                              f"{st.logits.shape[0]} rows")
         e._check_room(st, written, "shared_rows")
-        runs.append(append_state(st.cache[0], eng.cfg.n_kv_heads))
+        eng._check_room(st, written, "shared_rows")  # a head pool's free slots: max_new per head (adascored's too)
+        runs.append(append_state(st.cache[0], eng.cfg.n_kv_heads, eng.policies[0].slots))
     cache = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *runs)  # leaves [L, B, ...]
     cache = (rotate_keys(eng, cache) if eng.policies[0].rotated_keys else cache,)
     first = pairs[0][1]

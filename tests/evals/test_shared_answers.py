@@ -2,7 +2,9 @@
 of one batch through one canonical append-only policy. Checked against each press's own engine: at the
 same batch the canonical form gives its question logits bit for bit, and in one batch of every press
 the same greedy ids; the answers' programs compile once for all presses, not once per press (JAX's
-compilation events, never a clock); what has no canonical form is refused before anything runs."""
+compilation events, never a clock); what has no canonical form is refused before anything runs. Head
+pools (adakv's shape class, adascored) convert to per-head rows holding the pool's own (head, position,
+key, value) sets (a numpy oracle), and answer to float32 rounding with the same greedy ids."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from kvpolicies.compat import kvpress
 from kvpolicies.prompt import shape_class_of
 from models.config import LlamaConfig
 from models.engine import Engine, grid_slots
-from evals.shared_answers import answering_engine, canonical, canonical_of, shared_rows
+from evals.shared_answers import answering_engine, canonical, canonical_of, pool_rows, shared_rows
 from models.llama import Llama
 
 CFG = LlamaConfig(vocab_size=97, d_model=48, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64)
@@ -105,7 +107,10 @@ def test_presses_after_the_first_compile_no_answer_programs(setup):
 
 def test_what_has_no_canonical_form_is_refused(setup):
     model, ctx, q, states = setup
-    assert canonical(kvpress("AdaKVPress", 0.5, max_new=MAX_NEW, window_size=8)) is None  # a head pool
+    assert canonical(kvpress("AdaKVPress", 0.5, max_new=MAX_NEW, window_size=8), MAX_LEN) is None  # not a shape class
+    with pytest.raises(ValueError, match="max_len"):
+        canonical(kvpress("AdaKVPress", 0.5, max_new=MAX_NEW, press="KnormPress"))  # a head pool: its rows' S'
+    assert canonical(kvpress("KVzipPress", 0.5, max_new=MAX_NEW), MAX_LEN) is None  # a head pool of its own decode
     assert canonical(kvpolicies.get("full")) is None
     exact = kvpress("KnormPress", 0.5, max_new=MAX_NEW)
     assert canonical(exact) is None  # not a shape class: it sizes itself by ratio
@@ -158,3 +163,110 @@ def test_the_canonical_form_holds_its_keys_rotated_once(setup):
     answering = Engine(model, canonical(rows[0][0].policies[0]), max_len=MAX_LEN)
     with pytest.raises(ValueError, match="runs no prompt"):
         answering.compress(answering.prompt(ctx))
+
+
+# -- head pools: per-head rows of max_len slots ------------------------------------------------------------
+# question logits through the canonical rows against the pool's own engine: measured 2.8e-7 of the
+# largest logit here (float32 rounding: the pool sums over the masked K x S pool, the rows over each head's S')
+REL = 2e-6
+POOLS = {"AdaKVPress": {"window_size": 8}, "AdaScored": {"press": "KnormPress"}}  # adakv's shape class; adascored
+
+
+@pytest.fixture(scope="module")
+def pools(setup):
+    """{name: [(engine, compressed state) per ratio]}: adakv's ratios in one shape class (its grid's slots),
+    adascored's (no kept table) an engine per ratio."""
+    model, ctx, q, _ = setup
+    out = {}
+    for name, fields in POOLS.items():
+        pols = [kvpress("AdaKVPress", r, max_new=MAX_NEW, **fields) for r in RATIOS]
+        slots = grid_slots(pols, CFG.n_layers, MAX_LEN)
+        engines = [Engine(model, pol, max_len=MAX_LEN, slots=slots, share_steps=True) for pol in pols]
+        out[name] = [(e, e.compress(e.prompt(ctx))) for e in engines]
+    assert [type(e.policies[0]).__name__ for e, _ in out["AdaScored"]] == ["AdaScored"] * 3
+    assert out["AdaKVPress"][0][0].policies[0].slots > 0 and out["AdaScored"][0][0].slots == 0
+    return out
+
+
+def _pool_segments(run, layer: int, kv_heads: int) -> list[tuple[int, int]]:
+    """numpy: (start, count) of each head's segment of layer `layer`'s flat pool (batch row 0): adascored's
+    stored counts, or adakv's rule (a head's tokens grow in position; the next head starts where they stop)."""
+    if hasattr(run, "counts"):
+        counts = np.asarray(run.counts[layer, 0])
+    else:
+        flat = np.asarray(run.pos[layer, 0]).reshape(-1)
+        flat = flat[flat >= 0]
+        counts = np.diff(np.r_[0, np.flatnonzero(np.diff(flat) <= 0) + 1, flat.size])
+        counts = np.r_[counts, np.zeros(kv_heads - counts.size, int)]
+    return [(int(a), int(c)) for a, c in zip(np.cumsum(counts) - counts, counts)]
+
+
+@pytest.mark.parametrize("name", list(POOLS))
+def test_head_pool_rows_hold_the_pools_tokens(setup, pools, name):
+    """`pool_rows`: row h holds head h's pool tokens (the engine's `kept_positions`) in text order, each with
+    the key and value the pool stores for that head and position (bit for bit), then empty slots."""
+    kh = CFG.n_kv_heads
+    for e, st in pools[name]:
+        run = st.cache[0]
+        rows = pool_rows(run, MAX_LEN)
+        pos, k, v = (np.asarray(x) for x in (rows.pos, rows.k, rows.v))  # [L, 1, K, S'(, D)]
+        assert pos.shape == (CFG.n_layers, 1, kh, MAX_LEN) and k.shape == pos.shape + (CFG.head_dim,)
+        pk, pv = (np.asarray(x).reshape(CFG.n_layers, 1, -1, CFG.head_dim) for x in (run.k, run.v))  # [L, 1, P, D]
+        ppos = np.asarray(run.pos).reshape(CFG.n_layers, 1, -1)
+        kept = e.kept_positions(st)
+        for layer in range(CFG.n_layers):
+            for h, (start, c) in enumerate(_pool_segments(run, layer, kh)):
+                got = pos[layer, 0, h]
+                np.testing.assert_array_equal(got[:c], kept[layer][h])  # the same set, in text order
+                assert (got[c:] == -1).all() and (k[layer, 0, h, c:] == 0).all()
+                seg = slice(start, start + c)  # the pool's slots of head h
+                np.testing.assert_array_equal(ppos[layer, 0, seg], got[:c])
+                np.testing.assert_array_equal(k[layer, 0, h, :c], pk[layer, 0, seg])
+                np.testing.assert_array_equal(v[layer, 0, h, :c], pv[layer, 0, seg])
+        assert len({len(h) for layer in kept for h in layer}) > 1  # heads of different counts were checked
+
+
+def test_head_pools_answer_through_per_head_rows(setup, pools):
+    """Each pool's own engine (adakv: its ratios as one batch; adascored: an engine per ratio) against its
+    rows through the canonical form: the question's logits to float32 rounding (`REL`), the greedy ids
+    equal; adakv's and adascored's rows share one canonical policy (S' = max_len) and join one batch."""
+    model, ctx, q, states = setup
+    own_ids, own_logits = [], []
+    for name, rows in pools.items():
+        engines = [[e for e, _ in rows]] if name == "AdaKVPress" else [[e] for e, _ in rows]
+        states_of = [[s for _, s in rows]] if name == "AdaKVPress" else [[s] for _, s in rows]
+        for engs, sts in zip(engines, states_of):
+            rec = Record()
+            own_ids.append(answer_rows(engs[0], sts, q[0], GEN, rec))
+            own_logits.append(np.asarray(rec.value["question"].logits))
+    own_ids, own_logits = np.concatenate(own_ids), np.concatenate(own_logits)
+    forms = {canonical_of(e) for rows in pools.values() for e, _ in rows}
+    assert len(forms) == 1 and next(iter(forms)).slots == MAX_LEN
+    pairs = [x for rows in pools.values() for x in rows]
+    rec = Record()
+    ids = answer_rows(None, [s for _, s in pairs], q[0], GEN, rec, engines=[e for e, _ in pairs])
+    logits = np.asarray(rec.value["question"].logits)
+    rel = np.abs(logits - own_logits).max() / np.abs(own_logits).max()
+    assert 0 <= rel <= REL, rel
+    np.testing.assert_array_equal(ids, own_ids)
+    assert len({tuple(r) for r in own_ids}) > 1  # the ratios' answers differ: rows were not mixed up
+    # a prompt scorer's rows (S' = its slots) do not join a head pool's (S' = max_len)
+    with pytest.raises(ValueError, match="same canonical policy"):
+        shared_rows([pairs[0], states["KnormPress"][0]], Q + GEN - 1)
+
+
+def test_head_pools_after_the_first_compile_no_answer_programs(setup, pools):
+    """2 head-pool presses x 2 ratios through the canonical form: adakv's batch compiles the question and
+    decode programs; adascored's, whose own engines would compile theirs per ratio, compiles none (its
+    rows' conversion, a gather per pool shape, compiled beforehand)."""
+    model, ctx, q, _ = setup
+
+    def programs(name):  # its first two ratios (a batch of 2 at S' = max_len: a shape no other test compiles)
+        rows = pools[name][:2]
+        shared_rows(rows, Q + GEN - 1)  # the conversion's programs
+        with CompileLog() as log:
+            answer_rows(None, [s for _, s in rows], q[0], GEN, Record(), engines=[e for e, _ in rows])
+        return log.programs
+
+    counts = [programs(n) for n in POOLS]
+    assert counts[0] > 0 and counts[1] == 0, counts
