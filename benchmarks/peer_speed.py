@@ -157,9 +157,11 @@ def alternate(p, rounds: int) -> dict[str, Any]:
             for mode in (MODES if k % 2 == 0 else MODES[::-1]):
                 with CompileLog() as log:
                     ph = peer.Phases(log)
-                    if mode == "pooled":  # every press's rows as one batch (answer_rows takes any such rows)
-                        pairs = [x for g in groups.values() for x in g]
-                        batches = [pairs]
+                    if mode == "pooled":  # every press's rows of one canonical form as one batch (answer=pooled)
+                        by: dict = {}
+                        for g in groups.values():
+                            by.setdefault(canonical_of(g[0][0]), []).extend(g)
+                        batches = list(by.values())
                     else:  # a press's ratios as one batch, as evals.peer answers them
                         batches = list(groups.values())
                     ids = [peer.answer_rows(g[0][0], [s for _, s in g], q, p.gen, ph,

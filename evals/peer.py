@@ -48,14 +48,17 @@ Keys (key=value):
     kvpress=true                  false: our side alone (kvpress's columns left empty; no kvpress needed,
                                   but for model=tiny, whose checkpoint its worker builds)
     progress=true
-    answer=shared                 how our side answers a press's ratios (one batch): press (through the
-                                  press's own compiled steps) or shared (a shape-class prompt scorer's
-                                  batch through one canonical append-only policy, `evals.shared_answers`:
-                                  one set of question and decode steps for every press of one slot count
-                                  and batch, not one per press; the same floats, bit for bit; head pools,
-                                  adakv and adascored, through per-head rows of max_len slots: the same
-                                  tokens, float32 rounding apart, and the same ids on issue 57's grid;
-                                  kvzip, kvzap, duo and the full cache keep their own steps)
+    answer=pooled                 how our side answers: pooled (the rows of every press of a sample whose
+                                  compressed states share a canonical append-only form, `evals.shared_answers`,
+                                  as one batch of at most POOL_ROWS = 16 rows through that form's engine: one
+                                  set of question and decode steps for all, a step reads the weights once for
+                                  every row), shared (the same engines, a press's ratios per batch: a prompt scorer's
+                                  own floats bit for bit) or press (a press's ratios through the press's own
+                                  compiled steps). Canonical forms: the shape classes' prompt scorers (the
+                                  same slots); head pools, adakv and adascored, as per-head rows of max_len
+                                  slots (float32 rounding apart). A batch of another shape rounds otherwise, so
+                                  pooled and shared agree to float32 rounding: the same ids on issue 57's grids.
+                                  kvzip, kvzap, duo and the full cache answer through their own steps.
     executor=ray                  our side's items on Ray actors, a press's items per task, each actor's
                                   lines in its own shard of .ours.jsonl (evals.peer_grid); default
                                   executor=local: in this process, Ray not imported
@@ -485,7 +488,7 @@ def parse(argv: Sequence[str]) -> Plan:
             raise ConfigError(f"ratios: {r}: a compression ratio is in (0, 1) (the fraction of the context removed)")
         if v > 0 and v not in ratios:
             ratios.append(v)  # 0, the full cache, always runs
-    answer = own.get("answer", "shared")
+    answer = own.get("answer", "pooled")
     if answer not in ANSWERS:
         raise ConfigError(f"answer={answer}: must be one of {list(ANSWERS)}")
     prefill = own.get("prefill", "shared")
