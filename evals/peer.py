@@ -815,12 +815,14 @@ def run_ours(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=lambda
     compiled steps; per sample, the prompt compressors whose prompt phases one phase covers
     (`shared_phase`), or that share a prompt phase, compress one prefill (full last: it takes any
     dense prompt state), and kvzip's ratios one reconstruction pass (`Engine.reconstruct`). A press's
-    ratios answer as one batch as soon as they are compressed, and their states are freed then: a
-    sample never holds the whole grid's states (the leaderboard's 17 presses x 4 ratios at 4K took
-    15.5 GB and were killed before this). With `answer=shared`, a press that has a canonical
-    append-only form (`evals.shared_answers.canonical`: the shape classes' prompt scorers) answers
-    its batch through that form's engine: one set of compiled question and decode steps for every
-    press of one slot count and batch, not one per press (the same batches: the same floats)."""
+    ratios answer as one batch as soon as they are compressed, and their states are freed then, except
+    with `answer=pooled` (the default), where the rows of every press of the sample that share a canonical
+    append-only form (`evals.shared_answers.canonical`: the shape classes' prompt scorers, and head pools
+    as per-head rows) wait for one batch through that form's engine, answered at POOL_ROWS rows or at the
+    sample's end: at most POOL_ROWS - 1 such states wait per form (the leaderboard's 17 presses x 4 ratios
+    at 4K, all held at once, took 15.5 GB). With `answer=shared` a press's batch of ratios goes through
+    the canonical engine (one set of compiled question and decode steps for every press of one slot
+    count and batch, not one per press); with `answer=press` through its own steps."""
     import jax
 
     from evals.compiles import CompileLog
