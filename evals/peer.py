@@ -55,10 +55,10 @@ Keys (key=value):
                                   every row), shared (the same engines, a press's ratios per batch: a prompt scorer's
                                   own floats bit for bit) or press (a press's ratios through the press's own
                                   compiled steps). Canonical forms: the shape classes' prompt scorers (the
-                                  same slots); head pools, adakv and adascored, as per-head rows of max_len
-                                  slots (float32 rounding apart). A batch of another shape rounds otherwise, so
-                                  pooled and shared agree to float32 rounding: the same ids on issue 57's grids.
-                                  kvzip, kvzap, duo and the full cache answer through their own steps.
+                                  same slots); head pools, adakv and adascored, and the full cache as per-head
+                                  rows of max_len slots (float32 rounding apart). A batch of another shape rounds
+                                  otherwise, so pooled and shared agree to float32 rounding: the same ids on
+                                  issue 57's grids. kvzip, kvzap and duo answer through their own steps.
     executor=ray                  our side's items on Ray actors, a press's items per task, each actor's
                                   lines in its own shard of .ours.jsonl (evals.peer_grid); default
                                   executor=local: in this process, Ray not imported

@@ -24,10 +24,12 @@ tokens in text order, then empty slots): the most a head can hold, so one canoni
 slots answers every ratio and every head-pool press of a grid. The same (head, position, key, value)
 sets, but NOT the same floats: the pool's own attention sums over the masked K x S pool, the
 canonical form over each head's S' slots (another summation order; the question's logits agree to
-float32 rounding, the greedy ids in the tests and on issue 57's grid). A head-pool row and a prompt
-scorer's row join one batch only where their S' agree. A policy that decodes otherwise (kvzip,
-kvzap, duo, the full cache ...) has no canonical form (`canonical` gives None) and keeps its own
-engine.
+float32 rounding, the greedy ids in the tests and on issue 57's grid). The full cache (`Full`: slot i
+holds token i, keys stored after RoPE) has the same form: its max_len slots are its rows already (its
+own steps read the stored slots and the new ones as separate attention pieces: float32 rounding
+apart), so its row joins the head pools' batch. A head-pool row and a prompt scorer's row join one
+batch only where their S' agree. A policy that decodes otherwise (kvzip, kvzap, duo ...) has no
+canonical form (`canonical` gives None) and keeps its own engine.
 
 Shapes: L layers of a run, B batch rows, K kv heads, Kp = 1 or K position rows, S slots, S' slots per
 head of a head pool's canonical rows, P = K x S pool slots, D head dim.
@@ -46,6 +48,7 @@ import jax.numpy as jnp
 from kvpolicies.adakv import AdaKV, HeadPool, head_of
 from kvpolicies.adascored import AdaScored, CountedPool
 from kvpolicies.base import EMPTY, SlotState, keys_rotated
+from kvpolicies.full import Full
 from kvpolicies.knorm import Knorm
 from kvpolicies.prompt_scored import PromptScored
 
@@ -70,13 +73,15 @@ def _form(slots: int, max_new: int, codec: Any) -> Knorm:
 def canonical(policy: Any, max_len: int = 0) -> Knorm | None:
     """The append-only policy that decodes a compressed state of `policy` alike: for a shape-class
     prompt scorer that only appends with the base class's decode steps, a knorm shape class of the
-    same slots, max_new and codec; for a head pool (`head_pool`), the same of `max_len` slots per head
-    (its engine's; required); else None."""
-    if head_pool(policy):
+    same slots, max_new and codec; for a head pool (`head_pool`) or the full cache (`Full`: every
+    token, appended in place), the same of `max_len` slots per head (its engine's; required) that may
+    append up to max_len tokens (what the head pool may append, its max_new, is checked by
+    `shared_rows`), so that both share one form; else None."""
+    if head_pool(policy) or type(policy) is Full:
         if not max_len:
-            raise ValueError(f"canonical({type(policy).__name__}): a head pool's canonical rows hold max_len slots "
+            raise ValueError(f"canonical({type(policy).__name__}): its canonical rows hold max_len slots "
                              "per head: pass its engine's max_len")
-        return _form(max_len, policy.max_new, policy.codec)
+        return _form(max_len, max_len, policy.codec)
     if not isinstance(policy, PromptScored) or not policy.appends_only or policy.spare:
         return None
     if any(getattr(type(policy), m, None) is not getattr(Knorm, m, None) for m in _DECODE):
@@ -196,10 +201,16 @@ def shared_rows(pairs: Sequence[tuple[Any, Any]], written: int) -> tuple[Any, An
             raise ValueError(f"shared_rows: a one-row state of one run of layers, got {len(st.cache)} runs, "
                              f"{st.logits.shape[0]} rows")
         e._check_room(st, written, "shared_rows")
-        eng._check_room(st, written, "shared_rows")  # a head pool's free slots: max_new per head (adascored's too)
-        runs.append(append_state(st.cache[0], eng.cfg.n_kv_heads, eng.policies[0].slots))
-    cache = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *runs)  # leaves [L, B, ...]
-    cache = (rotate_keys(eng, cache) if eng.policies[0].rotated_keys else cache,)
+        pol = e.policies[0]
+        after = st.length - st.compressed_at if st.compressed_at >= 0 else 0
+        if head_pool(pol) and after + written > pol.max_new:  # a head pool's free slots: max_new per head
+            raise ValueError(f"shared_rows: {after} + {written} tokens after the compression, past max_new="
+                             f"{pol.max_new} of {type(pol).__name__}'s pool (it would evict)")
+        run = append_state(st.cache[0], eng.cfg.n_kv_heads, eng.policies[0].slots)
+        if eng.policies[0].rotated_keys and not getattr(pol, "rotated_keys", False):  # the full cache's are
+            run = rotate_keys(eng, run)
+        runs.append(run)
+    cache = (jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *runs),)  # leaves [L, B, ...]
     first = pairs[0][1]
     logits = jnp.concatenate([st.logits for _, st in pairs])  # [B, V]
     return eng, dataclasses.replace(first, cache=cache, logits=logits, tokens=None, maker=eng.maker())

@@ -111,7 +111,9 @@ def test_what_has_no_canonical_form_is_refused(setup):
     with pytest.raises(ValueError, match="max_len"):
         canonical(kvpress("AdaKVPress", 0.5, max_new=MAX_NEW, press="KnormPress"))  # a head pool: its rows' S'
     assert canonical(kvpress("KVzipPress", 0.5, max_new=MAX_NEW), MAX_LEN) is None  # a head pool of its own decode
-    assert canonical(kvpolicies.get("full")) is None
+    with pytest.raises(ValueError, match="max_len"):
+        canonical(kvpolicies.get("full"))  # the full cache: rows of its engine's max_len slots
+    assert canonical(kvpolicies.get("full"), MAX_LEN).slots == MAX_LEN
     exact = kvpress("KnormPress", 0.5, max_new=MAX_NEW)
     assert canonical(exact) is None  # not a shape class: it sizes itself by ratio
     rer = kvpress("KeyRerotationPress", 0.5, max_new=MAX_NEW, press="KnormPress")
@@ -227,9 +229,10 @@ def test_head_pool_rows_hold_the_pools_tokens(setup, pools, name):
 
 
 def test_head_pools_answer_through_per_head_rows(setup, pools):
-    """Each pool's own engine (adakv: its ratios as one batch; adascored: an engine per ratio) against its
-    rows through the canonical form: the question's logits to float32 rounding (`REL`), the greedy ids
-    equal; adakv's and adascored's rows share one canonical policy (S' = max_len) and join one batch."""
+    """Each pool's own engine (adakv: its ratios as one batch; adascored: an engine per ratio) and the full
+    cache's against their rows through the canonical form: the question's logits to float32 rounding
+    (`REL`), the greedy ids equal; adakv's, adascored's and the full cache's rows share one canonical
+    policy (S' = max_len) and join one batch."""
     model, ctx, q, states = setup
     own_ids, own_logits = [], []
     for name, rows in pools.items():
@@ -239,10 +242,15 @@ def test_head_pools_answer_through_per_head_rows(setup, pools):
             rec = Record()
             own_ids.append(answer_rows(engs[0], sts, q[0], GEN, rec))
             own_logits.append(np.asarray(rec.value["question"].logits))
+    full = Engine(model, kvpolicies.get("full"), max_len=MAX_LEN)  # the full cache: its keys already rotated
+    full_st = full.compress(full.prompt(ctx))
+    rec = Record()
+    own_ids.append(answer_rows(full, [full_st], q[0], GEN, rec))
+    own_logits.append(np.asarray(rec.value["question"].logits))
     own_ids, own_logits = np.concatenate(own_ids), np.concatenate(own_logits)
-    forms = {canonical_of(e) for rows in pools.values() for e, _ in rows}
+    forms = {canonical_of(e) for rows in pools.values() for e, _ in rows} | {canonical_of(full)}
     assert len(forms) == 1 and next(iter(forms)).slots == MAX_LEN
-    pairs = [x for rows in pools.values() for x in rows]
+    pairs = [x for rows in pools.values() for x in rows] + [(full, full_st)]
     rec = Record()
     ids = answer_rows(None, [s for _, s in pairs], q[0], GEN, rec, engines=[e for e, _ in pairs])
     logits = np.asarray(rec.value["question"].logits)
@@ -253,6 +261,9 @@ def test_head_pools_answer_through_per_head_rows(setup, pools):
     # a prompt scorer's rows (S' = its slots) do not join a head pool's (S' = max_len)
     with pytest.raises(ValueError, match="same canonical policy"):
         shared_rows([pairs[0], states["KnormPress"][0]], Q + GEN - 1)
+    with pytest.raises(ValueError, match="past max_new"):  # a head pool's free slots: its max_new per head
+        shared_rows([pools["AdaScored"][0], (full, full_st)], MAX_NEW + 1)
+    shared_rows([(full, full_st)], MAX_LEN - N)  # the full cache: up to its max_len
 
 
 def test_head_pools_after_the_first_compile_no_answer_programs(setup, pools):
