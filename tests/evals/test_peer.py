@@ -506,8 +506,9 @@ def test_a_wrapper_over_an_inner_press_by_name(tmp_path):
 
 def test_answer_shared_answers_through_one_canonical_engine_as_press_mode(tmp_path):
     """answer=shared (evals.shared_answers): each prompt scorer's ratios answer as one batch through
-    one canonical form's engine (the full cache through its own). The lines keep the same kept
-    positions and answer ids as answer=press, and the same batches (shared is the default)."""
+    one canonical form's engine (the full cache through its own form's). The lines keep the same kept
+    positions and answer ids as answer=press, and the same batches; answer=pooled (the default) one batch
+    per form and sample: on this grid the same ids."""
     from models.config import LlamaConfig
     from models.llama import Llama
 
@@ -532,11 +533,11 @@ def test_answer_shared_answers_through_one_canonical_engine_as_press_mode(tmp_pa
         assert y["answer"] == x["answer"] and y["kept"] == x["kept"], k
         # pooled: another batch shape, so not the same floats; on this grid the same ids
         assert z["answer"] == x["answer"] and z["kept"] == x["kept"], k
-        shared = k[1] in ("SnapKVPress", "TOVAPress")
-        assert (y.get("answer_mode") == "shared") == shared and "answer_mode" not in x, k
+        assert y.get("answer_mode") == "shared" and "answer_mode" not in x, k  # the full cache's form too
         assert y["phases"]["batch"] == x["phases"]["batch"] == 1, k
-        # the two presses' rows of a sample answer as one batch; the full cache through its own steps
-        assert z.get("answer_mode") == ("pooled" if shared else None) and z["phases"]["batch"] == (2 if shared else 1)
+        # the two presses' rows of a sample answer as one batch; the full cache's row (its form: max_len
+        # slots per head) as another
+        assert z.get("answer_mode") == "pooled" and z["phases"]["batch"] == (1 if k[1] == "full" else 2), k
 
 
 def test_answer_pooled_splits_a_sample_into_batches_of_at_most_pool_rows(tmp_path, monkeypatch):
