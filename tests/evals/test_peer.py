@@ -504,20 +504,28 @@ def test_a_wrapper_over_an_inner_press_by_name(tmp_path):
     assert kvpress(peer.press_name("ChunkKVPress:SnapKVPress"), 0.5, press="SnapKVPress") is not None
 
 
-def test_answer_shared_answers_through_one_canonical_engine_as_press_mode(tmp_path):
+def test_answer_shared_answers_through_one_canonical_engine_as_press_mode(tmp_path, monkeypatch):
     """answer=shared (evals.shared_answers): each prompt scorer's ratios answer as one batch through
     one canonical form's engine (the full cache through its own form's). The lines keep the same kept
     positions and answer ids as answer=press, and the same batches; answer=pooled (the default) one batch
     per form and sample: on this grid the same ids."""
     from models.config import LlamaConfig
+    from models.engine import Engine
     from models.llama import Llama
 
     args = ["model=tiny", "tokens=320", "samples=2", "presses=[SnapKVPress,TOVAPress]", "ratios=[0.5]", "gen=3",
             "kvpress=false", "progress=false"]
     with pytest.raises(peer.ConfigError, match="answer=both"):
         peer.parse(args + ["answer=both"])
-    got = {}
+    got, feeds = {}, {}
     model = None
+    real_feed = Engine.feed
+
+    def feed(self, state, tokens, chunk=None):  # the question's pieces, per mode
+        feeds.setdefault(mode, set()).add((np.shape(tokens)[1], None if chunk is None else tuple(chunk)))
+        return real_feed(self, state, tokens, chunk)
+
+    monkeypatch.setattr(Engine, "feed", feed)
     for mode in ("press", "shared", "pooled"):
         p = peer.prepare(peer.parse(args + [f"answer={mode}", f"out={tmp_path / mode}"]))
         assert p.answer == mode and peer.parse(args).answer == "pooled"  # the default
@@ -538,6 +546,10 @@ def test_answer_shared_answers_through_one_canonical_engine_as_press_mode(tmp_pa
         # the two presses' rows of a sample answer as one batch; the full cache's row (its form: max_len
         # slots per head) as another
         assert z.get("answer_mode") == "pooled" and z["phases"]["batch"] == (1 if k[1] == "full" else 2), k
+    # a press's own steps take the question in power-of-two pieces; a canonical form in one step, as kvpress
+    n = {len(q) for q in p.questions}
+    assert feeds["press"] == {(t, tuple(peer.question_pieces(t))) for t in n} and len(peer.question_pieces(min(n))) > 1
+    assert feeds["shared"] == feeds["pooled"] == {(t, None) for t in n}
 
 
 def test_answer_pooled_splits_a_sample_into_batches_of_at_most_pool_rows(tmp_path, monkeypatch):
