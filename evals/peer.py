@@ -1002,13 +1002,15 @@ def ray_side() -> dict[str, Any]:
     return {"saved": saved, "load": load_ours, "run": run_ours}
 
 
-def answer_rows(eng, states: list, q: np.ndarray, gen: int, ph, engines: list | None = None) -> np.ndarray:
+def answer_rows(eng, states: list, q: np.ndarray, gen: int, ph, engines: list | None = None,
+                question: Sequence[int] | None = None) -> np.ndarray:
     """Greedy ids [len(states), gen] after the question `q` of one-row compressed states of
     engines that run `eng`'s steps (a press's ratios in one shape class), decoded as the rows of
     one batch: a step reads the weights once for every row (rows of a batch answer as each row
     alone: tests/models/test_shape_classes.py). `engines` (one per state, of any presses with one
     canonical append-only form): the rows go through that form's engine instead
-    (`evals.shared_answers.shared_rows`), the question then in one step."""
+    (`evals.shared_answers.shared_rows`), the question then in one step. `question`: its pieces instead
+    (e.g. [len(q)] through a press's own steps too)."""
     import jax.numpy as jnp
 
     if engines is not None:
@@ -1024,7 +1026,7 @@ def answer_rows(eng, states: list, q: np.ndarray, gen: int, ph, engines: list | 
     # through a canonical form the question goes in one step, as kvpress's (one program per question length
     # and form, reading the weights once: 0.68x the time of 32 + 4 + 2 for 15 rows); a press's own steps in
     # `question_pieces`
-    chunk = None if engines is not None else question_pieces(len(q))
+    chunk = question if question is not None else None if engines is not None else question_pieces(len(q))
     fed = ph("question", eng.feed(st, np.repeat(q[None], len(states), 0), chunk=chunk))
     return ph("decode", eng.continue_generate(fed, np.zeros((len(states), 0), np.int32), gen))
 

@@ -71,10 +71,12 @@ def test_the_canonical_form_answers_a_press_bit_for_bit_and_all_presses_alike(se
     assert len(forms) == 1 and None not in forms  # one slot count: one canonical policy for the four presses
     own, alike = {}, {}
     for press, rows in states.items():  # the reference: each press's own engine, its ratios as one batch
-        rec = Record()
-        ids = answer_rows(rows[0][0], [s for _, s in rows], q[0], GEN, rec)
+        rec = Record()  # the question in one step, as the canonical form takes it (evals.peer's default there)
+        ids = answer_rows(rows[0][0], [s for _, s in rows], q[0], GEN, rec, question=[Q])
         rec2 = Record()
         ids2 = answer_rows(None, [s for _, s in rows], q[0], GEN, rec2, engines=[e for e, _ in rows])
+        # (press mode's default pieces, 8 + 1: other floats, the same ids here)
+        np.testing.assert_array_equal(answer_rows(rows[0][0], [s for _, s in rows], q[0], GEN, Record()), ids)
         # the same batch through the canonical form: the question's logits and the ids bit for bit
         alike_logits, own_logits = (np.asarray(r.value["question"].logits) for r in (rec2, rec))
         np.testing.assert_array_equal(alike_logits, own_logits)
