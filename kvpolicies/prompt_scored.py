@@ -306,7 +306,8 @@ class PromptScored(Budgeted, KeptTable, PromptCompressor, QuietChunks, SpareSlot
         n = self.n_kept(count, s, state.slots, table)  # [B, K, 1]
         prio, tie = self.prompt_rank(state, slots, keys, stats)
         kept = jnp.where(count[..., None] > n, top_mask(prio, tie, n) & filled, filled)
-        return self.join(pad_slot(pack(slots, kept, s)) if self.spare else pack(slots, kept, s), stats)
+        packed = pack(slots, kept, s, in_order=True)  # a prompt state: slot i holds position i
+        return self.join(pad_slot(packed) if self.spare else packed, stats)
 
 
 def rank_by(prio: Float[Array, "B K V"], pos: Int[Array, "B K V"]) -> tuple[Float[Array, "B K V"], Array]:

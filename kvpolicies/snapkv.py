@@ -18,7 +18,7 @@ from kvpolicies.checks import check_int
 from kvpolicies.codecs import Codec, Identity
 from kvpolicies.prompt import PromptPhase, PromptState
 from kvpolicies.prompt_scored import PromptScored, chunked
-from kvpolicies.scored import LAST_KEY
+from kvpolicies.scored import LAST_KEY, compaction, stable_order
 from kvpolicies.slots import inverse_order, take_slots
 
 
@@ -77,15 +77,17 @@ class SnapKV(PromptScored):
     def kept(self):
         return self.budget + self.obs_window
 
-    def pool(self, score, pos, cand):
+    def pool(self, score, pos, cand, in_order: bool = False):
         """Max (`pooling="avg"`: sum) of `score` over candidates within kernel // 2 text positions
         ([B, K, V]; -inf for non-candidates). Candidates are sorted by position, so text neighbours within r
-        positions are within r sorted places."""
+        positions are within r sorted places. `in_order`: their positions already increase with the slot
+        index (a prompt state's), so ordered by counts (`kvpolicies.scored.compaction`), not by a sort."""
         r = self.kernel // 2
         score = jnp.where(cand, score, -jnp.inf)  # [B, K, V]
         if r == 0:
             return score
-        order = jnp.argsort(jnp.where(cand, pos, LAST_KEY), axis=-1)  # candidates first, by position
+        key = jnp.where(cand, pos, LAST_KEY)  # candidates first, by position
+        order = compaction(cand, pos.shape[-1]) if in_order else stable_order((key,), pos.shape[-1])
         sp, ss, sc = (take_slots(x, order) for x in (pos, score, cand))  # [B, K, V] each
         n = sp.shape[-1]
         idx = jnp.arange(n)
@@ -116,16 +118,18 @@ class SnapKV(PromptScored):
         return self._rank(slots.mass, slots.pos)
 
     def prompt_rank(self, state: PromptState, slots, keys, stats):
-        return self._rank(state.rows.sum(axis=2), slots.pos)  # the last obs_window queries' attention
+        # the last obs_window queries' attention; a prompt state's slots are in text order
+        return self._rank(state.rows.sum(axis=2), slots.pos, in_order=True)
 
-    def _rank(self, window: Float[Array, "B K V"], pos: Int[Array, "B K V"]) -> tuple[Array, Array]:
+    def _rank(self, window: Float[Array, "B K V"], pos: Int[Array, "B K V"], in_order: bool = False
+              ) -> tuple[Array, Array]:
         """The obs_window newest tokens first, then the candidates by pooled observation score,
         ties by the raw score."""
         w = self.obs_window
         filled = pos >= 0
         recent = filled & (pos > pos.max(axis=-1, keepdims=True) - w)  # [B, K, V]
         cand = filled & ~recent
-        prio = jnp.where(recent, jnp.inf, self.pool(window, pos, cand))  # [B, K, V]
+        prio = jnp.where(recent, jnp.inf, self.pool(window, pos, cand, in_order))  # [B, K, V]
         return prio, jnp.where(cand, window, -jnp.inf)
 
     # -- the paper's protocol: the whole prompt densely, then one compression --------------------

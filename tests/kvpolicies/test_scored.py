@@ -20,7 +20,7 @@ from tests.refs.helpers import run_policy
 from kvpolicies.budgets import from_ratio, pyramid, pyramid_budgets, uniform, uniform_budgets
 from kvpolicies.codecs import Codec
 from kvpolicies.memory import closed_form_bytes, stack_bytes, state_bytes
-from kvpolicies.scored import LAST_KEY, MERGE_NEW, stable_order
+from kvpolicies.scored import LAST_KEY, MERGE_NEW, compaction, stable_order
 from kvpolicies import Rope
 from models.config import LlamaConfig
 from models.engine import Engine
@@ -399,6 +399,31 @@ def test_stable_order_is_the_stable_sort(n_keys):
         ordered = all(not _lex_desc(keys, lo, hi) for lo, hi in ((0, s), (s, s + t)))
         merged += ordered and t <= MERGE_NEW
     assert merged >= 20  # the merge itself was exercised, not only the fallback
+
+
+def test_compaction_is_the_stable_sort_of_slots_in_order():
+    """`compaction` (packing a prompt state's kept slots, snapkv's candidates by position) gives numpy's
+    stable argsort of where(live, key, LAST_KEY) for any key that does not decrease along the live slots
+    (ties included), and `pack(in_order=True)` the same state as `pack` bit for bit, every field."""
+    from kvpolicies.scored import Accumulated, pack
+
+    rng = np.random.default_rng(10)
+    fn = jax.jit(compaction, static_argnums=1)
+    v = 40
+    for _ in range(20):
+        key = np.sort(rng.integers(-1, 30, (2, 3, v)), axis=-1).astype(np.int32)  # ties, and -1 (empty)
+        live = (rng.random((2, 3, v)) < 0.6) & (key >= 0)
+        s = int(rng.integers(1, v + 1))
+        want = np.argsort(np.where(live, key, LAST_KEY), axis=-1, kind="stable")[..., :s]
+        np.testing.assert_array_equal(np.asarray(fn(jnp.asarray(live), s)), want)
+        pos = np.where(rng.random((2, 1, v)) < 0.9, np.arange(v), -1).astype(np.int32)  # slot i: position i
+        kept = (rng.random((2, 3, v)) < 0.5) & (pos >= 0)
+        kv = rng.standard_normal((2, 2, 3, v, 4)).astype(np.float32)
+        st = Accumulated(jnp.asarray(kv[0]), jnp.asarray(kv[1]), jnp.asarray(pos),
+                         mass=jnp.asarray(rng.random((2, 3, v)).astype(np.float32)))
+        a, b = pack(st, jnp.asarray(kept), s), pack(st, jnp.asarray(kept), s, in_order=True)
+        for f in ("k", "v", "pos", "mass"):
+            np.testing.assert_array_equal(np.asarray(getattr(b, f)), np.asarray(getattr(a, f)), err_msg=f)
 
 
 def _lex_desc(keys, lo, hi) -> bool:
