@@ -561,6 +561,39 @@ def _copy(cache) -> DynamicCache:
     return out
 
 
+_REROTATED: dict = {"into": None}  # KeyRerotationPress: where `rerotate_keys` records its kept indices now
+
+
+def _recording_rerotation() -> None:
+    """KeyRerotationPress re-rotates the kept keys to their new places, so they match no uncompressed key: record
+    the indices its `rerotate_keys` receives instead (per layer, per kv head), into `_REROTATED["into"]`."""
+    from kvpress.presses.key_rerotation_press import KeyRerotationPress
+
+    if getattr(KeyRerotationPress.rerotate_keys, "recording", False):
+        return
+    real = KeyRerotationPress.rerotate_keys
+
+    def recording(module, indices, keys):
+        if _REROTATED["into"] is not None:
+            _REROTATED["into"][module.layer_idx] = indices[0].tolist()  # [K, m]
+        return real(module, indices, keys)
+
+    recording.recording = True
+    KeyRerotationPress.rerotate_keys = staticmethod(recording)
+
+
+def rerotated_answer(model, cache, kept: dict, ctx, question, n_new, phases: dict) -> dict:
+    """`timed_answer` of a KeyRerotationPress cache: its kept positions as recorded (`_recording_rerotation`),
+    and the question at the compressed length, as kvpress's pipeline places it for this press."""
+    n = ctx.shape[1]
+    mask = [_mask([sorted(h) for h in kept[i]], n) for i in range(len(kept))]
+    try:
+        answer = greedy(model, cache, question, cache.get_seq_length(), n_new, phases)
+    except Exception as e:  # noqa: BLE001
+        return {"kept": mask, "error": f"{type(e).__name__}: {e}", "phases": {k: round(v, 3) for k, v in phases.items()}}
+    return {"kept": mask, "answer": answer, "phases": {k: round(v, 3) for k, v in phases.items()}}
+
+
 @torch.no_grad()
 def run_shared(model, presses, ctx, question, n_new):
     """{(name, ratio): result} for every press of one attention implementation from ONE prefill of
@@ -574,7 +607,10 @@ def run_shared(model, presses, ctx, question, n_new):
         if press is not None:
             press.post_init_from_model(model)
         slots.append({"key": (name, ratio), "press": press, "cache": DynamicCache(), "masks": [None] * len(lm.layers),
-                      "error": None, "compress": 0.0})
+                      "error": None, "compress": 0.0,
+                      "rerotated": {} if type(press).__name__ == "KeyRerotationPress" else None})
+    if any(s["rerotated"] is not None for s in slots):
+        _recording_rerotation()
 
     def hook(module, args, kwargs, output):
         i = module.layer_idx
@@ -585,9 +621,12 @@ def run_shared(model, presses, ctx, question, n_new):
             t0 = time.time()
             s["cache"].update(full.keys.clone(), full.values.clone(), i)
             try:
+                _REROTATED["into"] = s["rerotated"]
                 s["press"].forward_hook(module, args, {**kwargs, "past_key_values": s["cache"]}, output)
             except Exception as e:  # noqa: BLE001  (kvpress failing is a result)
                 s["error"] = f"{type(e).__name__}: {e}"
+            finally:
+                _REROTATED["into"] = None
             s["compress"] += time.time() - t0
             s["masks"][i] = getattr(module, "masked_key_indices", None)
             module.masked_key_indices = None
@@ -614,8 +653,9 @@ def run_shared(model, presses, ctx, question, n_new):
         cache = _copy(full) if s["press"] is None else s["cache"]
         try:
             _set_masks(model, s["masks"])
-            out[s["key"]] = timed_answer(model, cache, index, ctx, question, n_new,
-                                         {"prefill": prefill, "compress": s["compress"]})
+            ph = {"prefill": prefill, "compress": s["compress"]}
+            out[s["key"]] = (timed_answer(model, cache, index, ctx, question, n_new, ph) if s["rerotated"] is None
+                             else rerotated_answer(model, cache, s["rerotated"], ctx, question, n_new, ph))
         except Exception as e:  # noqa: BLE001  (e.g. PyramidKV's uneven layers: the question's mask)
             out[s["key"]] = {"error": f"{type(e).__name__}: {e}"}
         finally:

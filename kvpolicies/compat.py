@@ -417,6 +417,9 @@ class Rerotated(Delegating):
         q = c[:, :1] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
         return dataclasses.replace(view, rope=RopePositions(q=q[..., None], k=ranks))
 
+    def spared(self):
+        return None  # a key's rank is its slot's index, which the spare slot's is not (`SpareSlot`)
+
 
 @dataclasses.dataclass(frozen=True)
 class Composed(PromptScored):

@@ -83,3 +83,7 @@ class Finch(SnapKV):
                                  c[..., None] + jnp.arange(t, dtype=jnp.int32)], axis=-1)  # [B, K, S + T]
         q = c[:, :1] + jnp.arange(t, dtype=jnp.int32)  # [B, T]: after head 0's m kept
         return dataclasses.replace(view, rope=RopePositions(q=q[..., None], k=ranks))
+
+    def spared(self):
+        # re-rotated keys: a key's rank is its slot's index, which the spare slot's is not (`SpareSlot`)
+        return None if self.rerotate else super().spared()

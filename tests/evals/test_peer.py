@@ -709,3 +709,21 @@ def test_every_catalogue_press_beside_kvpress(tiny_run, tmp_path):
         assert all(len(h) == int(n * (1 - ratios[layer])) for h in _positions(x, 2, n)), layer
     assert all(rows[(c, 0.0 if c in peer.RATIOLESS else 0.25)]["compared"] == (c not in RAISE_ON_TINY)
                for c in peer.CATALOGUE)
+
+
+@pytest.mark.ref
+@pytest.mark.kvpress
+@pytest.mark.skipif(not (REF / "kvpress").is_dir(), reason="kvpress not installed (bash scripts/setup.sh test)")
+def test_key_rerotation_beside_kvpress(tiny_run, tmp_path):
+    """KeyRerotationPress re-rotates kvpress's kept keys, so the worker's key matching cannot find them: it records
+    the indices `rerotate_keys` receives and asks the question at the compressed length, as kvpress's pipeline
+    does. Beside ours on the tiny model: no error, the same kept positions per (layer, kv head) and the same ids."""
+    press = "KeyRerotationPress:ExpectedAttentionPress"
+    rows, kv, ours, n, _ = _catalogue_run(tiny_run, tmp_path, press)
+    a, b = kv[press], ours[press]
+    assert "error" not in a and "error" not in b, (a.get("error"), b.get("error"))
+    assert a["answer"] == b["answer"]
+    for layer, (x, y) in enumerate(zip(a["kept"], b["kept"], strict=True)):
+        kept = _positions(x, 2, n)
+        assert kept == _positions(y, 2, n) and 0 < len(kept[0]) < n, layer
+    assert rows[(press, 0.25)]["compared"]

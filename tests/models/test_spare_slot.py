@@ -145,3 +145,19 @@ def test_the_compiled_step_writes_the_state_in_place(model):
     assert not _state_moves(cnew.as_text(), f"f32[{b},{k},{s + 1},{d}]")
     kv = 2 * new.k.size * new.k.dtype.itemsize
     assert cnew.memory_analysis().alias_size_in_bytes >= kv > cold.memory_analysis().alias_size_in_bytes
+
+
+@pytest.mark.parametrize("press, fields", [("KeyRerotationPress", {"press": "KnormPress"}),
+                                           ("FinchPress", {"window_size": 8})])
+def test_a_press_that_ranks_its_keys_by_slot_takes_no_spare_slot(model, press, fields):
+    """KeyRerotationPress and Finch (re-rotated keys) give RoPE each stored key its slot's index, which the spare
+    slot is not: their shape classes decode without one (`spared` None), with the greedy ids of the exact
+    policy's engine (on SmolLM2 the spare slot's index as a rank changed kvpress's ids from the first decoded token)."""
+    ctx = np.random.default_rng(1).integers(0, 97, (1, N)).astype(np.int32)
+    q = np.random.default_rng(2).integers(0, 97, (1, 5)).astype(np.int32)
+    pols = [kvpress(press, r, max_new=GEN + 8, **fields) for r in (0.25, 0.5)]
+    shaped = Engine(model, pols[1], max_len=N + GEN + 8, slots=grid_slots(pols, CFG.n_layers, N + GEN + 8))
+    exact = Engine(model, pols[1], max_len=N + GEN + 8)
+    assert all(spared(p) is None for p in shaped.policies) and shaped.slots
+    ids = [e.continue_generate(e.compress(e.prompt(ctx)), q, GEN + 2) for e in (shaped, exact)]
+    np.testing.assert_array_equal(ids[0], ids[1])
