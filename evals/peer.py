@@ -1027,7 +1027,9 @@ def answer_rows(eng, states: list, q: np.ndarray, gen: int, ph, engines: list | 
     # and form, reading the weights once: 0.68x the time of 32 + 4 + 2 for 15 rows); a press's own steps in
     # `question_pieces`
     chunk = question if question is not None else None if engines is not None else question_pieces(len(q))
-    fed = ph("question", eng.feed(st, np.repeat(q[None], len(states), 0), chunk=chunk))
+    # a batch built here (`shared_rows`, `join_rows`) is used once: its buffers go to the question's step
+    fed = ph("question", eng.feed(st, np.repeat(q[None], len(states), 0), chunk=chunk,
+                                 fork=engines is None and len(states) == 1))
     return ph("decode", eng.continue_generate(fed, np.zeros((len(states), 0), np.int32), gen))
 
 

@@ -161,21 +161,33 @@ def pool_rows(run: HeadPool | CountedPool, slots: int) -> SlotState:
     return SlotState(k=jax.tree.map(take, run.k), v=jax.tree.map(take, run.v), pos=pos)
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3))
-def _rotated(state: SlotState, tables: dict | None, local: tuple, ropes: tuple) -> SlotState:
-    """The state's keys [L, B, K, S, D] rotated at their positions, layer l by its RoPE (the local or
-    global table, or `ropes` without tables): the rotation attention applies to un-rotated stored
-    keys (the same cos/sin and formula, elementwise)."""
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _batch(runs: tuple[SlotState, ...], tables: dict | None, rotate: tuple[bool, ...], local: tuple,
+           ropes: tuple) -> SlotState:
+    """The rows' states (leaves [L, 1, K, S, ...]) as one batch [L, B, K, S, ...] in one program, the
+    keys of the rows marked in `rotate` rotated at their positions, layer l by its RoPE (the local or
+    global table, or `ropes` without tables): the rotation attention applies to un-rotated stored keys
+    (the same cos/sin and formula, elementwise, so a row's keys are the same floats whatever batch
+    it joins). The other rows' keys are copied as they are."""
+    cat = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *runs)
+    if not any(rotate):
+        return cat
     pick = (lambda loc: tables["local" if loc else "global"]) if tables is not None else (lambda loc: ropes[loc])
-    k = [pick(loc).apply(state.k[i], state.pos[i]) for i, loc in enumerate(local)]
-    return dataclasses.replace(state, k=jnp.stack(k))
+    if len(set(local)) == 1:
+        k = pick(local[0]).apply(cat.k, cat.pos)  # [L, B, K, S, D]
+    else:
+        k = jnp.stack([pick(loc).apply(cat.k[i], cat.pos[i]) for i, loc in enumerate(local)])
+    keep = jnp.asarray(rotate)[None, :, None, None, None]  # [1, B, 1, 1, 1]
+    return dataclasses.replace(cat, k=jnp.where(keep, k, cat.k))
 
 
-def rotate_keys(eng: Any, state: SlotState) -> SlotState:
-    """`state` (one run of every layer) with its keys stored after RoPE, as `eng`'s rotated
-    canonical policy reads them (`PromptScored.rotated`): rotated once here, never again by a step."""
+def batch_rows(eng: Any, runs: Sequence[SlotState], rotate: Sequence[bool]) -> SlotState:
+    """`runs` (one row each, in `eng`'s canonical layout) as one batch; the keys of the rows marked in
+    `rotate` stored after RoPE, as `eng`'s rotated canonical policy reads them (`PromptScored.rotated`):
+    rotated once here, never again by a step."""
     m = eng._model
-    return _rotated(state, eng.params[1], tuple(bool(x) for x in eng.cfg.local_layers), (m.rope, m.rope_local))
+    return _batch(tuple(runs), eng.params[1], tuple(bool(x) for x in rotate),
+                  tuple(bool(x) for x in eng.cfg.local_layers), (m.rope, m.rope_local))
 
 
 def shared_rows(pairs: Sequence[tuple[Any, Any]], written: int) -> tuple[Any, Any]:
@@ -189,7 +201,7 @@ def shared_rows(pairs: Sequence[tuple[Any, Any]], written: int) -> tuple[Any, An
     lengths = {st.length for _, st in pairs}
     if len(lengths) != 1:
         raise ValueError(f"shared_rows: the states hold prompts of different lengths {sorted(lengths)} (one prompt's)")
-    runs = []
+    runs, rotate = [], []
     for e, st in pairs:
         if not st.compressed or st.fitted is not None:
             raise ValueError("shared_rows: every state must be compressed by its engine (Engine.compress, not fitted)")
@@ -206,11 +218,9 @@ def shared_rows(pairs: Sequence[tuple[Any, Any]], written: int) -> tuple[Any, An
         if head_pool(pol) and after + written > pol.max_new:  # a head pool's free slots: max_new per head
             raise ValueError(f"shared_rows: {after} + {written} tokens after the compression, past max_new="
                              f"{pol.max_new} of {type(pol).__name__}'s pool (it would evict)")
-        run = append_state(st.cache[0], eng.cfg.n_kv_heads, eng.policies[0].slots)
-        if eng.policies[0].rotated_keys and not getattr(pol, "rotated_keys", False):  # the full cache's are
-            run = rotate_keys(eng, run)
-        runs.append(run)
-    cache = (jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *runs),)  # leaves [L, B, ...]
+        runs.append(append_state(st.cache[0], eng.cfg.n_kv_heads, eng.policies[0].slots))
+        rotate.append(eng.policies[0].rotated_keys and not getattr(pol, "rotated_keys", False))  # full's are
+    cache = (batch_rows(eng, runs, rotate),)  # leaves [L, B, ...]
     first = pairs[0][1]
     logits = jnp.concatenate([st.logits for _, st in pairs])  # [B, V]
     return eng, dataclasses.replace(first, cache=cache, logits=logits, tokens=None, maker=eng.maker())

@@ -219,7 +219,7 @@ class PromptState(SlotState):
     row_pos: [B, W] int32 position of each row's query, -1 for an empty row.
     extra:   dict of what else the phase collects: "mass" [B, K, S] float32 (columns);
              "q_sum" [B, K, G, D], "q_sq" [B, K, G, D, D], "q_n" [B] float32 and "inv_freq"
-             [D/2] (query_sink; created by the first step, when G is known).
+             [D/2] (query_sink; zeros from the model's `init_cache`, which knows G: `with_query_sums`).
     """
 
     rows: Float[Array, "B K W S"]
@@ -301,6 +301,20 @@ class PromptPhase(PrefixSlots, Bounded, Policy):
             extra.update(query_sums(seen.q, pos, self.query_sink, extra))
             extra["inv_freq"] = jnp.asarray(seen.rope.inv_freq())  # [D/2]
         return PromptState(written.k, written.v, written.pos, rows=rows, row_pos=row_pos, extra=extra)
+
+
+def with_query_sums(policy: Policy, state: Any, groups: int, head_dim: int) -> Any:
+    """A fresh state of `policy` with a prompt phase's query statistics (query_sink >= 0) as zeros for
+    G = `groups` query heads per kv head, which the model knows and `init` does not: the first step
+    adds its sums to them as every later step does (x + 0 is x), so a prompt's pieces share one step
+    program instead of the first compiling its own. Any other state is returned as it is."""
+    if not (isinstance(policy, PromptPhase) and policy.query_sink >= 0) or "q_sum" in state.extra:
+        return state
+    b, kh = state.rows.shape[:2]
+    zeros = {"q_sum": jnp.zeros((b, kh, groups, head_dim), jnp.float32),
+             "q_sq": jnp.zeros((b, kh, groups, head_dim, head_dim), jnp.float32),
+             "q_n": jnp.zeros((b,), jnp.float32), "inv_freq": jnp.zeros((head_dim // 2,), jnp.float32)}
+    return dataclasses.replace(state, extra={**state.extra, **zeros})
 
 
 def query_sums(q: Float[Array, "B K G T D"], pos: Int[Array, "B T"], n_sink: int, sums: dict[str, Any]

@@ -35,6 +35,7 @@ from jaxtyping import Array, Float, Int
 from kvpolicies.base import Policy, reads_values
 from kvpolicies import Rope, attend
 from kvpolicies.attend import Deferred, write_deferred
+from kvpolicies.prompt import with_query_sums
 from kvpolicies.rope import RopeTable
 from kvpolicies.slots import has_prefix_slots
 from models.config import LlamaConfig
@@ -197,7 +198,8 @@ class Llama(nnx.Module):
         cfg = self.cfg
         out = []
         for a, b, pol in policy_runs(policies, cfg.n_layers):
-            st = pol.init(batch, cfg.n_kv_heads, cfg.head_dim, dtype, max_len)
+            st = with_query_sums(pol, pol.init(batch, cfg.n_kv_heads, cfg.head_dim, dtype, max_len),
+                                 cfg.n_heads // cfg.n_kv_heads, cfg.head_dim)
             out.append(jax.tree.map(lambda x, n=b - a: jnp.broadcast_to(x, (n,) + x.shape).copy(), st))
         return tuple(out)
 

@@ -81,7 +81,7 @@ class Staged:
             if layered:
                 logits, cache = self._feed_layers(cache, tokens[:, s:s + m], start + s)
             else:
-                logits, cache = self._step(cache, tokens[:, s:s + m], start + s, prompt=prompt)
+                logits, cache = self._step(cache, tokens[:, s:s + m], start + s, prompt, start + t if prompt else None)
             s += m
         self.prefill_tokens += t * tokens.shape[0]
         fed = None if state.tokens is None else np.concatenate([state.tokens, tokens], axis=1)
@@ -156,7 +156,6 @@ class Staged:
             raise ValueError("compress: the state is already compressed")
         self._check_made(state, "compress")
         cache = self._adopt(state.cache)
-        # the state type of each run (a phase may add statistics after its first step, so not the full structure)
         want = [type(st) for st in jax.eval_shape(lambda: self._init_runs(state.logits.shape[0], prompt=True))]
         if [type(st) for st in cache] != want:
             raise ValueError("compress: the state's cache does not have this engine's prompt-phase layout "
@@ -258,12 +257,13 @@ class Staged:
                 out.append(jax.tree.map(lambda x: x[i], host).held(row, k, pol))
         return out
 
-    def feed(self, state: Prompted, tokens, chunk: int | Sequence[int] | None = None) -> Prompted:
+    def feed(self, state: Prompted, tokens, chunk: int | Sequence[int] | None = None, fork: bool = True) -> Prompted:
         """The state after `tokens` [B, T] went through the decode policies of a compressed state
-        (what `continue_generate` does before it generates; `state` stays usable: a fork). With the
-        ids a generation wrote, its cache after them: `kept_positions` reads what it holds."""
+        (what `continue_generate` does before it generates; `state` stays usable: a fork, unless
+        `fork=False`: the steps then take its cache's buffers, no copy, and `state` is not to be used
+        again). With the ids a generation wrote, its cache after them: `kept_positions` reads what it holds."""
         if isinstance(state, Prompted) and state.fitted is not None and state.fitted is not self:
-            return state.fitted.feed(state, tokens, chunk)
+            return state.fitted.feed(state, tokens, chunk, fork)
         tokens = self._check_state(state, tokens, "feed")
         if not state.compressed and self.compresses:
             raise ValueError("feed: the state is not compressed yet (compress it first)")
@@ -271,7 +271,7 @@ class Staged:
         t = tokens.shape[1]
         self._check_len(state.length + t, f"state of {state.length} + {t} tokens")
         self._check_room(state, t, "feed")
-        return self._feed(state, tokens, self._chunk(chunk, max(t, 1), t), prompt=False) if t else state
+        return self._feed(state, tokens, self._chunk(chunk, max(t, 1), t), prompt=False, fork=fork) if t else state
 
     def continue_generate(self, state: Prompted, tokens, n: int, chunk: int | Sequence[int] | None = None) -> np.ndarray:
         """Greedy ids [B, n] after feeding `tokens` [B, T] (T >= 0; e.g. a question) through the

@@ -61,7 +61,6 @@ def rotate_keys(k: Float[Array, "L B K S D"], pos: Int[Array, "L B Kp S"], table
 class Steps:
     """The jitted step functions (traced once per shape) and the host loops that call them."""
 
-    # -- pure step functions (traced once per shape) ---------------------------------------
     def _merge(self, params) -> tuple[Llama, dict]:
         """(the model, its RoPE tables) from a step's `params` argument."""
         state, tables = params
@@ -249,16 +248,17 @@ class Steps:
                                               self.max_len, self.cache_dtype)
         return make() if self.placement is None else self.placement.create(make, batch, prompt)
 
-    def _step(self, cache: Cache, tokens, start: int | np.ndarray, prompt: bool = False):
+    def _step(self, cache: Cache, tokens, start: int | np.ndarray, prompt: bool = False, end: int | None = None):
         """The jitted step on checked tokens [B, T] at positions start..start+T-1 (start: an int, or
-        each row's [B])."""
+        each row's [B]); `end`: the feed's end, whose length bucket every piece of it reads (one program
+        per piece size; a bucket's unfilled slots change no float: blocks no query sees are skipped)."""
         tokens = jnp.asarray(tokens, jnp.int32)
         t = tokens.shape[1]
         # positions built on the host and copied in (no eager device operation between steps)
         first = np.asarray(start, np.int32).reshape(-1, 1)  # [B or 1, 1]: each row from its own position
         pos = jnp.asarray(np.broadcast_to(first + np.arange(t, dtype=np.int32), tokens.shape))  # [B, T]
         logits, cache = self._logits_step(self.params, cache, tokens, pos, prompt=prompt,
-                                          reach=self._reach(int(np.max(start)) + t, t, prompt))
+                                          reach=self._reach(end or int(np.max(start)) + t, t, prompt))
         return logits, check_pool(cache)
 
     def step(self, cache: EngineCache | Cache, tokens, start: int | None = None):

@@ -521,9 +521,9 @@ def test_answer_shared_answers_through_one_canonical_engine_as_press_mode(tmp_pa
     model = None
     real_feed = Engine.feed
 
-    def feed(self, state, tokens, chunk=None):  # the question's pieces, per mode
+    def feed(self, state, tokens, chunk=None, fork=True):  # the question's pieces, per mode
         feeds.setdefault(mode, set()).add((np.shape(tokens)[1], None if chunk is None else tuple(chunk)))
-        return real_feed(self, state, tokens, chunk)
+        return real_feed(self, state, tokens, chunk, fork)
 
     monkeypatch.setattr(Engine, "feed", feed)
     for mode in ("press", "shared", "pooled"):

@@ -111,17 +111,44 @@ def test_prompt_phase_buckets_equal_the_whole_cache(model, monkeypatch):
         nll, cache = Engine(model, phase, max_len=1600).score(ids, chunk=512, return_cache=True)
         eng = Engine(model, snap, max_len=1600)
         state = eng.prompt(ids[None, :1300], chunk=256)
-        return nll, cache, eng.continue_generate(eng.compress(state), [], 12), eng.traces["logits"]
+        return nll, cache, eng.continue_generate(eng.compress(state), [], 12), eng.traces["logits"], state
 
-    nll, cache, toks, traces = run()
-    # prompt chunks of 256 ending at 256..1024 -> bucket 1024; at 1280 -> 1536; the last (20 tokens) -> 1536
-    assert traces == 3
+    nll, cache, toks, traces, state = run()
+    # every prompt chunk reads the bucket of the prompt's end (1300 -> 1536): one trace per chunk length
+    # (256 and the last 20), the first chunk's included (the query statistics exist from init_cache)
+    assert traces == 2
     with monkeypatch.context() as m:
         no_buckets(m)
-        ref_nll, ref_cache, ref_toks, ref_traces = run()
+        ref_nll, ref_cache, ref_toks, ref_traces, ref_state = run()
     assert ref_traces == 2  # the whole cache: one trace per chunk length
+    # a staged prompt through its end's bucket is the whole cache's bit for bit: the blocks past every
+    # query are skipped (and the first step adds its query sums to zeros)
+    for a, b in zip(jax.tree.leaves((state.cache, state.logits)), jax.tree.leaves((ref_state.cache, ref_state.logits)),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     np.testing.assert_array_equal(toks, ref_toks)
     np.testing.assert_allclose(nll, ref_nll, atol=1e-5, rtol=0)
     assert jax.tree.structure(cache) == jax.tree.structure(ref_cache)
     for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(ref_cache)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+
+
+def test_query_statistics_exist_from_init_so_the_first_piece_shares_the_step(model):
+    """Expected attention's prompt phase sums the queries (query_sink): `init_cache` makes those sums
+    zeros for the model's G, so the first of equal pieces runs the step the others run (one trace),
+    and the sums equal those of the prompt fed in one step."""
+    eng = Engine(model, kvpolicies.get("expected", budget=256), max_len=1600)
+    fresh = eng.init_cache(1, prompt=True).runs[0].extra
+    g = CFG.n_heads // CFG.n_kv_heads
+    assert fresh["q_sq"].shape == (CFG.n_layers, 1, CFG.n_kv_heads, g, CFG.head_dim, CFG.head_dim)
+    assert not np.asarray(fresh["q_sum"]).any() and not np.asarray(fresh["q_n"]).any()
+    ids = np.random.default_rng(3).integers(0, CFG.vocab_size, 1024)
+    state = eng.prompt(ids[None], chunk=256)
+    assert eng.traces["logits"] == 1
+    extra = state.cache[0].extra
+    np.testing.assert_array_equal(np.asarray(extra["q_n"]), np.full((CFG.n_layers, 1), 1024 - 4, np.float32))
+    # the same sums as the prompt in one step (float32 rounding apart: other groupings of the sums)
+    whole = Engine(model, kvpolicies.get("expected", budget=256), max_len=1600).prompt(ids[None]).cache[0].extra
+    for name in ("q_sum", "q_sq"):
+        np.testing.assert_allclose(np.asarray(extra[name]), np.asarray(whole[name]), rtol=1e-5, atol=1e-4)
+    assert np.abs(np.asarray(extra["q_sum"])).max() > 1  # not zeros

@@ -267,3 +267,20 @@ def test_a_question_that_evicts_nothing_attends_in_one_piece(model, tokens, pres
     cls = Engine(model, pol, max_len=MAX_LEN, slots=grid_slots([pol], CFG.n_layers, MAX_LEN))
     shaped = cls.feed(cls.compress(cls.prompt(ctx)), q, chunk=Q)
     np.testing.assert_allclose(np.asarray(shaped.logits), np.asarray(fed.logits), atol=2e-5, rtol=0)
+
+
+def test_feed_without_a_fork_takes_the_state_buffers(model, tokens):
+    """`feed(fork=False)` (a batch built for one question, evals.peer's) gives the forked feed's
+    state bit for bit, without the copy: the input state's cache buffers are donated to the step."""
+    import jax
+
+    ctx, q = tokens
+    eng = Engine(model, kvpress("SnapKVPress", 0.5, n_layers=CFG.n_layers, max_new=MAX_NEW), max_len=MAX_LEN)
+    st = eng.compress(eng.prompt(ctx))
+    forked = eng.feed(st, q, chunk=Q)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(st.cache))  # the fork left it usable
+    taken = eng.feed(st, q, chunk=Q, fork=False)
+    for a, b in zip(jax.tree.leaves((forked.cache, forked.logits)), jax.tree.leaves((taken.cache, taken.logits)),
+                    strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert all(x.is_deleted() for x in jax.tree.leaves(st.cache[0].k))
