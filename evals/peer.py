@@ -790,6 +790,23 @@ def engine_slots(p: Plan, model, max_len: int, max_new: int) -> dict[str, int]:
                            for r in p.ratios], model.cfg.n_layers, max_len) for c in p.presses if c not in CATALOGUE}
 
 
+def catalogue_slots(p: Plan, model, max_len: int, max_new: int) -> dict[str, int]:
+    """`engine_slots` for CATALOGUE rows (`catalogue_args`' presses): per press, the slots of the shape class that
+    serves all of its ratios and layers (PerLayerCompressionPress's and LUKVPress's per-layer and per-head budgets,
+    QFilterPress's ratios...), or 0 for a press without kept tables (channel, merging, decoding presses...)."""
+    from kvpolicies.compat import kvpress
+    from models.engine import grid_slots
+
+    out = {}
+    for c in p.presses:
+        pols = []
+        for r in ((0.0,) if c in RATIOLESS else p.ratios):
+            name, kr, fields, _ = catalogue_args(p, c, r)
+            pols.append(kvpress(name, kr, n_layers=model.cfg.n_layers, max_new=max_new, **fields))
+        out[c] = grid_slots(pols, model.cfg.n_layers, max_len)
+    return out
+
+
 def shared_phase(model, engines, max_len: int, steps: list[int], memo: dict):
     """The engine of the prompt phase that covers the prompt phases of `engines` (one prefill for
     snapkv, adakv, pyramidkv, knorm, tova, streamingllm and expected attention: their slots are
@@ -923,7 +940,8 @@ def _answer_group(p: Plan, i: int, group: list, q: np.ndarray, n: int, log, f, t
 
 def run_catalogue(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=lambda: None) -> None:
     """Our side of the CATALOGUE items `todo`, one line each in <stem>.ours.jsonl (run_ours's format): per
-    (press, ratio) an engine of `kvpress(*catalogue_args(...))`, kept across samples; per item the context's
+    (press, ratio) an engine of `kvpress(*catalogue_args(...))`, kept across samples (a press with kept tables:
+    its ratios and layers one shape class, `catalogue_slots`, one set of compiled steps); per item the context's
     prefill, the compression, the kept positions, the greedy answer after the question. A channel press's
     line also has "channels", [layer] the packed [kv head, D] mask of the key channels it keeps (ThinK's
     `chan`); a decoding press's "kept" is what it holds after the last id fed (the question as one step, then
@@ -941,6 +959,7 @@ def run_catalogue(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=l
     max_len = max(len(c) + len(q) for c, q in zip(p.contexts, p.questions)) + p.gen
     max_new = max(len(q) for q in p.questions) + p.gen
     engines: dict[tuple[str, float], Any] = {}
+    slots = None
     with open(p.path(".ours.jsonl"), "a", encoding="utf-8") as f, jax.default_matmul_precision("highest"), \
             CompileLog() as log:
         for i, c, r in todo:
@@ -952,7 +971,9 @@ def run_catalogue(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=l
                 if (c, r) not in engines:
                     name, kr, fields, _ = catalogue_args(p, c, r)
                     pol = kvpress(name, kr, n_layers=model.cfg.n_layers, max_new=max_new, **fields)
-                    engines[(c, r)] = (Engine(model, pol, max_len=max_len), pol)
+                    if slots is None:  # a press's ratios and layers as one shape class (`catalogue_slots`)
+                        slots = catalogue_slots(p, model, max_len, max_new)
+                    engines[(c, r)] = (Engine(model, pol, max_len=max_len, slots=slots[c], share_steps=True), pol)
                 eng, pol = engines[(c, r)]
                 st = ph("compress", eng.compress(ph("prefill", prompt_in_pieces(eng, ctx, p.chunk))))
                 held = {"stored": filled_bytes(st.cache), "allocated": tree_nbytes(st.cache)}
@@ -1257,6 +1278,7 @@ def run(p: Plan, model=None) -> list[dict[str, Any]]:
     from tqdm.auto import tqdm
 
     from evals import zoo
+    from evals.compiles import CompileLog
 
     p.out.mkdir(parents=True, exist_ok=True)
     if p.table_only:
@@ -1287,20 +1309,23 @@ def run(p: Plan, model=None) -> list[dict[str, Any]]:
             bars["kvpress"].n = _count(p, "kvpress")
             bars["kvpress"].refresh()
 
-        mine = [x for x in todo["ours"] if x[1] in CATALOGUE]  # one engine per (press, ratio): `run_catalogue`
+        mine = [x for x in todo["ours"] if x[1] in CATALOGUE]  # an engine per (press, ratio): `run_catalogue`
         rest = [x for x in todo["ours"] if x[1] not in CATALOGUE]
-        if rest and p.ray is not None:  # on Ray actors, a shard each, merged at the end
-            from evals.peer_grid import run_ours as on_ray
+        with CompileLog() as compiled:  # our side's compilations in this process (not on Ray actors)
+            if rest and p.ray is not None:  # on Ray actors, a shard each, merged at the end
+                from evals.peer_grid import run_ours as on_ray
 
-            on_ray(p, rest, tick, say=tqdm.write, side=ray_side())
-        elif rest:
-            if model is None:
-                model, _ = load_ours(p)
-            run_ours(p, model, rest, tick)
-        if mine:
-            if model is None:
-                model, _ = load_ours(p)
-            run_catalogue(p, model, mine, tick)
+                on_ray(p, rest, tick, say=tqdm.write, side=ray_side())
+            elif rest:
+                if model is None:
+                    model, _ = load_ours(p)
+                run_ours(p, model, rest, tick)
+            if mine:
+                if model is None:
+                    model, _ = load_ours(p)
+                run_catalogue(p, model, mine, tick)
+        if todo["ours"]:
+            tqdm.write(f"[evals.peer] our side {compiled.line()}")
         if worker is not None:
             p.path(".ours-done").touch()  # our side is done: the worker takes every core (`worker_job`)
             _wait(p, worker, bars["kvpress"], total)

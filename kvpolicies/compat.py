@@ -220,6 +220,9 @@ class Chunked(Wrapped):
         c = self.chunk_length
         return sum(max(1, int(min(c, n - i) * (1 - self.ratio))) for i in range(0, n, c))
 
+    def kept_table(self, max_len):
+        return None  # each chunk's count is read from `ratio` in `prompt_rank`: no shape class (ratio 0) keeps it
+
     def prompt_rank(self, state, slots, keys, stats):
         pos, c = slots.pos, self.chunk_length
         n = (pos >= 0).sum(axis=-1, keepdims=True)  # [B, K, 1] prompt tokens
@@ -243,6 +246,9 @@ class Blocked(Wrapped):
     label = "blocked"
     takes = (Knorm, KeyDiff, RandomKeep)
     block_size: int = 128
+
+    def kept_table(self, max_len):
+        return None  # n_kept is read from `ratio` in `prompt_rank`: no shape class (ratio 0) keeps it
 
     def prompt_rank(self, state, slots, keys, stats):
         pos = slots.pos

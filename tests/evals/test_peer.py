@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from evals import peer
+from evals.compiles import CompileLog
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 REF = ROOT / ".venv" / "kvpress-ref"
@@ -635,6 +636,56 @@ def _catalogue_run(tiny_run, tmp_path, presses: str):
     kv, ours = ({x["press"]: x for x in _lines(tmp_path / f"{STEM}.{side}.jsonl") if x["sample"] == sample}
                 for side in ("kvpress", "ours"))
     return rows, kv, ours, ours["full"]["n"], args
+
+
+# the CATALOGUE rows whose presses have kept tables: our side runs each press's ratios and layers as one shape class
+SHAPED = ("QFilterPress", "ExpectedAttentionStatsPress", "KVzapPress", "FinchPress", "MergingPress:KeyDiffPress",
+          "ComposedPress", "PerLayerCompressionPress:KeyDiffPress")
+
+
+def test_catalogue_shape_classes_keep_and_answer_as_the_exact_presses(tmp_path):
+    """`catalogue_slots`: the CATALOGUE presses with kept tables get one shape class for all their ratios and
+    layers (and only they: ChunkPress's and BlockPress's rankings read their ratio, so they have no table); on a
+    model of the tiny run's shapes, a shape class keeps exactly the positions of the exact press (per layer and
+    kv head) and decodes the same ids, for QFilterPress (a filter per layer) and PerLayerCompressionPress (a
+    ratio per layer: 3 policies, one shape-class policy); its second ratio compiles no program."""
+    from kvpolicies.compat import kvpress
+    from models.config import LlamaConfig
+    from models.engine import Engine
+    from models.llama import Llama
+
+    p = peer.prepare(peer.parse(["model=tiny", "tokens=320", "samples=1", "ratios=[0.25,0.4]", f"out={tmp_path}",
+                                 "presses=[" + ",".join(peer.CATALOGUE) + "]"]))
+    t = peer.TINY
+    cfg = LlamaConfig(vocab_size=97, d_model=t["hidden_size"], n_layers=t["num_hidden_layers"], n_heads=t["num_attention_heads"],
+                      n_kv_heads=t["num_key_value_heads"], head_dim=t["hidden_size"] // t["num_attention_heads"],
+                      d_ff=t["intermediate_size"])
+    model = Llama(cfg)
+    rng = np.random.default_rng(0)
+    ctx, q = rng.integers(0, 97, (1, 120)).astype(np.int32), rng.integers(0, 97, (1, 9)).astype(np.int32)
+    max_len, max_new = 120 + 9 + 6, 9 + 6
+    slots = peer.catalogue_slots(p, model, max_len, max_new)
+    assert {c for c, s in slots.items() if s} == set(SHAPED)
+    for press in ("QFilterPress", "PerLayerCompressionPress:KeyDiffPress"):
+        shaped = []
+        for r in p.ratios:
+            name, kr, fields, _ = peer.catalogue_args(p, press, r)
+            pol = kvpress(name, kr, n_layers=cfg.n_layers, max_new=max_new, **fields)
+            shaped.append(Engine(model, pol, max_len=max_len, slots=slots[press], share_steps=True))
+            with CompileLog() as log:
+                st = shaped[-1].compress(shaped[-1].prompt(ctx))
+                got = shaped[-1].kept_positions(st), shaped[-1].continue_generate(st, q, 6)
+            if r == p.ratios[0]:
+                assert len(set(shaped[0].policies)) == (cfg.n_layers if press == "QFilterPress" else 1), press
+                exact = Engine(model, pol, max_len=max_len)
+                st = exact.compress(exact.prompt(ctx))
+                want = exact.kept_positions(st), exact.continue_generate(st, q, 6)
+                for la, lb in zip(want[0], got[0], strict=True):
+                    for a, b in zip(la, lb, strict=True):
+                        np.testing.assert_array_equal(a, b)
+                np.testing.assert_array_equal(want[1], got[1])
+            else:
+                assert log.programs == 0, press
 
 
 @pytest.mark.ref

@@ -96,6 +96,10 @@ def test_budget_sized_policies_have_a_constant_table():
     assert shape_class_of(kvpolicies.get("full"), 100, 64) == (kvpolicies.get("full"), None)
     decoding = kvpress("KnormPress", 0.5, compression_interval=4, target_size=8)  # compresses while decoding
     assert isinstance(decoding, KeptTable) and decoding.kept_table(100) is None
+    # wrappers whose ranking reads the ratio (a shape class has ratio 0): no table, so never a shape class
+    for wrapper in ("ChunkPress", "BlockPress"):
+        pol = kvpress(wrapper, 0.5, press="KnormPress")
+        assert pol.kept_table(100) is None and shape_class_of(pol, 100, 64) == (pol, None), wrapper
 
 
 def test_pyramid_layers_share_one_run_and_one_layer_step(model, engine, tokens):
