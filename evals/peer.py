@@ -942,7 +942,8 @@ def run_catalogue(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=l
     """Our side of the CATALOGUE items `todo`, one line each in <stem>.ours.jsonl (run_ours's format): per
     (press, ratio) an engine of `kvpress(*catalogue_args(...))`, kept across samples (a press with kept tables:
     its ratios and layers one shape class, `catalogue_slots`, one set of compiled steps); per item the context's
-    prefill, the compression, the kept positions, the greedy answer after the question. A channel press's
+    prefill (shared with the sample's earlier items of the same prompt phase, `shared_prefill`: a press's ratios
+    prefill once), the compression, the kept positions, the greedy answer after the question. A channel press's
     line also has "channels", [layer] the packed [kv head, D] mask of the key channels it keeps (ThinK's
     `chan`); a decoding press's "kept" is what it holds after the last id fed (the question as one step, then
     one id a step, as kvpress's pipeline: `Engine.feed`), "kept_prefill" what it held after the prefill. Our
@@ -960,10 +961,14 @@ def run_catalogue(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=l
     max_new = max(len(q) for q in p.questions) + p.gen
     engines: dict[tuple[str, float], Any] = {}
     slots = None
+    states: list = []  # the sample's newest prompt states, (engine, state): a press's ratios share one prefill
+    sample = None
     with open(p.path(".ours.jsonl"), "a", encoding="utf-8") as f, jax.default_matmul_precision("highest"), \
             CompileLog() as log:
         for i, c, r in todo:
             ctx, q = p.contexts[i], p.questions[i]
+            if i != sample:
+                states, sample = [], i
             t0 = time.time()
             ph = Phases(log)
             line: dict[str, Any] = {"sample": p.sample_id(i), "press": c, "ratio": r, "n": len(ctx)}
@@ -975,7 +980,7 @@ def run_catalogue(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=l
                         slots = catalogue_slots(p, model, max_len, max_new)
                     engines[(c, r)] = (Engine(model, pol, max_len=max_len, slots=slots[c], share_steps=True), pol)
                 eng, pol = engines[(c, r)]
-                st = ph("compress", eng.compress(ph("prefill", prompt_in_pieces(eng, ctx, p.chunk))))
+                st = ph("compress", eng.compress(shared_prefill(eng, states, ctx, p.chunk, ph)))
                 held = {"stored": filled_bytes(st.cache), "allocated": tree_nbytes(st.cache)}
                 kept = _packed(eng.kept_positions(st), model.cfg.n_kv_heads, len(ctx))
                 ph("kept")
@@ -1004,6 +1009,22 @@ def run_catalogue(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=l
             f.write(json.dumps(line) + "\n")
             f.flush()
             tick()
+
+
+def shared_prefill(eng, states: list, ctx: np.ndarray, chunk: int, ph, keep: int = 4):
+    """The uncompressed prompt state of the context for `eng`: one of `states` (the sample's newest (engine,
+    state) pairs, at most `keep`) whose engine `eng` shares the prompt with (`Engine.shares_prompt`, the same
+    runs of layers: the same prompt phase, so the same slots bit for bit; `compress` leaves it usable), else
+    its own prefill in `pieces`, added to `states`."""
+    from models.llama import policy_runs
+
+    runs = len(policy_runs(eng.prompt_policies, eng.cfg.n_layers))
+    for e, st in states:
+        if len(st.cache) == runs and eng.shares_prompt(e):
+            return st
+    st = ph("prefill", prompt_in_pieces(eng, ctx, chunk))
+    states[:] = [*states[1 - keep:], (eng, st)] if keep > 1 else [(eng, st)]
+    return st
 
 
 def _packed(kept: list, heads: int, n: int) -> list[str]:

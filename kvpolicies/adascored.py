@@ -28,7 +28,8 @@ from jaxtyping import Array, Bool, Float, Int
 from kvpolicies.adakv import HeadPool, as_rows, pack_by_head, pool_view, prompt_pool
 from kvpolicies.base import EMPTY, Policy, SlotState, empty_slots
 from kvpolicies.codecs import Codec, Identity
-from kvpolicies.prompt import PromptCompressor, PromptState
+from kvpolicies.checks import check_int
+from kvpolicies.prompt import KeptTable, PromptCompressor, PromptState
 from kvpolicies.prompt_scored import PromptScored
 from kvpolicies.scored import top_mask
 from kvpolicies.slots import QuietChunks
@@ -72,7 +73,7 @@ def allocate(prio: Float[Array, "B K V"], tie: Array, cand: Bool[Array, "B K V"]
 
 
 @dataclasses.dataclass(frozen=True)
-class AdaScored(PromptCompressor, QuietChunks, Policy):
+class AdaScored(PromptCompressor, QuietChunks, KeptTable, Policy):
     """kvpress's `AdaKVPress(press, alpha_safeguard)` over the prompt scorer `press` (a
     `kvpolicies.compat.kvpress(...)` result whose `ratio` is this policy's).
 
@@ -97,6 +98,8 @@ class AdaScored(PromptCompressor, QuietChunks, Policy):
     alpha_safeguard: float = 0.2
     max_new: int = 256
     codec: Codec = Identity()
+    # a shape class's slots per kv head on average (`KeptTable.shape_class`; 0: sized by ratio)
+    slots: int = dataclasses.field(default=0, metadata={"engine": True})  # set by the engine, not a CLI field
 
     def __post_init__(self):
         if not isinstance(self.press, PromptScored) or self.press.accumulates or self.press.interval or (
@@ -104,7 +107,11 @@ class AdaScored(PromptCompressor, QuietChunks, Policy):
             raise ValueError(f"adascored.press={self.press!r}: must be a prompt scorer without per-slot statistics "
                              "(knorm, keydiff, lagkv, random, expected, kvpress's StreamingLLM; adakv is SnapKV's)")
         r = self.ratio
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r < 1:
+        check_int("adascored", "slots", self.slots, 0)
+        if self.slots and r != 0:
+            raise ValueError(f"adascored(slots={self.slots}): a shape class keeps the counts it is given, ratio=0 "
+                             f"(got {r!r})")
+        if not self.slots and (isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r < 1):
             raise ValueError(f"adascored.ratio={r!r}: must be a number in (0, 1)")
         if self.press.ratio != r:
             raise ValueError(f"adascored.press.ratio={self.press.ratio!r}: must be the wrapper's ratio {r!r}")
@@ -131,7 +138,27 @@ class AdaScored(PromptCompressor, QuietChunks, Policy):
 
     def capacity(self, max_len):
         """Slots per kv head on average (the pool holds kv_heads x this many)."""
+        if self.slots:
+            return min(self.slots, max_len)
         return min(self.kept_for(max_len) + self.max_new, max_len)
+
+    def kept_table(self, max_len: int) -> np.ndarray | None:
+        """[max_len + 1] int32: tokens per kv head on average kept after an n-token prompt (`KeptTable`)."""
+        if self.slots:
+            return None
+        return np.minimum([self.kept_for(n) for n in range(max_len + 1)], self.capacity(max_len)).astype(np.int32)
+
+    def shape_class(self, slots: int) -> "AdaScored":
+        return dataclasses.replace(self, ratio=0.0, slots=slots, press=self.press.shape_class(slots))
+
+    def _table(self, max_len: int, table: Array | None) -> Array:
+        """The kept counts of `after_prompt`: those given (a shape class's), else this policy's own."""
+        if table is not None:
+            return jnp.asarray(table)
+        if self.slots:
+            raise ValueError(f"{type(self).__name__.lower()}(slots={self.slots}): a shape class keeps the counts it is "
+                             "given: after_prompt(state, table)")
+        return jnp.asarray(self.kept_table(max_len))  # static
 
     def init(self, batch, kv_heads, head_dim, dtype, max_len):
         st = empty_slots(self.codec, batch, kv_heads, head_dim, dtype, self.capacity(max_len), kv_heads)  # [B, K, S, D]
@@ -186,9 +213,10 @@ class AdaScored(PromptCompressor, QuietChunks, Policy):
     def prompt_policy(self):
         return dataclasses.replace(self.press.prompt_policy(), of=self)
 
-    def after_prompt(self, state: PromptState) -> CountedPool:
+    def after_prompt(self, state: PromptState, table: Array | None = None) -> CountedPool:
         m = state.slots  # max_len
         s = self.capacity(m)
+        counts = self._table(m, table)  # [M + 1]
         keys = self.codec.decode(state.k, jnp.float32)  # [B, K, M, D]
         b, kh = keys.shape[:2]
         pos = jnp.broadcast_to(state.pos, (b, kh, m))  # [B, K, M]
@@ -196,7 +224,7 @@ class AdaScored(PromptCompressor, QuietChunks, Policy):
         prio, tie = self.press.prompt_rank(state, slots, keys, stats)  # [B, K, M]
         filled = pos >= 0
         n = filled.sum(axis=-1, keepdims=True)[:, :1]  # [B, 1, 1] prompt tokens (every head holds them)
-        n_kept = jnp.minimum(jnp.maximum(1, jnp.floor(n * (1 - self.ratio))), s).astype(jnp.int32)  # kvpress's int()
+        n_kept = counts[n]  # [B, 1, 1]: kvpress's max(1, int(n (1 - ratio)))
         kept = allocate(prio, tie, filled, n_kept, self._safe(n_kept))  # [B, K, M]
         pool = prompt_pool(state, kept, jnp.zeros((b, kh, m), jnp.float32), kh * s)
         return CountedPool(pool.k, pool.v, pool.pos, counts=kept.sum(axis=-1, dtype=jnp.int32), stats=stats)

@@ -39,7 +39,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from kvpolicies.adascored import AdaScored, CountedPool, allocate
@@ -190,9 +189,10 @@ class CriticalAda(AdaScored):
     def prompt_policy(self):
         return critical_phase(self.press.prompt_policy(), self)
 
-    def after_prompt(self, state: PromptState) -> CountedPool:
+    def after_prompt(self, state: PromptState, table=None) -> CountedPool:
         m = state.slots  # max_len
         s = self.capacity(m)
+        counts = self._table(m, table)  # [M + 1]: kvpress's n_kept (a shape class's, given)
         keys = self.codec.decode(state.k, jnp.float32)  # [B, K, M, D]
         b, kh = keys.shape[:2]
         pos = jnp.broadcast_to(state.pos, (b, kh, m))  # [B, K, M]
@@ -201,8 +201,7 @@ class CriticalAda(AdaScored):
         filled = pos >= 0
         score = kvpress_units(self.press, state, prio, filled)
         n = filled.sum(axis=-1, keepdims=True)[:, :1]  # [B, 1, 1] prompt tokens (every head holds them)
-        table = np.minimum([self.kept_for(i) for i in range(m + 1)], s).astype(np.int32)  # kvpress's n_kept
-        n_kept = jnp.asarray(table)[n]  # [B, 1, 1]
+        n_kept = counts[n]  # [B, 1, 1]
         n_safe = self._safe(n_kept)
         budget = allocate(score, tie, filled, n_kept, n_safe).sum(axis=-1, keepdims=True)  # [B, K, 1] b_h
         safe = top_mask(score, tie, n_safe) & filled  # [B, K, M]

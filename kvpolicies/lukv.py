@@ -17,15 +17,21 @@ stable sort). kvpress masks the others (every head still stores n tokens); we st
 (`adascored.CountedPool`: each head's share and count), of K x (ceil(kept / K) + max_new) slots per layer,
 kept the layer's most at max_len. Decoding: appends; a full pool recompresses by Ada-KV's rule over the
 inner press's stream rule (`AdaScored`, ours).
+
+A `KeptTable`: a layer's counts for every prompt length are its table ([K, max_len + 1]), so an engine with
+`slots` runs every layer and ratio as one shape class (one policy, one set of compiled steps; the per-layer
+policies compile a step per layer, each ratio its own), the counts given as data.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
@@ -58,6 +64,15 @@ def head_counts(prune: Float[Array, "K"], n: Int[Array, "B 1"]) -> Int[Array, "B
     return jnp.clip(base + extra, 1, n)
 
 
+@functools.lru_cache(maxsize=512)
+def _head_table(prune: tuple, max_len: int) -> np.ndarray:
+    """[K, max_len + 1] int32: `head_counts` of one layer's prune ratios for every prompt length n (the same
+    float32 operations, evaluated once on the host, also while a step is traced)."""
+    with jax.ensure_compile_time_eval():
+        n = jnp.arange(max_len + 1, dtype=jnp.int32)[:, None]  # [M + 1, 1]
+        return np.asarray(head_counts(jnp.asarray(prune, jnp.float32), n)).T.astype(np.int32)
+
+
 @dataclasses.dataclass(frozen=True)
 class LUKV(Preset, AdaScored):
     """LU-KV's head-wise budgets from `curve` around the prompt scorer `press` (a `kvpolicies.compat.kvpress`
@@ -73,14 +88,14 @@ class LUKV(Preset, AdaScored):
         super().__post_init__()
         check_int("lukv", "sink", self.sink, 0)
         check_int("lukv", "window", self.window, 0)
-        if self.curve is None and not self.prune:
+        if self.curve is None and not self.prune and not self.slots:
             raise ValueError("lukv: give curve= ([99, layers, kv heads] prune ratios: a .npy file or nested lists)")
 
     def row(self) -> int:
         return max(0, min(98, int(round(self.ratio * 100)) - 1))
 
     def stack(self, n_layers):
-        if self.prune:
+        if self.prune or self.slots:
             return (self,) * n_layers
         arr = load_curve(self.curve)
         if arr.shape[1] != n_layers:
@@ -89,19 +104,35 @@ class LUKV(Preset, AdaScored):
                      for i in range(n_layers))
 
     def capacity(self, max_len):
+        if self.slots:
+            return min(self.slots, max_len)
         if not self.prune:
             raise ValueError("lukv: a layer's policy comes from stack(n_layers) (each layer its curve row)")
         kh = len(self.prune)
         keep = sum(min(max(1.0 - p, 0.0), 1.0) for p in self.prune) * max_len  # the layer's most kept tokens
         return min(max_len, math.ceil((round(keep) + kh) / kh) + self.max_new)
 
-    def after_prompt(self, state):
+    def kept_table(self, max_len: int) -> np.ndarray | None:
+        """[K, max_len + 1] int32: each kv head's count kept after an n-token prompt (`head_counts` of this
+        layer's row, computed once for every n), or None for a shape class (`KeptTable`)."""
+        if self.slots:
+            return None
+        if not self.prune:
+            raise ValueError("lukv: a layer's policy comes from stack(n_layers) (each layer its curve row)")
+        return _head_table(self.prune, max_len)
+
+    def shape_class(self, slots: int) -> "LUKV":
+        return dataclasses.replace(self, ratio=0.0, curve=None, prune=(), slots=slots,
+                                   press=self.press.shape_class(slots))
+
+    def after_prompt(self, state, table=None):
         m = state.slots  # max_len
         s = self.capacity(m)
+        table = self._table(m, table)  # [K, M + 1]: the layer's head counts (a shape class's, given)
         keys = self.codec.decode(state.k, jnp.float32)  # [B, K, M, D]
         b, kh = keys.shape[:2]
-        if len(self.prune) != kh:
-            raise ValueError(f"lukv: the curve's row has {len(self.prune)} kv heads, the model {kh}")
+        if table.shape[0] != kh:
+            raise ValueError(f"lukv: the curve's row has {table.shape[0]} kv heads, the model {kh}")
         pos = jnp.broadcast_to(state.pos, (b, kh, m))  # [B, K, M]
         slots, stats = self.press.from_prompt(state, pos)
         prio, _ = self.press.prompt_rank(state, slots, keys, stats)  # [B, K, M]
@@ -109,7 +140,7 @@ class LUKV(Preset, AdaScored):
         n = filled.sum(axis=-1)[:, :1]  # [B, 1] prompt tokens
         guard = (pos < self.sink) | (pos >= n[..., None] - self.window)  # [B, K, M]: kvpress's max + 1
         prio = jnp.where(filled, jnp.where(guard, jnp.inf, prio), -jnp.inf)
-        counts = head_counts(jnp.asarray(self.prune, jnp.float32), n)  # [B, K]
+        counts = table[:, n[:, 0]].T  # [B, K]
         kept = top_mask(prio, -pos, counts[..., None]) & filled  # [B, K, M]: ties to the older token
         pool = prompt_pool(state, kept, jnp.zeros((b, kh, m), jnp.float32), kh * s)
         return CountedPool(pool.k, pool.v, pool.pos, counts=kept.sum(axis=-1, dtype=jnp.int32), stats=stats)

@@ -640,15 +640,16 @@ def _catalogue_run(tiny_run, tmp_path, presses: str):
 
 # the CATALOGUE rows whose presses have kept tables: our side runs each press's ratios and layers as one shape class
 SHAPED = ("QFilterPress", "ExpectedAttentionStatsPress", "KVzapPress", "FinchPress", "MergingPress:KeyDiffPress",
-          "ComposedPress", "PerLayerCompressionPress:KeyDiffPress")
+          "ComposedPress", "PerLayerCompressionPress:KeyDiffPress", "LUKVPress")
 
 
 def test_catalogue_shape_classes_keep_and_answer_as_the_exact_presses(tmp_path):
     """`catalogue_slots`: the CATALOGUE presses with kept tables get one shape class for all their ratios and
     layers (and only they: ChunkPress's and BlockPress's rankings read their ratio, so they have no table); on a
     model of the tiny run's shapes, a shape class keeps exactly the positions of the exact press (per layer and
-    kv head) and decodes the same ids, for QFilterPress (a filter per layer) and PerLayerCompressionPress (a
-    ratio per layer: 3 policies, one shape-class policy); its second ratio compiles no program."""
+    kv head) and decodes the same ids, for QFilterPress (a filter per layer), PerLayerCompressionPress (a
+    ratio per layer: 3 policies, one shape-class policy) and LUKVPress (a count per layer and kv head: one
+    shape-class policy); its second ratio compiles no program."""
     from kvpolicies.compat import kvpress
     from models.config import LlamaConfig
     from models.engine import Engine
@@ -666,7 +667,7 @@ def test_catalogue_shape_classes_keep_and_answer_as_the_exact_presses(tmp_path):
     max_len, max_new = 120 + 9 + 6, 9 + 6
     slots = peer.catalogue_slots(p, model, max_len, max_new)
     assert {c for c, s in slots.items() if s} == set(SHAPED)
-    for press in ("QFilterPress", "PerLayerCompressionPress:KeyDiffPress"):
+    for press in ("QFilterPress", "PerLayerCompressionPress:KeyDiffPress", "LUKVPress"):
         shaped = []
         for r in p.ratios:
             name, kr, fields, _ = peer.catalogue_args(p, press, r)
@@ -686,6 +687,38 @@ def test_catalogue_shape_classes_keep_and_answer_as_the_exact_presses(tmp_path):
                 np.testing.assert_array_equal(want[1], got[1])
             else:
                 assert log.programs == 0, press
+
+
+def test_catalogue_items_of_a_sample_share_their_prefill(tmp_path, monkeypatch):
+    """`run_catalogue` through `shared_prefill`: a sample's items whose engines share the prompt phase (a press's
+    ratios, and presses whose phases are the same: ChunkPress and BlockPress over KeyDiffPress, and LUKVPress over
+    ExpectedAttentionPress, whose prompt phase also sums the first queries) prefill once; every line (answer, kept positions per layer and kv head, bytes) is the line of the
+    item prefilled alone."""
+    from models.config import LlamaConfig
+    from models.llama import Llama
+
+    t = peer.TINY
+    model = Llama(LlamaConfig(vocab_size=49152, d_model=t["hidden_size"], n_layers=t["num_hidden_layers"],
+                              n_heads=t["num_attention_heads"], n_kv_heads=t["num_key_value_heads"],
+                              head_dim=t["hidden_size"] // t["num_attention_heads"], d_ff=t["intermediate_size"]))
+    args = ["model=tiny", "tokens=320", "samples=1", "presses=[ChunkPress:KeyDiffPress,BlockPress:KeyDiffPress,LUKVPress]",
+            "ratios=[0.25,0.5]", "gen=3", "kvpress=false", "progress=false", "compile_cache=none"]
+
+    def run(sub: str) -> list[dict]:
+        p = peer.prepare(peer.parse(args + [f"out={tmp_path / sub}"]))
+        p.out.mkdir(parents=True)
+        peer.run_catalogue(p, model, [x for x in peer.pending(p, "ours") if x[1] in peer.CATALOGUE])
+        return _lines(tmp_path / sub / f"{STEM}.ours.jsonl")
+
+    shared = run("shared")
+    monkeypatch.setattr(peer, "shared_prefill", lambda eng, states, ctx, chunk, ph, keep=4:
+                        ph("prefill", peer.prompt_in_pieces(eng, ctx, chunk)))
+    alone = run("alone")
+    assert len(shared) == len(alone) == 6 and all("error" not in x for x in shared + alone)
+    assert [x["press"] for x in shared if "prefill" in x["phases"]] == ["ChunkPress:KeyDiffPress"]
+    assert sum("prefill" in x["phases"] for x in alone) == 6
+    fields = ("press", "ratio", "answer", "kept", "bytes")
+    assert [{k: x[k] for k in fields} for x in shared] == [{k: x[k] for k in fields} for x in alone]
 
 
 @pytest.mark.ref

@@ -27,7 +27,14 @@ MAX_NEW = Q + GEN
 # kvpress's presses with a kept table, at fields that fit the tiny prompt
 PRESSES = {"SnapKVPress": {"window_size": 8}, "PyramidKVPress": {"window_size": 8}, "KnormPress": {},
            "StreamingLLMPress": {}, "ExpectedAttentionPress": {"n_future_positions": 16},
-           "ObservedAttentionPress": {}, "TOVAPress": {}, "AdaKVPress": {"window_size": 8}}
+           "ObservedAttentionPress": {}, "TOVAPress": {}, "AdaKVPress": {"window_size": 8},
+           # Ada-KV over another scorer, its critical form, and LU-KV's per-(layer, kv head) budgets (a seeded
+           # curve, each head's prune ratio growing with the row as a real curve's: a policy per layer, each head
+           # its own count): "Wrapper:Inner"
+           "AdaKVPress:ExpectedAttentionPress": {"n_future_positions": 16},
+           "CriticalAdaKVPress:SnapKVPress": {"window_size": 8},
+           "LUKVPress": {"budget_curves": np.sort(np.random.default_rng(5).uniform(0.0, 1.0, (99, CFG.n_layers,
+                                                                                              CFG.n_kv_heads)), axis=0)}}
 RATIOS = (0.25, 0.5, 0.75, 0.875)
 
 
@@ -58,7 +65,9 @@ def tokens():
 
 
 def _pols(press, ratios):
-    return [kvpress(press, r, max_new=MAX_NEW, **PRESSES[press]) for r in ratios]
+    name, _, inner = press.partition(":")
+    fields = PRESSES[press] | ({"press": inner} if inner else {})
+    return [kvpress(name, r, max_new=MAX_NEW, **fields) for r in ratios]
 
 
 def _answer(eng, tokens, state=False):
@@ -102,12 +111,37 @@ def test_budget_sized_policies_have_a_constant_table():
         assert pol.kept_table(100) is None and shape_class_of(pol, 100, 64) == (pol, None), wrapper
 
 
-def test_pyramid_layers_share_one_run_and_one_layer_step(model, engine, tokens):
-    pol = kvpress("PyramidKVPress", 0.5, max_new=MAX_NEW, window_size=8)
+def test_lukv_table_is_its_head_counts_at_every_length():
+    """LU-KV's kept table, evaluated once on the host, is the jitted `head_counts` of its layer's prune ratios
+    at every prompt length, head by head (so the exact policy, which reads it too, keeps what it kept when
+    it computed the counts in its step); Ada-KV's is kvpress's max(1, int(n (1 - ratio)))."""
+    import jax
+    import jax.numpy as jnp
+
+    from kvpolicies.lukv import head_counts
+
+    counts = jax.jit(head_counts)
+    for layer in _pols("LUKVPress", (0.5,))[0].stack(CFG.n_layers):
+        table = layer.kept_table(MAX_LEN)
+        assert table.shape == (CFG.n_kv_heads, MAX_LEN + 1) and table.dtype == np.int32
+        for n in range(MAX_LEN + 1):
+            got = counts(jnp.asarray(layer.prune, jnp.float32), jnp.full((1, 1), n, jnp.int32))[0]
+            np.testing.assert_array_equal(table[:, n], np.asarray(got), str(n))
+    ada = _pols("AdaKVPress:ExpectedAttentionPress", (0.75,))[0]
+    cap = ada.capacity(MAX_LEN)
+    assert ada.kept_table(MAX_LEN).tolist() == [min(max(1, int(n * 0.25)), cap) for n in range(MAX_LEN + 1)]
+
+
+@pytest.mark.parametrize("press", ["PyramidKVPress", "LUKVPress"])
+def test_per_layer_budgets_share_one_run_and_one_layer_step(model, engine, tokens, press):
+    """PyramidKV's per-layer budgets and LU-KV's per-(layer, kv head) counts: a policy per layer exactly,
+    one policy and one decode-layer step as a shape class, each layer's counts a row of its table."""
+    pol = _pols(press, (0.5,))[0]
     exact = engine(pol)  # (the exact press of test_a_shape_class_keeps_and_answers_as_the_exact_policy)
     assert len(set(exact.policies)) == CFG.n_layers  # a policy (so a layer step) per layer
     shaped = Engine(model, pol, max_len=MAX_LEN, slots=grid_slots([pol], CFG.n_layers, MAX_LEN))
-    assert len(set(shaped.policies)) == 1 and shaped.keep_tables[0].shape == (CFG.n_layers, MAX_LEN + 1)
+    heads = (CFG.n_kv_heads,) if press == "LUKVPress" else ()  # LU-KV: a count per kv head
+    assert len(set(shaped.policies)) == 1 and shaped.keep_tables[0].shape == (CFG.n_layers, *heads, MAX_LEN + 1)
     _answer(exact, tokens), _answer(shaped, tokens)
     assert exact.traces["decode_layer"] == CFG.n_layers and shaped.traces["decode_layer"] == 1
 
@@ -191,8 +225,8 @@ def test_one_covering_prefill_serves_every_covered_press(model, engine, tokens):
 
     ctx, q = tokens
     steps = [128, 16, 4, 2]  # no 1-token step (evals.peer.shared_phase)
-    engines = {press: engine(pol) for press in PRESSES if press != "ObservedAttentionPress"
-               for pol in _pols(press, (0.5,))}
+    engines = {press: engine(pol) for press in list(PRESSES)[:8] if press != "ObservedAttentionPress"
+               for pol in _pols(press, (0.5,))}  # kvpress's peer presses (PRESSES' first eight)
     phases = {e.prompt_policies[0] for e in engines.values()}
     assert len(phases) == 4  # snapkv's and adakv's 8 rows, tova's 1, knorm's and streamingllm's none, expected's sums
     wide = superset(phases | {kvpolicies.get("full")})
