@@ -30,7 +30,8 @@ summed over the grid: prefill, compress, kept (the kept positions read back to t
 only device-to-host transfer besides the answer ids), question, decode; compile (ours: tracing,
 lowering and XLA's compile, from JAX's compilation events, inside the phases above) and the
 programs compiled. The ratios ours / kvpress are the result. Model loading is left out on both
-sides. Written: <out>/<stem>.json (everything, the per-item lines included) and <stem>.md.
+sides. Our side compiles as evals.peer does, with `evals.compiles.FAST_FLAGS` (KVP_FAST_COMPILE=0:
+XLA's default flags); the run records $XLA_FLAGS. Written: <out>/<stem>.json (everything, the per-item lines included) and <stem>.md.
 """
 
 from __future__ import annotations
@@ -257,6 +258,9 @@ def main(argv: list[str] | None = None) -> dict:
         figure(runs, out / f"{name}.png")
         print(f"wrote {out / name}.png")
         return {}
+    from evals.compiles import use_fast_compile
+
+    use_fast_compile()  # as evals.peer compiles
     try:
         p, side, out, stem, rest = parse(argv)
         peer.check_reference()
@@ -285,7 +289,7 @@ def main(argv: list[str] | None = None) -> dict:
                            "model": p.model, "task": p.task["name"], "tokens": p.tokens, "samples": p.samples,
                            "presses": len(p.presses), "ratios": "/".join(f"{r:g}" for r in p.ratios), "gen": p.gen,
                            "items_per_sample": len(p.cells), "threads": os.cpu_count(),
-                           "date": time.strftime("%Y-%m-%d %H:%M"), "sides": {}, "lines": {}}
+                           "xla_flags": os.environ.get("XLA_FLAGS", ""), "date": time.strftime("%Y-%m-%d %H:%M"), "sides": {}, "lines": {}}
     for s, fn in (("kvpress", run_kvpress), ("ours", run_ours)):  # (model=tiny: the worker builds the checkpoint)
         if side in (s, "both"):
             print(f"[peer_speed] {s} side alone ...", flush=True)

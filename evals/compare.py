@@ -797,8 +797,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         return []
     from evals.run import interrupt_as_line
 
-    from evals.compiles import CompileLog, use_persistent_cache
+    from evals.compiles import CompileLog, use_fast_compile, use_persistent_cache
 
+    use_fast_compile()
     use_persistent_cache()
 
     with warnings_as_lines("evals.compare"), interrupt_as_line("evals.compare"), CompileLog() as log:

@@ -340,6 +340,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         return []
+    from evals.compiles import use_fast_compile
+
+    use_fast_compile()
     with warnings_as_lines("evals.leaderboard"), interrupt_as_line("evals.leaderboard"):
         try:
             b = prepare(parse(argv))

@@ -1409,6 +1409,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         return []
+    from evals.compiles import use_fast_compile
+
+    use_fast_compile()
     with warnings_as_lines("evals.peer"), interrupt_as_line("evals.peer"):
         try:
             p = parse(argv)

@@ -119,8 +119,9 @@ class PeerWorker:
     kept), each line into its own shard of `<stem>.ours.jsonl`."""
 
     def __init__(self, plan, cache_dir: str | None = None, side: dict[str, Any] | None = None):
-        from evals.compiles import use_persistent_cache
+        from evals.compiles import use_fast_compile, use_persistent_cache
 
+        use_fast_compile()
         if cache_dir:
             use_persistent_cache(cache_dir)
         self.plan, self.model, self.side = plan, None, side  # side: evals.peer.ray_side()

@@ -54,8 +54,9 @@ class Worker:
     each row into its own shard of the job's results file."""
 
     def __init__(self, cache_dir: str | None = None):
-        from evals.compiles import use_persistent_cache
+        from evals.compiles import use_fast_compile, use_persistent_cache
 
+        use_fast_compile()
         if cache_dir:
             use_persistent_cache(cache_dir)
 

@@ -529,8 +529,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     (e.g. a damaged line skipped in the results file) print as one "evals.run: warning:" line."""
     from evals.progress import warnings_as_lines
 
-    from evals.compiles import CompileLog, use_persistent_cache
+    from evals.compiles import CompileLog, use_fast_compile, use_persistent_cache
 
+    use_fast_compile()
     use_persistent_cache()
 
     with warnings_as_lines("evals.run"), interrupt_as_line("evals.run"), CompileLog() as log:

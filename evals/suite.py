@@ -213,9 +213,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if any(x in ("-h", "--help") for x in argv):
         print(__doc__)
         return []
-    from evals.compiles import CompileLog, use_persistent_cache
+    from evals.compiles import CompileLog, use_fast_compile, use_persistent_cache
     from evals.run import interrupt_as_line
 
+    use_fast_compile()
     use_persistent_cache()
 
     with interrupt_as_line("evals.suite"), CompileLog() as log:

@@ -1,8 +1,11 @@
 """`evals.compiles`: programs counted from JAX's compilation events (a fresh program counts once, a
 cached call not at all), and the persistent compilation cache of the evals commands (its folder,
-the switch that turns it off, a cache already set is kept)."""
+the switch that turns it off, a cache already set is kept), and their XLA flags (added unless set,
+their switch, and no float of the peer models moved by them)."""
 
 from __future__ import annotations
+
+import os
 
 import jax
 import jax.numpy as jnp
@@ -46,3 +49,49 @@ def test_the_persistent_cache_folder_and_its_switch(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert compiles.default_cache_dir() == str(tmp_path / "xdg" / "kvpolicies" / "jax")
     assert compiles.use_persistent_cache(config=(cfg := Config())) == str(tmp_path / "xdg" / "kvpolicies" / "jax")
+
+
+def test_the_fast_compile_flags_and_their_switch(monkeypatch):
+    """use_fast_compile adds FAST_FLAGS to $XLA_FLAGS unless a flag of the same name is already
+    there, and does nothing when KVP_FAST_COMPILE=0 or once XLA's backends exist."""
+    env = {}
+    assert compiles.use_fast_compile(env, initialized=False) == list(compiles.FAST_FLAGS)
+    assert env["XLA_FLAGS"] == " ".join(compiles.FAST_FLAGS)
+    assert compiles.use_fast_compile(env, initialized=False) == []  # already there: not twice
+    assert env["XLA_FLAGS"] == " ".join(compiles.FAST_FLAGS)
+    mine = {"XLA_FLAGS": "--xla_cpu_use_fusion_emitters=true --xla_backend_optimization_level=0"}
+    assert compiles.use_fast_compile(mine, initialized=False) == []  # the user's own value wins
+    assert mine["XLA_FLAGS"] == "--xla_cpu_use_fusion_emitters=true --xla_backend_optimization_level=0"
+    other = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    compiles.use_fast_compile(other, initialized=False)
+    assert other["XLA_FLAGS"].split() == ["--xla_force_host_platform_device_count=2", *compiles.FAST_FLAGS]
+    for off in ("0", "false", "none"):
+        assert compiles.use_fast_compile(e := {compiles.FLAGS_ENV: off}, initialized=False) == [] and "XLA_FLAGS" not in e
+    assert compiles.use_fast_compile(e := {}, initialized=True) == [] and "XLA_FLAGS" not in e  # too late: left alone
+    assert jnp.ones(1).sum() == 1  # this process's backend exists: the real check says so
+    assert compiles.use_fast_compile({}) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["smollm2"] + (["qwen"] if os.environ.get("KVP_KVPRESS_FULL") else []))
+def test_fast_compile_flags_change_no_float_of_the_peer_models(model, tmp_path):
+    """The evals commands' FAST_FLAGS against XLA's defaults, each in a process of its own, on the
+    models of the peer tables: int4 perplexity (4-bit codes flip with an ulp), a staged prompt of 3
+    pieces compressed by SnapKV and ExpectedAttention, its state, logits and greedy answer: every
+    array bit for bit (tests/refs/flag_outputs.py). Qwen (2.5 min more) with the longer checks,
+    KVP_KVPRESS_FULL=1."""
+    import pathlib
+    import subprocess
+    import sys
+
+    got = {}
+    for name, flags in (("default", ""), ("fast", " ".join(compiles.FAST_FLAGS))):
+        env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}  # each compiles its own
+        out = tmp_path / f"{name}.npz"
+        r = subprocess.run([sys.executable, "-m", "tests.refs.flag_outputs", str(out), model], env=env | {"XLA_FLAGS": flags},
+                           cwd=pathlib.Path(compiles.__file__).resolve().parents[1], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-3000:]
+        got[name] = dict(np.load(out))
+    assert sorted(got["default"]) == sorted(got["fast"]) and len(got["default"]) >= 10
+    for k, a in got["default"].items():
+        np.testing.assert_array_equal(got["fast"][k], a, err_msg=k)
