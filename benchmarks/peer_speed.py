@@ -289,7 +289,8 @@ def main(argv: list[str] | None = None) -> dict:
                            "model": p.model, "task": p.task["name"], "tokens": p.tokens, "samples": p.samples,
                            "presses": len(p.presses), "ratios": "/".join(f"{r:g}" for r in p.ratios), "gen": p.gen,
                            "items_per_sample": len(p.cells), "threads": os.cpu_count(),
-                           "xla_flags": os.environ.get("XLA_FLAGS", ""), "date": time.strftime("%Y-%m-%d %H:%M"), "sides": {}, "lines": {}}
+                           "xla_flags": os.environ.get("XLA_FLAGS", ""),
+                           "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""), "date": time.strftime("%Y-%m-%d %H:%M"), "sides": {}, "lines": {}}
     for s, fn in (("kvpress", run_kvpress), ("ours", run_ours)):  # (model=tiny: the worker builds the checkpoint)
         if side in (s, "both"):
             print(f"[peer_speed] {s} side alone ...", flush=True)
@@ -313,4 +314,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    from evals.compiles import reuse_memory
+
+    reuse_memory("benchmarks.peer_speed", sys.argv[1:])  # glibc's allocator reusing its blocks: once, at the start
     main()

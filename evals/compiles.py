@@ -129,3 +129,42 @@ def use_fast_compile(env: dict | None = None, initialized: bool | None = None) -
     if added:
         env["XLA_FLAGS"] = " ".join([have.strip(), *added]).strip()
     return added
+
+
+MALLOC_ENV = "KVP_MALLOC"  # "0": the peer commands keep glibc's allocator as it is
+# glibc's malloc for a process that allocates the same large arrays sample after sample: one arena,
+# no mmap for large blocks and no trimming, so a freed block is reused instead of mapped anew. Each
+# fresh mapping faults its pages in (zeroed by the kernel): 7-8 GB a sample of issue 57's grid on
+# SmolLM2, 5-6 s of system time; with these, none after the second sample (docs/results/speed.md,
+# "glibc's allocator"). The cost: memory is not given back to the system until the process ends.
+MALLOC_TUNABLES = ("glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:"
+                   "glibc.malloc.trim_threshold=68719476736:glibc.malloc.top_pad=268435456")
+_BEFORE = "KVP_GLIBC_TUNABLES_BEFORE"  # set by the re-execution: the caller's GLIBC_TUNABLES ("" if none)
+
+
+def reuse_memory(module: str, argv: list[str], env: dict | None = None, execve=None) -> None:
+    """Re-execute `python -m module argv` once with GLIBC_TUNABLES=MALLOC_TUNABLES (glibc reads them
+    only when a process starts), for a command's `__main__` block; nothing when $KVP_MALLOC is 0, off
+    Linux's glibc, when the caller set GLIBC_TUNABLES, or in the re-executed process. Child processes
+    that are not ours (kvpress's worker) get the caller's environment back: `caller_env`. `env`,
+    `execve`: stand-ins for tests."""
+    import os
+    import platform
+    import sys
+
+    env = os.environ if env is None else env
+    if env.get(MALLOC_ENV, "1").strip().lower() in ("0", "false", "no", "none", "off") or _BEFORE in env \
+            or env.get("GLIBC_TUNABLES") or not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    (execve or os.execve)(sys.executable, [sys.executable, "-m", module, *argv],
+                          {**env, "GLIBC_TUNABLES": MALLOC_TUNABLES, _BEFORE: ""})
+
+
+def caller_env(env: dict) -> dict:
+    """`env` as the caller of a `reuse_memory` re-execution had it: glibc's tunables undone."""
+    if _BEFORE not in env:
+        return dict(env)
+    out = {k: v for k, v in env.items() if k not in (_BEFORE, "GLIBC_TUNABLES")}
+    return out | ({"GLIBC_TUNABLES": env[_BEFORE]} if env[_BEFORE] else {})

@@ -1,7 +1,8 @@
 """`evals.compiles`: programs counted from JAX's compilation events (a fresh program counts once, a
 cached call not at all), and the persistent compilation cache of the evals commands (its folder,
 the switch that turns it off, a cache already set is kept), and their XLA flags (added unless set,
-their switch, and no float of the peer models moved by them)."""
+their switch, and no float of the peer models moved by them), and glibc's allocator settings of the peer
+commands (one re-execution, undone for kvpress's worker)."""
 
 from __future__ import annotations
 
@@ -95,3 +96,39 @@ def test_fast_compile_flags_change_no_float_of_the_peer_models(model, tmp_path):
     assert sorted(got["default"]) == sorted(got["fast"]) and len(got["default"]) >= 10
     for k, a in got["default"].items():
         np.testing.assert_array_equal(got["fast"][k], a, err_msg=k)
+
+
+def test_reuse_memory_re_executes_once_with_glibc_tunables(tmp_path):
+    """A peer command's `__main__` re-executes itself once with MALLOC_TUNABLES (not when KVP_MALLOC=0,
+    when the caller set GLIBC_TUNABLES, or inside the re-executed process); its children that are not
+    ours get the caller's environment back (caller_env)."""
+    import platform
+    import subprocess
+    import sys
+
+    calls = []
+    compiles.reuse_memory("evals.peer", ["samples=2"], env={"A": "1"}, execve=lambda *a: calls.append(a))
+    if sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc":
+        (exe, argv, env), = calls
+        assert argv == [exe, "-m", "evals.peer", "samples=2"] and env["GLIBC_TUNABLES"] == compiles.MALLOC_TUNABLES
+        assert env["A"] == "1" and compiles.caller_env(env) == {"A": "1"}
+    for env in ({compiles.MALLOC_ENV: "0"}, {"GLIBC_TUNABLES": "glibc.malloc.arena_max=4"},
+                {compiles._BEFORE: "", "GLIBC_TUNABLES": compiles.MALLOC_TUNABLES}):
+        calls.clear()
+        compiles.reuse_memory("evals.peer", [], env=env, execve=lambda *a: calls.append(a))
+        assert calls == [], env
+    assert compiles.caller_env({compiles._BEFORE: "x=1", "GLIBC_TUNABLES": "y", "B": "2"}) == {"GLIBC_TUNABLES": "x=1", "B": "2"}
+    # for real: a module that re-executes itself prints what its second process sees
+    (tmp_path / "probe_reuse.py").write_text(
+        "import os, sys\nfrom evals.compiles import caller_env, reuse_memory\n"
+        "if __name__ == '__main__':\n    reuse_memory('probe_reuse', sys.argv[1:])\n"
+        "    print(os.environ.get('GLIBC_TUNABLES'), caller_env(dict(os.environ)).get('GLIBC_TUNABLES'), sys.argv[1:])\n")
+    import os
+    import pathlib
+
+    repo = pathlib.Path(compiles.__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", compiles.MALLOC_ENV, compiles._BEFORE)}
+    out = subprocess.run([sys.executable, "-m", "probe_reuse", "x=1", "y"], capture_output=True, text=True, check=True,
+                         env=env | {"PYTHONPATH": f"{tmp_path}{os.pathsep}{repo}"}).stdout.split()
+    if sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc":
+        assert out == [compiles.MALLOC_TUNABLES, "None", "['x=1',", "'y']"]

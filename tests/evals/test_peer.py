@@ -387,7 +387,7 @@ def test_compile_cache_defaults_under_out_and_is_set_once(tmp_path):
 
 def test_the_worker_gets_half_of_the_cores_threads(tmp_path, monkeypatch):
     """The kvpress worker runs beside our side: OMP_NUM_THREADS = half of the cores (at least 1),
-    unless the environment sets it."""
+    unless the environment sets it; glibc's allocator as the caller had it (not our re-execution's)."""
     p = peer.prepare(peer.parse(ARGS + [f"out={tmp_path}"]))
     started = []
     monkeypatch.setattr(peer.subprocess, "Popen", lambda cmd, env, **kw: started.append(env) or None)
@@ -399,6 +399,12 @@ def test_the_worker_gets_half_of_the_cores_threads(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     peer.start_worker(p, [(0, "full", 0.0)])
     assert started[-1]["OMP_NUM_THREADS"] == "3"
+    from evals import compiles  # our process re-executed with glibc's tunables: the worker runs as the caller's
+
+    monkeypatch.setenv("GLIBC_TUNABLES", compiles.MALLOC_TUNABLES)
+    monkeypatch.setenv(compiles._BEFORE, "")
+    peer.start_worker(p, [(0, "full", 0.0)])
+    assert "GLIBC_TUNABLES" not in started[-1] and compiles._BEFORE not in started[-1]
 
 
 @pytest.mark.parametrize("omp", [None, "1"])
