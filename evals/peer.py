@@ -1316,6 +1316,12 @@ def run(p: Plan, model=None) -> list[dict[str, Any]]:
           f"{len(todo['kvpress'])}, ours {len(todo['ours'])} of {total}; files {p.path('.*')}")
     if todo["ours"] and (note := map_count_note()):
         print(note, file=sys.stderr)
+    if todo["ours"]:
+        from evals.compiles import MALLOC_TUNABLES
+
+        malloc = os.environ.get("GLIBC_TUNABLES") == MALLOC_TUNABLES
+        print(f"[evals.peer] our side: XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}, glibc "
+              f"{'reusing freed memory (KVP_MALLOC=0: off)' if malloc else 'as the caller set it'}")
     t0 = time.time()
     bars = {s: tqdm(total=total, initial=total - len(todo[s]), desc=s, unit="run", position=k,
                     disable=not p.progress or s not in p.sides) for k, s in enumerate(SIDES)}
