@@ -170,8 +170,8 @@ def parse(argv: Sequence[str]) -> Board:
     out = pathlib.Path(own.get("out", "results/leaderboard"))
     name = pathlib.Path(own["model_path"]).name if model == "hf" and own.get("model_path") else model
     folder = out / f"{name}_{tokens}"
-    common = [f"{k}={own[k]}" for k in PASS_THROUGH if k in own and k not in ("model", "tokens")]
-    common += [f"model={model}", f"tokens={tokens}", f"ratios={ratios}", f"out={folder}",
+    common = [f"{k}={own[k]}" for k in PASS_THROUGH if k in own and k not in ("model", "tokens", "samples")]
+    common += [f"model={model}", f"tokens={tokens}", f"samples={own.get('samples', '1')}", f"ratios={ratios}", f"out={folder}",
                f"kvpress={own.get('kvpress', 'false')}"]
     if "compile_cache" not in own:
         common.append(f"compile_cache={out / '.jax-cache'}")

@@ -31,6 +31,8 @@ def test_plans_one_peer_run_per_task_and_mode(tmp_path):
     whole = L.parse(["progress=false"])
     assert whole.tasks == list(ruler.AVAILABLE) and len(whole.tasks) == 11
     assert whole.plans[0].ratios == [0.25, 0.5, 0.75, 0.875] and whole.plans[0].tokens == 4096
+    assert {p.samples for p in whole.plans} == {1}  # the leaderboard's default, not evals.peer's 20
+    assert {p.samples for p in L.parse(["progress=false", "samples=3"]).plans} == {3}
     assert "DuoAttentionPress" not in whole.presses and "RandomPress" in whole.presses
     assert whole.aware == [p for p in L.QUERY_AWARE if p in peer.PEER_PRESSES + peer.EXTRA_PRESSES]
 
