@@ -37,6 +37,11 @@ def test_plans_one_peer_run_per_task_and_mode(tmp_path):
     assert whole.aware == [p for p in L.QUERY_AWARE if p in peer.PEER_PRESSES + peer.EXTRA_PRESSES]
 
 
+def test_allocator_tunables_only_without_kvpress_beside():
+    assert L.keeps_peak(["samples=2"]) and L.keeps_peak(["kvpress=false"])
+    assert not L.keeps_peak(["samples=2", "kvpress=true"]) and not L.keeps_peak(["kvpress=True"])
+
+
 @pytest.mark.parametrize("bad, says", [
     ("tasks=[qa_1]", "no package on the registries ships SQuAD"),
     ("tasks=[niah_single]", "not a task evals.ruler generates"),
