@@ -297,10 +297,23 @@ class ChunkKV(Delegating):
         return min(n, max(1, int(-(-n // c) * (1 - self.ratio))) * c)
 
     def kept_table(self, max_len):
-        return None  # the count depends on which chunks win
+        """[2, M + 1] int32, per prompt length n: the chunks kept, kvpress's max(1, int(n_chunks (1 - ratio))),
+        and `press`'s own count for a prompt shorter than one chunk, max(1, int(n (1 - ratio))), both as
+        float32 products (as `chosen` computed them in its step before): the counts a shape class (ratio 0,
+        sized for the most kept, `kept_for`) is given as data. The tokens kept depend on which chunks win."""
+        return None if self.interval or self.slots else self.given(max_len)
 
-    def chosen(self, state: PromptState, slots, keys, stats) -> Array:
-        """[B, K, M]: the prompt tokens kvpress's ChunkKVPress keeps (slot j holds token j)."""
+    def given(self, max_len: int) -> np.ndarray:
+        """`kept_table`'s counts, also with `interval` (streams: `press`'s rule on overflow)."""
+        n = np.arange(max_len + 1)
+        keep = np.float32(1 - self.ratio)
+        chunks = np.floor((-(-n // self.chunk_length)).astype(np.float32) * keep)
+        alone = np.floor(n.astype(np.float32) * keep)
+        return np.maximum(1, np.stack([chunks, alone])).astype(np.int32)
+
+    def chosen(self, state: PromptState, slots, keys, stats, table: Array) -> Array:
+        """[B, K, M]: the prompt tokens kvpress's ChunkKVPress keeps (slot j holds token j); `table`:
+        `kept_table`'s."""
         pos, c = slots.pos, self.chunk_length
         filled = pos >= 0
         prio, tie = self.press.prompt_rank(state, slots, keys, stats)  # [B, K, M]
@@ -311,10 +324,10 @@ class ChunkKV(Delegating):
         sums = jnp.pad(score, ((0, 0), (0, n_c * c - m))).reshape(-1, n_c, c).sum(axis=-1)  # [B, C]
         size = jnp.clip(n[:, None] - c * jnp.arange(n_c), 0, c)  # [B, C] tokens of each chunk
         mean = jnp.where(size > 0, sums / jnp.maximum(size, 1), -jnp.inf)
-        want = jnp.maximum(1, jnp.floor((-(-n // c)) * (1 - self.ratio))).astype(jnp.int32)  # [B] chunks kept
+        want = table[0][n]  # [B] chunks kept
         top_c = top_mask(mean, jnp.broadcast_to(jnp.arange(n_c), mean.shape), want[:, None]) & (size > 0)  # [B, C]
         whole = jnp.repeat(top_c, c, axis=-1)[:, None, :m] & filled  # [B, 1, M]
-        n_kept = jnp.maximum(1, jnp.floor(n * (1 - self.ratio))).astype(jnp.int32)[:, None, None]
+        n_kept = table[1][n][:, None, None]
         alone = top_mask(prio, tie, n_kept) & filled  # [B, K, M]: `press` itself
         return jnp.where((n < c)[:, None, None], alone, whole)
 
@@ -327,11 +340,16 @@ class ChunkKV(Delegating):
         return jnp.where(filled, jnp.where(finite, prio, top + 1), 0.0).sum(axis=1)  # [B, M]
 
     def after_prompt(self, state: PromptState, table=None):
+        if table is None:
+            if self.slots:
+                raise ValueError(f"{self.label}(slots={self.slots}): a shape class keeps the counts it is given: "
+                                 "after_prompt(state, table)")
+            table = self.given(state.slots)  # static
         s = self.capacity(state.slots)
         keys = self.codec.decode(state.k, jnp.float32)  # [B, K, M, D]
         pos = jnp.broadcast_to(state.pos, keys.shape[:3])  # [B, K, M]
         slots, stats = self.from_prompt(state, pos)
-        return self.join(pack(slots, self.chosen(state, slots, keys, stats), s), stats)
+        return self.join(pack(slots, self.chosen(state, slots, keys, stats, jnp.asarray(table)), s), stats)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -357,7 +375,16 @@ class EntropyChunkKV(ChunkKV):
     def kept_for(self, n):
         return max(1, int(n * (1 - self.ratio)))
 
-    def chosen(self, state, slots, keys, stats):
+    def kept_table(self, max_len):
+        """[M + 1] int32: the token budget of an n-token prompt, kvpress's max(1, int(n (1 - ratio))) as a
+        float32 product (as `chosen` computed it in its step before), given as data to a shape class."""
+        return None if self.interval or self.slots else self.given(max_len)
+
+    def given(self, max_len: int) -> np.ndarray:
+        n = np.arange(max_len + 1).astype(np.float32)
+        return np.maximum(1, np.floor(n * np.float32(1 - self.ratio))).astype(np.int32)
+
+    def chosen(self, state, slots, keys, stats, table):
         pos, c, eps = slots.pos, self.chunk_length, 1e-8  # kvpress's EPSILON
         filled = pos >= 0
         prio, _ = self.press.prompt_rank(state, slots, keys, stats)  # [B, K, M]
@@ -390,7 +417,7 @@ class EntropyChunkKV(ChunkKV):
                           jnp.minimum(k, self.low_entropy_chunk_length), k)
             return budget - k, (ch, k)
 
-        budget = jnp.maximum(1, jnp.floor(n * (1 - self.ratio))).astype(jnp.int32)  # [B]
+        budget = table[n]  # [B] tokens
         left, (chs, ks) = jax.lax.scan(take, budget, jnp.arange(n_c))  # ks [C, B]: per visit
         want = jnp.zeros((score.shape[0], n_c), jnp.int32).at[jnp.arange(score.shape[0])[:, None], chs.T].set(ks.T)
         best = top_mask(jnp.where(valid, tok, -jnp.inf), jnp.broadcast_to(at, tok.shape), want[..., None])  # [B, C, c]

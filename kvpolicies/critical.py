@@ -39,6 +39,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from kvpolicies.adascored import AdaScored, CountedPool, allocate
@@ -138,19 +139,29 @@ class Critical(Delegating):
         kept = (1 - self.ratio) * n if self.ratio else min(self.kept(), n)
         return max(1, int(kept * self.first_stage_ratio))
 
+    table_rows = 2  # kept_table: the kept counts, then stage 1's
+
     def kept_table(self, max_len):
-        return None  # stage 1's count is a function of the prompt's length, not of the kept count alone
+        """[2, M + 1] int32: the kept counts and stage 1's (`first_for`), per prompt length: what a shape class
+        is given as data."""
+        return None if self.interval or self.slots else np.stack([self._counts(max_len), self._firsts(max_len)])
+
+    def _firsts(self, max_len: int) -> np.ndarray:
+        return np.asarray([self.first_for(i) for i in range(max_len + 1)], np.int32)
 
     def prompt_policy(self):
         return critical_phase(self.press.prompt_policy(), self)
 
     def prompt_rank(self, state, slots, keys, stats):
+        return self.rank_given(state, slots, keys, stats, jnp.asarray(self._firsts(slots.pos.shape[-1]))[None])
+
+    def rank_given(self, state, slots, keys, stats, rows):
         prio, tie = self.press.prompt_rank(state, slots, keys, stats)  # [B, K, M]
         pos = slots.pos
         filled = pos >= 0
         score = kvpress_units(self.press, state, prio, filled)
         n = filled.sum(axis=-1, keepdims=True)  # [B, K, 1] prompt tokens
-        first = jnp.asarray([self.first_for(i) for i in range(pos.shape[-1] + 1)], jnp.int32)[n]  # static table
+        first = rows[0][n]  # [B, K, 1] stage 1's tokens
         stage1 = top_mask(score, tie, first) & filled  # [B, K, M]
         stage2 = (score + self.epsilon) * state.extra["vo"]  # [B, K, M]
         return rank_by(jnp.where(stage1, jnp.inf, stage2), pos)

@@ -76,6 +76,8 @@ class PromptScored(Budgeted, KeptTable, PromptCompressor, QuietChunks, SpareSlot
     observes = ()
     # what the prompt phase collects: PromptPhase fields (columns, query_sink) -> values
     collects: ClassVar[dict[str, Any]] = {}
+    # rows of `kept_table`: the kept counts, then the ranking's own per-length counts (`rank_given`)
+    table_rows: ClassVar[int] = 1
 
     ratio: float = 0.0  # kvpress's compression ratio (fraction of the prompt removed); 0: `budget` sizes
     interval: int = 0  # kvpress's DecodingPress compression_interval (0: off, the stream rule on overflow)
@@ -165,6 +167,13 @@ class PromptScored(Budgeted, KeptTable, PromptCompressor, QuietChunks, SpareSlot
         return jnp.minimum(jnp.asarray(table)[count], s)[..., None]
 
     # -- the ranking (subclasses) -----------------------------------------------------------
+    def rank_given(self, state: PromptState, slots: SlotState, keys: Float[Array, "B K V D"], stats: Any,
+                   rows: Int[Array, "R N"]) -> tuple[Float[Array, "B K V"], Array]:
+        """`prompt_rank` of a shape class whose ranking reads per-length counts of its own (`table_rows` - 1
+        rows of `kept_table` after the kept counts, given as data): the ranking its exact policy computes
+        from its fields."""
+        raise NotImplementedError(f"{self.label}: table_rows={self.table_rows} without rank_given")
+
     def rank(self, slots: SlotState, keys: Float[Array, "B K V D"], stats: Any, seen: Any
              ) -> tuple[Float[Array, "B K V"], Array]:
         """The front door of a prompt compressor: write this (and its fields) and inherit the rest,
@@ -303,8 +312,12 @@ class PromptScored(Budgeted, KeptTable, PromptCompressor, QuietChunks, SpareSlot
         slots, stats = self.from_prompt(state, pos)
         filled = pos >= 0
         count = filled.sum(axis=-1)  # [B, K]
+        rows = None  # a table of `table_rows` > 1: the kept counts, then what `rank_given` reads
+        if table is not None and self.table_rows > 1:
+            table, rows = table[0], table[1:]
         n = self.n_kept(count, s, state.slots, table)  # [B, K, 1]
-        prio, tie = self.prompt_rank(state, slots, keys, stats)
+        prio, tie = self.prompt_rank(state, slots, keys, stats) if rows is None else \
+            self.rank_given(state, slots, keys, stats, rows)
         kept = jnp.where(count[..., None] > n, top_mask(prio, tie, n) & filled, filled)
         packed = pack(slots, kept, s, in_order=True)  # a prompt state: slot i holds position i
         return self.join(pad_slot(packed) if self.spare else packed, stats)

@@ -98,6 +98,11 @@ class Delegating(Wrapped):
     def prompt_policy(self):
         return dataclasses.replace(self.press.prompt_policy(), of=self)
 
+    def shape_class(self, slots: int) -> "Delegating":
+        """The wrapper's shape class over `press`'s (whose ratio it never reads: `press` only ranks), so that
+        the wrapper's ratios share one policy."""
+        return dataclasses.replace(super().shape_class(slots), press=self.press.shape_class(slots))
+
     def kvpress_scores(self, state: PromptState, prio: Array) -> Array:
         """`press`'s prompt priorities [B, K, M] in the units of kvpress's `press.score` where they differ
         by a factor: snapkv sums the window's rows over the G query heads and the kernel, kvpress averages

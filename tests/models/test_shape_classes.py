@@ -33,6 +33,12 @@ PRESSES = {"SnapKVPress": {"window_size": 8}, "PyramidKVPress": {"window_size": 
            # its own count): "Wrapper:Inner"
            "AdaKVPress:ExpectedAttentionPress": {"n_future_positions": 16},
            "CriticalAdaKVPress:SnapKVPress": {"window_size": 8},
+           # wrappers whose ranking reads per-length counts of their own (ChunkKV's chunks, Critical's stage 1:
+           # rows of their kept table after the kept counts), and KeyRerotation's shape class over its inner's
+           "ChunkKVPress:SnapKVPress": {"window_size": 8},
+           "EntropyGatedChunkKVPress:SnapKVPress": {"window_size": 8},
+           "CriticalKVPress:SnapKVPress": {"window_size": 8},
+           "KeyRerotationPress:ExpectedAttentionPress": {"n_future_positions": 16},
            "LUKVPress": {"budget_curves": np.sort(np.random.default_rng(5).uniform(0.0, 1.0, (99, CFG.n_layers,
                                                                                               CFG.n_kv_heads)), axis=0)}}
 RATIOS = (0.25, 0.5, 0.75, 0.875)
