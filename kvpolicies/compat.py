@@ -214,6 +214,7 @@ class Chunked(Wrapped):
     keeping its own max(1, int(len (1 - ratio))) best; the question and answer appended."""
 
     label = "chunked"
+    table_rows = -1  # kept_table: the kept counts, then each chunk's (as many rows as the prompt phase has chunks)
     chunk_length: int = 1024
 
     def kept_for(self, n):
@@ -221,16 +222,27 @@ class Chunked(Wrapped):
         return sum(max(1, int(min(c, n - i) * (1 - self.ratio))) for i in range(0, n, c))
 
     def kept_table(self, max_len):
-        return None  # each chunk's count is read from `ratio` in `prompt_rank`: no shape class (ratio 0) keeps it
+        """[1 + C, M + 1] int32, per prompt length n: the kept count, then each of the C chunks' own,
+        kvpress's max(1, int(size (1 - ratio))) as the float32 product the step computed before: what a
+        shape class is given as data."""
+        return None if self.interval or self.slots else np.concatenate([self._counts(max_len)[None],
+                                                                        self._chunk_counts(max_len)])
+
+    def _chunk_counts(self, max_len: int) -> np.ndarray:
+        n, c = np.arange(max_len + 1), self.chunk_length
+        size = np.clip(n[None] - np.arange(0, max_len, c)[:, None], 0, c).astype(np.float32)  # [C, M + 1]
+        return np.maximum(1, np.floor(size * np.float32(1 - self.ratio))).astype(np.int32)
 
     def prompt_rank(self, state, slots, keys, stats):
+        return self.rank_given(state, slots, keys, stats, jnp.asarray(self._chunk_counts(slots.pos.shape[-1])))
+
+    def rank_given(self, state, slots, keys, stats, rows):
         pos, c = slots.pos, self.chunk_length
         n = (pos >= 0).sum(axis=-1, keepdims=True)  # [B, K, 1] prompt tokens
         kept = jnp.zeros(pos.shape, bool)
-        for i in range(0, pos.shape[-1], c):  # static: the prompt phase's slots
+        for j, i in enumerate(range(0, pos.shape[-1], c)):  # static: the prompt phase's slots
             chunk = (pos >= i) & (pos < i + c)  # [B, K, V]
-            size = jnp.clip(n - i, 0, c)  # [B, K, 1]
-            want = jnp.maximum(1, jnp.floor(size * (1 - self.ratio))).astype(jnp.int32)  # kvpress's int()
+            want = rows[j][n]  # [B, K, 1] kvpress's max(1, int(size (1 - ratio)))
             kept = kept | (chunk & top_mask(self.subset_rank(state, slots, keys, stats, chunk), pos, want))
         return rank_by(jnp.where(kept, 1.0, 0.0), pos)
 
@@ -247,14 +259,20 @@ class Blocked(Wrapped):
     takes = (Knorm, KeyDiff, RandomKeep)
     block_size: int = 128
 
+    table_rows = 2  # kept_table: the kept counts, then n_kept again for the ranking
+
     def kept_table(self, max_len):
-        return None  # n_kept is read from `ratio` in `prompt_rank`: no shape class (ratio 0) keeps it
+        """[2, M + 1] int32: kvpress's n_kept per prompt length, for the kept count and for the ranking."""
+        return None if self.interval or self.slots else np.stack([self._counts(max_len)] * 2)
 
     def prompt_rank(self, state, slots, keys, stats):
+        return self.rank_given(state, slots, keys, stats, jnp.asarray(self._counts(slots.pos.shape[-1]))[None])
+
+    def rank_given(self, state, slots, keys, stats, rows):
         pos = slots.pos
         filled = pos >= 0
         n = filled.sum(axis=-1, keepdims=True)  # [B, K, 1]
-        n_kept = jnp.asarray(self._counts(pos.shape[-1]))[n]  # [B, K, 1] kvpress's n_kept
+        n_kept = rows[0][n]  # [B, K, 1] kvpress's n_kept
         bs = jnp.minimum(self.block_size, n)  # kvpress: block_size capped by the prompt
 
         def block(b, kept):

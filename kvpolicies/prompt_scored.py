@@ -76,7 +76,8 @@ class PromptScored(Budgeted, KeptTable, PromptCompressor, QuietChunks, SpareSlot
     observes = ()
     # what the prompt phase collects: PromptPhase fields (columns, query_sink) -> values
     collects: ClassVar[dict[str, Any]] = {}
-    # rows of `kept_table`: the kept counts, then the ranking's own per-length counts (`rank_given`)
+    # rows of `kept_table`: the kept counts, then the ranking's own per-length counts (`rank_given`); -1: as
+    # many as the table has
     table_rows: ClassVar[int] = 1
 
     ratio: float = 0.0  # kvpress's compression ratio (fraction of the prompt removed); 0: `budget` sizes
@@ -313,7 +314,7 @@ class PromptScored(Budgeted, KeptTable, PromptCompressor, QuietChunks, SpareSlot
         filled = pos >= 0
         count = filled.sum(axis=-1)  # [B, K]
         rows = None  # a table of `table_rows` > 1: the kept counts, then what `rank_given` reads
-        if table is not None and self.table_rows > 1:
+        if table is not None and self.table_rows != 1:
             table, rows = table[0], table[1:]
         n = self.n_kept(count, s, state.slots, table)  # [B, K, 1]
         prio, tie = self.prompt_rank(state, slots, keys, stats) if rows is None else \

@@ -55,6 +55,11 @@ class Wrapped(PromptScored):
     def rank(self, slots, keys, stats, seen):
         return self.press.rank(slots, keys, stats, seen)
 
+    def shape_class(self, slots: int) -> "Wrapped":
+        """The wrapper's shape class over `press`'s (whose ratio it never reads: `press` only ranks), so that
+        the wrapper's ratios share one policy."""
+        return dataclasses.replace(super().shape_class(slots), press=self.press.shape_class(slots))
+
     def subset_rank(self, state: PromptState, slots, keys, stats, subset: Array) -> Array:
         """`press`'s priority of the slots in `subset` [B, K, V] ranked among themselves (-inf elsewhere)."""
         sub = dataclasses.replace(slots, pos=jnp.where(subset, slots.pos, -1))
@@ -97,11 +102,6 @@ class Delegating(Wrapped):
 
     def prompt_policy(self):
         return dataclasses.replace(self.press.prompt_policy(), of=self)
-
-    def shape_class(self, slots: int) -> "Delegating":
-        """The wrapper's shape class over `press`'s (whose ratio it never reads: `press` only ranks), so that
-        the wrapper's ratios share one policy."""
-        return dataclasses.replace(super().shape_class(slots), press=self.press.shape_class(slots))
 
     def kvpress_scores(self, state: PromptState, prio: Array) -> Array:
         """`press`'s prompt priorities [B, K, M] in the units of kvpress's `press.score` where they differ

@@ -39,6 +39,9 @@ PRESSES = {"SnapKVPress": {"window_size": 8}, "PyramidKVPress": {"window_size": 
            "EntropyGatedChunkKVPress:SnapKVPress": {"window_size": 8},
            "CriticalKVPress:SnapKVPress": {"window_size": 8},
            "KeyRerotationPress:ExpectedAttentionPress": {"n_future_positions": 16},
+           # ChunkPress's per-chunk counts and BlockPress's n_kept as rows of the table (chunks and blocks that
+           # cut the tiny prompt several times)
+           "ChunkPress:KnormPress": {"chunk_length": 64}, "BlockPress:KeyDiffPress": {"block_size": 32},
            "LUKVPress": {"budget_curves": np.sort(np.random.default_rng(5).uniform(0.0, 1.0, (99, CFG.n_layers,
                                                                                               CFG.n_kv_heads)), axis=0)}}
 RATIOS = (0.25, 0.5, 0.75, 0.875)
@@ -111,10 +114,14 @@ def test_budget_sized_policies_have_a_constant_table():
     assert shape_class_of(kvpolicies.get("full"), 100, 64) == (kvpolicies.get("full"), None)
     decoding = kvpress("KnormPress", 0.5, compression_interval=4, target_size=8)  # compresses while decoding
     assert isinstance(decoding, KeptTable) and decoding.kept_table(100) is None
-    # wrappers whose ranking reads the ratio (a shape class has ratio 0): no table, so never a shape class
-    for wrapper in ("ChunkPress", "BlockPress"):
-        pol = kvpress(wrapper, 0.5, press="KnormPress")
-        assert pol.kept_table(100) is None and shape_class_of(pol, 100, 64) == (pol, None), wrapper
+    # wrappers whose ranking reads more counts than the kept one: those counts as more rows of the table
+    chunked = kvpress("ChunkPress", 0.5, press="KnormPress", chunk_length=40, max_new=10)
+    table = chunked.kept_table(100)  # the kept counts, then chunks [0, 40), [40, 80), [80, 100)
+    assert table.shape == (4, 101) and table[:, 100].tolist() == [50, 20, 20, 10] and table[:, 30].tolist() == [15, 15, 1, 1]
+    shaped, t = shape_class_of(chunked, 100, 64)
+    assert shaped.slots == 64 and shaped.ratio == 0 and shaped.press.ratio == 0 and (t == table).all()
+    blocked = kvpress("BlockPress", 0.75, press="KnormPress")
+    assert blocked.kept_table(100).tolist() == [[max(1, int(n * 0.25)) for n in range(101)]] * 2
 
 
 def test_lukv_table_is_its_head_counts_at_every_length():
