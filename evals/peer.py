@@ -801,6 +801,8 @@ def catalogue_slots(p: Plan, model, max_len: int, max_new: int) -> dict[str, int
 
     out = {}
     for c in p.presses:
+        if c not in CATALOGUE:  # a plan may also run other presses (the leaderboard's query-aware runs): `engine_slots`
+            continue
         pols = []
         for r in ((0.0,) if c in RATIOLESS else p.ratios):
             name, kr, fields, _ = catalogue_args(p, c, r)

@@ -590,7 +590,7 @@ def test_catalogue_rows_reach_both_sides_alike(tmp_path, monkeypatch):
     covered = {peer.press_name(c) for c in peer.PEER_PRESSES + peer.EXTRA_PRESSES}
     assert set(PRESSES) - covered <= {"CAMPress"}, set(PRESSES) - covered  # CaM's draw is torch.bernoulli's
     p = peer.prepare(peer.parse(["model=tiny", "tokens=320", "samples=1", "ratios=[0.25,0.4]", f"out={tmp_path}",
-                                 "presses=[" + ",".join(peer.CATALOGUE) + "]"]))
+                                 "presses=[" + ",".join(peer.CATALOGUE + ("ChunkKVPress:SnapKVPress",)) + "]"]))
     cells = [(c, r) for c, r in p.cells if c != "full"]
     assert [c for c, r in cells if r == 0] == list(peer.RATIOLESS) and len(cells) == 3 + 2 * (len(peer.CATALOGUE) - 3)
     job = peer.worker_job(p, peer.pending(p, "kvpress"))
@@ -646,12 +646,14 @@ def _catalogue_run(tiny_run, tmp_path, presses: str):
 
 # the CATALOGUE rows whose presses have kept tables: our side runs each press's ratios and layers as one shape class
 SHAPED = ("QFilterPress", "ExpectedAttentionStatsPress", "KVzapPress", "FinchPress", "MergingPress:KeyDiffPress",
-          "ComposedPress", "PerLayerCompressionPress:KeyDiffPress", "LUKVPress")
+          "ChunkPress:KeyDiffPress", "BlockPress:KeyDiffPress", "ComposedPress", "PerLayerCompressionPress:KeyDiffPress",
+          "LUKVPress")
 
 
 def test_catalogue_shape_classes_keep_and_answer_as_the_exact_presses(tmp_path):
     """`catalogue_slots`: the CATALOGUE presses with kept tables get one shape class for all their ratios and
-    layers (and only they: ChunkPress's and BlockPress's rankings read their ratio, so they have no table); on a
+    layers (and only they; a plan's presses outside CATALOGUE are not its: a query-aware leaderboard run has
+    both, and their fields are not `catalogue_args`'); on a
     model of the tiny run's shapes, a shape class keeps exactly the positions of the exact press (per layer and
     kv head) and decodes the same ids, for QFilterPress (a filter per layer), PerLayerCompressionPress (a
     ratio per layer: 3 policies, one shape-class policy) and LUKVPress (a count per layer and kv head: one
@@ -662,7 +664,7 @@ def test_catalogue_shape_classes_keep_and_answer_as_the_exact_presses(tmp_path):
     from models.llama import Llama
 
     p = peer.prepare(peer.parse(["model=tiny", "tokens=320", "samples=1", "ratios=[0.25,0.4]", f"out={tmp_path}",
-                                 "presses=[" + ",".join(peer.CATALOGUE) + "]"]))
+                                 "presses=[" + ",".join(peer.CATALOGUE + ("ChunkKVPress:SnapKVPress",)) + "]"]))
     t = peer.TINY
     cfg = LlamaConfig(vocab_size=97, d_model=t["hidden_size"], n_layers=t["num_hidden_layers"], n_heads=t["num_attention_heads"],
                       n_kv_heads=t["num_key_value_heads"], head_dim=t["hidden_size"] // t["num_attention_heads"],
