@@ -590,7 +590,7 @@ def test_catalogue_rows_reach_both_sides_alike(tmp_path, monkeypatch):
     covered = {peer.press_name(c) for c in peer.PEER_PRESSES + peer.EXTRA_PRESSES}
     assert set(PRESSES) - covered <= {"CAMPress"}, set(PRESSES) - covered  # CaM's draw is torch.bernoulli's
     p = peer.prepare(peer.parse(["model=tiny", "tokens=320", "samples=1", "ratios=[0.25,0.4]", f"out={tmp_path}",
-                                 "presses=[" + ",".join(peer.CATALOGUE + ("ChunkKVPress:SnapKVPress",)) + "]"]))
+                                 "presses=[" + ",".join(peer.CATALOGUE) + "]"]))
     cells = [(c, r) for c, r in p.cells if c != "full"]
     assert [c for c, r in cells if r == 0] == list(peer.RATIOLESS) and len(cells) == 3 + 2 * (len(peer.CATALOGUE) - 3)
     job = peer.worker_job(p, peer.pending(p, "kvpress"))
