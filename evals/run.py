@@ -38,8 +38,11 @@ import dataclasses
 import datetime
 import functools
 import itertools
+import signal
 import sys
+import threading
 import time
+import _thread
 from pathlib import Path
 from typing import Any
 
@@ -545,12 +548,49 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 def interrupt_as_line(prog: str):
     """Ctrl-C (SIGINT) ends the command with one line (exit 130), not a traceback: rows already
     appended are kept and a re-run resumes after them; the run in flight is not recorded."""
+    lock, state = threading.Lock(), {"pending": False, "done": False, "thread": None}
+
+    def again() -> None:  # the interrupt was swallowed (by a gc callback, say): simulate it again
+        while True:
+            time.sleep(0.5)
+            with lock:
+                if state["done"]:
+                    return
+                _thread.interrupt_main(signal.SIGINT)
+
+    def on_sigint(signum, frame):
+        with lock:
+            if state["done"]:
+                return
+            if not state["pending"]:
+                state["pending"] = True
+                state["thread"] = threading.Thread(target=again, daemon=True)
+                state["thread"].start()
+        raise KeyboardInterrupt
+
+    def stop() -> None:
+        with lock:
+            state["done"] = True
+        if state["thread"] is not None:
+            state["thread"].join()
+
+    # Python raises KeyboardInterrupt wherever the main thread is; inside a gc callback (XLA registers
+    # one) the exception is ignored and the run would go on to its end as if no Ctrl-C came: the
+    # handler raises it again every 0.5 s until this block ends the command
+    ours = threading.current_thread() is threading.main_thread() and \
+        signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    previous = signal.signal(signal.SIGINT, on_sigint) if ours else None
     try:
         yield
     except KeyboardInterrupt:
+        stop()
         print(f"{prog}: interrupted: the rows already written are kept; the run in flight was not recorded "
               "(run the same command again to resume)", file=sys.stderr)
         raise SystemExit(130) from None
+    finally:
+        stop()
+        if ours:
+            signal.signal(signal.SIGINT, previous)
 
 
 def _main(argv: list[str] | None) -> list[dict[str, Any]]:

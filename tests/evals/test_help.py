@@ -89,3 +89,20 @@ def test_an_estimate_is_printed_before_a_long_run(monkeypatch, capsys):
     monkeypatch.setattr(evrun, "matmul_flops_per_s", lambda *a: 1e15)  # a fast one: nothing said
     evrun.preflight(["tokens=1000", "policy=sink", "window=4096", "results=/tmp/unused.jsonl"])
     assert "estimate" not in capsys.readouterr().out
+
+
+def test_an_interrupt_swallowed_by_a_callback_is_raised_again():
+    """Inside a gc callback (XLA registers one) a KeyboardInterrupt is ignored: the command must still
+    end with its one line and exit 130, not run on to its end (seen once in CI)."""
+    ticks = []
+    with pytest.raises(SystemExit) as e:
+        with evrun.interrupt_as_line("t"):
+            try:
+                signal.raise_signal(signal.SIGINT)
+            except KeyboardInterrupt:
+                pass  # what a gc callback does with it
+            for _ in range(200):  # the work goes on; 10 s at most
+                ticks.append(0)
+                time.sleep(0.05)
+    assert e.value.code == 130 and len(ticks) < 200
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
