@@ -16,7 +16,8 @@ another shape may round otherwise (XLA groups a matmul's sums by the batch's sha
 a larger batch was not faster (docs/results/speed.md), so `evals.peer` keeps a press's ratios as its
 batch.
 
-Head pools (`kvpolicies.adakv.AdaKV`'s shape class, `kvpolicies.adascored.AdaScored`: K x S slots
+Head pools (`kvpolicies.adakv.AdaKV`'s shape class, `kvpolicies.adascored.AdaScored` and CriticalAdaKV's
+`kvpolicies.critical.CriticalAda`, which keeps AdaScored's decode steps: K x S slots
 shared by a layer's K kv heads, head segments contiguous) also only append after kvpress's
 compression (every head gets each new token, within the pool's K x max_new free slots). Their state
 converts (`pool_rows`, one gather) to per-head rows of S' = the engine's max_len slots (head h's
@@ -55,12 +56,17 @@ from kvpolicies.prompt_scored import PromptScored
 # what a decode step of a prompt scorer does with its slots (the view attention reads, the writes, the
 # sparse reads); a class that overrides any of them decodes otherwise than the canonical policy
 _DECODE = ("extend", "compact", "select", "defer", "appends_quietly", "pad_spare", "cut_spare", "spared")
+# the same for a head pool of adascored's (`init`: its pool's layout)
+_POOL_DECODE = ("init", "extend", "compact", "select", "defer", "appends_quietly")
 
 
 def head_pool(policy: Any) -> bool:
     """A head pool whose decode only appends after kvpress's compression (within its max_new): adakv's
-    shape class (the engine refuses more, `appends_only`) or adascored (K x max_new free pool slots)."""
-    return (type(policy) is AdaKV and policy.appends_only) or type(policy) is AdaScored
+    shape class (the engine refuses more, `appends_only`) or adascored and its subclasses, which keep its
+    decode steps (K x max_new free pool slots; CriticalAdaKV: `kvpolicies.critical.CriticalAda`)."""
+    return (type(policy) is AdaKV and policy.appends_only) or (
+        isinstance(policy, AdaScored) and not any(getattr(type(policy), m) is not getattr(AdaScored, m)
+                                                  for m in _POOL_DECODE))
 
 
 def _form(slots: int, max_new: int, codec: Any) -> Knorm:

@@ -3,7 +3,7 @@ of one batch through one canonical append-only policy. Checked against each pres
 same batch the canonical form gives its question logits bit for bit, and in one batch of every press
 the same greedy ids; the answers' programs compile once for all presses, not once per press (JAX's
 compilation events, never a clock); what has no canonical form is refused before anything runs. Head
-pools (adakv's shape class, adascored) convert to per-head rows holding the pool's own (head, position,
+pools (adakv's shape class, adascored, criticaladakv) convert to per-head rows holding the pool's own (head, position,
 key, value) sets (a numpy oracle), and answer to float32 rounding with the same greedy ids."""
 
 from __future__ import annotations
@@ -173,7 +173,9 @@ def test_the_canonical_form_holds_its_keys_rotated_once(setup):
 # question logits through the canonical rows against the pool's own engine: measured 2.8e-7 of the
 # largest logit here (float32 rounding: the pool sums over the masked K x S pool, the rows over each head's S')
 REL = 2e-6
-POOLS = {"AdaKVPress": {"window_size": 8}, "AdaScored": {"press": "KnormPress"}}  # adakv's shape class; adascored
+# adakv's shape class; adascored; criticaladakv (adascored's subclass: the same decode steps)
+POOLS = {"AdaKVPress": ("AdaKVPress", {"window_size": 8}), "AdaScored": ("AdaKVPress", {"press": "KnormPress"}),
+         "CriticalAda": ("CriticalAdaKVPress", {"press": "SnapKVPress"})}
 
 
 @pytest.fixture(scope="module")
@@ -182,12 +184,13 @@ def pools(setup):
     and adascored's (its kept table: kvpress's n_kept) in one of their own."""
     model, ctx, q, _ = setup
     out = {}
-    for name, fields in POOLS.items():
-        pols = [kvpress("AdaKVPress", r, max_new=MAX_NEW, **fields) for r in RATIOS]
+    for name, (press, fields) in POOLS.items():
+        pols = [kvpress(press, r, max_new=MAX_NEW, **fields) for r in RATIOS]
         slots = grid_slots(pols, CFG.n_layers, MAX_LEN)
         engines = [Engine(model, pol, max_len=MAX_LEN, slots=slots, share_steps=True) for pol in pols]
         out[name] = [(e, e.compress(e.prompt(ctx))) for e in engines]
     assert [type(e.policies[0]).__name__ for e, _ in out["AdaScored"]] == ["AdaScored"] * 3
+    assert [type(e.policies[0]).__name__ for e, _ in out["CriticalAda"]] == ["CriticalAda"] * 3
     assert all(out[name][0][0].policies[0].slots > 0 for name in POOLS)
     return out
 
@@ -270,7 +273,7 @@ def test_head_pools_answer_through_per_head_rows(setup, pools):
 
 def test_head_pools_after_the_first_compile_no_answer_programs(setup, pools):
     """2 head-pool presses x 2 ratios through the canonical form: adakv's batch compiles the question and
-    decode programs; adascored's, whose own engines would compile their own, compiles none (its
+    decode programs; adascored's and criticaladakv's, whose own engines would compile their own, compile none (their
     rows' conversion, a gather per pool shape, compiled beforehand)."""
     model, ctx, q, _ = setup
 
@@ -282,4 +285,4 @@ def test_head_pools_after_the_first_compile_no_answer_programs(setup, pools):
         return log.programs
 
     counts = [programs(n) for n in POOLS]
-    assert counts[0] > 0 and counts[1] == 0, counts
+    assert counts[0] > 0 and counts[1:] == [0] * (len(POOLS) - 1), counts
