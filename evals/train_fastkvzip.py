@@ -75,8 +75,11 @@ def schedule(step: Array, steps: int) -> Array:
 
 
 def train(x: np.ndarray, y: np.ndarray, kv_heads: int, groups: int, steps: int, batch: int, lr: float,
-          seed: int) -> dict[str, np.ndarray]:
-    """Gates fitted to targets y [L, N, K] in [0, 1] from hidden states x [L, N, d] (SGD, momentum 0.9)."""
+          seed: int, progress: bool = False) -> dict[str, np.ndarray]:
+    """Gates fitted to targets y [L, N, K] in [0, 1] from hidden states x [L, N, d] (SGD, momentum 0.9);
+    `progress`: a bar over the steps."""
+    from tqdm.auto import tqdm
+
     n_layers, n, d = x.shape
     params = {k: jnp.asarray(v) for k, v in init_gates(d, kv_heads, groups, n_layers, seed).items()}
     opt = optax.sgd(lambda s: lr * schedule(s, steps), momentum=0.9)
@@ -90,7 +93,7 @@ def train(x: np.ndarray, y: np.ndarray, kv_heads: int, groups: int, steps: int, 
 
     rng = np.random.default_rng(seed + 1)
     order = np.concatenate([rng.permutation(n) for _ in range(-(-steps * batch // n) + 1)])  # reshuffled epochs
-    for s in range(steps):
+    for s in tqdm(range(steps), desc="train fastkvzip gates", disable=not progress):
         idx = order[s * batch:(s + 1) * batch]
         params, state, _ = update(params, state, jnp.asarray(x[:, idx], jnp.float32), jnp.asarray(y[:, idx]))
     return {k: np.asarray(v, np.float32) for k, v in params.items()}
@@ -111,7 +114,7 @@ def main(argv: list[str] | None = None) -> Path:
     xtr, ytr, xte, yte = h[:, :-n_te], y[:, :-n_te], h[:, -n_te:].astype(np.float32), y[:, -n_te:]
     g = mc.n_heads // mc.n_kv_heads
     init = {k: jnp.asarray(v) for k, v in init_gates(mc.d_model, mc.n_kv_heads, g, mc.n_layers, cfg["seed"]).items()}
-    gates = train(xtr, ytr, mc.n_kv_heads, g, cfg["steps"], cfg["batch"], cfg["lr"], cfg["seed"])
+    gates = train(xtr, ytr, mc.n_kv_heads, g, cfg["steps"], cfg["batch"], cfg["lr"], cfg["seed"], progress=True)
     params = {k: jnp.asarray(v) for k, v in gates.items()}
     report = {"model": cfg["model"], "config": cfg, "train_tokens": int(xtr.shape[1]), "heldout_tokens": int(n_te),
               "heldout_bce_init": np.asarray(bce(init, xte, yte)).tolist(),
