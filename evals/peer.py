@@ -47,6 +47,9 @@ Keys (key=value):
     query_aware=false             kvpress's --query_aware: the question is part of the compressed context;
                                   after the compression come only the chat template's tail and the answer
                                   prefix (files under <stem>_query_aware)
+    ties=newer                    torch_cpu: our prompt scorers break exact ties at the compression as torch.topk
+                                  does on the CPU (`kvpolicies.ties`; newer: the newer token); not for the
+                                  catalogue rows (files under <stem>_ties_torch_cpu)
     kvpress=true                  false: our side alone (kvpress's columns left empty; no kvpress needed,
                                   but for model=tiny, whose checkpoint its worker builds)
     progress=true
@@ -124,7 +127,7 @@ DEFAULT_RATIOS = (0.25, 0.5, 0.75, 0.875)  # kvpress's leaderboard's ratios
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
 SIDES = ("kvpress", "ours")
 OWN_KEYS += ("executor", "ray.address", "ray.workers")  # evals.peer_grid: our side on Ray actors
-OWN_KEYS += ("answer",)  # our side's answers: a press's ratios per batch (press, shared) or a sample's (pooled)
+OWN_KEYS += ("answer", "ties")  # our side's answers: a press's ratios per batch (press, shared) or a sample's (pooled)
 ANSWERS = ("press", "shared", "pooled")
 POOL_ROWS = 16  # answer=pooled: the most rows of one batch (a sample's states are held until answered)
 
@@ -155,6 +158,7 @@ class Plan:
     kvpress: bool = True  # run kvpress's side too (false: ours alone, no kvpress needed)
     model_path: str | None = None  # model=hf: the HF folder (config.json, safetensors, tokenizer)
     dtype: str = "float32"  # our side's weights and activations (kvpress's side: float32)
+    ties: str = "newer"  # our prompt scorers' exact ties at the compression (`PromptScored.ties`)
     answer: str = "press"  # our side's answering batches: a press's ratios (press) or every press alike (shared)
     compile_cache: pathlib.Path | None = None  # JAX's persistent compilation cache for our side
     config: str = ""  # the hash of everything that determines the numbers
@@ -262,6 +266,26 @@ def duo_pattern(model: str) -> list[list[float]]:
         cfg = zoo.describe(model_config(model))
         shape = (cfg.n_layers, cfg.n_kv_heads)
     return np.random.default_rng(DUO_SEED).random(shape).round(3).tolist()
+
+
+def check_ties(ties: str, presses: list[str]) -> None:
+    """ties= before anything runs (ConfigError): one of TIES, and with torch_cpu every press a prompt scorer
+    that `kvpolicies.compat.kvpress(..., ties=)` accepts, none of the catalogue rows (`run_catalogue`)."""
+    from kvpolicies.compat import kvpress
+    from kvpolicies.ties import TIES
+
+    if ties not in TIES:
+        raise ConfigError(f"ties={ties}: must be one of {list(TIES)}")
+    if ties == "newer":
+        return
+    for c in presses:
+        if c in CATALOGUE or c == "DuoAttentionPress":  # (Duo's fields need the model's pattern: not a prompt scorer)
+            raise ConfigError(f"ties={ties}: for prompt scorers, not {c}")
+        try:
+            kvpress(press_name(c), 0.5, n_layers=2, ties=ties, **({"press": c.split(":", 1)[1]} if ":" in c else {}))
+        except ValueError as e:
+            if "ties=" in str(e):
+                raise ConfigError(f"presses: {c}: {e}") from None
 
 
 def press_name(press: str) -> str:
@@ -508,7 +532,10 @@ def parse(argv: Sequence[str]) -> Plan:
     samples = _int("samples", own.get("samples", "20"), 1)
     cfg["trials"] = cfg["batch"] = samples
     query_aware = _bool("query_aware", own.get("query_aware", "false"))
-    stem = own.get("name") or f"peer_{model}_{task}_{tokens}" + ("_query_aware" if query_aware else "")
+    ties = own.get("ties", "newer")
+    check_ties(ties, presses)
+    stem = own.get("name") or f"peer_{model}_{task}_{tokens}" + ("_query_aware" if query_aware else "") + (
+        f"_ties_{ties}" if ties != "newer" else "")
     out = pathlib.Path(own.get("out", "results/peer"))
     cache_key = own.get("compile_cache", str(out / ".jax-cache"))
     cache = None if cache_key.strip().lower() in ("none", "") else pathlib.Path(cache_key)
@@ -517,7 +544,7 @@ def parse(argv: Sequence[str]) -> Plan:
                 stem, _bool("overwrite", own.get("overwrite", "false")), _bool("progress", own.get("progress", "true")),
                 _bool("table_only", own.get("table_only", "false")), query_aware=query_aware,
                 kvpress=_bool("kvpress", own.get("kvpress", "true")), model_path=own.get("model_path"), dtype=dtype,
-                compile_cache=cache, answer=answer, argv=list(argv))
+                compile_cache=cache, answer=answer, ties=ties, argv=list(argv))
 
 
 def leaderboard_names() -> tuple[str, ...]:
@@ -562,7 +589,8 @@ def prepare(p: Plan) -> Plan:
     task = {k: v for k, v in p.task.items() if k not in ("trials", "batch")}  # sample i is the same for any count
     p.config = config_key({"model": mc if p.model != "tiny" else {"tiny": TINY, "vocab": tok.vocab_size},
                            "task": task, "tokens": p.tokens, "seed": p.seed} | ({"query_aware": True} if p.query_aware
-                                                                                  else {}))
+                                                                                  else {}) | (
+                               {"ties": p.ties} if p.ties != "newer" else {}))
     check_catalogue(p)
     return p
 
@@ -871,8 +899,7 @@ def run_ours(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=lambda
             for c, r in cells:
                 if (c, r) not in engines:
                     pol = kvpress("SnapKVPress" if c == "full" else press_name(c), r, n_layers=model.cfg.n_layers,
-                                  max_new=max_new,
-                                  **press_fields(p.model, c))
+                                  max_new=max_new, ties=p.ties, **press_fields(p.model, c))
                     engines[(c, r)] = Engine(model, pol, max_len=max_len, slots=slots.get(c, 0), share_steps=True)
             wide = shared_phase(model, [engines[x] for x in cells], max_len, pieces(len(ctx), p.chunk), shared)
             ready: dict[Any, list] = {}  # per set of shared steps: (press, ratio, engine, state, kept, phases, seconds)
@@ -1233,6 +1260,8 @@ def markdown(p: Plan, rows: Sequence[dict[str, Any]], title: str = "") -> str:
     protocol = ("kvpress's protocol with --query_aware: the context and the question compressed together, the chat "
                 "template's tail and the answer prefix appended" if p.query_aware else
                 "kvpress's protocol: the context compressed once, the question appended")
+    if p.ties != "newer":
+        protocol += f"; our exact ties at the compression broken as torch.topk breaks them on the CPU (ties={p.ties})"
     finished = "both sides" if p.kvpress else "our side (kvpress=false: kvpress not run)"
     lines += ["", f"{p.model}, {p.task.get('ruler_name', p.task['name'])} at {p.tokens} tokens (prompt + {p.gen} "
               f"greedy tokens), samples: the prompts {finished} finished (of {p.samples}, seed {p.seed}), {protocol}. "

@@ -155,6 +155,7 @@ from kvpolicies.restorekv import from_kvpress as restorekv_press
 from kvpolicies.kvzap_scored import from_kvpress as kvzap_press
 from kvpolicies.qfilter import from_kvpress as qfilter_press
 from kvpolicies.random_keep import RandomKeep
+from kvpolicies.ties import TIES
 from kvpolicies.scored import pack, top_mask
 from kvpolicies.simlayerkv import SimLayerKV
 from kvpolicies.snapkv import SnapKV
@@ -613,14 +614,31 @@ def duo_heads(head_scores, head_compression_ratio: float) -> tuple[tuple[int, ..
 
 
 def kvpress(name: str, compression_ratio: float, /, *, max_new: int = 256, n_layers: int | None = None,
-            **fields) -> Policy | tuple[Policy, ...]:
+            ties: str = "newer", **fields) -> Policy | tuple[Policy, ...]:
     """The policy (for "PyramidKVPress" the `pyramidkv` preset with `ratio`, whose `stack(n_layers)`
     is one `PyramidLayer` per layer; given `n_layers`, that tuple) reproducing kvpress 0.5.5's
     press class `name` at `compression_ratio` with its defaults; `fields` are the press's own
     (kvpress names: window_size, kernel_size, n_sink, beta, ...; `press=` is a wrapper's inner
     press, by class name, its fields among `fields`, or as an inner `kvpress(...)` result).
     `max_new`: decode slots for the appended question and answer. compression_ratio 0 is
-    kvpress's no-op: `full`."""
+    kvpress's no-op: `full`. `ties="torch_cpu"` (ours, not kvpress's: a prompt scorer's
+    `PromptScored.ties`): exact ties at the prompt's compression broken as torch.topk breaks them on
+    the CPU (`kvpolicies.ties`) instead of keeping the newer token."""
+    out = _kvpress(name, compression_ratio, max_new, n_layers, fields)
+    if ties == "newer" or type(out) is Full:  # compression_ratio 0: nothing compressed, no tie to break
+        return out
+    pols = out if isinstance(out, tuple) else (out,)
+    if ties not in TIES:
+        raise ValueError(f"kvpress({name!r}, ties={ties!r}): ties= must be one of {list(TIES)}")
+    if not all(isinstance(p, PromptScored) for p in pols):
+        raise ValueError(f"kvpress({name!r}, ties={ties!r}): ties= is a prompt scorer's (PromptScored), not "
+                         f"{sorted({type(p).__name__ for p in pols})}'s")
+    tied = tuple(dataclasses.replace(p, ties=ties) for p in pols)
+    return tied if isinstance(out, tuple) else tied[0]
+
+
+def _kvpress(name: str, compression_ratio: float, max_new: int, n_layers: int | None, fields: dict
+             ) -> Policy | tuple[Policy, ...]:
     press = name
     if press not in PRESSES:
         raise ValueError(f"kvpress({press!r}): the press must be one of {list(PRESSES)}")

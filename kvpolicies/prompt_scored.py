@@ -58,6 +58,7 @@ from kvpolicies.prompt import KeptTable, PromptCompressor, PromptPhase, PromptSt
 from kvpolicies.scored import Accumulated, Scored, append_packed, pack, top_mask
 from kvpolicies.slots import (Pending, QuietChunks, Spare, SpareSlot, append_view, concat, move_spare, pad_slot, view_of,
                               write_spare)
+from kvpolicies.ties import TIES, torch_cpu_top_mask
 
 
 def chunked(observe):
@@ -91,6 +92,9 @@ class PromptScored(Budgeted, KeptTable, PromptCompressor, QuietChunks, SpareSlot
     # a shape class that only answers (evals.shared_answers' canonical form): its stored keys are rotated
     # (RoPE at their text positions, written once) so no step rotates them again; states come rotated
     rotated: bool = dataclasses.field(default=False, metadata={"engine": True, "later": True})  # later: keys kept
+    # exact ties at the prompt's compression: "newer" keeps the newer token; "torch_cpu" what torch.topk keeps on
+    # the CPU (kvpress's choice there, replayed: kvpolicies.ties); not part of any method, off by default
+    ties: str = dataclasses.field(default="newer", metadata={"later": True})
 
     def __post_init__(self):
         check_int(self.label, "budget", self.budget, 0)
@@ -104,6 +108,8 @@ class PromptScored(Budgeted, KeptTable, PromptCompressor, QuietChunks, SpareSlot
             raise ValueError(f"{self.label}(rotated=True): only a shape class that only appends (slots, no interval) "
                              f"with keys stored after RoPE (no codec, or one after RoPE), got slots={self.slots}, "
                              f"interval={self.interval}, codec={self.codec.name}")
+        if self.ties not in TIES:
+            raise ValueError(f"{self.label}.ties={self.ties!r}: must be one of {list(TIES)}")
         if bool(self.interval) != bool(self.target):
             raise ValueError(f"{self.label}: interval={self.interval} and target={self.target} go together "
                              "(compression while decoding: every `interval` tokens back to `target`; 0 and 0: off)")
@@ -319,8 +325,10 @@ class PromptScored(Budgeted, KeptTable, PromptCompressor, QuietChunks, SpareSlot
         n = self.n_kept(count, s, state.slots, table)  # [B, K, 1]
         prio, tie = self.prompt_rank(state, slots, keys, stats) if rows is None else \
             self.rank_given(state, slots, keys, stats, rows)
-        kept = jnp.where(count[..., None] > n, top_mask(prio, tie, n) & filled, filled)
-        packed = pack(slots, kept, s, in_order=True)  # a prompt state: slot i holds position i
+        # a prompt state: slot i holds position i, so a row's first `count` slots are its scores in index order
+        best = torch_cpu_top_mask(prio, count, n[..., 0]) if self.ties == "torch_cpu" else top_mask(prio, tie, n)
+        kept = jnp.where(count[..., None] > n, best & filled, filled)
+        packed = pack(slots, kept, s, in_order=True)
         return self.join(pad_slot(packed) if self.spare else packed, stats)
 
 

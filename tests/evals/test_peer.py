@@ -482,6 +482,26 @@ def test_query_aware_splits_after_the_question(tmp_path):
         assert after.startswith("<|im_end|>\n<|im_start|>assistant\n") and after.endswith("mentioned in the provided text is")
 
 
+def test_ties_names_its_files_and_refuses_what_is_not_a_prompt_scorer(tmp_path):
+    """ties=torch_cpu (torch.topk's choice among exact ties, `kvpolicies.ties`): another stem and config hash,
+    the policy our side builds carries it; a press that is no prompt scorer, a catalogue row or an unknown
+    rule is refused before anything runs."""
+    from kvpolicies.compat import kvpress
+
+    args = ["model=tiny", "tokens=320", "samples=1", "presses=[LagKVPress,ChunkKVPress:SnapKVPress]", "ratios=[0.5]",
+            f"out={tmp_path}"]
+    plain = peer.prepare(peer.parse(args))
+    tied = peer.prepare(peer.parse(args + ["ties=torch_cpu"]))
+    assert tied.stem == plain.stem + "_ties_torch_cpu" and tied.config != plain.config and tied.ties == "torch_cpu"
+    assert kvpress("LagKVPress", 0.5, ties=tied.ties).ties == "torch_cpu"
+    for bad, says in (("presses=[KVzipPress]", "prompt scorer"), ("presses=[FinchPress]", "not FinchPress"),
+                      ("presses=[DuoAttentionPress]", "not DuoAttentionPress")):
+        with pytest.raises(peer.ConfigError, match=says):
+            peer.parse(ARGS + [bad, "ties=torch_cpu"])
+    with pytest.raises(peer.ConfigError, match="must be one of"):
+        peer.parse(ARGS + ["ties=oldest"])
+
+
 def test_kvpress_false_runs_ours_alone_and_hf_needs_a_folder(tmp_path):
     """kvpress=false: only our side is pending and tabled; model=hf wants model_path= (and only it)."""
     p = peer.parse(ARGS + [f"out={tmp_path}", "kvpress=false"])

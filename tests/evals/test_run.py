@@ -117,7 +117,7 @@ def test_policy_options_are_derived_from_the_registry():
     assert conf["policy"] == {"name": "h2o", "heavy": 256, "recent": 256, "prompt": "dense", "codec": "none"}
     conf = C.validate(C.compose(["policy=snapkv", "codec=int4"]))
     assert conf["policy"] == {"name": "snapkv", "budget": 1024, "obs_window": 32, "kernel": 7, "max_new": 256,
-                              "ratio": 0.0, "interval": 0, "target": 0, "pooling": "max", "codec": "int4"}
+                              "ratio": 0.0, "interval": 0, "target": 0, "ties": "newer", "pooling": "max", "codec": "int4"}
 
 
 @pytest.mark.parametrize("name", ["window", "sink", "h2o", "tova", "snapkv"])

@@ -53,6 +53,9 @@ def fields_of(press: str, ratio: float) -> dict:
 # compression_ratio): kvpress compresses, then fails on the question (at equal ratios it is its inner press)
 PER_LAYER = {"press": "KeyDiffPress", "compression_ratios": [0.25, 0.5, 0.75]}
 RATIOS = (0.5, 0.75)
+# LagKVPress at 0.62: int(320 x 0.38) = 121 kept, 64 of them the sinks and the tail (score 1), so 57 of the 8
+# partitions' ranks / 32: the top 7 ranks (56 tokens) and 1 of the 8 tokens tied at the next
+TIED = 0.62
 N_CTX, N_Q, N_NEW = 320, 8, 6
 
 
@@ -68,7 +71,8 @@ def tiny_run(request, tmp_path_factory, kvpress_ref):
            "context": ctx.tolist(), "question": question.tolist(), "n_new": N_NEW,
            "presses": [[p, r, fields_of(p, r)] for p in (*EXACT, "RandomPress") for r in RATIOS
                        if request.param == "llama" or p not in WRAPPED]
-           + [["PerLayerCompressionPress", 0.5, PER_LAYER]], "tokenizer": "ascii"}
+           + [["PerLayerCompressionPress", 0.5, PER_LAYER], ["LagKVPress", TIED, FIELDS["LagKVPress"]]],
+           "tokenizer": "ascii"}
     ref = kvpress_ref.job(job, tmp)
     cfg, params = load_hf(tmp / "ckpt")
     return Llama(cfg, params), ctx, question, ref
@@ -118,6 +122,26 @@ def test_kept_positions_and_answers_equal_kvpress(tiny_run, press, ratio, reques
         for i, (g, w) in enumerate(pairs):
             assert g == w, (press, ratio, divmod(i, model.cfg.n_kv_heads), sorted(set(g) ^ set(w))[:10])
     assert answer == want["answer"]
+
+
+def test_lagkv_exact_ties_broken_as_torch_topk(tiny_run):
+    """The budget cuts through an exact tie (`TIED`): with ties="torch_cpu" every (layer, kv head) keeps kvpress's
+    positions (torch.topk's introselect replayed, `kvpolicies.ties`) and the answer is kvpress's; the default
+    (the newer tied token) keeps other positions on some head."""
+    model, ctx, question, ref = tiny_run
+    want = ref[f"LagKVPress@{TIED}"]
+    assert "error" not in want, want
+    got = {}
+    for ties in ("torch_cpu", "newer"):
+        pol = kvpress("LagKVPress", TIED, max_new=64, ties=ties, **FIELDS["LagKVPress"])
+        eng = Engine(model, pol, max_len=N_CTX + N_Q + N_NEW, share_steps=True)
+        state = eng.compress(eng.prompt(ctx[None]))
+        got[ties] = [[p.tolist() for p in layer] for layer in eng.kept_positions(state)]
+        if ties == "torch_cpu":
+            assert eng.continue_generate(state, question[None], N_NEW)[0].tolist() == want["answer"]
+    assert all(len(h) == int(N_CTX * (1 - TIED)) for layer in want["kept"] for h in layer)
+    assert got["torch_cpu"] == want["kept"]
+    assert got["newer"] != want["kept"]
 
 
 def test_per_layer_compression_keeps_kvpress_positions_where_kvpress_fails(tiny_run):
