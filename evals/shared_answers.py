@@ -29,7 +29,8 @@ float32 rounding, the greedy ids in the tests and on issue 57's grid). The full 
 holds token i, keys stored after RoPE) has the same form: its max_len slots are its rows already (its
 own steps read the stored slots and the new ones as separate attention pieces: float32 rounding
 apart), so its row joins the head pools' batch. A head-pool row and a prompt scorer's row join one
-batch only where their S' agree. A policy that decodes otherwise (kvzip, kvzap, duo ...) has no
+batch only where their S' agree. KVzip's pool (`kvpolicies.kvzip.KVzip`: a `HeadPool` whose decode also only
+appends, within max_new per head) converts the same way. A policy that decodes otherwise (kvzap, duo ...) has no
 canonical form (`canonical` gives None) and keeps its own engine.
 
 Shapes: L layers of a run, B batch rows, K kv heads, Kp = 1 or K position rows, S slots, S' slots per
@@ -51,6 +52,7 @@ from kvpolicies.adascored import AdaScored, CountedPool
 from kvpolicies.base import EMPTY, SlotState, keys_rotated
 from kvpolicies.full import Full
 from kvpolicies.knorm import Knorm
+from kvpolicies.kvzip import KVzip
 from kvpolicies.prompt_scored import PromptScored
 
 # what a decode step of a prompt scorer does with its slots (the view attention reads, the writes, the
@@ -63,8 +65,9 @@ _POOL_DECODE = ("init", "extend", "compact", "select", "defer", "appends_quietly
 def head_pool(policy: Any) -> bool:
     """A head pool whose decode only appends after kvpress's compression (within its max_new): adakv's
     shape class (the engine refuses more, `appends_only`) or adascored and its subclasses, which keep its
-    decode steps (K x max_new free pool slots; CriticalAdaKV: `kvpolicies.critical.CriticalAda`)."""
-    return (type(policy) is AdaKV and policy.appends_only) or (
+    decode steps (K x max_new free pool slots; CriticalAdaKV: `kvpolicies.critical.CriticalAda`), or kvzip's
+    pool (`KVzip`: every head gets each new token, within max_new; `shared_rows` refuses more)."""
+    return (type(policy) is AdaKV and policy.appends_only) or type(policy) is KVzip or (
         isinstance(policy, AdaScored) and not any(getattr(type(policy), m) is not getattr(AdaScored, m)
                                                   for m in _POOL_DECODE))
 

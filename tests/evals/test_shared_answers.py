@@ -22,6 +22,7 @@ from models.config import LlamaConfig
 from models.engine import Engine, grid_slots
 from evals.shared_answers import answering_engine, canonical, canonical_of, pool_rows, shared_rows
 from models.llama import Llama
+from models.tokenizer import ByteTokenizer
 
 CFG = LlamaConfig(vocab_size=97, d_model=48, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64)
 N, Q, GEN = 150, 9, 8
@@ -112,7 +113,8 @@ def test_what_has_no_canonical_form_is_refused(setup):
     assert canonical(kvpress("AdaKVPress", 0.5, max_new=MAX_NEW, window_size=8), MAX_LEN) is None  # not a shape class
     with pytest.raises(ValueError, match="max_len"):
         canonical(kvpress("AdaKVPress", 0.5, max_new=MAX_NEW, press="KnormPress"))  # a head pool: its rows' S'
-    assert canonical(kvpress("KVzipPress", 0.5, max_new=MAX_NEW), MAX_LEN) is None  # a head pool of its own decode
+    duo = kvpress("DuoAttentionPress", 0.5, max_new=MAX_NEW, n_layers=CFG.n_layers, head_scores=[[0.1, 0.9]] * CFG.n_layers)
+    assert canonical(duo[0], MAX_LEN) is None  # streaming heads beside full ones: a decode of its own
     with pytest.raises(ValueError, match="max_len"):
         canonical(kvpolicies.get("full"))  # the full cache: rows of its engine's max_len slots
     assert canonical(kvpolicies.get("full"), MAX_LEN).slots == MAX_LEN
@@ -175,7 +177,8 @@ def test_the_canonical_form_holds_its_keys_rotated_once(setup):
 REL = 2e-6
 # adakv's shape class; adascored; criticaladakv (adascored's subclass: the same decode steps)
 POOLS = {"AdaKVPress": ("AdaKVPress", {"window_size": 8}), "AdaScored": ("AdaKVPress", {"press": "KnormPress"}),
-         "CriticalAda": ("CriticalAdaKVPress", {"press": "SnapKVPress"})}
+         "CriticalAda": ("CriticalAdaKVPress", {"press": "SnapKVPress"}),
+         "KVzip": ("KVzipPress", {})}  # kvzip's pool (kvpress's scope="model": max_len slots per head)
 
 
 @pytest.fixture(scope="module")
@@ -186,12 +189,15 @@ def pools(setup):
     out = {}
     for name, (press, fields) in POOLS.items():
         pols = [kvpress(press, r, max_new=MAX_NEW, **fields) for r in RATIOS]
-        slots = grid_slots(pols, CFG.n_layers, MAX_LEN)
-        engines = [Engine(model, pol, max_len=MAX_LEN, slots=slots, share_steps=True) for pol in pols]
+        if press == "KVzipPress":  # a policy per ratio; its repeat prompts in bytes (no tokenizer here)
+            engines = [Engine(model, pol, max_len=MAX_LEN, repeat=ByteTokenizer(), share_steps=True) for pol in pols]
+        else:
+            slots = grid_slots(pols, CFG.n_layers, MAX_LEN)
+            engines = [Engine(model, pol, max_len=MAX_LEN, slots=slots, share_steps=True) for pol in pols]
         out[name] = [(e, e.compress(e.prompt(ctx))) for e in engines]
     assert [type(e.policies[0]).__name__ for e, _ in out["AdaScored"]] == ["AdaScored"] * 3
     assert [type(e.policies[0]).__name__ for e, _ in out["CriticalAda"]] == ["CriticalAda"] * 3
-    assert all(out[name][0][0].policies[0].slots > 0 for name in POOLS)
+    assert all(out[name][0][0].policies[0].slots > 0 for name in POOLS if name != "KVzip")  # kvzip: no shape class
     return out
 
 
