@@ -146,6 +146,11 @@ class AsciiTokenizer:
 REPEATS = ("KVzipPress", "KVgradPress")  # presses whose repeat prompts read the tokenizer (KVgradPress: a KVzipPress)
 
 
+def base(name: str) -> str:
+    """A row's press without its own fields (evals.peer's "Press+field=value": the fields come in `fields`)."""
+    return name.split("+", 1)[0]
+
+
 def use_tokenizer(job: dict) -> None:
     """KVzipPress loads `AutoTokenizer.from_pretrained(model.config.name_or_path)`: the job's
     tokenizer instead (a GGUF file's, or ASCII ids for a tiny model); nothing else changes."""
@@ -218,6 +223,7 @@ def restore_press(ratio: float, fields: dict):
 
 
 def make_press(name: str, ratio: float, fields: dict):
+    name = base(name)  # evals.peer's "Press+field=value" rows: their fields are in `fields`
     if (press := catalogue_press(name.split(":", 1)[0], ratio, fields)) is not None:  # evals.peer's catalogue rows
         return press
     if ":" in name:  # evals.peer's "Wrapper:Inner": the wrapper, its inner press given in fields["press"]
@@ -449,14 +455,14 @@ def main(job_path: str, out_path: str) -> None:
     if "samples" in job:
         return main_samples(job, out_path)
     path = job["checkpoint"] or build_tiny(job["tiny"], job["save_to"])
-    if any(name in REPEATS + ("RestoreKVPress",) for name, _, _ in job["presses"]):
+    if any(base(name) in REPEATS + ("RestoreKVPress",) for name, _, _ in job["presses"]):
         use_tokenizer(job)
     ctx = torch.tensor([job["context"]])
     question = torch.tensor([job["question"]])
     models, fulls = {}, {}
     result = {}
     for name, ratio, fields in job["presses"]:
-        attn = "eager" if name == "ObservedAttentionPress" else "sdpa"
+        attn = "eager" if base(name) == "ObservedAttentionPress" else "sdpa"
         if attn not in models:  # the model and its uncompressed cache, once per attention implementation
             models[attn] = load(path, attn, job.get("gguf_file"))
             with torch.no_grad():
@@ -709,7 +715,7 @@ def run_kvzip(model, presses, ctx, question, n_new):
     out = {}
     by_fields: dict[str, list] = {}
     for name, ratio, fields in presses:
-        assert name in REPEATS, name
+        assert base(name) in REPEATS, name
         by_fields.setdefault(json.dumps([name, fields], sort_keys=True), []).append((name, ratio, fields))
     for group in by_fields.values():
         cache, scores = DynamicCache(), []
@@ -838,6 +844,7 @@ def group_of(name: str, shared: bool = True) -> tuple[str, str]:
     (`run_kvzip`), else kvpress's pipeline per press (`run_per_press`). KVComposePress (the same, its
     pass the context itself) runs kvpress's pipeline per press, on the eager model: it prefills with
     eager attention, whose keys the kept positions are matched against."""
+    name = base(name)
     if name in REPEATS:  # KVgradPress: KVzipPress's pass (with its gradients), its compress_post alike
         return "sdpa", "kvzip" if shared else "pipeline"
     if name == "KVComposePress":  # compresses in its context manager's exit too, after an eager prefill and pass
@@ -860,7 +867,7 @@ def main_samples(job: dict, out_path: str) -> None:
     """The multi-sample form: every sample's presses, one JSON line appended per (sample, press)."""
     path = job["checkpoint"] or build_tiny(job["tiny"], job["save_to"])
     shared = job.get("prefill", "shared") == "shared"
-    if any(p[0] in REPEATS + ("RestoreKVPress",) for s in job["samples"] for p in s.get("presses", job.get("presses", []))):
+    if any(base(p[0]) in REPEATS + ("RestoreKVPress",) for s in job["samples"] for p in s.get("presses", job.get("presses", []))):
         use_tokenizer(job)
     models = {}
     with open(out_path, "a", encoding="utf-8") as f:

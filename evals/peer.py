@@ -24,7 +24,10 @@ Keys (key=value):
                                   with a seeded random head pattern on both sides, `duo_pattern`; none for
                                   model=hf); RandomPress is also accepted (its draw is not kvpress's), and
                                   the rest of compat's catalogue, CATALOGUE (`catalogue_args`: ThinKPress,
-                                  the hub presses with our arrays, the decoding presses, SimLayerKVPress, ...)
+                                  the hub presses with our arrays, the decoding presses, SimLayerKVPress, ...);
+                                  a row may set a press's own fields, on both sides: Press+field=value
+                                  (KVComposePress+structured=false, FastKVzipPress+layerwise=true; values
+                                  true / false, numbers or words; `variant`)
     gen=<task's>                  greedy tokens after the question (ruler_niah_single: 32)
     seed=0  chunk=512             the samples' seed; our prefill chunk (never changes a result; the rest
                                   of a context in power-of-two pieces, `pieces`, and the question of a
@@ -191,7 +194,7 @@ class Plan:
     @property
     def cells(self) -> list[tuple[str, float]]:
         """(press, ratio) of every row, the full cache first."""
-        return [("full", 0.0)] + [(p, r) for p in self.presses for r in ((0.0,) if p in RATIOLESS else self.ratios)]
+        return [("full", 0.0)] + [(p, r) for p in self.presses for r in ((0.0,) if base_row(p) in RATIOLESS else self.ratios)]
 
     def sample_id(self, i: int) -> str:
         """'<config>/<index>/<hash of the sample's ids>': what a saved line belongs to."""
@@ -279,31 +282,63 @@ def check_ties(ties: str, presses: list[str]) -> None:
     if ties == "newer":
         return
     for c in presses:
-        if c in CATALOGUE or c == "DuoAttentionPress":  # (Duo's fields need the model's pattern: not a prompt scorer)
+        if base_row(c) in CATALOGUE or press_name(c) == "DuoAttentionPress":  # (Duo's needs the model's pattern)
             raise ConfigError(f"ties={ties}: for prompt scorers, not {c}")
         try:
-            kvpress(press_name(c), 0.5, n_layers=2, ties=ties, **({"press": c.split(":", 1)[1]} if ":" in c else {}))
+            row, own = variant(c)
+            inner = {"press": row.split(":", 1)[1]} if ":" in row else {}
+            kvpress(press_name(c), 0.5, n_layers=2, ties=ties, **inner, **own)
         except ValueError as e:
             if "ties=" in str(e):
                 raise ConfigError(f"presses: {c}: {e}") from None
 
 
+def variant(press: str) -> tuple[str, dict[str, Any]]:
+    """(the row without its own fields, those fields): "KVComposePress+structured=false" is KVComposePress with
+    structured=False on both sides ("+a=1+b=x": several; values true / false, ints, floats, else strings)."""
+    row, *parts = press.split("+")
+    fields: dict[str, Any] = {}
+    for part in parts:
+        key, eq, text = part.partition("=")
+        if not (eq and key.isidentifier() and text):
+            raise ConfigError(f"presses: {press}: a row's own fields are +field=value (e.g. "
+                              "KVComposePress+structured=false)")
+        low = text.lower()
+        if low in ("true", "false"):
+            fields[key] = low == "true"
+            continue
+        try:
+            fields[key] = int(text)
+        except ValueError:
+            try:
+                fields[key] = float(text)
+            except ValueError:
+                fields[key] = text
+    return row, fields
+
+
+def base_row(press: str) -> str:
+    """The row `press` sets its own fields on ("FastKVzipPress+layerwise=true" -> "FastKVzipPress")."""
+    return press.split("+", 1)[0]
+
+
 def press_name(press: str) -> str:
     """The kvpress class of a row's press: "ChunkKVPress:SnapKVPress" names a wrapper over an inner press."""
-    return press.split(":", 1)[0]
+    return base_row(press).split(":", 1)[0]
 
 
 def press_fields(model: str, press: str) -> dict[str, Any]:
     """The fields both sides give `press` beyond kvpress's defaults: a wrapper's inner press
     ("Wrapper:Inner" names), Duo's head pattern (and on the tiny model, whose prompts are shorter
-    than kvpress's sink 128 + recent 256, sink 16 + recent 64)."""
+    than kvpress's sink 128 + recent 256, sink 16 + recent 64), and the row's own (`variant`)."""
+    press, own = variant(press)
     if ":" in press:
-        return {"press": press.split(":", 1)[1]}
+        return {"press": press.split(":", 1)[1]} | own
     if press == "RestoreKVPress":  # our arrays (evals.train_restorekv); model=tiny: seeded random ones
-        return {"restore_model_name": str(restore_arrays(model))}
+        return {"restore_model_name": str(restore_arrays(model))} | own
     if press != "DuoAttentionPress":
-        return {}
-    return {"head_scores": duo_pattern(model)} | ({"sink_size": 16, "recent_size": 64} if model == "tiny" else {})
+        return own
+    return {"head_scores": duo_pattern(model)} | ({"sink_size": 16, "recent_size": 64} if model == "tiny" else {}) | own
 
 
 def hub_file(p: "Plan", what: str) -> pathlib.Path:
@@ -379,6 +414,7 @@ def catalogue_args(p: "Plan", press: str, ratio: float) -> tuple[str, float, dic
     1 - sqrt(1 - ratio); PerLayerCompressionPress ratios spread linearly over the layers around the ratio
     (mean: the ratio); LUKVPress a seeded curve (`lukv_curve`); DMSPress over KVzapPress (our surrogate),
     threshold 0 (tiny) or -6, window 64 (tiny) or 128."""
+    press, own = variant(press)
     name, inner = (press.split(":", 1) + [None])[:2]
     tiny = p.model == "tiny"
     fields: dict[str, Any] = {"press": inner} if inner and name in ("MergingPress", "ChunkPress", "BlockPress",
@@ -404,7 +440,7 @@ def catalogue_args(p: "Plan", press: str, ratio: float) -> tuple[str, float, dic
         from kvpolicies.compat import kvpress
 
         ours = {"prefilling_press": inner, "decoding_press": kvpress(dec[0], dec[1], **dec[2])}
-        return name, ratio, ours, {"prefilling_press": inner, "decoding_press": dec}
+        return name, ratio, ours | own, {"prefilling_press": inner, "decoding_press": dec} | own
     elif name == "SimLayerKVPress":
         fields = {"lazy_threshold": 0.1 if tiny else 0.5, "n_recent": p.tokens // 8, "n_last": 1, "n_initial": 4}
     elif name == "FinchPress":
@@ -420,6 +456,7 @@ def catalogue_args(p: "Plan", press: str, ratio: float) -> tuple[str, float, dic
         fields["compression_ratios"] = [float(x) for x in ratio + spread * np.linspace(-1, 1, layers)]
     elif name == "LUKVPress":
         fields = {"budget_curves": str(lukv_curve(p).resolve())}
+    fields |= own
     return name, ratio, dict(fields), json.loads(json.dumps(fields))
 
 
@@ -432,7 +469,7 @@ def model_layers(p: "Plan") -> int:
 def check_catalogue(p: "Plan") -> None:
     """Before anything runs (ConfigError): the arrays of the hub presses asked for, with the command that
     makes them (model=tiny's are drawn here), and the ratios ThinKPress can take."""
-    for press in p.presses:
+    for press in map(base_row, p.presses):
         what = HUB.get(press) or ("kvzap" if press == "DMSPress" else None)
         if what and p.model == "hf":
             raise ConfigError(f"presses: {press} needs our arrays ({what}) for the model, made by our commands for "
@@ -444,6 +481,23 @@ def check_catalogue(p: "Plan") -> None:
         if press == "ThinKPress" and max(p.ratios) >= 0.5:
             raise ConfigError(f"ratios: ThinKPress's compression_ratio is key_channel_compression_ratio / 2 (the keys' "
                               f"share of the cache): below 0.5, got {max(p.ratios):g}")
+
+
+def check_variants(p: "Plan") -> None:
+    """Before anything runs (ConfigError): a row's own fields (`variant`) make our policy at every ratio (kvpress's
+    side takes the same fields; a name it does not know fails there, as its constructor says)."""
+    from kvpolicies.compat import kvpress
+
+    for c in p.presses:
+        if not variant(c)[1]:
+            continue
+        layers = TINY["num_hidden_layers"] if p.model == "tiny" else model_layers(p)
+        for r in ((0.0,) if base_row(c) in RATIOLESS else p.ratios):
+            fields = catalogue_args(p, c, r)[2] if base_row(c) in CATALOGUE else press_fields(p.model, c)
+            try:
+                kvpress(press_name(c), r, n_layers=layers, **fields)
+            except (ValueError, TypeError, NotImplementedError) as e:
+                raise ConfigError(f"presses: {c}: {e}") from None
 
 
 def restore_arrays(model: str) -> pathlib.Path:
@@ -498,10 +552,10 @@ def parse(argv: Sequence[str]) -> Plan:
     if model == "hf" and "presses" not in own:
         presses.remove("DuoAttentionPress")  # no head pattern for a folder's model (`duo_pattern`)
     for p in presses:
-        if p not in supported:
+        if variant(p)[0] not in supported:
             raise ConfigError(f"presses: {p!r} is not a kvpress press kvpolicies.compat reproduces"
-                              f"{did_you_mean(p, supported)}; choose from {list(supported)}")
-    if model == "hf" and "DuoAttentionPress" in presses:
+                              f"{did_you_mean(base_row(p), supported)}; choose from {list(supported)}")
+    if model == "hf" and any(press_name(p) == "DuoAttentionPress" for p in presses):
         raise ConfigError("presses: DuoAttentionPress needs a head pattern, which evals.peer draws for its own "
                           "models only (`duo_pattern`); leave it out for model=hf")
     ratios = []
@@ -592,6 +646,7 @@ def prepare(p: Plan) -> Plan:
                                                                                   else {}) | (
                                {"ties": p.ties} if p.ties != "newer" else {}))
     check_catalogue(p)
+    check_variants(p)
     return p
 
 
@@ -683,7 +738,7 @@ def tiny_dir(p: Plan) -> pathlib.Path:
 def worker_job(p: Plan, todo: Sequence[tuple[int, str, float]]) -> dict[str, Any]:
     """The worker's multi-sample job for the (sample, press, ratio) items `todo`."""
     by: dict[int, list] = {}
-    fields = {(c, r): catalogue_args(p, c, r)[3] if c in CATALOGUE else press_fields(p.model, c)
+    fields = {(c, r): catalogue_args(p, c, r)[3] if base_row(c) in CATALOGUE else press_fields(p.model, c)
               for c, r in dict.fromkeys((c, r) for _, c, r in todo)}
     for i, c, r in todo:
         by.setdefault(i, []).append([c, r, fields[(c, r)]])
@@ -817,7 +872,7 @@ def engine_slots(p: Plan, model, max_len: int, max_new: int) -> dict[str, int]:
 
     return {c: grid_slots([kvpress(press_name(c), r, n_layers=model.cfg.n_layers, max_new=max_new,
                                    **press_fields(p.model, c))
-                           for r in p.ratios], model.cfg.n_layers, max_len) for c in p.presses if c not in CATALOGUE}
+                           for r in p.ratios], model.cfg.n_layers, max_len) for c in p.presses if base_row(c) not in CATALOGUE}
 
 
 def catalogue_slots(p: Plan, model, max_len: int, max_new: int) -> dict[str, int]:
@@ -829,10 +884,10 @@ def catalogue_slots(p: Plan, model, max_len: int, max_new: int) -> dict[str, int
 
     out = {}
     for c in p.presses:
-        if c not in CATALOGUE:  # a plan may also run other presses (the leaderboard's query-aware runs): `engine_slots`
+        if base_row(c) not in CATALOGUE:  # a plan may also run other presses (the leaderboard's query-aware runs): `engine_slots`
             continue
         pols = []
-        for r in ((0.0,) if c in RATIOLESS else p.ratios):
+        for r in ((0.0,) if base_row(c) in RATIOLESS else p.ratios):
             name, kr, fields, _ = catalogue_args(p, c, r)
             pols.append(kvpress(name, kr, n_layers=model.cfg.n_layers, max_new=max_new, **fields))
         out[c] = grid_slots(pols, model.cfg.n_layers, max_len)
@@ -883,7 +938,8 @@ def run_ours(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=lambda
     from evals.shared_answers import canonical_of
     from models.llama import policy_runs
 
-    max_len = max(len(c) + len(q) for c, q in zip(p.contexts, p.questions)) + p.gen + 8 * ("RestoreKVPress" in p.presses)
+    restore = any(press_name(c) == "RestoreKVPress" for c in p.presses)
+    max_len = max(len(c) + len(q) for c, q in zip(p.contexts, p.questions)) + p.gen + 8 * restore
     max_new = max(len(q) for q in p.questions) + p.gen
     slots = engine_slots(p, model, max_len, max_new)
     engines: dict[tuple[str, float], Engine] = {}
@@ -1369,8 +1425,8 @@ def run(p: Plan, model=None) -> list[dict[str, Any]]:
             bars["kvpress"].n = _count(p, "kvpress")
             bars["kvpress"].refresh()
 
-        mine = [x for x in todo["ours"] if x[1] in CATALOGUE]  # an engine per (press, ratio): `run_catalogue`
-        rest = [x for x in todo["ours"] if x[1] not in CATALOGUE]
+        mine = [x for x in todo["ours"] if base_row(x[1]) in CATALOGUE]  # an engine per (press, ratio): `run_catalogue`
+        rest = [x for x in todo["ours"] if base_row(x[1]) not in CATALOGUE]
         with CompileLog() as compiled:  # our side's compilations in this process (not on Ray actors)
             if rest and p.ray is not None:  # on Ray actors, a shard each, merged at the end
                 from evals.peer_grid import run_ours as on_ray

@@ -155,7 +155,7 @@ from kvpolicies.restorekv import from_kvpress as restorekv_press
 from kvpolicies.kvzap_scored import from_kvpress as kvzap_press
 from kvpolicies.qfilter import from_kvpress as qfilter_press
 from kvpolicies.random_keep import RandomKeep
-from kvpolicies.ties import TIES
+from kvpolicies.ties import TIES, torch_cpu_top_mask
 from kvpolicies.scored import pack, top_mask
 from kvpolicies.simlayerkv import SimLayerKV
 from kvpolicies.snapkv import SnapKV
@@ -224,15 +224,18 @@ class Chunked(Wrapped):
 
     def kept_table(self, max_len):
         """[1 + C, M + 1] int32, per prompt length n: the kept count, then each of the C chunks' own,
-        kvpress's max(1, int(size (1 - ratio))) as the float32 product the step computed before: what a
-        shape class is given as data."""
+        kvpress's max(1, int(size (1 - ratio))) (Python's float64 product, as kvpress; float32 before
+        2026-12-07, which differs at ratios such as 0.55): what a shape class is given as data."""
         return None if self.interval or self.slots else np.concatenate([self._counts(max_len)[None],
                                                                         self._chunk_counts(max_len)])
 
     def _chunk_counts(self, max_len: int) -> np.ndarray:
         n, c = np.arange(max_len + 1), self.chunk_length
-        size = np.clip(n[None] - np.arange(0, max_len, c)[:, None], 0, c).astype(np.float32)  # [C, M + 1]
-        return np.maximum(1, np.floor(size * np.float32(1 - self.ratio))).astype(np.int32)
+        size = np.clip(n[None] - np.arange(0, max_len, c)[:, None], 0, c).astype(np.float64)  # [C, M + 1]
+        return np.maximum(1, np.floor(size * (1 - self.ratio))).astype(np.int32)
+
+    def ties_decided_here(self):
+        return False  # each chunk's (block's) top-k is its own
 
     def prompt_rank(self, state, slots, keys, stats):
         return self.rank_given(state, slots, keys, stats, jnp.asarray(self._chunk_counts(slots.pos.shape[-1])))
@@ -265,6 +268,9 @@ class Blocked(Wrapped):
     def kept_table(self, max_len):
         """[2, M + 1] int32: kvpress's n_kept per prompt length, for the kept count and for the ranking."""
         return None if self.interval or self.slots else np.stack([self._counts(max_len)] * 2)
+
+    def ties_decided_here(self):
+        return False  # each chunk's (block's) top-k is its own
 
     def prompt_rank(self, state, slots, keys, stats):
         return self.rank_given(state, slots, keys, stats, jnp.asarray(self._counts(slots.pos.shape[-1]))[None])
@@ -308,6 +314,9 @@ class ChunkKV(Delegating):
         super().__post_init__()
         check_int(self.label, "chunk_length", self.chunk_length, 1)
 
+    def ties_decided_here(self):
+        return True  # `chosen`'s top-k calls break exact ties by `ties`
+
     def kept_for(self, n):
         """The most tokens kept of an n-token prompt (every kept chunk full)."""
         c = self.chunk_length
@@ -317,17 +326,17 @@ class ChunkKV(Delegating):
 
     def kept_table(self, max_len):
         """[2, M + 1] int32, per prompt length n: the chunks kept, kvpress's max(1, int(n_chunks (1 - ratio))),
-        and `press`'s own count for a prompt shorter than one chunk, max(1, int(n (1 - ratio))), both as
-        float32 products (as `chosen` computed them in its step before): the counts a shape class (ratio 0,
+        and `press`'s own count for a prompt shorter than one chunk, max(1, int(n (1 - ratio))), both
+        kvpress's float64 products (float32 before 2026-12-07): the counts a shape class (ratio 0,
         sized for the most kept, `kept_for`) is given as data. The tokens kept depend on which chunks win."""
         return None if self.interval or self.slots else self.given(max_len)
 
     def given(self, max_len: int) -> np.ndarray:
         """`kept_table`'s counts, also with `interval` (streams: `press`'s rule on overflow)."""
         n = np.arange(max_len + 1)
-        keep = np.float32(1 - self.ratio)
-        chunks = np.floor((-(-n // self.chunk_length)).astype(np.float32) * keep)
-        alone = np.floor(n.astype(np.float32) * keep)
+        keep = 1 - self.ratio  # kvpress's int(n (1 - compression_ratio)): Python's float64 product
+        chunks = np.floor((-(-n // self.chunk_length)).astype(np.float64) * keep)
+        alone = np.floor(n.astype(np.float64) * keep)
         return np.maximum(1, np.stack([chunks, alone])).astype(np.int32)
 
     def chosen(self, state: PromptState, slots, keys, stats, table: Array) -> Array:
@@ -344,10 +353,14 @@ class ChunkKV(Delegating):
         size = jnp.clip(n[:, None] - c * jnp.arange(n_c), 0, c)  # [B, C] tokens of each chunk
         mean = jnp.where(size > 0, sums / jnp.maximum(size, 1), -jnp.inf)
         want = table[0][n]  # [B] chunks kept
-        top_c = top_mask(mean, jnp.broadcast_to(jnp.arange(n_c), mean.shape), want[:, None]) & (size > 0)  # [B, C]
-        whole = jnp.repeat(top_c, c, axis=-1)[:, None, :m] & filled  # [B, 1, M]
         n_kept = table[1][n][:, None, None]
-        alone = top_mask(prio, tie, n_kept) & filled  # [B, K, M]: `press` itself
+        if self.ties == "torch_cpu":  # kvpress's chunk_scores.topk and `press`'s scores.topk, exact ties as torch's
+            top_c = torch_cpu_top_mask(mean, (size > 0).sum(axis=-1), want)
+            alone = torch_cpu_top_mask(prio, filled.sum(axis=-1), n_kept[..., 0]) & filled
+        else:
+            top_c = top_mask(mean, jnp.broadcast_to(jnp.arange(n_c), mean.shape), want[:, None]) & (size > 0)  # [B, C]
+            alone = top_mask(prio, tie, n_kept) & filled  # [B, K, M]: `press` itself
+        whole = jnp.repeat(top_c, c, axis=-1)[:, None, :m] & filled  # [B, 1, M]
         return jnp.where((n < c)[:, None, None], alone, whole)
 
     def head_sums(self, state: PromptState, prio: Array, filled: Array) -> Array:
@@ -395,13 +408,13 @@ class EntropyChunkKV(ChunkKV):
         return max(1, int(n * (1 - self.ratio)))
 
     def kept_table(self, max_len):
-        """[M + 1] int32: the token budget of an n-token prompt, kvpress's max(1, int(n (1 - ratio))) as a
-        float32 product (as `chosen` computed it in its step before), given as data to a shape class."""
+        """[M + 1] int32: the token budget of an n-token prompt, kvpress's max(1, int(n (1 - ratio))) (a
+        float64 product, as kvpress's; float32 before 2026-12-07), given as data to a shape class."""
         return None if self.interval or self.slots else self.given(max_len)
 
     def given(self, max_len: int) -> np.ndarray:
-        n = np.arange(max_len + 1).astype(np.float32)
-        return np.maximum(1, np.floor(n * np.float32(1 - self.ratio))).astype(np.int32)
+        n = np.arange(max_len + 1).astype(np.float64)  # kvpress's int(kv_len (1 - ratio)): a float64 product
+        return np.maximum(1, np.floor(n * (1 - self.ratio))).astype(np.int32)
 
     def chosen(self, state, slots, keys, stats, table):
         pos, c, eps = slots.pos, self.chunk_length, 1e-8  # kvpress's EPSILON
@@ -439,10 +452,21 @@ class EntropyChunkKV(ChunkKV):
         budget = table[n]  # [B] tokens
         left, (chs, ks) = jax.lax.scan(take, budget, jnp.arange(n_c))  # ks [C, B]: per visit
         want = jnp.zeros((score.shape[0], n_c), jnp.int32).at[jnp.arange(score.shape[0])[:, None], chs.T].set(ks.T)
-        best = top_mask(jnp.where(valid, tok, -jnp.inf), jnp.broadcast_to(at, tok.shape), want[..., None])  # [B, C, c]
+        if self.ties == "torch_cpu":  # each chunk's torch.topk (n <= chunk_length: its nth_element path)
+            best = torch_cpu_top_mask(jnp.where(valid, tok, -jnp.inf), size, want) & (want > 0)[..., None]
+        else:
+            best = top_mask(jnp.where(valid, tok, -jnp.inf), jnp.broadcast_to(at, tok.shape), want[..., None])  # [B, C, c]
         keep = (best & valid).reshape(-1, n_c * c)[:, :m]  # [B, M]
-        rest = top_mask(jnp.where(keep | (pos[:, 0] < 0), -jnp.inf, score), pos[:, 0], left[:, None])
-        keep = keep | (rest & ~keep & (pos[:, 0] >= 0))  # the budget left: the best remaining tokens
+        free = ~keep & (pos[:, 0] >= 0)  # [B, M]
+        if self.ties == "torch_cpu":  # kvpress's torch.topk(scores[leftover], add): the leftover in text order
+            order = jnp.argsort(~free, axis=-1, stable=True)  # [B, M]: the free tokens first
+            n_free = free.sum(axis=-1)
+            add = jnp.minimum(left, n_free)
+            sel = torch_cpu_top_mask(jnp.take_along_axis(score, order, axis=-1), n_free, add) & (add > 0)[:, None]
+            rest = jnp.zeros_like(free).at[jnp.arange(free.shape[0])[:, None], order].set(sel)
+        else:
+            rest = top_mask(jnp.where(free, score, -jnp.inf), pos[:, 0], left[:, None])
+        keep = keep | (rest & free)  # the budget left: the best remaining tokens
         return keep[:, None, :] & filled
 
 
@@ -455,6 +479,9 @@ class Rerotated(Delegating):
     differs); masks still read text positions. Streams: `press`'s rule on overflow, ranks as above."""
 
     label = "rerotated"
+
+    def ties_decided_here(self):
+        return self.press.ties_decided_here()
 
     def prompt_rank(self, state, slots, keys, stats):
         return self.press.prompt_rank(state, slots, keys, stats)
@@ -517,6 +544,9 @@ class Composed(PromptScored):
         if sinks and phase.query_sink < 0:  # a later press's RoPE frequencies (keydiff)
             phase = dataclasses.replace(phase, query_sink=sinks[0])
         return dataclasses.replace(phase, of=self)
+
+    def ties_decided_here(self):
+        return False  # each press's top-k is its own
 
     def prompt_rank(self, state, slots, keys, stats):
         pos = slots.pos
@@ -897,7 +927,6 @@ def _scored(press: str, r: float, max_new: int, n_layers: int | None, fields: di
         inner, alpha = fields.pop("press"), fields.pop("alpha_safeguard", 0.2)
         inner = kvpress(inner, r, max_new=max_new, **{k: fields.pop(k) for k in list(fields)})
         return AdaScored(press=inner, ratio=r, alpha_safeguard=alpha, max_new=max_new)
-    snap = {"obs_window": fields.pop("window_size", 64), "kernel": fields.pop("kernel_size", 5), "pooling": "avg"}
     if press == "KeyRerotationPress":
         inner = kvpress(fields.pop("press"), r, max_new=max_new, **{k: fields.pop(k) for k in list(fields)})
         return Rerotated(ratio=r, max_new=max_new, press=inner)
@@ -912,6 +941,9 @@ def _scored(press: str, r: float, max_new: int, n_layers: int | None, fields: di
         own = fields.pop(size, default)
         inner = kvpress(fields.pop("press"), r, max_new=max_new, **{k: fields.pop(k) for k in list(fields)})
         return cls(ratio=r, max_new=max_new, press=inner, **{size: own})
+    # SnapKV's own fields (taken here, after the wrappers, which hand them to their inner press)
+    snap = {"obs_window": fields.pop("window_size", 64), "kernel": fields.pop("kernel_size", 5), "pooling": "avg"} \
+        if press in ("AdaKVPress", "SnapKVPress", "PyramidKVPress") else {}
     if press == "AdaKVPress":
         fields.pop("press")  # SnapKVPress (`_inner`)
         return AdaKV(ratio=r, max_new=max_new, safeguard_window=True,

@@ -152,6 +152,9 @@ class Critical(Delegating):
     def prompt_policy(self):
         return critical_phase(self.press.prompt_policy(), self)
 
+    def ties_decided_here(self):
+        return False  # its first stage is a top-k of its own
+
     def prompt_rank(self, state, slots, keys, stats):
         return self.rank_given(state, slots, keys, stats, jnp.asarray(self._firsts(slots.pos.shape[-1]))[None])
 

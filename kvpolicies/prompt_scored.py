@@ -110,9 +110,20 @@ class PromptScored(Budgeted, KeptTable, PromptCompressor, QuietChunks, SpareSlot
                              f"interval={self.interval}, codec={self.codec.name}")
         if self.ties not in TIES:
             raise ValueError(f"{self.label}.ties={self.ties!r}: must be one of {list(TIES)}")
+        if self.ties != "newer" and not self.ties_decided_here():
+            raise ValueError(f"{self.label}(ties={self.ties!r}): {type(self).__name__} breaks the ties of its prompt "
+                             "compression its own way (a choice inside its priorities, or a compression of its "
+                             "own); ties= is for a prompt scorer ranked by one top-k")
         if bool(self.interval) != bool(self.target):
             raise ValueError(f"{self.label}: interval={self.interval} and target={self.target} go together "
                              "(compression while decoding: every `interval` tokens back to `target`; 0 and 0: off)")
+
+    def ties_decided_here(self) -> bool:
+        """Whether `ties` decides the prompt's compression: `after_prompt`'s one top-k over `prompt_rank`'s
+        priorities does. A subclass whose priorities are a choice of its own (each a top-k of its own:
+        Chunked, Critical) or that compresses its own way says False, unless it breaks its ties there by
+        `ties` too (ChunkKV); `ties="torch_cpu"` is refused where it is False, never ignored."""
+        return type(self).after_prompt is PromptScored.after_prompt
 
     @property
     def rotated_keys(self) -> bool:

@@ -13,6 +13,8 @@ Where it differs from torch: (1) libstdc++ switches to a heap selection after 2 
 partitions (a median-of-three killer input); this keeps partitioning, so the kept set may differ on
 such inputs. (2) k * 64 <= n (kvpress's ratios above 0.984) runs `std::partial_sort`, not replayed:
 the same introselect is used. (3) torch on a GPU selects otherwise; this replays the CPU kernel only.
+Used by `PromptScored.after_prompt` and by the wrappers ChunkKV and EntropyChunkKV (`kvpolicies.compat`) for
+their own top-k calls; a policy that breaks its ties elsewhere refuses the rule (`PromptScored.ties_decided_here`).
 Tests: tests/kvpolicies/test_ties.py (torch.topk itself on tie-heavy rows, and every prompt scorer's
 choice unchanged without ties). Cost: a `while_loop` of about 2-3 n scalar steps per row, every row at
 once (`vmap`).

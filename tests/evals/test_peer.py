@@ -484,8 +484,9 @@ def test_query_aware_splits_after_the_question(tmp_path):
 
 def test_ties_names_its_files_and_refuses_what_is_not_a_prompt_scorer(tmp_path):
     """ties=torch_cpu (torch.topk's choice among exact ties, `kvpolicies.ties`): another stem and config hash,
-    the policy our side builds carries it; a press that is no prompt scorer, a catalogue row or an unknown
-    rule is refused before anything runs."""
+    the policy our side builds carries it (ChunkKV's and EntropyGatedChunkKV's own top-k calls too); a press
+    that is no prompt scorer, a catalogue row, a wrapper whose own choice breaks ties its way (CriticalKV) or an
+    unknown rule is refused before anything runs."""
     from kvpolicies.compat import kvpress
 
     args = ["model=tiny", "tokens=320", "samples=1", "presses=[LagKVPress,ChunkKVPress:SnapKVPress]", "ratios=[0.5]",
@@ -494,8 +495,10 @@ def test_ties_names_its_files_and_refuses_what_is_not_a_prompt_scorer(tmp_path):
     tied = peer.prepare(peer.parse(args + ["ties=torch_cpu"]))
     assert tied.stem == plain.stem + "_ties_torch_cpu" and tied.config != plain.config and tied.ties == "torch_cpu"
     assert kvpress("LagKVPress", 0.5, ties=tied.ties).ties == "torch_cpu"
+    peer.parse(ARGS + ["presses=[EntropyGatedChunkKVPress:SnapKVPress]", "ties=torch_cpu"])
     for bad, says in (("presses=[KVzipPress]", "prompt scorer"), ("presses=[FinchPress]", "not FinchPress"),
-                      ("presses=[DuoAttentionPress]", "not DuoAttentionPress")):
+                      ("presses=[DuoAttentionPress]", "not DuoAttentionPress"),
+                      ("presses=[CriticalKVPress:SnapKVPress]", "breaks the ties of its prompt compression its own way")):
         with pytest.raises(peer.ConfigError, match=says):
             peer.parse(ARGS + [bad, "ties=torch_cpu"])
     with pytest.raises(peer.ConfigError, match="must be one of"):
@@ -662,6 +665,39 @@ def _catalogue_run(tiny_run, tmp_path, presses: str):
     kv, ours = ({x["press"]: x for x in _lines(tmp_path / f"{STEM}.{side}.jsonl") if x["sample"] == sample}
                 for side in ("kvpress", "ours"))
     return rows, kv, ours, ours["full"]["n"], args
+
+
+def test_a_row_sets_its_press_fields_on_both_sides(tiny_run, tmp_path):
+    """"Press+field=value" rows (`peer.variant`): the fields reach our policy and kvpress's press alike, on a
+    wrapper's inner press (ChunkKV over SnapKV with a 16-token window) and on a catalogue row (FastKVzipPress
+    layerwise, its gates file beside): the same kept sets per (layer, kv head) on both sides; a malformed or
+    unknown field is refused before anything runs."""
+    from kvpolicies.compat import kvpress
+
+    chunk, fast = "ChunkKVPress:SnapKVPress+window_size=16", "FastKVzipPress+layerwise=true"
+    assert peer.variant(chunk) == ("ChunkKVPress:SnapKVPress", {"window_size": 16})
+    assert peer.variant("KVComposePress+structured=false+agg_task=max") == ("KVComposePress",
+                                                                            {"structured": False, "agg_task": "max"})
+    assert peer.press_name(chunk) == "ChunkKVPress" and peer.base_row(fast) == "FastKVzipPress"
+    assert peer.press_fields("tiny", chunk) == {"press": "SnapKVPress", "window_size": 16}
+    assert kvpress(peer.press_name(chunk), 0.25, **peer.press_fields("tiny", chunk)).press.obs_window == 16
+    rows, kv, ours, n, args = _catalogue_run(tiny_run, tmp_path, f"{chunk},{fast}")
+    p = peer.prepare(peer.parse(args))
+    theirs = peer.catalogue_args(p, fast, 0.25)[3]
+    assert theirs["layerwise"] is True and "gates" in theirs
+    ids = p.contexts[0]
+    for press in (chunk, fast):
+        for layer, (a, b) in enumerate(zip(kv[press]["kept"], ours[press]["kept"], strict=True)):
+            sa, sb = _positions(a, 2, n), _positions(b, 2, n)
+            if layer == 0 and press == fast:  # gates of each token's embedding alone: repeated ids tie (the
+                sa, sb = ([sorted(ids[sorted(h)]) for h in x] for x in (sa, sb))  # catalogue test's rule)
+            assert sa == sb, (press, layer)
+    assert rows[(chunk, 0.25)]["same_ids"] == 1.0
+    for bad, says in (("presses=[KnormPress+window_size=3]", "unknown field"),
+                      ("presses=[KnormPress+window_size]", r"\+field=value"),
+                      ("presses=[NopePress+a=1]", "not a kvpress press")):
+        with pytest.raises(peer.ConfigError, match=says):
+            peer.prepare(peer.parse([a for a in args if not a.startswith("presses=")] + [bad]))
 
 
 # the CATALOGUE rows whose presses have kept tables: our side runs each press's ratios and layers as one shape class

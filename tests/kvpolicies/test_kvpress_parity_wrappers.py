@@ -54,6 +54,10 @@ CASES = (("AdaKVPress", 0.5, {"press": "KeyDiffPress"}), ("AdaKVPress", 0.6, {"p
     (("AdaKVPress", 0.75, {"press": "KeyDiffPress"}), ("ChunkKVPress", 0.75, {"press": "KeyDiffPress"}),
      ("AdaKVPress", 0.7, {"press": "TOVAPress"}), ("AdaKVPress", 0.65, {"press": "PyramidKVPress"}))
     if os.environ.get("KVP_KVPRESS_FULL") else ())
+# an exact tie that kvpress's torch.topk breaks (`ties="torch_cpu"` replays it, the default keeps others):
+# ChunkKV over SnapKV at 0.875 keeps 2 of 16 chunks, and the 3 chunks inside SnapKV's window tie (every token at
+# kvpress's max). EntropyGatedChunkKV's ties: `test_entropy_gated_on_given_scores_keeps_kvpress_tokens`
+TIED = (("ChunkKVPress", 0.875, {"press": "SnapKVPress"}),)
 
 # kvpress's side: evals/kvpress_worker.py's model, prefill and greedy decoding; KeyRerotationPress re-rotates
 # the cached keys (they match no uncompressed key): its kept indices are the ones `rerotate_keys` receives,
@@ -102,7 +106,7 @@ def tiny_run(tmp_path_factory, kvpress_ref):
     ctx, question = rng.integers(0, 128, N_CTX), rng.integers(0, 128, N_Q)
     job = {"checkpoint": None, "save_to": str(tmp / "ckpt"), "tiny": {"kind": "llama", "seed": 0, "config": TINY},
            "context": ctx.tolist(), "question": question.tolist(), "n_new": N_NEW,
-           "presses": [list(c) for c in CASES], "tokenizer": "ascii"}
+           "presses": [list(c) for c in CASES + TIED], "tokenizer": "ascii"}
     ref = kvpress_ref.job(job, tmp, script=WORKER)
     cfg, params = load_hf(tmp / "ckpt")
     return Llama(cfg, params), ctx, question, ref
@@ -157,6 +161,102 @@ def test_wrapper_keeps_kvpress_positions_and_answers(tiny_run, press, ratio, fie
         assert any(((0 < n) & (n < w)).any() for n in parts for w in whole)  # spiky chunks cut (or the top-up)
     assert "error" not in want, want
     assert answer == want["answer"]
+
+
+@needs_kvpress
+@pytest.mark.ref
+@pytest.mark.kvpress
+@pytest.mark.parametrize(("press", "ratio", "fields"), TIED, ids=lambda x: str(x) if not isinstance(x, dict) else "")
+def test_wrapper_exact_ties_broken_as_torch_topk(tiny_run, press, ratio, fields):
+    """A wrapper's own top-k calls cut an exact tie (`TIED`): with ties="torch_cpu" every layer keeps kvpress's
+    positions and the answer is kvpress's; the default (the newer tied token or chunk) keeps others."""
+    model, ctx, question, ref = tiny_run
+    want = ref[f"{press}@{ratio}"]
+    assert "error" not in want, want
+    kept, answer, _ = ours(model, press, ratio, {**fields, "ties": "torch_cpu"}, ctx, question)
+    assert kept == want["kept"] and answer == want["answer"]
+    newer, _, _ = ours(model, press, ratio, fields, ctx, question, answer=False)
+    assert newer != want["kept"]
+
+
+# kvpress's EntropyGatedChunkKVPress.compress and ChunkKVPress.compress themselves, their inner press's `score`
+# returning given scores [1, K, n]; the kept token indices read back from keys that hold their own index
+GIVEN = r"""
+import json, sys, types, torch
+from kvpress import ChunkKVPress, EntropyGatedChunkKVPress
+from kvpress.presses.scorer_press import ScorerPress
+
+class Given(ScorerPress):
+    def score(self, module, hidden_states, keys, values, attentions, kwargs):
+        return self.given
+
+out = []
+for case in json.load(open(sys.argv[1]))["cases"]:
+    inner = Given(compression_ratio=case["ratio"])
+    inner.given = torch.tensor(case["scores"], dtype=torch.float32)[None]
+    press = (EntropyGatedChunkKVPress if case["press"] == "entropy" else ChunkKVPress)(inner, chunk_length=case["chunk"])
+    kh, n = inner.given.shape[1:]
+    keys = torch.arange(n, dtype=torch.float32).view(1, 1, n, 1).expand(1, kh, n, 1)
+    kept, _ = press.compress(types.SimpleNamespace(head_dim=1), None, keys, keys, None, {})
+    out.append(sorted(int(i) for i in kept[0, 0, :, 0].tolist()))
+json.dump(out, open(sys.argv[2], "w"))
+"""
+
+
+def given_scores(rng, press: str, n: int = 200, kh: int = 2) -> np.ndarray:
+    """[K, n] float32 scores in [0, 1) with exact ties by construction. entropy (chunks of 10): 5 spiky chunks,
+    7 tokens tied at one high value and 3 near 0 (the chunk's torch.topk keeps 4 of the 7; the budget's top-up
+    cuts through the rest). chunkkv (chunks of 20): 3 chunks copied from one high one (their means tie)."""
+    x = rng.uniform(0.0, 1.0, (kh, n)).astype(np.float32)
+    if press == "entropy":
+        for ch in rng.choice(n // 10, 5, replace=False):
+            x[:, 10 * ch: 10 * ch + 10] = rng.uniform(0.0, 0.05, (kh, 10))
+            x[:, 10 * ch + rng.choice(10, 7, replace=False)] = rng.uniform(2.0, 3.0)
+    else:
+        top = rng.uniform(2.0, 3.0, (kh, 20)).astype(np.float32)
+        for ch in rng.choice(n // 20, 3, replace=False):
+            x[:, 20 * ch: 20 * ch + 20] = top
+    return x
+
+
+def test_entropy_gated_on_given_scores_keeps_kvpress_tokens(tmp_path, kvpress_ref, monkeypatch):
+    """EntropyGatedChunkKV (and ChunkKV) on given scores with exact ties at every cut kvpress makes with torch.topk
+    (inside a spiky chunk, the budget's top-up, ChunkKV's chunks): kvpress's own `compress` keeps, on every
+    case, the tokens ours keeps with ties="torch_cpu" (the budgets: kvpress's float64 int(n (1 - ratio)), 89 of
+    200 tokens at 0.55, 1 of 10 chunks at 0.8, where float32 gives 90 and 2); the default (the newer tied token)
+    keeps others on every entropy case and on most chunkkv ones. (On the tiny random model, the entropy gate
+    over SnapKV's near-uniform scores is decided by float rounding: not a place to check ties.)"""
+    import types
+
+    import jax.numpy as jnp
+
+    from kvpolicies.compat import ChunkKV, EntropyChunkKV
+    from kvpolicies.keydiff import KeyDiff
+
+    # the inner press scores a token by its key's first channel (our side's `press.score`)
+    monkeypatch.setattr(KeyDiff, "prompt_rank", lambda self, state, slots, keys, stats: (keys[..., 0], slots.pos))
+    rng = np.random.default_rng(0)
+    cases = [{"press": p, "ratio": r, "chunk": 10 if p == "entropy" else 20, "scores": given_scores(rng, p).tolist()}
+             for p, ratios in (("entropy", (0.3, 0.55, 0.75)), ("chunkkv", (0.8, 0.875))) for r in ratios for _ in range(3)]
+    ref = kvpress_ref.job({"cases": cases}, tmp_path, script=GIVEN)
+    differs = []
+    for case, want in zip(cases, ref, strict=True):
+        x = np.asarray(case["scores"], np.float32)
+        kh, n = x.shape
+        got = {}
+        for ties in ("torch_cpu", "newer"):
+            cls = EntropyChunkKV if case["press"] == "entropy" else ChunkKV
+            pol = cls(ratio=case["ratio"], press=KeyDiff(ratio=case["ratio"]), chunk_length=case["chunk"], ties=ties)
+            slots = types.SimpleNamespace(pos=jnp.broadcast_to(jnp.arange(n), (1, kh, n)))
+            kept = np.asarray(pol.chosen(None, slots, jnp.asarray(x)[None, :, :, None], None, jnp.asarray(pol.given(n))))
+            assert (kept[0] == kept[0, :1]).all()  # the same tokens in every kv head
+            got[ties] = np.flatnonzero(kept[0, 0]).tolist()
+        assert got["torch_cpu"] == want, (case["press"], case["ratio"], sorted(set(got["torch_cpu"]) ^ set(want)))
+        differs.append((case["press"], got["newer"] != want))
+        if case["press"] == "entropy":
+            assert len(want) == int(n * (1 - case["ratio"]))
+    # the rule matters: every entropy case, and 5 of the 6 chunkkv ones (one kept the newest tied chunk)
+    assert all(d for p, d in differs if p == "entropy") and sum(d for p, d in differs if p == "chunkkv") >= 4
 
 
 @pytest.mark.parametrize("inner", ["knorm", "expected"])
@@ -312,3 +412,18 @@ def test_wrappers_refuse_bad_fields_before_any_compute():
         kvpress("ChunkKVPress", 0.5, press="ObservedAttentionPress")  # kvpress refuses attentions there too
     with pytest.raises(ValueError, match="give press="):
         kvpress("KeyRerotationPress", 0.5)
+    # the inner SnapKV's own fields reach it through every wrapper (they were dropped before 2026-12-07), and
+    # a press without them refuses them
+    for wrapper in ("ChunkKVPress", "EntropyGatedChunkKVPress", "KeyRerotationPress"):
+        inner = kvpress(wrapper, 0.5, press="SnapKVPress", window_size=67, kernel_size=3).press
+        assert (inner.obs_window, inner.kernel) == (67, 3), wrapper
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['window_size'\]"):
+        kvpress("KnormPress", 0.5, window_size=3)
+    # ties="torch_cpu": honoured by the wrappers whose own top-k calls replay it, refused where a choice of the
+    # wrapper's own would break its ties otherwise (never ignored)
+    assert kvpress("EntropyGatedChunkKVPress", 0.5, press="SnapKVPress", ties="torch_cpu").ties == "torch_cpu"
+    assert kvpress("KeyRerotationPress", 0.5, press="LagKVPress", ties="torch_cpu").ties == "torch_cpu"
+    for name, inner in (("ChunkPress", "KeyDiffPress"), ("BlockPress", "KeyDiffPress"), ("CriticalKVPress", "SnapKVPress"),
+                        ("MergingPress", "KeyDiffPress")):
+        with pytest.raises(ValueError, match="breaks the ties of its prompt compression its own way"):
+            kvpress(name, 0.5, press=inner, ties="torch_cpu")
