@@ -454,6 +454,7 @@ def main(job_path: str, out_path: str) -> None:
     job = json.load(open(job_path))
     if "samples" in job:
         return main_samples(job, out_path)
+    EOS_STOP[0] = bool(job.get("eos_stop"))
     path = job["checkpoint"] or build_tiny(job["tiny"], job["save_to"])
     if any(base(name) in REPEATS + ("RestoreKVPress",) for name, _, _ in job["presses"]):
         use_tokenizer(job)
@@ -520,19 +521,28 @@ def kept_mask(model, cache, index, n: int, extra: int = 0) -> list[str]:
     return out
 
 
+EOS_STOP = [False]  # the job's "eos_stop": `greedy` stops after an end-of-sequence id, as kvpress's pipeline
+
+
 @torch.no_grad()
 def greedy(model, cache, question, n: int, n_new: int, phases: dict | None = None) -> list[int]:
     """The question at positions n.. after the (compressed) context in `cache`, then greedy ids
-    (`phases`: the seconds of the question and of the decoding added to it)."""
+    (`phases`: the seconds of the question and of the decoding added to it). With EOS_STOP, kvpress's
+    pipeline's rule (`generate_answer`): after the first id, an id of the model's generation config's
+    eos_token_id ends the answer (that id included)."""
     t0 = time.time()
     position_ids = torch.arange(n, n + question.shape[1]).unsqueeze(0)
     out = model(input_ids=question, past_key_values=cache, position_ids=position_ids, logits_to_keep=1)
     ids = [int(out.logits[0, -1].argmax())]
     t1 = time.time()
     pid = position_ids[:, -1:] + 1
+    stop = model.generation_config.eos_token_id if EOS_STOP[0] else None
+    stop = set(stop if isinstance(stop, list) else [] if stop is None else [stop])
     for i in range(n_new - 1):
         out = model(input_ids=torch.tensor([[ids[-1]]]), past_key_values=cache, position_ids=pid + i)
         ids.append(int(out.logits[0, -1].argmax()))
+        if ids[-1] in stop:
+            break
     if phases is not None:
         phases["question"] = phases.get("question", 0.0) + t1 - t0
         phases["decode"] = phases.get("decode", 0.0) + time.time() - t1
@@ -865,6 +875,7 @@ def every_core_once(flag: str | None) -> None:
 
 def main_samples(job: dict, out_path: str) -> None:
     """The multi-sample form: every sample's presses, one JSON line appended per (sample, press)."""
+    EOS_STOP[0] = bool(job.get("eos_stop"))
     path = job["checkpoint"] or build_tiny(job["tiny"], job["save_to"])
     shared = job.get("prefill", "shared") == "shared"
     if any(base(p[0]) in REPEATS + ("RestoreKVPress",) for s in job["samples"] for p in s.get("presses", job.get("presses", []))):

@@ -28,6 +28,8 @@ Keys (key=value):
                             [] for none)
     kvpress=false           true: kvpress 0.5.5 runs beside ours on every item (its average in its own
                             column; `bash scripts/setup.sh test`)
+    eos_stop=true           kvpress's side stops after an end-of-sequence id, as its pipeline does
+                            (`evals.peer eos_stop=`: the same texts and scores; ours decodes every id)
     gen=<task's>            greedy tokens (default: RULER's tokens_to_generate per task)
     seed=0  chunk=512  compile_cache=<out>/.jax-cache  progress=true   as in evals.peer
     executor=ray            each task's presses on Ray actors (`evals.peer executor=ray`; ray.address=,
@@ -61,7 +63,7 @@ from evals.config import ConfigError
 
 KEYS = ("model", "model_path", "dtype", "tokens", "samples", "tasks", "presses", "ratios", "query_aware", "kvpress",
         "gen", "seed", "chunk", "compile_cache", "progress", "shard", "out", "table_only", "qa_dir", "executor",
-        "ray.address", "ray.workers")
+        "ray.address", "ray.workers", "eos_stop")
 # kvpress's evaluation/leaderboard.sh: the presses it also runs with --query_aware
 QUERY_AWARE = ("SnapKVPress", "AdaKVPress", "FinchPress", "ChunkKVPress:SnapKVPress")
 QA_FILES = {"qa_1": "squad.json", "qa_2": "hotpotqa.json"}  # RULER's scripts/data/synthetic/json/ names
@@ -172,7 +174,7 @@ def parse(argv: Sequence[str]) -> Board:
     folder = out / f"{name}_{tokens}"
     common = [f"{k}={own[k]}" for k in PASS_THROUGH if k in own and k not in ("model", "tokens", "samples")]
     common += [f"model={model}", f"tokens={tokens}", f"samples={own.get('samples', '1')}", f"ratios={ratios}", f"out={folder}",
-               f"kvpress={own.get('kvpress', 'false')}"]
+               f"kvpress={own.get('kvpress', 'false')}", f"eos_stop={own.get('eos_stop', 'true')}"]
     if "compile_cache" not in own:
         common.append(f"compile_cache={out / '.jax-cache'}")
     plans = []

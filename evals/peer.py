@@ -50,6 +50,10 @@ Keys (key=value):
     query_aware=false             kvpress's --query_aware: the question is part of the compressed context;
                                   after the compression come only the chat template's tail and the answer
                                   prefix (files under <stem>_query_aware)
+    eos_stop=false                true: kvpress's side stops after an end-of-sequence id (its generation config's),
+                                  as kvpress's pipeline does (not after the first id); our side decodes every
+                                  id, compared up to there; the same texts and scores, kvpress's side faster
+                                  (evals.leaderboard's default)
     ties=newer                    torch_cpu: our prompt scorers break exact ties at the compression as torch.topk
                                   does on the CPU (`kvpolicies.ties`; newer: the newer token); not for the
                                   catalogue rows (files under <stem>_ties_torch_cpu)
@@ -130,7 +134,7 @@ DEFAULT_RATIOS = (0.25, 0.5, 0.75, 0.875)  # kvpress's leaderboard's ratios
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
 SIDES = ("kvpress", "ours")
 OWN_KEYS += ("executor", "ray.address", "ray.workers")  # evals.peer_grid: our side on Ray actors
-OWN_KEYS += ("answer", "ties")  # our side's answers: a press's ratios per batch (press, shared) or a sample's (pooled)
+OWN_KEYS += ("answer", "ties", "eos_stop")  # our side's answers: a press's ratios per batch (press, shared) or a sample's (pooled)
 ANSWERS = ("press", "shared", "pooled")
 POOL_ROWS = 16  # answer=pooled: the most rows of one batch (a sample's states are held until answered)
 
@@ -162,6 +166,7 @@ class Plan:
     model_path: str | None = None  # model=hf: the HF folder (config.json, safetensors, tokenizer)
     dtype: str = "float32"  # our side's weights and activations (kvpress's side: float32)
     ties: str = "newer"  # our prompt scorers' exact ties at the compression (`PromptScored.ties`)
+    eos_stop: bool = False  # kvpress's side stops after an end-of-sequence id, as its pipeline does (`eos_stop=`)
     answer: str = "press"  # our side's answering batches: a press's ratios (press) or every press alike (shared)
     compile_cache: pathlib.Path | None = None  # JAX's persistent compilation cache for our side
     config: str = ""  # the hash of everything that determines the numbers
@@ -598,7 +603,8 @@ def parse(argv: Sequence[str]) -> Plan:
                 stem, _bool("overwrite", own.get("overwrite", "false")), _bool("progress", own.get("progress", "true")),
                 _bool("table_only", own.get("table_only", "false")), query_aware=query_aware,
                 kvpress=_bool("kvpress", own.get("kvpress", "true")), model_path=own.get("model_path"), dtype=dtype,
-                compile_cache=cache, answer=answer, ties=ties, argv=list(argv))
+                compile_cache=cache, answer=answer, ties=ties, eos_stop=_bool("eos_stop", own.get("eos_stop", "false")),
+                argv=list(argv))
 
 
 def leaderboard_names() -> tuple[str, ...]:
@@ -742,7 +748,7 @@ def worker_job(p: Plan, todo: Sequence[tuple[int, str, float]]) -> dict[str, Any
               for c, r in dict.fromkeys((c, r) for _, c, r in todo)}
     for i, c, r in todo:
         by.setdefault(i, []).append([c, r, fields[(c, r)]])
-    job: dict[str, Any] = {"n_new": p.gen, "prefill": p.prefill,
+    job: dict[str, Any] = {"n_new": p.gen, "prefill": p.prefill, "eos_stop": p.eos_stop,
                            # every core once our side is done, unless the environment sets the threads
                            "every_core_when": None if "OMP_NUM_THREADS" in os.environ else str(p.path(".ours-done")),
                            "samples": [{"id": p.sample_id(i), "context": p.contexts[i].tolist(),
@@ -1218,11 +1224,18 @@ def records(p: Plan, tok) -> list[dict[str, Any]]:
             if all("channels" in lines[s] for s in SIDES):
                 rec["jaccard_of"] = "channels"
             rec |= {"same_text": rec["kvpress"]["text"] == rec["ours"]["text"],
-                    "same_ids": rec["kvpress"]["ids"] == rec["ours"]["ids"],
+                    "same_ids": same_ids(rec["kvpress"]["ids"], rec["ours"]["ids"]),
                     "same_score": rec["kvpress"]["score"] == rec["ours"]["score"],
                     "jaccard": js, "jaccard_mean": float(np.mean(js)) if k else 1.0}
             out.append(rec)
     return out
+
+
+def same_ids(theirs: Sequence[int], ours: Sequence[int]) -> bool:
+    """Whether the two sides' greedy ids agree: all of them, or where kvpress's side stopped early (`eos_stop`: after
+    an end-of-sequence id, its pipeline's rule) ours up to there (our side decodes every `gen` id: the ids after
+    that one decide no answer text or score)."""
+    return list(ours[:len(theirs)]) == list(theirs) if len(theirs) < len(ours) else list(ours) == list(theirs)
 
 
 def summarize(p: Plan, recs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -700,6 +700,54 @@ def test_a_row_sets_its_press_fields_on_both_sides(tiny_run, tmp_path):
             peer.prepare(peer.parse([a for a in args if not a.startswith("presses=")] + [bad]))
 
 
+# the worker's greedy answer with and without eos_stop on the tiny model, whose generation config is given two
+# "end-of-sequence" ids: the first id it answers (never a stop, as in kvpress's pipeline) and its 6th
+EOS_SCRIPT = r"""
+import json, sys, torch
+sys.path.insert(0, sys.argv[3])
+import kvpress_worker as w
+from transformers import DynamicCache
+
+job = json.load(open(sys.argv[1]))
+model = w.load(w.build_tiny(job["tiny"], job["save_to"]), "sdpa", None)
+ctx, question = torch.tensor([job["context"]]), torch.tensor([job["question"]])
+
+def answer():
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=ctx, past_key_values=cache, logits_to_keep=1)
+        return w.greedy(model, cache, question, ctx.shape[1], 12)
+
+full = answer()
+w.EOS_STOP[0] = True
+model.generation_config.eos_token_id = [full[0], full[5]]
+json.dump({"full": full, "stopped": answer()}, open(sys.argv[2], "w"))
+"""
+
+
+@pytest.mark.ref
+@pytest.mark.kvpress
+@pytest.mark.skipif(not (REF / "kvpress").is_dir(), reason="kvpress not installed (bash scripts/setup.sh test)")
+def test_eos_stop_ends_kvpress_answers_as_its_pipeline_and_compares_up_to_there(tmp_path, kvpress_ref):
+    """eos_stop=true: the worker's answer ends after the first id past the first that is one of the generation
+    config's eos ids (kvpress's `generate_answer`), the ids before it unchanged; `same_ids` compares ours up to
+    there; the plan sends it to the worker and leaves the configuration (and so the saved lines) alone."""
+    rng = np.random.default_rng(0)
+    job = {"tiny": {"kind": "llama", "seed": 0, "config": {**peer.TINY, "vocab_size": 64, "max_position_embeddings": 128}},
+           "save_to": str(tmp_path / "ckpt"), "context": rng.integers(0, 64, 40).tolist(),
+           "question": rng.integers(0, 64, 6).tolist()}
+    out = kvpress_ref.job(job, tmp_path, script=EOS_SCRIPT)
+    full, stopped = out["full"], out["stopped"]
+    end = next(i for i in range(1, 12) if full[i] in (full[0], full[5]))
+    assert len(full) == 12 and stopped == full[:end + 1] and len(stopped) <= 6
+    assert peer.same_ids(stopped, full) and peer.same_ids(full, full) and not peer.same_ids(full[:-1] + [-1], full)
+    assert not peer.same_ids(stopped[:-1] + [-1], full)
+    args = ["model=tiny", "tokens=320", "samples=1", "presses=[SnapKVPress]", "ratios=[0.5]", f"out={tmp_path}"]
+    plain, stop = (peer.prepare(peer.parse(args + extra)) for extra in ([], ["eos_stop=true"]))
+    assert stop.eos_stop and not plain.eos_stop and stop.config == plain.config and stop.stem == plain.stem
+    assert peer.worker_job(stop, [(0, "SnapKVPress", 0.5)])["eos_stop"] is True
+
+
 # the CATALOGUE rows whose presses have kept tables: our side runs each press's ratios and layers as one shape class
 SHAPED = ("QFilterPress", "ExpectedAttentionStatsPress", "KVzapPress", "FinchPress", "MergingPress:KeyDiffPress",
           "ChunkPress:KeyDiffPress", "BlockPress:KeyDiffPress", "ComposedPress", "PerLayerCompressionPress:KeyDiffPress",
