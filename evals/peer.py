@@ -54,9 +54,11 @@ Keys (key=value):
                                   as kvpress's pipeline does (not after the first id); our side decodes every
                                   id, compared up to there; the same texts and scores, kvpress's side faster
                                   (evals.leaderboard's default)
-    ties=newer                    torch_cpu: our prompt scorers break exact ties at the compression as torch.topk
-                                  does on the CPU (`kvpolicies.ties`; newer: the newer token); not for the
-                                  catalogue rows (files under <stem>_ties_torch_cpu)
+    ties=newer                    torch_cpu: our prompt scorers (and ChunkKV's and EntropyGatedChunkKV's own
+                                  top-k calls) break exact ties at the compression as torch.topk does on the
+                                  CPU (`kvpolicies.ties`; newer: the newer token); refused for the catalogue
+                                  rows and presses whose own choices break ties otherwise (files under
+                                  <stem>_ties_torch_cpu)
     kvpress=true                  false: our side alone (kvpress's columns left empty; no kvpress needed,
                                   but for model=tiny, whose checkpoint its worker builds)
     progress=true
