@@ -26,8 +26,9 @@ Keys (key=value):
     ratios=[0.25,0.5,0.75,0.875]
     query_aware=[...]       presses also run query-aware (default: those of QUERY_AWARE that compat has;
                             [] for none)
-    kvpress=false           true: kvpress 0.5.5 runs beside ours on every item (its average in its own
-                            column; `bash scripts/setup.sh test`)
+    kvpress=false           true: kvpress 0.5.5 runs on every item too (its average in its own column;
+                            `bash scripts/setup.sh test`): our side of every task first, then kvpress's
+                            (at 4K both at once do not fit in 24 GB)
     eos_stop=true           kvpress's side stops after an end-of-sequence id, as its pipeline does
                             (`evals.peer eos_stop=`: the same texts and scores; ours decodes every id)
     gen=<task's>            greedy tokens (default: RULER's tokens_to_generate per task)
@@ -202,20 +203,25 @@ def prepare(b: Board) -> Board:
 
 
 def run(b: Board) -> None:
-    """This shard's plans, one `evals.peer` run each (our model loaded once)."""
+    """This shard's plans, one `evals.peer` run each (our model loaded once). With kvpress=true, our side of
+    every task first (kvpress=false runs), then kvpress's side of every task: never both at once, whose peaks
+    at 4K do not fit together in 24 GB (SmolLM2's `niah_multiquery`: ours 14 GB, kvpress's worker 10 GB), and
+    our table is whole before kvpress's long side starts."""
     from tqdm.auto import tqdm
 
     todo = [p for p in b.mine() if any(peer.pending(p, s) for s in p.sides)]
     print(f"[evals.leaderboard] {len(b.plans)} runs ({len(b.tasks)} tasks x modes), this shard "
           f"{b.shard[0]}/{b.shard[1]}: {len(b.mine())}, to do {len(todo)}; files under {b.plans[0].out if b.plans else b.out}")
+    passes = [[dataclasses.replace(p, kvpress=False) for p in todo if p.kvpress and peer.pending(p, "ours")], todo]
     model = None
-    bar = tqdm(total=len(todo), desc="leaderboard", unit="task", disable=not (b.plans and b.plans[0].progress))
-    for p in todo:
-        if model is None and p.model != "tiny":  # the tiny model is built by each run's kvpress worker
-            model, _ = peer.load_ours(p)
-        peer.use_compile_cache(p)
-        peer.run(p, model)
-        bar.update()
+    bar = tqdm(total=sum(map(len, passes)), desc="leaderboard", unit="run", disable=not (b.plans and b.plans[0].progress))
+    for runs in passes:
+        for p in runs:
+            if model is None and p.model != "tiny":  # the tiny model is built by each run's kvpress worker
+                model, _ = peer.load_ours(p)
+            peer.use_compile_cache(p)
+            peer.run(p, model)
+            bar.update()
     bar.close()
 
 
@@ -365,9 +371,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
 def keeps_peak(argv: Sequence[str]) -> bool:
     """Whether the command re-executes itself with glibc's allocator reusing its blocks (keeping its peak
-    until it ends): not when kvpress's worker runs beside it, since at 4K both peaks must fit (SmolLM2: ours
-    15.7 GB with the tunables, 11.5 GB without, kvpress's worker 10 GB; with the tunables a 24 GB machine
-    killed ours)."""
+    until it ends): not with kvpress=true, whose worker runs after our side in the same process (`run`), so
+    our process would hold its peak through kvpress's pass (SmolLM2 at 4K: ours 15.7 GB with the tunables,
+    11.5-14 GB without, kvpress's worker 10 GB; a 24 GB machine killed ours when they met)."""
     return not any(a.strip().lower() == "kvpress=true" for a in argv)
 
 

@@ -37,6 +37,24 @@ def test_plans_one_peer_run_per_task_and_mode(tmp_path):
     assert whole.aware == [p for p in L.QUERY_AWARE if p in peer.PEER_PRESSES + peer.EXTRA_PRESSES]
 
 
+def test_kvpress_true_runs_our_side_of_every_task_first(tmp_path, monkeypatch):
+    """kvpress=true: a kvpress=false run of every task whose our side is pending, then each task's run with both
+    sides (by then only kvpress's is left), so the two sides' peaks never meet; a task whose our side is done
+    goes straight to the second pass; eos_stop (kvpress's pipeline's stop at EOS) is on by default."""
+    b = L.parse(ARGS + [f"out={tmp_path}", "kvpress=true"])
+    assert all(p.kvpress and p.eos_stop for p in b.plans) and not L.parse(ARGS + ["eos_stop=false"]).plans[0].eos_stop
+    done = b.plans[1].stem  # its our side finished before
+    calls = []
+    monkeypatch.setattr(L.peer, "pending", lambda p, side: [] if (p.stem, side) == (done, "ours") else [(0, "x", 0.5)])
+    monkeypatch.setattr(L.peer, "run", lambda p, model: calls.append((p.stem, p.kvpress, p.eos_stop)))
+    monkeypatch.setattr(L.peer, "use_compile_cache", lambda p: None)
+    L.run(b)
+    assert calls == [(p.stem, False, True) for p in b.plans if p.stem != done] + [(p.stem, True, True) for p in b.plans]
+    calls.clear()
+    L.run(L.parse(ARGS + [f"out={tmp_path}"]))  # kvpress=false: one pass, the tasks whose our side is pending
+    assert calls == [(p.stem, False, True) for p in b.plans if p.stem != done]
+
+
 def test_allocator_tunables_only_without_kvpress_beside():
     assert L.keeps_peak(["samples=2"]) and L.keeps_peak(["kvpress=false"])
     assert not L.keeps_peak(["samples=2", "kvpress=true"]) and not L.keeps_peak(["kvpress=True"])
