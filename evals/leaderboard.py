@@ -29,8 +29,8 @@ Keys (key=value):
     kvpress=false           true: kvpress 0.5.5 runs on every item too (its average in its own column;
                             `bash scripts/setup.sh test`): our side of every task first, then kvpress's
                             (at 4K both at once do not fit in 24 GB)
-    eos_stop=true           kvpress's side stops after an end-of-sequence id, as its pipeline does
-                            (`evals.peer eos_stop=`: the same texts and scores; ours decodes every id)
+    eos_stop=true           both sides stop after an end-of-sequence id, as kvpress's pipeline does
+                            (`evals.peer eos_stop=`: the same texts and scores)
     gen=<task's>            greedy tokens (default: RULER's tokens_to_generate per task)
     seed=0  chunk=512  compile_cache=<out>/.jax-cache  progress=true   as in evals.peer
     executor=ray            each task's presses on Ray actors (`evals.peer executor=ray`; ray.address=,

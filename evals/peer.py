@@ -50,10 +50,11 @@ Keys (key=value):
     query_aware=false             kvpress's --query_aware: the question is part of the compressed context;
                                   after the compression come only the chat template's tail and the answer
                                   prefix (files under <stem>_query_aware)
-    eos_stop=false                true: kvpress's side stops after an end-of-sequence id (its generation config's),
-                                  as kvpress's pipeline does (not after the first id); our side decodes every
-                                  id, compared up to there; the same texts and scores, kvpress's side faster
-                                  (evals.leaderboard's default)
+    eos_stop=false                true: both sides stop after an end-of-sequence id, as kvpress's pipeline does
+                                  (not after the first id): kvpress's side after its generation config's, ours
+                                  after the tokenizer's (a batch once all its rows have; each answer saved
+                                  through its end); ids compared up to the side that stopped first; the same
+                                  texts and scores, faster (evals.leaderboard's default)
     ties=newer                    torch_cpu: our prompt scorers (and ChunkKV's and EntropyGatedChunkKV's own
                                   top-k calls) break exact ties at the compression as torch.topk does on the
                                   CPU (`kvpolicies.ties`; newer: the newer token); refused for the catalogue
@@ -168,7 +169,8 @@ class Plan:
     model_path: str | None = None  # model=hf: the HF folder (config.json, safetensors, tokenizer)
     dtype: str = "float32"  # our side's weights and activations (kvpress's side: float32)
     ties: str = "newer"  # our prompt scorers' exact ties at the compression (`PromptScored.ties`)
-    eos_stop: bool = False  # kvpress's side stops after an end-of-sequence id, as its pipeline does (`eos_stop=`)
+    eos_stop: bool = False  # both sides stop after an end-of-sequence id, as kvpress's pipeline does (`eos_stop=`)
+    eos_id: int | None = None  # the tokenizer's end-of-sequence id (`prepare`): where an answer's text ends
     answer: str = "press"  # our side's answering batches: a press's ratios (press) or every press alike (shared)
     compile_cache: pathlib.Path | None = None  # JAX's persistent compilation cache for our side
     config: str = ""  # the hash of everything that determines the numbers
@@ -637,6 +639,7 @@ def prepare(p: Plan) -> Plan:
         if p.model != "tiny":
             zoo.describe(mc)  # the model file is there and whole
         tok = zoo.load_tokenizer(mc)
+        p.eos_id = getattr(tok, "eos_id", None)
         ruler.check_prompts(p.task, tok, p.seed)
         samples = ruler.samples(p.task, tok, None, p.tokens, p.seed)
     except (ValueError, FileNotFoundError) as e:
@@ -1018,13 +1021,14 @@ def _answer_group(p: Plan, i: int, group: list, q: np.ndarray, n: int, log, f, t
     the rows of several presses through it ("pooled")."""
     t1 = time.time()
     eng, ph = group[0][2], Phases(log)
-    ids = answer_rows(eng, [x[3] for x in group], q, p.gen, ph, engines=[x[2] for x in group] if mode else None)
+    ids = answer_rows(eng, [x[3] for x in group], q, p.gen, ph, engines=[x[2] for x in group] if mode else None,
+                      until=until_answered(p))
     share = {k: v / len(group) for k, v in ph.done().items()}  # the batch's time, shared out
     secs = (time.time() - t1) / len(group)
     for (c, r, _, _, (kept, held), own, spent), row in zip(group, ids):
         phases = {k: round(own.get(k, 0) + share.get(k, 0), 3) for k in own.keys() | share.keys()}
         line = {"sample": p.sample_id(i), "press": c, "ratio": r, "n": n,
-                "answer": [int(x) for x in row], "kept": kept, "bytes": held,
+                "answer": answered(p, row), "kept": kept, "bytes": held,
                 "seconds": round(spent + secs, 2), "phases": phases | {"batch": len(group)}}
         if mode:
             line["answer_mode"] = mode
@@ -1080,8 +1084,9 @@ def run_catalogue(p: Plan, model, todo: Sequence[tuple[int, str, float]], tick=l
                 kept = _packed(eng.kept_positions(st), model.cfg.n_kv_heads, len(ctx))
                 ph("kept")
                 fed = ph("question", eng.feed(st, q[None]))  # one step, as kvpress's (a decoding press counts steps)
-                ids = ph("decode", eng.continue_generate(fed, np.zeros((1, 0), np.int32), p.gen))[0]
-                line |= {"answer": [int(x) for x in ids], "kept": kept, "bytes": held}
+                ids = answered(p, ph("decode", eng.continue_generate(fed, np.zeros((1, 0), np.int32), p.gen,
+                                                                     until=until_answered(p)))[0])
+                line |= {"answer": ids, "kept": kept, "bytes": held}
                 pols = pol if isinstance(pol, tuple) else (pol,)
                 if any(isinstance(x, Decoding) for x in pols):  # the state after the question and the ids, step by step
                     for x in ids[:-1]:
@@ -1140,7 +1145,7 @@ def ray_side() -> dict[str, Any]:
 
 
 def answer_rows(eng, states: list, q: np.ndarray, gen: int, ph, engines: list | None = None,
-                question: Sequence[int] | None = None) -> np.ndarray:
+                question: Sequence[int] | None = None, until=None) -> np.ndarray:
     """Greedy ids [len(states), gen] after the question `q` of one-row compressed states of
     engines that run `eng`'s steps (a press's ratios in one shape class), decoded as the rows of
     one batch: a step reads the weights once for every row (rows of a batch answer as each row
@@ -1167,7 +1172,30 @@ def answer_rows(eng, states: list, q: np.ndarray, gen: int, ph, engines: list | 
     # a batch built here (`shared_rows`, `join_rows`) is used once: its buffers go to the question's step
     fed = ph("question", eng.feed(st, np.repeat(q[None], len(states), 0), chunk=chunk,
                                  fork=engines is None and len(states) == 1))
-    return ph("decode", eng.continue_generate(fed, np.zeros((len(states), 0), np.int32), gen))
+    return ph("decode", eng.continue_generate(fed, np.zeros((len(states), 0), np.int32), gen, until=until))
+
+
+def answer_end(ids: Sequence[int], eos: int | None) -> int | None:
+    """How many of an answer's greedy ids it keeps once it has ended: through its first `eos` after the first id
+    (kvpress's pipeline's stop, and where the text ends: `ruler.ids_text` cuts at the first `eos`); None while
+    it goes on."""
+    hit = np.flatnonzero(np.asarray(ids[1:]) == eos) if eos is not None else []
+    return int(hit[0]) + 2 if len(hit) else None
+
+
+def until_answered(p: Plan):
+    """With `eos_stop`: `Engine.continue_generate`'s `until`, true once every row of a batch has ended
+    (`answer_end`): the ids after that decide no text, score or `same_ids`. None otherwise (every `gen` id)."""
+    if not p.eos_stop or p.eos_id is None:
+        return None
+    return lambda ids: all(answer_end(row, p.eos_id) is not None for row in ids)
+
+
+def answered(p: Plan, ids) -> list[int]:
+    """A row's saved answer ids: with `eos_stop`, through its end (`answer_end`: a batch's rows end at different
+    steps; the saved ids do not depend on the batch), else all of them."""
+    end = answer_end(ids, p.eos_id) if p.eos_stop else None
+    return [int(x) for x in ids[:end]]
 
 
 # -- the records and the table -------------------------------------------------------------------------
@@ -1234,10 +1262,12 @@ def records(p: Plan, tok) -> list[dict[str, Any]]:
 
 
 def same_ids(theirs: Sequence[int], ours: Sequence[int]) -> bool:
-    """Whether the two sides' greedy ids agree: all of them, or where kvpress's side stopped early (`eos_stop`: after
-    an end-of-sequence id, its pipeline's rule) ours up to there (our side decodes every `gen` id: the ids after
-    that one decide no answer text or score)."""
-    return list(ours[:len(theirs)]) == list(theirs) if len(theirs) < len(ours) else list(ours) == list(theirs)
+    """Whether the two sides' greedy ids agree where both decoded them: all of them, or up to the side that stopped
+    first (`eos_stop`: kvpress's side after an id of its generation config's eos_token_id, ours after the
+    tokenizer's; lines saved before our side stopped hold every `gen` id): the ids after an end decide no text
+    or score."""
+    n = min(len(theirs), len(ours))
+    return list(ours[:n]) == list(theirs[:n])
 
 
 def summarize(p: Plan, recs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -20,6 +20,8 @@ from kvpolicies.slots import spare_slots, spared
 from models.llama import Cache, Llama, policy_runs
 from models.engine.checks import check_pool
 
+UNTIL_EVERY = 8  # `until`'s steps between two reads of the ids (each read waits for the device)
+
 
 _LAYER_WEIGHTS: "weakref.WeakKeyDictionary[Llama, tuple[dict, ...]]" = weakref.WeakKeyDictionary()
 
@@ -140,10 +142,11 @@ class LayerSteps:
             writes[i] = st
         return x, writes
 
-    def _decode_layers(self, cache: Cache, token, pos, n: int, reach: int | None, cut: bool = True):
+    def _decode_layers(self, cache: Cache, token, pos, n: int, reach: int | None, cut: bool = True, until=None):
         """n greedy steps from `token` [B] at positions `pos` [B], one jitted call per layer and
         step over per-layer weights and states (`decode_loop="layers"`): ([B, n] ids, the
         per-layer states after them). `cache` stays usable (its layers are copied out once).
+        `until(ids [B, m]) -> bool`, asked every UNTIL_EVERY steps: True ends the loop early (m < n ids).
 
         Why: XLA's CPU backend materialises the slice of a stacked weight or cache that a layer
         scan hands to a matmul, so the scan copies every layer's weights and keys/values at every
@@ -157,10 +160,12 @@ class LayerSteps:
         states = split_layers(cache, spare)
         pols = tuple(sp or p for (a, b, p), sp in zip(runs, spare) for _ in range(b - a))
         out = []
-        for _ in range(n):
+        for i in range(n):
             x, states = self._through_layers(states, self._embed_step(self.params, token), pos, tables, reach, pols)
             token, pos = self._next_step(self.params, x, pos)
             out.append(token)
+            if until is not None and (i + 1) % UNTIL_EVERY == 0 and i + 1 < n and until(np.asarray(jnp.stack(out, 1))):
+                break  # the host reads the ids so far (a sync every UNTIL_EVERY steps, none without `until`)
         if cut:
             states = [_cut_spare(p, st) if spare_slots(p) else st for p, st in zip(pols, states)]
         return jnp.stack(out, axis=1), states

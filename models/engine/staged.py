@@ -273,11 +273,11 @@ class Staged:
         self._check_room(state, t, "feed")
         return self._feed(state, tokens, self._chunk(chunk, max(t, 1), t), prompt=False, fork=fork) if t else state
 
-    def continue_generate(self, state: Prompted, tokens, n: int, chunk: int | Sequence[int] | None = None) -> np.ndarray:
-        """Greedy ids [B, n] after feeding `tokens` [B, T] (T >= 0; e.g. a question) through the
-        decode policies of a compressed state (the state stays usable: forks do not interfere)."""
+    def continue_generate(self, state: Prompted, tokens, n: int, chunk: int | Sequence[int] | None = None, until=None) -> np.ndarray:
+        """Greedy ids [B, n] after feeding `tokens` [B, T] (T >= 0; e.g. a question) through the decode policies of a compressed
+        state (it stays usable: forks do not interfere); `until(ids [B, m]) -> bool`, asked every few steps: True ends them early."""
         if isinstance(state, Prompted) and state.fitted is not None and state.fitted is not self:
-            return state.fitted.continue_generate(state, tokens, n, chunk)
+            return state.fitted.continue_generate(state, tokens, n, chunk, until)
         if isinstance(tokens, (list, tuple)) and len(tokens) == 0:
             tokens = np.zeros((state.logits.shape[0], 0), np.int32)
         tokens = self._check_state(state, tokens, "continue_generate")
@@ -290,11 +290,10 @@ class Staged:
         self._check_room(state, t + max(n - 1, 0), "continue_generate")
         if t:
             state = self._feed(state, tokens, self._chunk(chunk, t, t), prompt=False)
-        if n == 0:
-            return np.zeros((tokens.shape[0], 0), np.int32)
         first = jnp.argmax(state.logits, axis=-1).astype(jnp.int32)  # [B]
-        if n == 1:
-            return np.asarray(first)[:, None]
-        pos = jnp.full(first.shape, state.length, jnp.int32)
-        rest = self._generate_rest(state.cache, first, pos, n - 1, state.length + n - 1, fork=not t)
-        return np.concatenate([np.asarray(first)[:, None], np.asarray(rest)], axis=1)
+        head, pos = np.asarray(first)[:, None], jnp.full(first.shape, state.length, jnp.int32)
+        if n <= 1:
+            return head[:, :n]
+        rest = self._generate_rest(state.cache, first, pos, n - 1, state.length + n - 1, fork=not t,
+                                   until=until and (lambda ids: until(np.hstack([head, ids]))))
+        return np.concatenate([head, np.asarray(rest)], axis=1)

@@ -106,13 +106,13 @@ class Steps:
         (cache, _, _), toks = jax.lax.scan(step, (cache, token, pos), None, length=n)
         return toks.T, cache  # [B, n]
 
-    def _generate_rest(self, cache: Cache, first, pos, n: int, end: int, fork: bool = False):
-        """Greedy ids [B, n] after `first` [B] at positions `pos` [B] (every position < `end`):
-        layer by layer (the default) or as one fused `lax.scan` (`decode_loop="scan"`, and any
-        engine on a mesh). fork: `cache` must stay usable (the scan donates it)."""
+    def _generate_rest(self, cache: Cache, first, pos, n: int, end: int, fork: bool = False, until=None):
+        """Greedy ids [B, n] after `first` [B] at positions `pos` [B] (every position < `end`): layer by layer (the
+        default; `until`: `_decode_layers`'s, may end early) or as one fused `lax.scan` (`decode_loop="scan"`, and
+        any engine on a mesh: all n). fork: `cache` must stay usable (the scan donates it)."""
         reach = self._reach(end)
         if self.decode_loop == "layers" and self.placement is None:
-            out, states = self._decode_layers(cache, first, pos, n, reach, cut=False)
+            out, states = self._decode_layers(cache, first, pos, n, reach, cut=False, until=until)
         else:
             out, states = self._decode_n(self.params, fork_cache(cache) if fork else cache, first, pos, n, reach)
         check_pool(states)

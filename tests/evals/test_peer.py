@@ -923,3 +923,59 @@ def test_key_rerotation_beside_kvpress(tiny_run, tmp_path):
         kept = _positions(x, 2, n)
         assert kept == _positions(y, 2, n) and 0 < len(kept[0]) < n, layer
     assert rows[(press, 0.25)]["compared"]
+
+
+def test_eos_stop_ends_our_batches_once_every_row_has_ended_and_saves_each_answer_through_its_end(tmp_path, monkeypatch):
+    """eos_stop=true on our side: a row has ended after its first end-of-sequence id past the first id
+    (`answer_end`); a batch decodes until every row has ended (`until_answered`, read every UNTIL_EVERY
+    steps), and each line keeps its answer through its own end, the ids of the full decode (the same kept
+    sets and bytes). The tiny random model's answers all begin with the same six ids, so the test names one
+    of them the end-of-sequence id (every row ends: the batches stop early) and then an id some rows never
+    produce (they keep every id, and their batches decode all of them)."""
+    from models.config import LlamaConfig
+    from models.engine import Engine
+    from models.engine.layers import UNTIL_EVERY
+    from models.llama import Llama
+
+    assert peer.answer_end([7, 3, 7, 7], 7) == 3 and peer.answer_end([7, 3], 7) is None  # never the first id
+    assert peer.answer_end([1, 2], None) is None
+    assert peer.same_ids([1, 2, 3], [1, 2]) and not peer.same_ids([1, 2, 3], [1, 4]) and not peer.same_ids([1, 5], [1, 2, 3])
+    args = ["model=tiny", "tokens=320", "samples=2", "presses=[SnapKVPress,TOVAPress]", "ratios=[0.25,0.5]", "gen=20",
+            "kvpress=false", "progress=false"]
+    model = Llama(LlamaConfig(vocab_size=49152, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48))
+    widths = []
+    real = Engine.continue_generate
+
+    def generate(self, state, tokens, n, chunk=None, until=None):
+        ids = real(self, state, tokens, n, chunk, until)
+        widths.append(ids.shape[1])
+        return ids
+
+    monkeypatch.setattr(Engine, "continue_generate", generate)
+
+    def run(name: str, eos: int | None = None) -> dict:
+        p = peer.prepare(peer.parse(args + [f"out={tmp_path / name}"] + (["eos_stop=true"] if eos is not None else [])))
+        if eos is not None:
+            p.eos_id = eos  # the tokenizer's, as prepare sets it, replaced by an id this model answers
+        (tmp_path / name).mkdir()
+        widths.clear()
+        peer.run_ours(p, model, peer.pending(p, "ours"))
+        return {(x["sample"], x["press"], x["ratio"]): x for x in _lines(tmp_path / name / f"{STEM}.ours.jsonl")}
+
+    full = run("full")
+    assert set(widths) == {20} and len(full) == 10
+    first = [x["answer"][:6] for x in full.values()]
+    assert all(a == first[0] for a in first)  # (the premise above)
+    some = next(i for i in full[next(iter(full))]["answer"][6:] if any(i not in x["answer"][1:] for x in full.values()))
+    for eos, stopped in ((first[0][4], True), (some, False)):
+        got = run(f"eos_{eos}", eos)
+        assert got.keys() == full.keys()
+        for k, x in full.items():
+            end = peer.answer_end(x["answer"], eos)
+            assert got[k]["answer"] == x["answer"][:end], k
+            assert got[k]["kept"] == x["kept"] and got[k]["bytes"] == x["bytes"], k
+        if stopped:  # every batch ended at the first read of its ids
+            assert set(widths) == {1 + UNTIL_EVERY} and all(len(x["answer"]) == 5 for x in got.values())
+        else:
+            assert 20 in widths and any(len(x["answer"]) == 20 for x in got.values())
+            assert any(len(x["answer"]) < 20 for x in got.values())

@@ -104,3 +104,33 @@ def test_decode_loop_is_checked():
     model = Llama(LlamaConfig(vocab_size=97, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, d_ff=16))
     with pytest.raises(ValueError, match="decode_loop='fused': expected 'layers' or 'scan'"):
         Engine(model, kvpolicies.get("full"), 16, decode_loop="fused")
+
+
+def test_until_ends_generation_early_with_the_ids_a_full_generation_starts_with():
+    """`continue_generate(until=)`: asked with every id so far (the first included) after every UNTIL_EVERY
+    steps, never after the last; True ends the generation there, and the ids are the first ones of the
+    generation without it. The scan (decode_loop="scan") decodes every id."""
+    from models.engine.layers import UNTIL_EVERY
+
+    cfg = LlamaConfig(vocab_size=128, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64)
+    eng = Engine(Llama(cfg), kvpolicies.get("snapkv", budget=12, obs_window=4, max_new=24), 48)
+    state = eng.compress(eng.prompt(np.random.default_rng(1).integers(0, 128, (2, 20))))
+    question = np.random.default_rng(2).integers(0, 128, (2, 3))
+    full = eng.continue_generate(state, question, 18)
+    seen = []
+
+    def until(ids):
+        seen.append(ids.copy())
+        return ids.shape[1] > 2 * UNTIL_EVERY
+
+    got = eng.continue_generate(state, question, 18, until=until)
+    assert [s.shape for s in seen] == [(2, 1 + UNTIL_EVERY), (2, 1 + 2 * UNTIL_EVERY)]
+    for s in seen:
+        np.testing.assert_array_equal(s, full[:, :s.shape[1]])
+    np.testing.assert_array_equal(got, full[:, :1 + 2 * UNTIL_EVERY])
+    seen.clear()  # never true: every id, and never asked after the last step
+    np.testing.assert_array_equal(eng.continue_generate(state, question, 1 + 2 * UNTIL_EVERY, until=lambda ids: seen.append(
+        ids.shape[1]) or False), full[:, :1 + 2 * UNTIL_EVERY])
+    assert seen == [1 + UNTIL_EVERY]
+    eng.decode_loop = "scan"
+    np.testing.assert_array_equal(eng.continue_generate(state, question, 18, until=until), full)
