@@ -90,7 +90,7 @@ def test_kept_positions(name, tiny_model):
         counts = [len(layer[0]) - 3 for layer in kept]
         assert sum(counts) == int(want[7:]) and counts[0] >= counts[1], counts
         assert all(len(h) == len(layer[0]) and h[-1] == T - 1 for layer in kept for h in layer)
-    # the kept keys are the prompt's: continuing from the compressed state equals continuing the state
+    # every policy's compressed state takes a question and decodes (its numbers: test_prompt_matrix, test_hostile)
     assert eng.continue_generate(eng.compress(prompted), tokens[:, :2], 2).shape == (1, 2)
 
 
