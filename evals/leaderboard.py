@@ -43,8 +43,9 @@ Keys (key=value):
 
 Files: `<out>/<model>_<tokens>/` holds one `evals.peer` run per task and mode (`<task>` and
 `<task>_query_aware` stems: resumable line files); `<out>/leaderboard_<model>_<tokens>.{md,csv,png,pdf}`:
-the average over tasks per (press, ratio), the per-task table, and the figure (average score against
-ratio, a line per press, the full cache a horizontal line). A rerun computes only what is missing.
+the average over tasks per (press, ratio), the per-task table (kvpress=true: also the agreement table,
+`agreement`), and the figure (average score against ratio, a line per press, the full cache a horizontal
+line). A rerun computes only what is missing.
 """
 
 from __future__ import annotations
@@ -240,10 +241,37 @@ def collect(b: Board) -> list[dict[str, Any]]:
         for r in peer.summarize(p, peer.records(p, tok)):
             if p.query_aware and r["press"] == "full":
                 continue  # the full cache keeps everything: one row, the query-agnostic run's
+            n = r["compared"]
             rows.append({"task": p.task.get("ruler_name", p.task["name"]), "press": label(r["press"], p.query_aware),
-                         "ratio": r["ratio"], "samples": r["compared"], "ours": r["ours_accuracy"],
-                         "kvpress": r["kvpress_accuracy"]})
+                         "ratio": r["ratio"], "samples": n, "ours": r["ours_accuracy"],
+                         "kvpress": r["kvpress_accuracy"],
+                         # agreement (kvpress=true): items with the same ids / score, mean kept-set Jaccard
+                         "same_ids": round(r["same_ids"] * n) if n and r["same_ids"] == r["same_ids"] else 0,
+                         "same_score": round(r["same_score"] * n) if n and r["same_score"] == r["same_score"] else 0,
+                         "both": n if r["same_ids"] == r["same_ids"] else 0, "jaccard": r["jaccard_mean"]})
     return rows
+
+
+# presses whose kept sets come from a draw (ours is not torch's): they agree with kvpress by chance only
+DRAWN = ("RandomPress", "CompactorPress", "LeverageScorePress")
+
+
+def agreement(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per press label (over its tasks and ratios) and for the deterministic presses and all of them: the items both
+    sides answered, how many with the same greedy ids and the same score, and the mean kept-set Jaccard of its
+    cells (each cell's mean over its items, layers and kv heads, weighted by its items)."""
+    def one(name: str, rs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        both = [r for r in rs if r["both"]]
+        js = [(r["jaccard"], r["both"]) for r in both if r["jaccard"] == r["jaccard"]]
+        n = sum(r["both"] for r in both)
+        return {"press": name, "items": n, "same_ids": sum(r["same_ids"] for r in both),
+                "same_score": sum(r["same_score"] for r in both),
+                "jaccard": sum(j * w for j, w in js) / sum(w for _, w in js) if js else float("nan")}
+
+    pressed = [r for r in rows if r["press"] != "full"]
+    out = [one(press, [r for r in pressed if r["press"] == press]) for press in dict.fromkeys(r["press"] for r in pressed)]
+    determ = [r for r in pressed if r["press"].split(" ")[0].split(":")[0] not in DRAWN]
+    return [x for x in out if x["items"]] + [one("deterministic presses", determ), one("all presses", pressed)]
 
 
 def average(b: Board, rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -294,6 +322,15 @@ def markdown(b: Board, rows: Sequence[dict[str, Any]], avg: Sequence[dict[str, A
             cells.append("-" if c is None or not c["samples"] else
                          _pct(100 * c["ours"]) + ("" if c["samples"] >= n else f" ({c['samples']})"))
         lines.append("| " + " | ".join([r["press"], f"{r['ratio']:g}"] + cells + [_pct(r["ours"])]) + " |")
+    agree = agreement(rows) if kv else []
+    if agree and agree[-1]["items"]:
+        lines += ["", "**Agreement with kvpress** (items both sides answered, over every task and ratio; kept-set "
+                  f"Jaccard: mean over items, layers and kv heads; {', '.join(DRAWN)} draw their own sketches)", "",
+                  "| press | items | same ids | same score | kept Jaccard |", "|---|---:|---:|---:|---:|"]
+        for a in agree:
+            name = f"**{a['press']}**" if a["press"].endswith(" presses") else a["press"]
+            jac = "-" if a["jaccard"] != a["jaccard"] else f"{a['jaccard']:.4f}"
+            lines.append(f"| {name} | {a['items']} | {a['same_ids']} | {a['same_score']} | {jac} |")
     lines += ["", "Protocol: kvpress's (`evals.peer`): the context compressed once and the question appended; "
               "(query-aware) rows compress the question with the context (kvpress's `--query_aware`). Scores: RULER's "
               "string_match_all (string_match_part for QA), cut at EOS. An average needs every task's cell."]

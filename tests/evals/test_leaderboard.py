@@ -116,6 +116,35 @@ def test_tables_average_the_tasks(tmp_path):
     assert avg[("SnapKVPress (query-aware)", 0.5)]["tasks"] == 1
 
 
+def test_agreement_sums_items_over_tasks_and_leaves_drawn_presses_out_of_the_deterministic_line(tmp_path):
+    """The agreement table of a kvpress=true page, from collected rows written by hand: per press the items both
+    sides answered, same ids and same score summed over tasks and ratios, the Jaccard weighted by items; the full
+    cache is no press; RandomPress (a draw) counts in "all presses" only; a cell kvpress raised on (no items) adds
+    nothing; without kvpress, no table."""
+    def row(task, press, ratio, n, ids, score, jac):
+        return {"task": task, "press": press, "ratio": ratio, "samples": n, "ours": 1.0, "kvpress": 1.0,
+                "same_ids": ids, "same_score": score, "both": n, "jaccard": jac}
+
+    rows = [row("a", "full", 0.0, 2, 2, 2, float("nan")),
+            row("a", "SnapKVPress", 0.5, 2, 2, 2, 1.0), row("b", "SnapKVPress", 0.5, 2, 1, 2, 0.9),
+            row("a", "SnapKVPress (query-aware)", 0.5, 1, 1, 1, 0.97),
+            row("a", "RandomPress", 0.5, 2, 0, 1, 0.3), row("b", "RandomPress", 0.5, 0, 0, 0, float("nan"))]
+    got = {a["press"]: a for a in L.agreement(rows)}
+    assert list(got) == ["SnapKVPress", "SnapKVPress (query-aware)", "RandomPress", "deterministic presses",
+                         "all presses"]
+    assert (got["SnapKVPress"]["items"], got["SnapKVPress"]["same_ids"], got["SnapKVPress"]["same_score"]) == (4, 3, 4)
+    assert got["SnapKVPress"]["jaccard"] == pytest.approx((2 * 1.0 + 2 * 0.9) / 4)
+    assert (got["deterministic presses"]["items"], got["deterministic presses"]["same_ids"]) == (5, 4)
+    assert got["deterministic presses"]["jaccard"] == pytest.approx((2 * 1.0 + 2 * 0.9 + 0.97) / 5)
+    assert (got["all presses"]["items"], got["all presses"]["same_ids"], got["all presses"]["same_score"]) == (7, 4, 6)
+    assert got["all presses"]["jaccard"] == pytest.approx((2 * 1.0 + 2 * 0.9 + 0.97 + 2 * 0.3) / 7)
+    avg = L.average(L.parse(ARGS + [f"out={tmp_path}"]), rows)
+    md = L.markdown(L.parse(ARGS + [f"out={tmp_path}", "kvpress=true"]), rows, avg)
+    assert "**Agreement with kvpress**" in md and "| SnapKVPress | 4 | 3 | 4 | 0.9500 |" in md
+    assert "| **deterministic presses** | 5 | 4 | 5 | 0.9540 |" in md and "| **all presses** | 7 | 4 | 6 |" in md
+    assert "Agreement" not in L.markdown(L.parse(ARGS + [f"out={tmp_path}"]), rows, avg)
+
+
 @pytest.fixture(scope="module")
 def tiny_hf(tmp_path_factory):
     """A tiny random Llama saved by transformers (no hub) with SmolLM2's tokenizer: an HF folder."""
