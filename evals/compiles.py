@@ -10,7 +10,8 @@ none). Counted, never timed against a clock in tests.
 
 Also the compiler settings of the evals commands: JAX's persistent compilation cache
 (`use_persistent_cache`) and XLA:CPU flags that compile faster and compute the same floats
-(`use_fast_compile`).
+(`use_fast_compile`), glibc's allocator settings of the peer commands (`reuse_memory`), and the memory a
+finished side hands back (`release_memory`).
 """
 
 from __future__ import annotations
@@ -168,3 +169,33 @@ def caller_env(env: dict) -> dict:
         return dict(env)
     out = {k: v for k, v in env.items() if k not in (_BEFORE, "GLIBC_TUNABLES")}
     return out | ({"GLIBC_TUNABLES": env[_BEFORE]} if env[_BEFORE] else {})
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (Linux's /proc/self/statm; 0 elsewhere)."""
+    import os
+
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def release_memory(clear_jax: bool = True) -> int:
+    """Hand the memory a finished side holds back to the system, before another process needs it: the
+    garbage collected, JAX's compiled programs and traces dropped (`clear_jax`; the persistent cache reads
+    them back), and glibc's free heap returned (`malloc_trim`: under `MALLOC_TUNABLES` glibc never returns
+    freed memory on its own). Returns the resident bytes released (0 where /proc or glibc is missing)."""
+    import ctypes
+    import gc
+
+    before = resident_bytes()
+    if clear_jax:
+        jax.clear_caches()
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+    return max(0, before - resident_bytes())

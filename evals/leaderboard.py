@@ -216,7 +216,11 @@ def run(b: Board) -> None:
     passes = [[dataclasses.replace(p, kvpress=False) for p in todo if p.kvpress and peer.pending(p, "ours")], todo]
     model = None
     bar = tqdm(total=sum(map(len, passes)), desc="leaderboard", unit="run", disable=not (b.plans and b.plans[0].progress))
-    for runs in passes:
+    for k, runs in enumerate(passes):
+        if k and runs and passes[0]:  # our side done: its peak heap back to the system before kvpress's worker
+            from evals.compiles import release_memory
+
+            print(f"[evals.leaderboard] our side done: {release_memory() / 2**30:.1f} GiB released before kvpress's side")
         for p in runs:
             if model is None and p.model != "tiny":  # the tiny model is built by each run's kvpress worker
                 model, _ = peer.load_ours(p)

@@ -1488,6 +1488,10 @@ def run(p: Plan, model=None) -> list[dict[str, Any]]:
         if todo["ours"]:
             tqdm.write(f"[evals.peer] our side {compiled.line()}")
         if worker is not None:
+            if todo["ours"]:  # our side's peak heap back to the system for the worker
+                from evals.compiles import release_memory
+
+                tqdm.write(f"[evals.peer] our side done: {release_memory() / 2**30:.1f} GiB released")
             p.path(".ours-done").touch()  # our side is done: the worker takes every core (`worker_job`)
             _wait(p, worker, bars["kvpress"], total)
             worker = None

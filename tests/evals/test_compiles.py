@@ -2,11 +2,14 @@
 cached call not at all), and the persistent compilation cache of the evals commands (its folder,
 the switch that turns it off, a cache already set is kept), and their XLA flags (added unless set,
 their switch, and no float of the peer models moved by them), and glibc's allocator settings of the peer
-commands (one re-execution, undone for kvpress's worker)."""
+commands (one re-execution, undone for kvpress's worker), and the freed heap handed back (release_memory)."""
 
 from __future__ import annotations
 
 import os
+import pathlib
+import platform
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -81,9 +84,7 @@ def test_fast_compile_flags_change_no_float_of_the_peer_models(model, tmp_path):
     pieces compressed by SnapKV and ExpectedAttention, its state, logits and greedy answer: every
     array bit for bit (tests/refs/flag_outputs.py). Qwen (2.5 min more) with the longer checks,
     KVP_KVPRESS_FULL=1."""
-    import pathlib
     import subprocess
-    import sys
 
     got = {}
     for name, flags in (("default", ""), ("fast", " ".join(compiles.FAST_FLAGS))):
@@ -102,9 +103,7 @@ def test_reuse_memory_re_executes_once_with_glibc_tunables(tmp_path):
     """A peer command's `__main__` re-executes itself once with MALLOC_TUNABLES (not when KVP_MALLOC=0,
     when the caller set GLIBC_TUNABLES, or inside the re-executed process); its children that are not
     ours get the caller's environment back (caller_env)."""
-    import platform
     import subprocess
-    import sys
 
     calls = []
     compiles.reuse_memory("evals.peer", ["samples=2"], env={"A": "1"}, execve=lambda *a: calls.append(a))
@@ -123,8 +122,6 @@ def test_reuse_memory_re_executes_once_with_glibc_tunables(tmp_path):
         "import os, sys\nfrom evals.compiles import caller_env, reuse_memory\n"
         "if __name__ == '__main__':\n    reuse_memory('probe_reuse', sys.argv[1:])\n"
         "    print(os.environ.get('GLIBC_TUNABLES'), caller_env(dict(os.environ)).get('GLIBC_TUNABLES'), sys.argv[1:])\n")
-    import os
-    import pathlib
 
     repo = pathlib.Path(compiles.__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", compiles.MALLOC_ENV, compiles._BEFORE)}
@@ -132,3 +129,24 @@ def test_reuse_memory_re_executes_once_with_glibc_tunables(tmp_path):
                          env=env | {"PYTHONPATH": f"{tmp_path}{os.pathsep}{repo}"}).stdout.split()
     if sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc":
         assert out == [compiles.MALLOC_TUNABLES, "None", "['x=1',", "'y']"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_release_memory_returns_a_finished_sides_freed_heap_under_the_peer_tunables(tmp_path):
+    """Under MALLOC_TUNABLES glibc keeps every freed block: 200 MB of 64 KB arrays freed (one in 50 kept, so
+    the heap's top cannot shrink) stay resident until `release_memory` hands them back (the peer commands call
+    it once our side is done, before kvpress's worker needs the memory)."""
+    import subprocess
+
+    probe = ("import gc, numpy as np\nfrom evals.compiles import release_memory, resident_bytes\n"
+             "xs = [np.ones(1 << 16, np.uint8) for _ in range(3200)]\nkeep = xs[::50]\nbefore = resident_bytes()\n"
+             "del xs\ngc.collect()\nfreed = resident_bytes()\nprint(before, freed, release_memory(), resident_bytes())\n")
+    repo = pathlib.Path(compiles.__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"} | {"GLIBC_TUNABLES": compiles.MALLOC_TUNABLES}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=repo, env=env)
+    before, freed, released, after = map(int, out.stdout.split())
+    if platform.libc_ver()[0] == "glibc":
+        assert freed > before - 20e6  # glibc kept the freed heap
+        assert released > 150e6 and after < freed - 150e6
+    else:
+        assert released >= 0

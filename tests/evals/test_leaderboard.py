@@ -48,11 +48,15 @@ def test_kvpress_true_runs_our_side_of_every_task_first(tmp_path, monkeypatch):
     monkeypatch.setattr(L.peer, "pending", lambda p, side: [] if (p.stem, side) == (done, "ours") else [(0, "x", 0.5)])
     monkeypatch.setattr(L.peer, "run", lambda p, model: calls.append((p.stem, p.kvpress, p.eos_stop)))
     monkeypatch.setattr(L.peer, "use_compile_cache", lambda p: None)
+    from evals import compiles
+
+    monkeypatch.setattr(compiles, "release_memory", lambda: calls.append("released") or 0)
     L.run(b)
-    assert calls == [(p.stem, False, True) for p in b.plans if p.stem != done] + [(p.stem, True, True) for p in b.plans]
+    ours = [(p.stem, False, True) for p in b.plans if p.stem != done]
+    assert calls == ours + ["released"] + [(p.stem, True, True) for p in b.plans]  # our heap back before kvpress's side
     calls.clear()
     L.run(L.parse(ARGS + [f"out={tmp_path}"]))  # kvpress=false: one pass, the tasks whose our side is pending
-    assert calls == [(p.stem, False, True) for p in b.plans if p.stem != done]
+    assert calls == ours
 
 
 def test_allocator_tunables_only_without_kvpress_beside():
