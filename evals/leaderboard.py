@@ -45,7 +45,8 @@ Files: `<out>/<model>_<tokens>/` holds one `evals.peer` run per task and mode (`
 `<task>_query_aware` stems: resumable line files); `<out>/leaderboard_<model>_<tokens>.{md,csv,png,pdf}`:
 the average over tasks per (press, ratio), the per-task table (kvpress=true: also the agreement table,
 `agreement`), and the figure (average score against ratio, a line per press, the full cache a horizontal
-line). A rerun computes only what is missing.
+line). A rerun computes only what is missing. Where a task keeps no lines, `table_only=true` reads its
+`<stem>.csv` (`summary`): a page's runs are committed as those csv files (docs/results/runs/leaderboard/).
 """
 
 from __future__ import annotations
@@ -234,15 +235,24 @@ def label(press: str, aware: bool) -> str:
     return f"{press} (query-aware)" if aware else press
 
 
+def summary(p: peer.Plan, tok) -> list[dict[str, Any]]:
+    """A task's rows per (press, ratio): from its saved lines, or, where a folder keeps no lines, from the
+    `<stem>.csv` its run wrote (a page's committed runs, docs/results/runs/leaderboard/; `prepare` refused
+    one of another configuration)."""
+    if not any(p.path(f".{s}.jsonl").is_file() for s in peer.SIDES) and p.path(".csv").is_file():
+        return peer.csv_rows(p.path(".csv"))
+    return peer.summarize(p, peer.records(p, tok))
+
+
 def collect(b: Board) -> list[dict[str, Any]]:
     """One row per (task, press label, ratio) with each side's accuracy over the samples both
-    sides (or ours alone) finished, from the saved lines of every shard."""
+    sides (or ours alone) finished, from the saved lines of every shard (or their csv: `summary`)."""
     from evals import zoo
 
     tok = zoo.load_tokenizer(b.plans[0].mconf)
     rows = []
     for p in b.plans:
-        for r in peer.summarize(p, peer.records(p, tok)):
+        for r in summary(p, tok):
             if p.query_aware and r["press"] == "full":
                 continue  # the full cache keeps everything: one row, the query-agnostic run's
             n = r["compared"]

@@ -1317,6 +1317,15 @@ def csv_text(rows: Sequence[dict[str, Any]]) -> str:
     return buf.getvalue()
 
 
+def csv_rows(path: pathlib.Path) -> list[dict[str, Any]]:
+    """The rows `csv_text` wrote, with their numbers back as numbers (nan where a side has none)."""
+    text = {"press", "error", "config"}
+    whole = {"samples", "compared", "kvpress_errors", "ours_errors"}
+    with open(path, newline="", encoding="utf-8") as f:
+        return [{c: v if c in text else int(v) if c in whole else float(v) for c, v in r.items()}
+                for r in csv.DictReader(f)]
+
+
 def _acc(r: dict[str, Any], s: str) -> str:
     a = r[f"{s}_accuracy"]
     return "-" if a != a else f"{a:.2f} [{r[f'{s}_ci_low']:.2f}, {r[f'{s}_ci_high']:.2f}]"

@@ -83,11 +83,9 @@ def _answer(tok, text: str) -> list[int]:
     return [int(x) for x in tok.encode(text)]
 
 
-def test_tables_average_the_tasks(tmp_path):
-    """Answer lines written by hand (right: the reference's ids; wrong: other words): each cell's
-    score, the average over the two tasks (x 100), a cell short of a task without an average, the
-    full cache once (the query-agnostic run's), and the CSV, markdown and figure files."""
-    b = L.prepare(L.parse(ARGS + [f"out={tmp_path}"]))
+def _hand_lines(out):
+    """A two-task board whose our-side lines are written by hand (right: the reference's ids)."""
+    b = L.prepare(L.parse(ARGS + [f"out={out}"]))
     tok = zoo.load_tokenizer(b.plans[0].mconf)
     right = {("niah_single_1", False): {"full": True, "SnapKVPress": True},
              ("niah_single_1", True): {"SnapKVPress": False},
@@ -100,6 +98,36 @@ def test_tables_average_the_tasks(tmp_path):
                 ids = _answer(tok, " " + p.refs[0][0] if ok else " no idea")
                 f.write(json.dumps({"sample": p.sample_id(0), "press": press, "ratio": 0.5 if press != "full" else 0.0,
                                     "n": len(p.contexts[0]), "answer": ids, "kept": [], "seconds": 1.0}) + "\n")
+    return b
+
+
+def test_a_folder_of_task_csvs_without_lines_gives_the_same_tables(tmp_path):
+    """Each task's `<stem>.csv` (what its run wrote) stands in for lines that were not kept (a page's committed
+    runs): the same average rows and page; a csv of another configuration is refused before any table."""
+    b = _hand_lines(tmp_path)
+    tok = zoo.load_tokenizer(b.plans[0].mconf)
+    want = L.write(b)
+    page = (tmp_path / "leaderboard_tiny_512.md").read_text()
+    for p in b.plans:
+        peer.write(p, tok)  # the run's own table files, as `peer.run` leaves them
+        p.path(".ours.jsonl").unlink()
+        p.path(".jsonl").unlink()
+    b = L.prepare(L.parse(ARGS + [f"out={tmp_path}", "table_only=true"]))
+    got = L.write(b)
+    assert [(r["press"], r["ratio"], r["tasks"], r["ours"]) for r in got] == \
+        [(r["press"], r["ratio"], r["tasks"], r["ours"]) for r in want] and len(got) == 3
+    assert (tmp_path / "leaderboard_tiny_512.md").read_text().split("\n", 1)[1] == page.split("\n", 1)[1]  # but its command
+    csv_file = b.plans[0].path(".csv")
+    csv_file.write_text(csv_file.read_text().replace(b.plans[0].config, "0123456789abcdef"))
+    with pytest.raises(ConfigError, match="another configuration"):
+        L.prepare(L.parse(ARGS + [f"out={tmp_path}", "table_only=true"]))
+
+
+def test_tables_average_the_tasks(tmp_path):
+    """Answer lines written by hand (right: the reference's ids; wrong: other words): each cell's
+    score, the average over the two tasks (x 100), a cell short of a task without an average, the
+    full cache once (the query-agnostic run's), and the CSV, markdown and figure files."""
+    b = _hand_lines(tmp_path)
     avg = {(r["press"], r["ratio"]): r for r in L.write(b)}
     assert avg[("full", 0.0)]["ours"] == 100.0 and avg[("full", 0.0)]["tasks"] == 2  # the aware run's full: not counted
     assert avg[("SnapKVPress", 0.5)]["ours"] == 50.0
