@@ -408,10 +408,11 @@ def test_layout_names_every_module():
 
 
 def test_run_index_lists_every_run_file():
-    """docs/results/runs/index.md has a row for every saved run in its folder, and names no missing file."""
+    """docs/results/runs/index.md has a row for every saved run in its folder and its subfolders (by relative
+    path), and names no missing file."""
     runs = ROOT / "docs" / "results" / "runs"
     listed = set(re.findall(r"^\| `([^`]+)` \|", (runs / "index.md").read_text(), flags=re.M))
-    have = {p.name for p in runs.iterdir() if p.is_file() and p.name != "index.md"}
+    have = {p.relative_to(runs).as_posix() for p in runs.rglob("*") if p.is_file() and p.name != "index.md"}
     assert not have - listed, f"runs without a row in docs/results/runs/index.md: {sorted(have - listed)}"
     assert not listed - have, f"rows of docs/results/runs/index.md without their file: {sorted(listed - have)}"
 
